@@ -1,0 +1,75 @@
+"""kwng: the Kernelized Wasserstein Natural Gradient (Arbel, Gretton, Li & Montúfar, ICLR 2020).
+
+The package behind the kwng book. Public API:
+
+* kernels: :class:`GaussianKernel`, :class:`RationalQuadraticKernel`, :func:`make_kernel`,
+  bandwidth heuristics :func:`mean_sq_bandwidth`, :func:`median_bandwidth`;
+* the estimator (Props. 5 and 6): :func:`kwng_gradient`, :func:`kwng_gradient_from_outputs`,
+  :func:`nystrom_solve` and its building blocks;
+* models with closed-form WNG: :class:`NormalModel`, :class:`LogNormalModel`,
+  :class:`HyperSphereModel`;
+* the scale switch :func:`scale` (``$KWNG_SCALE`` = ``small`` | ``full``).
+"""
+
+from .config import is_full, pick, scale
+from .estimator import (
+    BANDWIDTH_RULES,
+    DAMPINGS,
+    METHODS,
+    KWNGResult,
+    damping_vector,
+    draw_basis,
+    jacobian_from_outputs,
+    jacobian_from_sampler,
+    kernel_matrices,
+    kwng_gradient,
+    kwng_gradient_from_outputs,
+    nystrom_solve,
+)
+from .kernels import (
+    GaussianKernel,
+    Kernel,
+    RationalQuadraticKernel,
+    make_kernel,
+    mean_sq_bandwidth,
+    median_bandwidth,
+    squared_distances,
+)
+from .models import (
+    HyperSphereModel,
+    ImplicitModel,
+    LogNormalModel,
+    NormalModel,
+    gaussian_w2_squared,
+    lyapunov,
+    make_model,
+    normal_wng_sigma_coords,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "scale", "is_full", "pick",
+    "Kernel", "GaussianKernel", "RationalQuadraticKernel", "make_kernel", "squared_distances",
+    "mean_sq_bandwidth", "median_bandwidth",
+    "KWNGResult", "BANDWIDTH_RULES", "DAMPINGS", "METHODS", "draw_basis", "kernel_matrices", "jacobian_from_sampler",
+    "jacobian_from_outputs", "damping_vector", "nystrom_solve", "kwng_gradient",
+    "kwng_gradient_from_outputs",
+    "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
+    "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
+    "relative_error",
+]
+
+
+def relative_error(estimate, exact) -> float:
+    """``‖estimate - exact‖ / ‖exact‖`` (the error measure of the paper's Figs. 1, 5, 6)."""
+    import torch
+
+    e = torch.as_tensor(estimate, dtype=torch.float64).cpu()
+    x = torch.as_tensor(exact, dtype=torch.float64).cpu()
+    if e.shape != x.shape:
+        raise ValueError(f"estimate and exact must have the same shape, got {tuple(e.shape)} and {tuple(x.shape)}")
+    nx = float(torch.linalg.vector_norm(x))
+    if nx == 0:
+        raise ValueError("exact must be non-zero for a relative error")
+    return float(torch.linalg.vector_norm(e - x)) / nx

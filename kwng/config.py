@@ -1,0 +1,31 @@
+"""The one place where the run scale of the book and the experiments is decided.
+
+Set the environment variable ``KWNG_SCALE`` to ``small`` (the default: CPU, seconds per
+chapter) or ``full`` (GPU, the paper's sizes). Every chapter and experiment reads it through
+:func:`scale` so that a single switch changes the whole project.
+"""
+
+from __future__ import annotations
+
+import os
+
+SCALES = ("small", "full")
+ENV_VAR = "KWNG_SCALE"
+
+
+def scale() -> str:
+    """Return the active scale, ``"small"`` or ``"full"``, from ``$KWNG_SCALE``."""
+    value = os.environ.get(ENV_VAR, "small").strip().lower()
+    if value not in SCALES:
+        raise ValueError(f"{ENV_VAR} must be one of {SCALES}, got {value!r}")
+    return value
+
+
+def is_full() -> bool:
+    """True when ``$KWNG_SCALE`` asks for the paper's (GPU) scale."""
+    return scale() == "full"
+
+
+def pick(small, full):
+    """Return ``small`` or ``full`` according to :func:`scale`."""
+    return full if is_full() else small

@@ -1,0 +1,368 @@
+"""The Nyström estimator of the kernelized Wasserstein natural gradient (KWNG).
+
+Arbel, Gretton, Li & Montúfar (ICLR 2020), §3.2–3.3. Symbols of the book and the paper map to
+argument names as follows:
+
+=====================  ===========================================================
+paper                  here
+=====================  ===========================================================
+``N``                  number of samples, ``X.shape[0]``
+``M``                  ``num_basis`` (basis points ``Y_m = X_{basis_idx[m]}``)
+``i_m``                ``basis_coords[m]`` (one random coordinate per basis point)
+``ε``                  ``eps``  (> 0)
+``λ``                  ``lam``  (>= 0)
+``D(θ)``               ``damping`` in {"identity", "T", "T_tilde"}
+``\\widehat{∇L(θ)}``   ``grad``
+``C, K, T``            :func:`kernel_matrices`, :func:`jacobian_from_sampler`,
+                       :func:`jacobian_from_outputs`
+=====================  ===========================================================
+
+Plain form (Prop. 5)::
+
+    ĝ = (1/ε) [D⁻¹ - D⁻¹Tᵀ (T D⁻¹ Tᵀ + λεK + (ε/N) CCᵀ)† T D⁻¹] ∇L
+
+Stable form (Prop. 6). With the eigendecomposition ``CCᵀ = U S Uᵀ`` restricted to the ``r``
+eigenvalues kept, put ``W = S^{-1/2} Uᵀ`` and ``T̃ = W T``::
+
+    ĝ = (1/ε) [D⁻¹ - D⁻¹T̃ᵀ (T̃ D⁻¹ T̃ᵀ + λε W K Wᵀ + (ε/N) I_r)⁻¹ T̃ D⁻¹] ∇L
+
+The paper prints ``T̃ = S†UᵀT``; the equality with Prop. 5 needs the square root ``S^{-1/2}``
+(then ``W CCᵀ Wᵀ = P``), which is also what the authors' code does. The book's chapter on the
+estimator derives this. For ``λ > 0`` the transformed ``K`` term keeps the two forms equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ._checks import check_choice, check_finite, check_int, check_points, check_positive
+from .kernels import Kernel, mean_sq_bandwidth, median_bandwidth
+
+__all__ = [
+    "KWNGResult",
+    "draw_basis",
+    "kernel_matrices",
+    "jacobian_from_sampler",
+    "jacobian_from_outputs",
+    "damping_vector",
+    "nystrom_solve",
+    "kwng_gradient",
+    "kwng_gradient_from_outputs",
+    "DAMPINGS",
+    "METHODS",
+    "BANDWIDTH_RULES",
+]
+
+log = logging.getLogger(__name__)
+
+DAMPINGS = ("identity", "T", "T_tilde")
+METHODS = ("stable", "plain")
+
+
+@dataclass
+class KWNGResult:
+    """Output of the estimator: the direction and what it took to compute it.
+
+    ``diagnostics`` holds ``N, M, d, q``, ``rank`` (eigenvalues of ``CCᵀ`` kept by the stable
+    solve), ``cond_CCt``, ``cond_system`` (condition number of the ``M × M`` or ``r × r`` system),
+    ``bandwidth``, ``damping``, ``method``, ``damping_floored`` (entries of ``D`` raised to the
+    floor) and the basis actually used (``basis_idx``, ``basis_coords``).
+    """
+
+    direction: torch.Tensor
+    diagnostics: dict = field(default_factory=dict)
+
+
+def draw_basis(N: int, d: int, num_basis: int, generator: torch.Generator | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw ``M = num_basis`` distinct sample indices and one coordinate in ``[0, d)`` for each.
+
+    This is the random Nyström subspace ``H_M = span{∂_{i_m} k(Y_m, ·)}`` of §3.2. Both tensors
+    live on the CPU (the generator's device); pass the same ``generator`` seed to reproduce a draw.
+    """
+    N = check_int(N, "N", 1)
+    d = check_int(d, "d", 1)
+    check_int(num_basis, "num_basis", 1, N)
+    idx = torch.randperm(N, generator=generator)[:num_basis]
+    coords = torch.randint(0, d, (num_basis,), generator=generator)
+    return idx, coords
+
+
+def kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, basis_coords: torch.Tensor,
+                    kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The matrices ``C`` and ``K`` of Prop. 5 (eq. matrices) and the Gram ``CCᵀ``.
+
+    Returns ``C`` with shape ``(M, N, d)`` (``C[m, n, j] = ∂_{i_m}∂_{j+d} k(Y_m, X_n)``), ``K``
+    with shape ``(M, M)`` (``K[m, m'] = ∂_{i_m}∂_{i_{m'}+d} k(Y_m, Y_{m'})``) and ``CCᵀ``
+    (``M × M``, summed over ``n`` and ``j`` *without* the ``1/N``). ``X`` is detached.
+    """
+    X = check_points(X, "X").detach()
+    Y = X[basis_idx.to(X.device)]
+    coords = basis_coords.to(X.device)
+    C = kernel.mixed_coord(Y, coords, X)
+    KY = kernel.mixed_coord(Y, coords, Y)  # (M, M, d): ∂_{i_m}∂_{j+d} k(Y_m, Y_m')
+    K = torch.gather(KY, 2, coords[None, :, None].expand(KY.shape[0], -1, 1))[..., 0]
+    Cf = C.reshape(C.shape[0], -1)
+    return C, K, Cf @ Cf.T
+
+
+def jacobian_from_sampler(sampler: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tensor,
+                          C: torch.Tensor) -> torch.Tensor:
+    """``T = ∇_θ τ(θ)`` for a sampler ``θ ↦ X = h_θ(Z)`` with a flat parameter vector.
+
+    ``τ_m(θ) = (1/N) Σ_n ∂_{i_m} k(Y_m, h_θ(Z_n))`` depends on ``θ`` only through ``X``, and
+    ``∂τ_m/∂X_{n,j} = C[m, n, j] / N``. The Jacobian ``B = ∂X/∂θ`` (``N × d × q``) is computed with
+    forward-mode autograd, then ``T = C B / N`` (shape ``M × q``).
+    """
+    B = torch.autograd.functional.jacobian(sampler, theta, vectorize=True, strategy="forward-mode")
+    N = B.shape[0]
+    return torch.einsum("mnj,njq->mq", C.to(B.dtype), B) / N
+
+
+def jacobian_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], C: torch.Tensor,
+                          retain_graph: bool = True) -> torch.Tensor:
+    """``T`` for outputs ``X`` that carry an autograd graph to ``params`` (reference mode).
+
+    One vector-Jacobian product per basis point: ``T_m = (C_m / N)ᵀ ∂X/∂θ``. Returns ``(M, q)``
+    with parameters flattened in the order of ``params``.
+    """
+    N = X.shape[0]
+    rows = []
+    for m in range(C.shape[0]):
+        keep = retain_graph or m < C.shape[0] - 1
+        grads = torch.autograd.grad(X, params, grad_outputs=C[m].to(X.dtype) / N,
+                                    retain_graph=keep, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                               for g, p in zip(grads, params)]))
+    return torch.stack(rows)
+
+
+def damping_vector(kind: str, T: torch.Tensor, T_tilde: torch.Tensor | None = None,
+                   floor: float = 1e-8) -> tuple[torch.Tensor, int]:
+    """Diagonal ``D(θ)`` of §3.3: ``1``, ``‖T_{·,i}‖`` or ``‖T̃_{·,i}‖``, floored at ``floor``.
+
+    Returns the vector and how many entries were raised to the floor (parameters the samples do
+    not depend on have a zero column).
+    """
+    check_choice(kind, "damping", DAMPINGS)
+    if kind == "identity":
+        return torch.ones(T.shape[1], dtype=T.dtype, device=T.device), 0
+    src = T if kind == "T" else T_tilde
+    norms = torch.linalg.vector_norm(src, dim=0)
+    low = norms < floor
+    n_low = int(low.sum())
+    if n_low:
+        log.debug("damping %s: %d of %d entries raised to the floor %.1e", kind, n_low, norms.numel(), floor)
+    return torch.clamp(norms, min=floor).to(T.dtype), n_low
+
+
+def _cond(A: torch.Tensor) -> float:
+    ev = torch.linalg.eigvalsh(A)
+    lo, hi = float(ev.abs().min()), float(ev.abs().max())
+    return float("inf") if lo == 0 else hi / lo
+
+
+def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: torch.Tensor, N: int, *,
+                  eps: float, lam: float = 0.0, damping: str = "T_tilde", method: str = "stable",
+                  rcond: float | None = None, damping_floor: float = 1e-8,
+                  diagnostics: bool = True) -> KWNGResult:
+    """The linear algebra of Props. 5 and 6 given ``T`` (``M × q``), ``CCᵀ`` and ``K`` (``M × M``).
+
+    ``eps`` is ``ε > 0``, ``lam`` is ``λ >= 0``, ``grad`` the estimated Euclidean gradient (``q``).
+    The small ``M × M`` algebra runs in float64; ``rcond`` is the relative threshold below which
+    eigenvalues of ``CCᵀ`` are dropped by the stable form (default ``M · float-eps`` of ``CCᵀ``'s
+    dtype). Returns the direction in ``grad``'s dtype.
+    """
+    eps = check_positive(eps, "eps")
+    lam = check_positive(lam, "lam", allow_zero=True)
+    check_choice(damping, "damping", DAMPINGS)
+    check_choice(method, "method", METHODS)
+    if T.dim() != 2:
+        raise ValueError(f"T must be a matrix (M, q), got shape {tuple(T.shape)}")
+    M, q = T.shape
+    if grad.shape != (q,):
+        raise ValueError(f"grad must have shape ({q},) to match the parameters, got {tuple(grad.shape)}")
+    check_finite(grad, "grad")
+    check_finite(T, "T")
+    if CCt.shape != (M, M) or K.shape != (M, M):
+        raise ValueError(f"CCt and K must be ({M}, {M}), got {tuple(CCt.shape)} and {tuple(K.shape)}")
+    f64 = torch.float64
+    if rcond is None:
+        rcond = M * torch.finfo(CCt.dtype).eps
+    rcond = check_positive(rcond, "rcond")
+
+    # Eigendecomposition of CCᵀ: needed by the stable form and by the T̃ damping.
+    S, U = torch.linalg.eigh(CCt.to(f64))
+    keep = S > rcond * S.max().clamp(min=0)
+    rank = int(keep.sum())
+    if rank == 0:
+        raise ValueError("C Cᵀ is numerically zero: the kernel derivatives vanish at every sample "
+                         "(bandwidth far too small or too large for the data)")
+    W = (U[:, keep] / S[keep].sqrt()).T  # r × M, W CCᵀ Wᵀ = I_r
+    Tt = None
+    if method == "stable" or damping == "T_tilde":
+        Tt = W.to(T.dtype) @ T  # r × q
+    Dvec, n_floor = damping_vector(damping, T, Tt, damping_floor)
+    Dinv = 1.0 / Dvec
+    g = grad.to(T.dtype)
+    Dg = Dinv * g
+
+    if method == "stable":
+        A = ((Tt * Dinv) @ Tt.T).to(f64) + (eps / N) * torch.eye(rank, dtype=f64, device=T.device)
+        if lam > 0:
+            A = A + lam * eps * (W @ K.to(f64) @ W.T)
+        v = (Tt @ Dg).to(f64)
+        L, info = torch.linalg.cholesky_ex(A)
+        if int(info) == 0:
+            w = torch.cholesky_solve(v[:, None], L)[:, 0]
+        else:  # A is SPD in exact arithmetic (ε > 0); only round-off can get here.
+            log.warning("stable KWNG system not positive definite in float64; using lstsq")
+            w = torch.linalg.lstsq(A, v[:, None]).solution[:, 0]
+        correction = Tt.T @ w.to(T.dtype)
+    else:
+        A = ((T * Dinv) @ T.T).to(f64) + lam * eps * K.to(f64) + (eps / N) * CCt.to(f64)
+        v = (T @ Dg).to(f64)
+        w = torch.linalg.pinv(A, hermitian=True) @ v
+        correction = T.T @ w.to(T.dtype)
+    direction = (Dg - Dinv * correction) / eps
+
+    diag = {}
+    if diagnostics:
+        Spos = S[keep]
+        diag = {
+            "M": M, "q": q, "N": N, "rank": rank, "method": method, "damping": damping,
+            "eps": eps, "lam": lam, "damping_floored": n_floor,
+            "cond_CCt": float("inf") if rank < M else float(Spos.max() / Spos.min()),
+            "cond_system": _cond(A),
+        }
+    return KWNGResult(direction.to(grad.dtype), diag)
+
+
+BANDWIDTH_RULES = ("mean_sq", "median")
+
+
+def _with_bandwidth(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor, bandwidth, sigma0: float) -> Kernel:
+    """A copy of ``kernel`` whose bandwidth follows ``bandwidth``: ``None`` keeps it, a number sets
+    it, ``"mean_sq"`` uses ``σ0 · mean ‖X_n - Y_m‖²`` and ``"median"`` the median heuristic."""
+    if bandwidth is None:
+        return kernel
+    kernel = copy.copy(kernel)
+    Y = X.detach()[basis_idx.to(X.device)]
+    if isinstance(bandwidth, str):
+        check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
+        kernel.bandwidth = (mean_sq_bandwidth(X, Y, sigma0) if bandwidth == "mean_sq"
+                            else sigma0 * median_bandwidth(X, Y))
+    else:
+        kernel.bandwidth = bandwidth
+    return kernel
+
+
+def _prepare(X, grad, num_basis, eps, lam, kernel, generator, basis_idx, basis_coords):
+    X = check_points(X, "X")
+    check_finite(X.detach(), "X")
+    N, d = X.shape
+    check_int(num_basis, "num_basis", 1, N)
+    check_positive(eps, "eps")
+    check_positive(lam, "lam", allow_zero=True)
+    if not isinstance(kernel, Kernel):
+        raise ValueError(f"kernel must be a kwng.Kernel, got {type(kernel).__name__}")
+    if not isinstance(grad, torch.Tensor) or grad.dim() != 1:
+        raise ValueError("grad must be a 1-d torch.Tensor (the flattened Euclidean gradient)")
+    check_finite(grad, "grad")
+    if basis_idx is None and basis_coords is None:
+        basis_idx, basis_coords = draw_basis(N, d, num_basis, generator)
+    elif basis_idx is None or basis_coords is None:
+        raise ValueError("basis_idx and basis_coords must be given together")
+    basis_idx = torch.as_tensor(basis_idx)
+    basis_coords = torch.as_tensor(basis_coords)
+    if basis_idx.shape != (num_basis,) or basis_coords.shape != (num_basis,):
+        raise ValueError(f"basis_idx and basis_coords must have shape ({num_basis},) = (num_basis,), got "
+                         f"{tuple(basis_idx.shape)} and {tuple(basis_coords.shape)}")
+    if int(basis_idx.min()) < 0 or int(basis_idx.max()) >= N:
+        raise ValueError(f"basis_idx must lie in [0, {N - 1}]")
+    if int(basis_coords.min()) < 0 or int(basis_coords.max()) >= d:
+        raise ValueError(f"basis_coords must lie in [0, {d - 1}]")
+    return X, N, d, basis_idx, basis_coords
+
+
+def kwng_gradient(sampler: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tensor,
+                  grad: torch.Tensor, *, num_basis: int, eps: float, lam: float = 0.0,
+                  kernel: Kernel, damping: str = "T_tilde", method: str = "stable",
+                  generator: torch.Generator | None = None, basis_idx: torch.Tensor | None = None,
+                  basis_coords: torch.Tensor | None = None, rcond: float | None = None,
+                  bandwidth: float | str | None = None, sigma0: float = 1.0) -> KWNGResult:
+    """KWNG estimate for an implicit model given as a sampler ``θ ↦ X = h_θ(Z)`` (Props. 5/6).
+
+    ``sampler`` maps a flat parameter vector ``theta`` (shape ``(q,)``) to samples ``X``
+    (``N × d``) with the latent noise ``Z`` fixed inside it; ``grad`` is the estimated Euclidean
+    gradient ``\\widehat{∇L(θ)}`` (shape ``(q,)``). ``num_basis`` is ``M``, ``eps`` is ``ε``,
+    ``lam`` is ``λ``; ``damping`` picks ``D(θ)`` and ``method`` the plain (Prop. 5) or stable
+    (Prop. 6) form. The basis is drawn with ``generator`` unless ``basis_idx`` and
+    ``basis_coords`` are passed. ``bandwidth`` overrides the kernel's bandwidth for this call:
+    a number, ``"mean_sq"`` (``σ = σ0 · mean ‖X_n - Y_m‖²``, the paper's heuristic) or
+    ``"median"`` (``σ0 ·`` median of ``‖X_n - Y_m‖²``), with ``sigma0`` the multiplier.
+
+    Example::
+
+        >>> import torch, kwng
+        >>> model = kwng.NormalModel(d=2)
+        >>> theta = model.random_params(torch.Generator().manual_seed(0))
+        >>> Z = model.sample_latent(500, torch.Generator().manual_seed(1))
+        >>> g = torch.randn(model.num_params, dtype=torch.float64)
+        >>> res = kwng.kwng_gradient(lambda t: model.sample(t, Z), theta, g, num_basis=40,
+        ...                          eps=1e-5, kernel=kwng.GaussianKernel(1.0))
+        >>> res.direction.shape
+        torch.Size([5])
+    """
+    if not isinstance(theta, torch.Tensor) or theta.dim() != 1:
+        raise ValueError("theta must be a 1-d torch.Tensor (the flat parameter vector)")
+    if grad.shape != theta.shape:
+        raise ValueError(f"grad must have the shape of theta {tuple(theta.shape)}, got {tuple(grad.shape)}")
+    with torch.no_grad():
+        X = sampler(theta)
+    X, N, d, basis_idx, basis_coords = _prepare(X, grad, num_basis, eps, lam, kernel, generator,
+                                                basis_idx, basis_coords)
+    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
+    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)
+    T = jacobian_from_sampler(sampler, theta.detach(), C)
+    res = nystrom_solve(T, CCt, K, grad.to(T.dtype), N, eps=eps, lam=lam, damping=damping,
+                        method=method, rcond=rcond)
+    res.direction = res.direction.to(grad.dtype)
+    res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel),
+                           basis_idx=basis_idx, basis_coords=basis_coords)
+    return res
+
+
+def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], grad: torch.Tensor, *,
+                               num_basis: int, eps: float, lam: float = 0.0, kernel: Kernel,
+                               damping: str = "T_tilde", method: str = "stable",
+                               generator: torch.Generator | None = None,
+                               basis_idx: torch.Tensor | None = None,
+                               basis_coords: torch.Tensor | None = None,
+                               rcond: float | None = None, retain_graph: bool = True,
+                               bandwidth: float | str | None = None, sigma0: float = 1.0) -> KWNGResult:
+    """KWNG estimate from outputs ``X = h_θ(Z)`` that carry an autograd graph to ``params``.
+
+    Same estimator as :func:`kwng_gradient`; ``T`` is built from ``M`` vector-Jacobian products
+    through the graph of ``X`` (:func:`jacobian_from_outputs`). ``grad`` is the flattened
+    Euclidean gradient in the order of ``params``.
+    """
+    params = list(params)
+    X, N, d, basis_idx, basis_coords = _prepare(X, grad, num_basis, eps, lam, kernel, generator,
+                                                basis_idx, basis_coords)
+    q = sum(p.numel() for p in params)
+    if grad.shape != (q,):
+        raise ValueError(f"grad must have shape ({q},) = total size of params, got {tuple(grad.shape)}")
+    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
+    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)
+    T = jacobian_from_outputs(X, params, C, retain_graph=retain_graph)
+    res = nystrom_solve(T, CCt, K, grad.to(T.dtype), N, eps=eps, lam=lam, damping=damping,
+                        method=method, rcond=rcond)
+    res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel),
+                           basis_idx=basis_idx, basis_coords=basis_coords)
+    return res
