@@ -1,0 +1,25 @@
+"""Dispatch ``python -m kwng.experiments <name> ...`` to the module that implements ``name``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from . import EXPERIMENTS
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m kwng.experiments <name> [options]\n\nexperiments: " + ", ".join(EXPERIMENTS))
+        return 0
+    name = argv[0]
+    if name not in EXPERIMENTS:
+        print(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(EXPERIMENTS[name])
+    return int(module.main([name] + argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Provenance and atomic result files for long runs.
+
+Every result directory gets a ``provenance.json`` with the command line, the full
+configuration, the git commit, the device, the date, the seeds and the wall time, and every file
+is written atomically (to a temporary file in the same directory, then renamed) so that an
+interrupted run never leaves a half-written result.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["atomic_write_text", "atomic_write_json", "read_json", "git_commit", "device_name",
+           "make_provenance", "write_provenance"]
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file + ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=_default) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _default(o):
+    try:
+        import numpy as np
+        import torch
+    except ImportError:  # pragma: no cover
+        return str(o)
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, (np.ndarray, np.generic)):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> str:
+    """The current git commit (with ``+dirty`` if the tree has changes), or ``"unknown"``."""
+    cwd = cwd or Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("KWNG_GIT_COMMIT", "unknown")
+
+
+def device_name(device: str | None = None) -> str:
+    """A readable name of the compute device (GPU model or CPU)."""
+    import torch
+
+    if (device is None or str(device).startswith("cuda")) and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def make_provenance(config: dict, seeds: Any = None, device: str | None = None, **extra) -> dict:
+    """The provenance record: command, configuration, commit, device, date, seeds, versions."""
+    import torch
+
+    record = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "config": config,
+        "git_commit": git_commit(),
+        "device": device_name(device),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "seeds": seeds,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    record.update(extra)
+    return record
+
+
+def write_provenance(directory: str | os.PathLike, config: dict, seeds: Any = None,
+                     device: str | None = None, **extra) -> dict:
+    """Write ``directory/provenance.json`` atomically and return the record."""
+    record = make_provenance(config, seeds, device, **extra)
+    atomic_write_json(Path(directory) / "provenance.json", record)
+    return record
