@@ -9,13 +9,13 @@ Usage: ``python benchmarks/estimator_time.py [--repeats 3] [--json out.json]``
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
 import kwng
+from kwng.provenance import atomic_write_json, make_provenance
 
 
 def one_estimate(model, theta, grad, Z, device, dtype, seed):
@@ -69,8 +69,9 @@ def main() -> None:
     if len(rows) > 1:
         print(f"speed-up of CUDA float64 over CPU: {rows[0]['median_s'] / rows[1]['median_s']:.1f}x")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(rows=rows, torch=torch.__version__), fh, indent=1)
+        config = dict(model="normal", d=args.d, N=args.N, M=int(args.d * args.N ** 0.5), lam=0.0, eps=1e-5,
+                      kernel="gaussian", bandwidth="mean_sq", sigma0=0.2, method="stable", repeats=args.repeats)
+        atomic_write_json(args.json, dict(rows=rows, provenance=make_provenance(config, seeds=[0, 1, 2, 3])))
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ class KWNGResult:
     ``diagnostics`` holds ``N, M, d, q``, ``rank`` (eigenvalues of ``CCᵀ`` kept by the stable
     solve), ``cond_CCt``, ``cond_system`` (condition number of the ``M × M`` or ``r × r`` system),
     ``bandwidth``, ``damping``, ``method``, ``damping_floored`` (entries of ``D`` raised to the
-    floor) and the basis actually used (``basis_idx``, ``basis_coords``).
+    floor), ``solver`` (cholesky, lstsq or pinv), ``fallbacks`` (1 when the Cholesky solve
+    failed and least squares was used) and the basis actually used (``basis_idx``, ``basis_coords``).
     """
 
     direction: torch.Tensor
@@ -206,28 +207,32 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
     W = (U[:, keep] / S[keep].sqrt()).T  # r × M, W CCᵀ Wᵀ = I_r
     Tt = None
     if method == "stable" or damping == "T_tilde":
-        Tt = W.to(T.dtype) @ T  # r × q
+        Tt = W @ T.to(f64)  # r × q, in float64: T̃ D⁻¹ T̃ᵀ must stay positive semi-definite
     Dvec, n_floor = damping_vector(damping, T, Tt, damping_floor)
     Dinv = 1.0 / Dvec
     g = grad.to(T.dtype)
     Dg = Dinv * g
 
     if method == "stable":
-        A = ((Tt * Dinv) @ Tt.T).to(f64) + (eps / N) * torch.eye(rank, dtype=f64, device=T.device)
+        Dinv64 = Dinv.to(f64)
+        A = (Tt * Dinv64) @ Tt.T + (eps / N) * torch.eye(rank, dtype=f64, device=T.device)
         if lam > 0:
             A = A + lam * eps * (W @ K.to(f64) @ W.T)
-        v = (Tt @ Dg).to(f64)
+        v = Tt @ Dg.to(f64)
         L, info = torch.linalg.cholesky_ex(A)
         if int(info) == 0:
             w = torch.cholesky_solve(v[:, None], L)[:, 0]
+            solver = "cholesky"
         else:  # A is SPD in exact arithmetic (ε > 0); only round-off can get here.
             log.warning("stable KWNG system not positive definite in float64; using lstsq")
             w = torch.linalg.lstsq(A, v[:, None]).solution[:, 0]
-        correction = Tt.T @ w.to(T.dtype)
+            solver = "lstsq"
+        correction = (Tt.T @ w).to(T.dtype)
     else:
         A = ((T * Dinv) @ T.T).to(f64) + lam * eps * K.to(f64) + (eps / N) * CCt.to(f64)
         v = (T @ Dg).to(f64)
         w = torch.linalg.pinv(A, hermitian=True) @ v
+        solver = "pinv"
         correction = T.T @ w.to(T.dtype)
     direction = (Dg - Dinv * correction) / eps
 
@@ -236,7 +241,8 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
         Spos = S[keep]
         diag = {
             "M": M, "q": q, "N": N, "rank": rank, "method": method, "damping": damping,
-            "eps": eps, "lam": lam, "damping_floored": n_floor,
+            "eps": eps, "lam": lam, "damping_floored": n_floor, "solver": solver,
+            "fallbacks": int(solver == "lstsq"),
             "cond_CCt": float("inf") if rank < M else float(Spos.max() / Spos.min()),
             "cond_system": _cond(A),
         }
