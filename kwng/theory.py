@@ -1,0 +1,519 @@
+"""Numerical companions of the theory chapters (paper §2–3 and Apps. B–D).
+
+Every function here implements one equation or proposition of Arbel, Gretton, Li & Montúfar
+(ICLR 2020) in a form that can be *checked* against an independent computation. Equation numbers
+``(n)`` follow the paper's LaTeX source (main text and appendices numbered consecutively); the
+LaTeX label is given too, so that a reader can find the equation whichever numbering they hold.
+
+=====================================  ====================================================
+paper                                   here
+=====================================  ====================================================
+(2), (4), (5), Prop. 1 (6)              :func:`integrate_flow`, :func:`pullback_wng`
+Def. 2 (G_W), gradient velocity fields  :func:`pullback_metric`
+Def. 1 (G_F) for the normal             :func:`normal_fisher_matrix`
+(10), (14) distributional gradient      :func:`distributional_gradient`
+Prop. 2 (11), Prop. 3 (15)              :func:`dual_objective`, :func:`dual_optimum`
+App. B.3 (50)–(52), Dirac family        :func:`negative_sobolev_objective`
+Prop. 4 (18)–(21), minimax exchange     :func:`rkhs_brute_force`, :class:`BruteForceKWNG`
+(22) full-derivative Nyström subspace   :func:`full_derivative_basis`, :func:`sutherland_kwng_gradient`
+Prop. 6 (27) as printed                 :func:`stable_as_printed`
+Thm. 7 / well-specified theorem         :func:`theory_schedule`, :func:`predicted_rate`
+§3.3 cost model                         :func:`predicted_cost`, :func:`loglog_slope`
+=====================================  ====================================================
+
+Symbols ↔ argument names: ``N`` = number of samples, ``M`` = ``num_basis`` / ``num_points``,
+``ε`` = ``eps``, ``λ`` = ``lam``, ``D(θ)`` = ``damping``, ``∇L(θ)`` = ``grad``, ``h_θ`` = ``sampler``,
+``ν``-samples ``Z`` with quadrature ``weights``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ._checks import check_choice, check_int, check_points, check_positive
+from .estimator import KWNGResult, jacobian_from_sampler, kernel_matrices, nystrom_solve
+from .kernels import Kernel
+from .models import NormalModel
+
+__all__ = [
+    "gauss_hermite_latent", "circle_latent", "pullback_metric", "pullback_wng", "integrate_flow",
+    "normal_fisher_matrix", "distributional_gradient", "dual_objective", "dual_optimum",
+    "polynomial_features", "rbf_features", "negative_sobolev_objective",
+    "BruteForceKWNG", "rkhs_brute_force", "full_derivative_basis", "sutherland_kwng_gradient",
+    "stable_as_printed", "theory_schedule", "predicted_rate", "misspecified_b", "well_specified_b",
+    "predicted_cost", "loglog_slope",
+]
+
+Sampler = Callable[[torch.Tensor], torch.Tensor]
+Features = Callable[[torch.Tensor], torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# Latent quadratures: exact expectations under ν for the small models of the book
+# --------------------------------------------------------------------------------------------
+def gauss_hermite_latent(d: int, num_nodes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensor Gauss–Hermite rule for ``ν = N(0, I_d)``: nodes ``Z`` (``num_nodes^d × d``) and
+    weights summing to 1. Exact for polynomials of degree ``< 2 num_nodes`` in each coordinate."""
+    d = check_int(d, "d", 1, 4)
+    n = check_int(num_nodes, "num_nodes", 1, 64)
+    x, w = np.polynomial.hermite_e.hermegauss(n)
+    w = w / w.sum()
+    grids = np.meshgrid(*([x] * d), indexing="ij")
+    wgrids = np.meshgrid(*([w] * d), indexing="ij")
+    Z = np.stack([g.ravel() for g in grids], axis=1)
+    W = np.prod(np.stack([g.ravel() for g in wgrids], axis=1), axis=1)
+    return torch.from_numpy(Z), torch.from_numpy(W)
+
+
+def circle_latent(num_nodes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Equispaced points on the unit circle with equal weights: for the hyper-sphere model in
+    ``d = 2`` (its sampler only uses ``Z/‖Z‖``) this is exact for trigonometric polynomials of
+    degree ``< num_nodes``."""
+    n = check_int(num_nodes, "num_nodes", 3)
+    t = 2 * math.pi * torch.arange(n, dtype=torch.float64) / n
+    return torch.stack([t.cos(), t.sin()], 1), torch.full((n,), 1.0 / n, dtype=torch.float64)
+
+
+def _weights(Z: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    if weights is None:
+        return torch.full((Z.shape[0],), 1.0 / Z.shape[0], dtype=torch.float64)
+    weights = torch.as_tensor(weights, dtype=torch.float64)
+    if weights.shape != (Z.shape[0],):
+        raise ValueError(f"weights must have shape ({Z.shape[0]},) to match Z, got {tuple(weights.shape)}")
+    if not bool((weights >= 0).all()) or abs(float(weights.sum()) - 1.0) > 1e-8:
+        raise ValueError("weights must be non-negative and sum to 1")
+    return weights
+
+
+def _sampler_jacobian(sampler: Sampler, theta: torch.Tensor) -> torch.Tensor:
+    """``∇_θ h_θ(Z_n)`` for all latent draws: shape ``(N, d, q)``."""
+    if not isinstance(theta, torch.Tensor) or theta.dim() != 1:
+        raise ValueError("theta must be a 1-d torch.Tensor (the flat parameter vector)")
+    B = torch.autograd.functional.jacobian(sampler, theta.detach(), vectorize=True, strategy="forward-mode")
+    if B.dim() != 3:
+        raise ValueError(f"sampler must return samples of shape (N, d), got Jacobian shape {tuple(B.shape)}")
+    return B
+
+
+# --------------------------------------------------------------------------------------------
+# Chapter "Natural gradient descent" (§2.1–2.2)
+# --------------------------------------------------------------------------------------------
+def pullback_metric(sampler: Sampler, theta: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``E_ν[∇_θh_θ(Z)ᵀ ∇_θh_θ(Z)]`` (``q × q``), the Wasserstein information matrix of Def. 2
+    when the velocity fields ``x ↦ ∂_i h_θ(h_θ⁻¹(x))`` are gradients.
+
+    ``sampler`` maps ``theta`` to ``h_θ(Z_n)`` for a fixed set of latent draws ``Z_n`` with
+    quadrature ``weights`` (uniform when omitted). The fields are gradients for every model in
+    ``d = 1``, for the hyper-sphere and for the log-normal model; then Def. 2's ``φ_i`` is the
+    field itself and ``G_W = E[∂hᵀ∂h]``. In general this matrix is an upper bound of ``G_W``
+    (``G_W`` keeps only the gradient part of each field). The point of this function is that it
+    works in *any* parametrisation: it is computed from the sampler alone.
+    """
+    B = _sampler_jacobian(sampler, theta)
+    w = _weights(B, weights).to(B.dtype)
+    return torch.einsum("n,ndq,ndr->qr", w, B, B)
+
+
+def pullback_wng(sampler: Sampler, loss_fn: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``G(θ)⁻¹ ∇L(θ)`` (eq. (4)–(5), the generalized natural gradient) with ``G`` from
+    :func:`pullback_metric` and ``∇L`` by autograd of ``loss_fn``."""
+    G = pullback_metric(sampler, theta, weights)
+    t = theta.detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(loss_fn(t), t)
+    return torch.linalg.solve(G, g.to(G.dtype))
+
+
+def integrate_flow(velocity: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, *, step: float,
+                   t_end: float, method: str = "euler") -> torch.Tensor:
+    """Integrate ``ẋ = velocity(x)`` from ``x0`` to time ``t_end`` with a fixed ``step``.
+
+    With ``velocity = -(natural gradient)`` and ``method="euler"`` each step is one update of
+    natural gradient descent, eq. (5), with ``γ = step``; as ``step → 0`` the iterates follow the
+    continuous flow (6) of Prop. 1. ``method="rk4"`` is the classical fourth-order rule. Returns
+    the trajectory, shape ``(num_steps + 1, q)``.
+    """
+    step = check_positive(step, "step")
+    t_end = check_positive(t_end, "t_end")
+    check_choice(method, "method", ("euler", "rk4"))
+    n = int(round(t_end / step))
+    if n < 1 or abs(n * step - t_end) > 1e-9 * t_end:
+        raise ValueError(f"t_end / step must be a positive integer, got {t_end} / {step}")
+    x = x0.detach().clone()
+    out = [x]
+    for _ in range(n):
+        if method == "euler":
+            x = x + step * velocity(x)
+        else:
+            k1 = velocity(x)
+            k2 = velocity(x + 0.5 * step * k1)
+            k3 = velocity(x + 0.5 * step * k2)
+            k4 = velocity(x + step * k3)
+            x = x + step / 6.0 * (k1 + 2 * k2 + 2 * k3 + k4)
+        out.append(x.detach())
+    return torch.stack(out)
+
+
+def normal_fisher_matrix(model: NormalModel, theta: torch.Tensor) -> torch.Tensor:
+    """Fisher information matrix (Def. 1) of ``N(μ, LLᵀ)`` in the coordinates ``θ = (μ, vech L)``
+    of :class:`~kwng.NormalModel`: ``G_F = diag(Σ⁻¹, [½ tr(Σ⁻¹ ∂_aΣ Σ⁻¹ ∂_bΣ)]_{a,b})`` with
+    ``∂_aΣ = E_a Lᵀ + L E_aᵀ``."""
+    if not isinstance(model, NormalModel):
+        raise ValueError(f"model must be a kwng.NormalModel, got {type(model).__name__}")
+    _, L = model.split(theta)
+    L = L.detach().to(torch.float64)
+    Sigma = L @ L.T
+    Sinv = torch.linalg.inv(Sigma)
+    d = model.d
+    rows, cols = torch.tril_indices(d, d)
+    dS = []
+    for i, j in zip(rows.tolist(), cols.tolist()):
+        E = torch.zeros(d, d, dtype=torch.float64)
+        E[i, j] = 1.0
+        dS.append(E @ L.T + L @ E.T)
+    n = len(dS)
+    G = torch.zeros(d + n, d + n, dtype=torch.float64)
+    G[:d, :d] = Sinv
+    for a in range(n):
+        for b in range(n):
+            G[d + a, d + b] = 0.5 * torch.trace(Sinv @ dS[a] @ Sinv @ dS[b])
+    return G
+
+
+# --------------------------------------------------------------------------------------------
+# Chapter "Legendre duality for metrics" (§2.3, App. B)
+# --------------------------------------------------------------------------------------------
+def _feature_grads(features: Features, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values ``(n, K)`` and gradients ``(n, K, d)`` of the feature map at the rows of ``X``."""
+    X = check_points(X, "X").detach()
+    vals = features(X)
+    if vals.dim() != 2 or vals.shape[0] != X.shape[0]:
+        raise ValueError(f"features must map (n, d) to (n, K), got {tuple(vals.shape)}")
+    one = lambda x: features(x[None])[0]  # noqa: E731
+    grads = torch.func.vmap(torch.func.jacrev(one))(X)
+    return vals, grads
+
+
+def distributional_gradient(sampler: Sampler, theta: torch.Tensor, u: torch.Tensor, features: Features,
+                            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``∇ρ_θ(ψ_k)ᵀu`` for each feature ``ψ_k`` (eq. (10)) by the re-parametrisation trick, eq. (14):
+    ``E_ν[∇ψ_k(h_θ(Z))ᵀ ∇_θh_θ(Z) u]``. Returns a vector of length ``K``."""
+    if u.shape != theta.shape:
+        raise ValueError(f"u must have the shape of theta {tuple(theta.shape)}, got {tuple(u.shape)}")
+    X, dX = torch.func.jvp(sampler, (theta.detach(),), (u.to(theta.dtype),))
+    w = _weights(X, weights).to(X.dtype)
+    _, grads = _feature_grads(features, X)
+    return torch.einsum("n,nkj,nj->k", w, grads, dX)
+
+
+def dual_objective(sampler: Sampler, theta: torch.Tensor, u: torch.Tensor, f: Features, *,
+                   metric: str = "wasserstein", weights: torch.Tensor | None = None) -> float:
+    """Objective of the dual problems at one test function ``f`` (a map ``(n, d) → (n, 1)``).
+
+    * ``metric="wasserstein"``: ``∇ρ_θ(f)ᵀu − ½ E_ρ‖∇f‖²``, the objective of Prop. 3, eq. (15);
+    * ``metric="fisher"``: ``∇ρ_θ(f)ᵀu − ½ E_ρ[(f − E_ρ f)²]``, the objective of Prop. 2,
+      eq. (11) (``f`` is centred, which changes neither ``∇ρ_θ(f)`` nor the constraint's intent).
+
+    The supremum over ``f`` is ``½uᵀGu``; on a model without density the Fisher one is infinite.
+    """
+    check_choice(metric, "metric", ("wasserstein", "fisher"))
+    lin = float(distributional_gradient(sampler, theta, u, f, weights)[0])
+    with torch.no_grad():
+        X = sampler(theta.detach())
+    w = _weights(X, weights).to(X.dtype)
+    vals, grads = _feature_grads(f, X)
+    if metric == "wasserstein":
+        quad = float(torch.einsum("n,nj->", w, grads[:, 0] ** 2))
+    else:
+        v = vals[:, 0]
+        quad = float(w @ (v - w @ v) ** 2)
+    return lin - 0.5 * quad
+
+
+@dataclass
+class DualOptimum:
+    """Result of :func:`dual_optimum`: the maximal value, the coefficients ``β`` of the optimal
+    test function ``f = Σ_k β_k ψ_k`` and the linear and quadratic terms ``b``, ``Q``."""
+
+    value: float
+    beta: torch.Tensor
+    b: torch.Tensor
+    Q: torch.Tensor
+
+
+def dual_optimum(sampler: Sampler, theta: torch.Tensor, u: torch.Tensor, features: Features, *,
+                 metric: str = "wasserstein", weights: torch.Tensor | None = None,
+                 ridge: float = 0.0) -> DualOptimum:
+    """Maximise the dual objective of Prop. 3 (eq. (15), ``metric="wasserstein"``) or Prop. 2
+    (eq. (11), ``metric="fisher"``) over the span of a feature map ``ψ: (n, d) → (n, K)``.
+
+    With ``f = Σ β_k ψ_k`` the objective is ``βᵀb − ½βᵀQβ`` where ``b_k = ∇ρ_θ(ψ_k)ᵀu`` and
+    ``Q = E[∇ψ ∇ψᵀ]`` (Wasserstein) or ``Cov(ψ)`` (Fisher); the maximum is ``½ bᵀQ†b`` (``Q + ridge·I``
+    when ``ridge > 0``). It equals ``½uᵀGu`` exactly when the span contains the optimal ``f``.
+    """
+    check_choice(metric, "metric", ("wasserstein", "fisher"))
+    ridge = check_positive(ridge, "ridge", allow_zero=True)
+    b = distributional_gradient(sampler, theta, u, features, weights)
+    with torch.no_grad():
+        X = sampler(theta.detach())
+    w = _weights(X, weights).to(X.dtype)
+    vals, grads = _feature_grads(features, X)
+    if metric == "wasserstein":
+        Q = torch.einsum("n,nkj,nlj->kl", w, grads, grads)
+    else:
+        c = vals - w @ vals
+        Q = torch.einsum("n,nk,nl->kl", w, c, c)
+    Q = Q + ridge * torch.eye(Q.shape[0], dtype=Q.dtype)
+    beta = torch.linalg.pinv(Q, hermitian=True, rtol=1e-12) @ b
+    return DualOptimum(float(0.5 * b @ beta), beta, b, Q)
+
+
+def polynomial_features(d: int, degree: int = 2) -> Features:
+    """All monomials ``x^a`` with ``1 ≤ |a| ≤ degree`` in ``d`` variables (constants are useless:
+    the dual objectives only see ``∇f`` or the centred ``f``). Returns a feature map."""
+    d = check_int(d, "d", 1)
+    degree = check_int(degree, "degree", 1, 6)
+    import itertools
+
+    exps = [a for a in itertools.product(range(degree + 1), repeat=d) if 1 <= sum(a) <= degree]
+    E = torch.tensor(exps, dtype=torch.float64)  # (K, d)
+
+    def features(X: torch.Tensor) -> torch.Tensor:
+        return torch.prod(X[:, None, :] ** E.to(X.dtype), dim=-1)
+
+    return features
+
+
+def rbf_features(centres: torch.Tensor, bandwidth: float) -> Features:
+    """Gaussian bumps ``ψ_k(x) = exp(−‖x − c_k‖² / (2σ))``, ``σ = bandwidth`` (the kernel sections
+    ``k(c_k, ·)`` of :class:`~kwng.GaussianKernel`): an RKHS-flavoured rich function class."""
+    centres = check_points(centres, "centres").detach()
+    sigma = check_positive(bandwidth, "bandwidth")
+
+    def features(X: torch.Tensor) -> torch.Tensor:
+        r = X[:, None, :] - centres.to(X.dtype)[None]
+        return torch.exp(-(r ** 2).sum(-1) / (2 * sigma))
+
+    return features
+
+
+def negative_sobolev_objective(f: Features, X: torch.Tensor, X_prime: torch.Tensor,
+                               weights: torch.Tensor | None = None,
+                               weights_prime: torch.Tensor | None = None) -> float:
+    """Dual objective of the negative Sobolev distance, App. B.3 eq. (50):
+    ``E_ρ f − E_ρ' f − ½ E_ρ‖∇f‖²``, with ``ρ`` and ``ρ'`` given by weighted samples ``X``, ``X_prime``.
+
+    For Dirac masses ``ρ = δ_θ``, ``ρ' = δ_{θ+εu}`` (eq. (51), divided by ``ε``) this is unbounded
+    over ``f`` while the metric's dual (52) stays at ``½‖u‖²``.
+    """
+    w = _weights(check_points(X, "X"), weights).to(X.dtype)
+    wp = _weights(check_points(X_prime, "X_prime"), weights_prime).to(X.dtype)
+    vals, grads = _feature_grads(f, X)
+    with torch.no_grad():
+        vp = f(X_prime.detach())
+    return float(w @ vals[:, 0] - wp @ vp[:, 0] - 0.5 * w @ (grads[:, 0] ** 2).sum(-1))
+
+
+# --------------------------------------------------------------------------------------------
+# Chapter "The RKHS saddle problem" (§3.1)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class BruteForceKWNG:
+    """Three computations of the kernelized WNG in the *full* span of ``∂_i k(X_n, ·)``.
+
+    * ``direction_dual``: Prop. 4, eq. (19)–(21): ``(1/ε) Û(f*)`` with ``f*`` the minimiser of
+      the empirical objective ``Ĵ`` (eq. (21)), from the ``Nd × Nd`` normal equations for ``α``;
+    * ``direction_closed``: the closed form of Prop. 5, eq. (25) (or its stable form (27)), with ``C = K`` the full
+      ``Nd × Nd`` Gram of kernel derivatives (no Nyström subspace);
+    * ``direction_metric``: the saddle problem (18) solved in the other order (sup over ``f``
+      first): ``(εI + Ĝ)⁻¹ ∇L`` with the kernel metric ``Ĝ = (1/N) Bᵀ V diag(s/(s + Nλ)) Vᵀ B``
+      where ``K = V diag(s) Vᵀ`` and ``B`` is the sampler Jacobian (eq. (41) with ``M = Nd``).
+
+    ``alpha`` holds the coefficients of ``f*`` (shape ``(N, d)``), ``metric`` is ``Ĝ``.
+    """
+
+    direction_dual: torch.Tensor
+    direction_closed: torch.Tensor
+    direction_metric: torch.Tensor
+    metric: torch.Tensor
+    alpha: torch.Tensor
+
+
+def rkhs_brute_force(sampler: Sampler, theta: torch.Tensor, grad: torch.Tensor, *, eps: float,
+                     lam: float, kernel: Kernel, method: str = "stable",
+                     rcond: float = 1e-13) -> BruteForceKWNG:
+    """Solve the regularised RKHS problem of §3.1 with the full basis ``{∂_i k(X_n, ·)}``, ``n ≤ N``,
+    ``i ≤ d`` (``Nd`` functions, no Nyström), in three independent ways (see :class:`BruteForceKWNG`).
+
+    ``eps`` = ``ε > 0``, ``lam`` = ``λ >= 0``, ``grad`` the Euclidean gradient, ``D(θ) = I``;
+    ``method`` picks the plain (Prop. 5) or stable (Prop. 6) form of the closed-form route.
+    Cost ``O((Nd)³)``: keep ``N d`` below a few hundred.
+    ``rcond`` drops eigenvalues of the Gram below ``rcond · max`` in the metric route.
+    """
+    eps = check_positive(eps, "eps")
+    lam = check_positive(lam, "lam", allow_zero=True)
+    if not isinstance(kernel, Kernel):
+        raise ValueError(f"kernel must be a kwng.Kernel, got {type(kernel).__name__}")
+    B = _sampler_jacobian(sampler, theta).to(torch.float64)  # (N, d, q)
+    N, d, q = B.shape
+    if grad.shape != (q,):
+        raise ValueError(f"grad must have shape ({q},), got {tuple(grad.shape)}")
+    with torch.no_grad():
+        X = sampler(theta.detach()).to(torch.float64)
+    check_choice(method, "method", ("stable", "plain"))
+    Dv = torch.ones(q, dtype=torch.float64)
+    g = grad.to(torch.float64)
+    # Gram of the basis: K[(n,i),(n',j)] = ∂_i ∂_{j+d} k(X_n, X_n') = <∂_i k(X_n,·), ∂_j k(X_n',·)>_H
+    K = kernel.mixed(X, X).permute(0, 2, 1, 3).reshape(N * d, N * d)
+    K = 0.5 * (K + K.T)
+    Bf = B.reshape(N * d, q)
+    T = K @ Bf / N  # R(f) = Tᵀα: eq. (21)'s (1/N) Σ_n ∇h(Z_n)ᵀ ∇f(X_n)
+    # (1) Prop. 4: minimise Ĵ(α) = (1/N)αᵀK²α + (1/ε)(g + Tᵀα)ᵀD⁻¹(g + Tᵀα) + λαᵀKα
+    H = K @ K / N + lam * K + (T / Dv) @ T.T / eps
+    rhs = -(T / Dv) @ g / eps
+    alpha = torch.linalg.lstsq(H, rhs[:, None], rcond=None, driver="gelsd").solution[:, 0]
+    direction_dual = (g + T.T @ alpha) / (eps * Dv)
+    # (2) Props. 5/6 closed form with C = K (all Nd functions), via the library's solver
+    closed = nystrom_solve(T, K @ K, K, g, N, eps=eps, lam=lam, damping="identity", method=method,
+                           diagnostics=False).direction
+    # (3) sup over f first: the kernel metric Ĝ, then the q × q system
+    s, V = torch.linalg.eigh(K)
+    keep = s > rcond * s.max()
+    s, V = s[keep], V[:, keep]
+    VB = V.T @ Bf
+    Ghat = (VB.T * (s / (s + N * lam))) @ VB / N
+    direction_metric = torch.linalg.solve(eps * torch.diag(Dv) + Ghat, g)
+    return BruteForceKWNG(direction_dual, closed, direction_metric, Ghat, alpha.reshape(N, d))
+
+
+# --------------------------------------------------------------------------------------------
+# Chapter "The Nyström estimator" (§3.2–3.3)
+# --------------------------------------------------------------------------------------------
+def full_derivative_basis(basis_idx: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index pairs of the subspace (22) of Sutherland et al.: every coordinate ``i = 0..d-1`` of
+    every basis point ``Y_m = X_{basis_idx[m]}`` (``M d`` functions ``∂_i k(Y_m, ·)``).
+
+    Returns ``(idx, coords)`` of length ``M d`` usable by :func:`kwng.kernel_matrices`.
+    """
+    d = check_int(d, "d", 1)
+    basis_idx = torch.as_tensor(basis_idx)
+    if basis_idx.dim() != 1 or basis_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError("basis_idx must be a 1-d integer tensor")
+    M = basis_idx.shape[0]
+    return basis_idx.repeat_interleave(d), torch.arange(d).repeat(M)
+
+
+def sutherland_kwng_gradient(sampler: Sampler, theta: torch.Tensor, grad: torch.Tensor, *, num_points: int,
+                             eps: float, lam: float = 0.0, kernel: Kernel, damping: str = "T_tilde",
+                             method: str = "stable", generator: torch.Generator | None = None,
+                             basis_idx: torch.Tensor | None = None,
+                             rcond: float | None = None) -> KWNGResult:
+    """KWNG restricted to the full-derivative Nyström subspace (22) of Sutherland et al. (2018):
+    ``M = num_points`` basis points, all ``d`` partial derivatives each (``M d`` basis functions).
+
+    Same algebra as Props. 5/6 (:func:`kwng.nystrom_solve`) with the rows of ``C``, ``K``, ``T``
+    indexed by pairs ``(m, i)``. With ``num_points = N`` this is the brute-force RKHS solution
+    (:func:`rkhs_brute_force`). Its cost is ``O(d³NM² + qd²M² + d³M³)``: the one-coordinate
+    subspace of the paper with ``M' = M d`` basis points has the same system size.
+    """
+    if not isinstance(theta, torch.Tensor) or theta.dim() != 1:
+        raise ValueError("theta must be a 1-d torch.Tensor (the flat parameter vector)")
+    if grad.shape != theta.shape:
+        raise ValueError(f"grad must have the shape of theta {tuple(theta.shape)}, got {tuple(grad.shape)}")
+    if not isinstance(kernel, Kernel):
+        raise ValueError(f"kernel must be a kwng.Kernel, got {type(kernel).__name__}")
+    with torch.no_grad():
+        X = check_points(sampler(theta), "sampler(theta)")
+    N, d = X.shape
+    num_points = check_int(num_points, "num_points", 1, N)
+    if basis_idx is None:
+        basis_idx = torch.randperm(N, generator=generator)[:num_points]
+    basis_idx = torch.as_tensor(basis_idx)
+    if basis_idx.shape != (num_points,):
+        raise ValueError(f"basis_idx must have shape ({num_points},) = (num_points,), got {tuple(basis_idx.shape)}")
+    idx, coords = full_derivative_basis(basis_idx, d)
+    C, K, CCt = kernel_matrices(X, idx, coords, kernel)
+    T = jacobian_from_sampler(sampler, theta.detach(), C)
+    res = nystrom_solve(T, CCt, K, grad.to(T.dtype), N, eps=eps, lam=lam, damping=damping, method=method,
+                        rcond=rcond)
+    res.diagnostics.update(d=d, basis_idx=basis_idx, num_functions=num_points * d)
+    return res
+
+
+def stable_as_printed(T: torch.Tensor, CCt: torch.Tensor, grad: torch.Tensor, N: int, *, eps: float,
+                      rcond: float = 1e-12) -> torch.Tensor:
+    """Prop. 6, eq. (27), *as printed* in the paper, with ``D = I`` and ``λ = 0``:
+    ``T̃ = S†UᵀT`` and ``P = S†S`` where ``CCᵀ = USUᵀ``.
+
+    Kept to show (book chapter "The Nyström estimator") that this differs from Prop. 5 in
+    general; the equality needs ``T̃ = S^{-1/2}UᵀT`` (what :func:`kwng.nystrom_solve` does).
+    """
+    eps = check_positive(eps, "eps")
+    N = check_int(N, "N", 1)
+    S, U = torch.linalg.eigh(CCt.to(torch.float64))
+    Sd = torch.where(S > rcond * S.max(), 1.0 / S, torch.zeros_like(S))
+    Tt = (Sd[:, None] * U.T) @ T.to(torch.float64)
+    P = torch.diag(Sd * S)
+    A = Tt @ Tt.T + (eps / N) * P
+    g = grad.to(torch.float64)
+    return (g - Tt.T @ (torch.linalg.pinv(A, hermitian=True) @ (Tt @ g))) / eps
+
+
+def predicted_cost(N: int, M: int, d: int, q: int) -> float:
+    """Leading flop count ``d N M² + q M² + M³`` of the estimator (§3.3)."""
+    return float(d * N * M * M + q * M * M + M ** 3)
+
+
+def loglog_slope(x, y) -> float:
+    """Least-squares slope of ``log y`` against ``log x`` (both positive)."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1 or x.size < 2:
+        raise ValueError("x and y must be 1-d arrays of the same length >= 2")
+    if not (np.all(x > 0) and np.all(y > 0)):
+        raise ValueError("x and y must be positive for a log-log slope")
+    return float(np.polyfit(np.log(x), np.log(y), 1)[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Chapter "Consistency" (§3.4, App. D)
+# --------------------------------------------------------------------------------------------
+def well_specified_b(alpha: float) -> float:
+    """``b = min(1, α + ½)`` of the well-specified theorem (App. D), ``α >= 0`` the smoothness."""
+    return min(1.0, check_positive(alpha, "alpha", allow_zero=True) + 0.5)
+
+
+def misspecified_b(c: float) -> float:
+    """``b = 1/(2 + c)`` of Theorem 7, ``c >= 0`` the approximation-complexity exponent (eq. (28))."""
+    return 1.0 / (2.0 + check_positive(c, "c", allow_zero=True))
+
+
+def predicted_rate(b: float) -> float:
+    """Exponent ``r`` of ``‖ĝ − ∇^W L‖ = O(N^{-r})``: ``r = b/(2b + 1)`` (App. D, Prop. on consistency).
+
+    The theorems state the squared norm, ``O(N^{-2b/(2b+1)})``; the norm decays at half that rate.
+    """
+    b = check_positive(b, "b")
+    if b > 1:
+        raise ValueError(f"b must be in (0, 1], got {b}")
+    return b / (2 * b + 1)
+
+
+def theory_schedule(N: int, d: int, b: float, *, c_M: float = 1.0, c_lam: float = 1.0,
+                    c_eps: float = 1.0) -> dict:
+    """Hyper-parameters of the consistency theorems for ``N`` samples in dimension ``d``:
+    ``M = ⌈c_M d N^{1/(2b+1)} log N⌉`` (capped at ``N``), ``λ = c_lam N^{-1/(2b+1)}`` and
+    ``ε = c_eps N^{-b/(2b+1)}``. Returns ``{"num_basis", "lam", "eps"}``.
+    """
+    N = check_int(N, "N", 2)
+    d = check_int(d, "d", 1)
+    b = check_positive(b, "b")
+    e = 1.0 / (2 * b + 1)
+    M = min(N, int(math.ceil(check_positive(c_M, "c_M") * d * N ** e * math.log(N))))
+    return {"num_basis": M, "lam": check_positive(c_lam, "c_lam", allow_zero=True) * N ** (-e),
+            "eps": check_positive(c_eps, "c_eps") * N ** (-b * e)}
