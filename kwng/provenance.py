@@ -32,6 +32,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; result files are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -1,0 +1,238 @@
+"""KWNG for many independent runs at once (the synthetic studies of Figs. 1, 5, 6 and 2).
+
+:func:`kwng.kwng_gradient` handles one draw of samples and one basis. The accuracy studies of
+Arbel et al. (2020, §4.1 and App. E) repeat the estimate 100 times per grid point; this module
+evaluates the *same* estimator (Prop. 6, the stable form, with the Gaussian kernel) for ``R``
+runs stacked along a leading batch dimension, so that a GPU works on all of them together.
+
+Two simplifications keep it short and fast, both specific to the synthetic models:
+
+* the sampler Jacobian ``B = ∂X/∂θ`` (``N × d × q``) is written in closed form for the three
+  models of :mod:`kwng.models` (:func:`sample_and_jacobian`) instead of forward-mode autograd;
+* eigenvalues of ``CCᵀ`` below the relative threshold ``rcond`` are not removed from the system
+  but have their row of ``W = S^{-1/2}Uᵀ`` set to zero. The reduced system of Prop. 6 then sits in a
+  block of the ``M × M`` system whose other block is ``(ε/N) I`` with a zero right-hand side, so
+  the solution is the same and every run in the batch keeps the shape ``M``.
+
+The tests check the result against :func:`kwng.kwng_gradient` on identical samples and basis.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_choice, check_int, check_positive
+from .estimator import DAMPINGS
+from .models import HyperSphereModel, ImplicitModel, LogNormalModel, NormalModel
+
+__all__ = ["sample_and_jacobian", "batched_kernel_matrices", "batched_nystrom_solve",
+           "batched_kwng", "runs_per_chunk", "batched_mean_sq_bandwidth"]
+
+
+def _check_batch(Theta: torch.Tensor, Z: torch.Tensor, model: ImplicitModel) -> tuple[int, int]:
+    if not isinstance(Theta, torch.Tensor) or Theta.dim() != 2 or Theta.shape[1] != model.num_params:
+        raise ValueError(f"Theta must be a tensor of shape (R, {model.num_params}) for {model!r}")
+    if not isinstance(Z, torch.Tensor) or Z.dim() != 3 or Z.shape[0] != Theta.shape[0] or Z.shape[2] != model.d:
+        raise ValueError(f"Z must be a tensor of shape (R, N, {model.d}) with R = {Theta.shape[0]}")
+    return Z.shape[0], Z.shape[1]
+
+
+def sample_and_jacobian(model: ImplicitModel, Theta: torch.Tensor, Z: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples ``X = h_θ(Z)`` (``R × N × d``) and their Jacobian ``B = ∂X/∂θ`` (``R × N × d × q``).
+
+    ``Theta`` is ``R × q`` (one parameter vector per run) and ``Z`` the latent draws ``R × N × d``.
+    Closed forms (same parametrisations as :mod:`kwng.models`):
+
+    * normal ``X = μ + LZ``: ``∂X_j/∂μ_k = δ_jk``, ``∂X_j/∂L_ab = δ_ja Z_b`` (``a ≥ b``);
+    * log-normal ``X = exp(μ + s⊙Z)``: ``∂X_j/∂μ_k = δ_jk X_j``, ``∂X_j/∂s_k = δ_jk X_j Z_j``;
+    * sphere ``X = μ + e^ρ Z/‖Z‖``: ``∂X_j/∂μ_k = δ_jk``, ``∂X/∂ρ = e^ρ Z/‖Z‖``.
+    """
+    R, N = _check_batch(Theta, Z, model)
+    d, q = model.d, model.num_params
+    Z = Z.to(Theta.dtype)
+    B = torch.zeros(R, N, d, q, dtype=Theta.dtype, device=Theta.device)
+    eye = torch.arange(d, device=Theta.device)
+    if isinstance(model, NormalModel):
+        rows, cols = torch.tril_indices(d, d, device=Theta.device)
+        L = torch.zeros(R, d, d, dtype=Theta.dtype, device=Theta.device)
+        L[:, rows, cols] = Theta[:, d:]
+        X = Theta[:, None, :d] + Z @ L.transpose(1, 2)
+        B[:, :, eye, eye] = 1.0
+        B[:, :, rows, d + torch.arange(len(rows), device=Theta.device)] = Z[:, :, cols]
+    elif isinstance(model, LogNormalModel):
+        X = torch.exp(Theta[:, None, :d] + Theta[:, None, d:] * Z)
+        B[:, :, eye, eye] = X
+        B[:, :, eye, d + eye] = X * Z
+    elif isinstance(model, HyperSphereModel):
+        U = Z / torch.linalg.vector_norm(Z, dim=2, keepdim=True)
+        radial = torch.exp(Theta[:, d])[:, None, None] * U
+        X = Theta[:, None, :d] + radial
+        B[:, :, eye, eye] = 1.0
+        B[:, :, :, d] = radial
+    else:
+        raise ValueError(f"model must be a NormalModel, LogNormalModel or HyperSphereModel, got {model!r}")
+    return X, B
+
+
+def batched_mean_sq_bandwidth(X: torch.Tensor, basis_idx: torch.Tensor, sigma0: float) -> torch.Tensor:
+    """Per-run heuristic ``σ = σ0 · mean_{n,m} ‖X_n - Y_m‖²`` (§3.3), shape ``(R,)``.
+
+    Uses ``mean‖X_n - Y_m‖² = mean‖X_n‖² + mean‖Y_m‖² - 2 X̄·Ȳ`` (exact up to round-off)."""
+    sigma0 = check_positive(sigma0, "sigma0")
+    Y = torch.gather(X, 1, basis_idx[..., None].expand(-1, -1, X.shape[2]))
+    mx, my = X.mean(1), Y.mean(1)
+    val = (X * X).sum(-1).mean(1) + (Y * Y).sum(-1).mean(1) - 2.0 * (mx * my).sum(-1)
+    return sigma0 * val
+
+
+def batched_kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, basis_coords: torch.Tensor,
+                            sigma: torch.Tensor | float, need_K: bool = True
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``C`` (``R × M × N × d``) and ``K`` (``R × M × M``) of Prop. 5 for the Gaussian kernel.
+
+    ``k(y, x) = exp(-‖y - x‖²/(2σ))`` with one bandwidth per run (``sigma`` of shape ``(R,)``
+    or a number). ``C[r, m, n, j] = ∂_{i_m}∂_{j+d} k(Y_m, X_n) = (δ_{i_m j}/σ - r_{i_m} r_j/σ²) k``
+    with ``r = Y_m - X_n``; ``K`` is ``C`` evaluated at the basis points, column ``i_{m'}``.
+    """
+    R, N, d = X.shape
+    sig = torch.as_tensor(sigma, dtype=X.dtype, device=X.device).reshape(-1)
+    if sig.numel() == 1:
+        sig = sig.expand(R)
+    if sig.shape != (R,) or not bool((sig > 0).all()):
+        raise ValueError(f"sigma must be positive, a number or a tensor of shape ({R},)")
+    idx = basis_idx.to(X.device)
+    coords = basis_coords.to(X.device)
+    Y = torch.gather(X, 1, idx[..., None].expand(-1, -1, d))  # R, M, d
+    s3 = sig[:, None, None]
+
+    def mixed(P: torch.Tensor) -> torch.Tensor:  # P: R × P × d, returns R × M × P × d
+        r = Y[:, :, None, :] - P[:, None, :, :]
+        k = torch.exp(-(r * r).sum(-1) / (2.0 * s3))  # R, M, P
+        r_i = torch.gather(r, 3, coords[:, :, None, None].expand(-1, -1, r.shape[2], 1))  # R, M, P, 1
+        out = r.mul_(r_i).mul_(-(k / (s3 * s3))[..., None])
+        diag = (k / s3)[..., None]
+        out.scatter_add_(3, coords[:, :, None, None].expand(-1, -1, r.shape[2], 1), diag)
+        return out
+
+    C = mixed(X)
+    K = None
+    if need_K:
+        CY = mixed(Y)  # R, M, M, d
+        K = torch.gather(CY, 3, coords[:, None, :, None].expand(-1, CY.shape[1], -1, 1))[..., 0]
+    return C, K
+
+
+def batched_nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor | None, grad: torch.Tensor,
+                          N: int, *, eps: float, lam: float = 0.0, damping: str = "T_tilde",
+                          rcond: float | None = None, damping_floor: float = 1e-8
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable form (Prop. 6) for a batch: ``T`` is ``R × M × q``, ``CCt`` and ``K`` are
+    ``R × M × M``, ``grad`` is ``R × q``. Returns the directions (``R × q``) and the rank of each
+    ``CCᵀ`` (``R``). Same conventions as :func:`kwng.nystrom_solve` (float64 algebra)."""
+    eps = check_positive(eps, "eps")
+    lam = check_positive(lam, "lam", allow_zero=True)
+    check_choice(damping, "damping", DAMPINGS)
+    if lam > 0 and K is None:
+        raise ValueError("K is required when lam > 0")
+    R, M, q = T.shape
+    f64 = torch.float64
+    if rcond is None:
+        rcond = M * torch.finfo(CCt.dtype).eps
+    rcond = check_positive(rcond, "rcond")
+    S, U = torch.linalg.eigh(CCt.to(f64))
+    keep = S > rcond * S.max(dim=1, keepdim=True).values.clamp(min=0)
+    if not bool(keep.any(dim=1).all()):
+        raise ValueError("C Cᵀ is numerically zero in some run: bandwidth far too small or too large")
+    inv_sqrt = torch.where(keep, S.clamp(min=torch.finfo(f64).tiny).rsqrt(), torch.zeros_like(S))
+    W = (U * inv_sqrt[:, None, :]).transpose(1, 2)  # R × M × M, zero rows where dropped
+    T64 = T.to(f64)
+    Tt = W @ T64
+    if damping == "identity":
+        Dvec = torch.ones(R, q, dtype=f64, device=T.device)
+    else:
+        src = T64 if damping == "T" else Tt
+        Dvec = torch.linalg.vector_norm(src, dim=1).clamp(min=damping_floor)
+    Dinv = 1.0 / Dvec
+    g = grad.to(f64)
+    Dg = Dinv * g
+    A = (Tt * Dinv[:, None, :]) @ Tt.transpose(1, 2)
+    A = A + (eps / N) * torch.eye(M, dtype=f64, device=T.device)
+    if lam > 0:
+        A = A + lam * eps * (W @ K.to(f64) @ W.transpose(1, 2))
+    v = (Tt @ Dg[:, :, None])
+    L, info = torch.linalg.cholesky_ex(A)
+    if bool((info == 0).all()):
+        w = torch.cholesky_solve(v, L)
+    else:  # round-off only: A is SPD in exact arithmetic
+        w = torch.linalg.lstsq(A, v).solution
+    correction = (Tt.transpose(1, 2) @ w)[..., 0]
+    direction = (Dg - Dinv * correction) / eps
+    return direction, keep.sum(1)
+
+
+def runs_per_chunk(M: int, N: int, d: int, q: int, mem_bytes: float = 4e9, itemsize: int = 8) -> int:
+    """How many runs fit in ``mem_bytes`` (``C``, its temporaries and ``B`` dominate)."""
+    check_int(M, "M", 1)
+    check_int(N, "N", 1)
+    per_run = itemsize * N * d * (3 * M + q) + itemsize * 4 * M * M
+    return max(1, int(mem_bytes // per_run))
+
+
+def batched_kwng(model: ImplicitModel, Theta: torch.Tensor, grads: torch.Tensor, Z: torch.Tensor,
+                 basis_idx: torch.Tensor, basis_coords: torch.Tensor, *, eps: float, lam: float = 0.0,
+                 bandwidth: float | str = 1.0, sigma0: float = 1.0, damping: str = "T_tilde",
+                 rcond: float | None = None, mem_bytes: float = 4e9
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KWNG (Prop. 6, Gaussian kernel) for ``R`` runs of a synthetic model at once.
+
+    ``Theta`` (``R × q``), ``grads`` (``R × q``), ``Z`` (``R × N × d``), ``basis_idx`` and
+    ``basis_coords`` (``R × M``) must share a device; the computation runs there in float64 and in
+    chunks of runs bounded by ``mem_bytes``. ``bandwidth`` is a fixed ``σ > 0`` or ``"mean_sq"``
+    (``σ = sigma0 · mean ‖X_n - Y_m‖²`` per run). Returns ``(directions R × q, bandwidths R,
+    ranks R)``. Matches :func:`kwng.kwng_gradient` with ``kernel=GaussianKernel``,
+    ``method="stable"`` and the same samples and basis.
+    """
+    R, N = _check_batch(Theta, Z, model)
+    if grads.shape != Theta.shape:
+        raise ValueError(f"grads must have the shape of Theta {tuple(Theta.shape)}, got {tuple(grads.shape)}")
+    if basis_idx.dim() != 2 or basis_idx.shape[0] != R or basis_coords.shape != basis_idx.shape:
+        raise ValueError(f"basis_idx and basis_coords must both have shape ({R}, M)")
+    M = basis_idx.shape[1]
+    check_int(M, "num_basis", 1, N)
+    if int(basis_idx.min()) < 0 or int(basis_idx.max()) >= N:
+        raise ValueError(f"basis_idx must lie in [0, {N - 1}]")
+    if int(basis_coords.min()) < 0 or int(basis_coords.max()) >= model.d:
+        raise ValueError(f"basis_coords must lie in [0, {model.d - 1}]")
+    if isinstance(bandwidth, str):
+        check_choice(bandwidth, "bandwidth", ("mean_sq",))
+    else:
+        check_positive(bandwidth, "bandwidth")
+    d, q = model.d, model.num_params
+    chunk = runs_per_chunk(M, N, d, q, mem_bytes)
+    dirs, sigmas, ranks = [], [], []
+    for start in range(0, R, chunk):
+        sl = slice(start, start + chunk)
+        Th = Theta[sl].to(torch.float64)
+        X, B = sample_and_jacobian(model, Th, Z[sl].to(torch.float64))
+        idx, crd = basis_idx[sl].long(), basis_coords[sl].long()
+        if isinstance(bandwidth, str):
+            sig = batched_mean_sq_bandwidth(X, idx, sigma0)
+        else:
+            sig = torch.full((X.shape[0],), float(bandwidth), dtype=torch.float64, device=X.device)
+        C, K = batched_kernel_matrices(X, idx, crd, sig, need_K=lam > 0)
+        Cf = C.reshape(C.shape[0], M, N * d)
+        CCt = Cf @ Cf.transpose(1, 2)
+        T = (Cf @ B.reshape(B.shape[0], N * d, q)) / N
+        del C, Cf, B
+        direction, rank = batched_nystrom_solve(T, CCt, K, grads[sl].to(torch.float64), N, eps=eps, lam=lam,
+                                                damping=damping, rcond=rcond)
+        dirs.append(direction)
+        sigmas.append(sig)
+        ranks.append(rank)
+    return torch.cat(dirs), torch.cat(sigmas), torch.cat(ranks)
+
+
+def _flops_one(M: int, N: int, d: int, q: int) -> float:
+    """Rough floating-point operation count of one estimate (for the GPU time estimate)."""
+    return 2.0 * M * M * N * d + 2.0 * M * N * d * q + 15.0 * M * N * d + 10.0 * M ** 3

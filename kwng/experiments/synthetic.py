@@ -1,0 +1,521 @@
+"""Synthetic experiments of Arbel et al. (2020): estimator accuracy and the Gaussian W2 flow.
+
+Three commands (``python -m kwng.experiments <name> --scale small|full ...``):
+
+* ``relerr``    – relative error of KWNG against the exact WNG (Fig. 1 for the hyper-sphere,
+  Fig. 5 for the normal and log-normal models): panel ``N`` (error vs ``N`` with
+  ``M = ⌊d√N⌋``; its ``N = 5000`` column is the box-plot of panel (a)) and panel ``M`` (error vs
+  ``M`` at fixed ``N``);
+* ``bandwidth`` – relative error against a fixed Gaussian bandwidth ``σ`` (Fig. 6);
+* ``flow``      – W2² flow of the normal model towards a target normal with exact WNG, KWNG and
+  the Euclidean gradient (Fig. 2).
+
+Results go to ``results/<name>/`` as CSV/JSON with a ``provenance.json``. Sweeps write one CSV
+per model, rewritten atomically after every finished grid point; a rerun with the same
+configuration skips the points already there (resume), a rerun with another configuration
+starts afresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from .. import config as _config
+from ..batched import batched_kwng
+from ..estimator import kwng_gradient
+from ..kernels import GaussianKernel
+from ..models import NormalModel, gaussian_w2_squared, make_model
+from ..provenance import atomic_write_json, atomic_write_text, read_json, write_provenance
+
+__all__ = ["MODELS", "SWEEP_COLUMNS", "relerr_config", "bandwidth_config", "flow_config", "draw_theta",
+           "run_sweep", "run_flow", "load_rows", "check_results_complete", "normal_w2_and_grad",
+           "main"]
+
+log = logging.getLogger(__name__)
+
+MODELS = ("sphere", "normal", "lognormal")
+SWEEP_COLUMNS = ("model", "panel", "d", "N", "M", "bandwidth_spec", "run", "bandwidth", "rank", "error")
+REQUIRED_PROVENANCE = ("command", "config", "git_commit", "device", "date", "seeds", "wall_time_s")
+
+# Kernel bandwidth used by the relative-error study, per model. The sphere follows the paper
+# (Fig. 1: fixed σ = 1); the normal and log-normal models use the paper's data-driven heuristic
+# σ = σ0 · mean ‖X_n - Y_m‖² (§3.3) -- see the chapter "Synthetic experiments" for the evidence.
+RELERR_BANDWIDTH: dict[str, float | str] = {"sphere": 1.0, "normal": "mean_sq:0.5", "lognormal": "mean_sq:0.5"}
+
+
+# --------------------------------------------------------------------------------------------
+# Configurations
+# --------------------------------------------------------------------------------------------
+def _scale(scale: str | None) -> str:
+    scale = _config.scale() if scale is None else scale
+    if scale not in _config.SCALES:
+        raise ValueError(f"scale must be one of {_config.SCALES}, got {scale!r}")
+    return scale
+
+
+def relerr_config(scale: str | None = None) -> dict:
+    """Grid of the relative-error study (Figs. 1, 5). ``full``: the paper's 100 runs per point."""
+    full = _scale(scale) == "full"
+    return {
+        "experiment": "relerr", "scale": "full" if full else "small",
+        "models": list(MODELS),
+        "dims": list(range(1, 11)) if full else [1, 3, 5],
+        "N_values": [250, 500, 1000, 2000, 5000] if full else [250, 500, 1000],
+        "N_fixed": 5000 if full else 1000,
+        "M_values": [10, 30, 100, 300, 1000] if full else [10, 30, 100],
+        "runs": 100 if full else 4,
+        "eps": 1e-5, "lam": 0.0, "theta_variance": 0.1, "grad_variance": 0.1,
+        "bandwidth": dict(RELERR_BANDWIDTH), "damping": "T_tilde", "seed": 0,
+    }
+
+
+def bandwidth_config(scale: str | None = None) -> dict:
+    """Grid of the bandwidth study (Fig. 6): fixed σ, ``λ = ε = 1e-10``, ``M = ⌊d√N⌋``."""
+    full = _scale(scale) == "full"
+    return {
+        "experiment": "bandwidth", "scale": "full" if full else "small",
+        "models": list(MODELS),
+        "dims": list(range(1, 11)) if full else [1, 3, 5],
+        "N_fixed": 5000 if full else 1000,
+        "sigmas": [0.01, 0.1, 1.0, 10.0, 100.0, 1000.0] if full else [0.1, 1.0, 10.0, 100.0],
+        "runs": 100 if full else 4,
+        "eps": 1e-10, "lam": 1e-10, "theta_variance": 0.1, "grad_variance": 0.1,
+        "damping": "T_tilde", "seed": 1,
+    }
+
+
+def flow_config(scale: str | None = None) -> dict:
+    """Setting of the W2 flow (Fig. 2): normal model, ``d = 10``, KWNG with ``N = 128, M = 100``.
+
+    A method whose loss becomes non-finite or exceeds ``divergence_factor`` times the initial loss
+    is stopped and recorded as NaN from then on."""
+    full = _scale(scale) == "full"
+    return {
+        "experiment": "flow", "scale": "full" if full else "small",
+        "d": 10, "iterations": 400 if full else 40, "eps": 1e-10, "lam": 0.0,
+        # the paper's KWNG (N = 128, M = 100) and a variant with more samples and M = ⌊d√N⌋
+        "kwng_variants": {"kwng": {"N": 128, "M": 100}, "kwng_N1024": {"N": 1024, "M": 320}},
+        "steps": {"wng": 0.1, "kwng": 0.1, "kwng_N1024": 0.1, "eg": 1e-4},
+        "divergence_factor": 1e6,
+        "bandwidth": RELERR_BANDWIDTH["normal"], "theta_variance": 0.1, "target_mean_std": 1.0,
+        "damping": "T_tilde", "seed": 2,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Random draws (all on the CPU, keyed by the grid point so that any point can be redone alone)
+# --------------------------------------------------------------------------------------------
+def _seed(*parts: Any) -> int:
+    return zlib.crc32("|".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
+def draw_theta(model_name: str, d: int, generator: torch.Generator, variance: float = 0.1) -> torch.Tensor:
+    """One random parameter of the accuracy studies: ``θ = θ₀ + ξ``, ``ξ ~ N(0, variance · I)``.
+
+    ``θ₀ = 0`` for the sphere and the log-normal model (the paper's protocol as stated), and
+    ``θ₀ = (μ = 0, L = I)`` for the normal model, where ``θ = ξ`` alone would put ``L`` near a
+    random small lower-triangular matrix and ``Σ = LLᵀ`` close to singular (see the chapter).
+    """
+    if model_name not in MODELS:
+        raise ValueError(f"model_name must be one of {list(MODELS)}, got {model_name!r}")
+    model = make_model(model_name, d)
+    theta = model.random_params(generator, variance)
+    if model_name == "normal":
+        rows, cols = torch.tril_indices(d, d)
+        theta[d:] += (rows == cols).to(theta.dtype)
+    return theta
+
+
+def _parse_bandwidth(spec: float | str) -> tuple[float | str, float]:
+    """``1.0`` -> fixed σ; ``"mean_sq:0.5"`` -> heuristic with σ0 = 0.5."""
+    if isinstance(spec, str):
+        rule, _, s0 = spec.partition(":")
+        if rule != "mean_sq":
+            raise ValueError(f"bandwidth spec must be a number or 'mean_sq:<sigma0>', got {spec!r}")
+        return "mean_sq", float(s0 or 1.0)
+    return float(spec), 1.0
+
+
+def _sweep_points(cfg: dict, model_name: str) -> list[dict]:
+    pts = []
+    if cfg["experiment"] == "relerr":
+        bw = cfg["bandwidth"][model_name]
+        for d in cfg["dims"]:
+            for N in cfg["N_values"]:
+                pts.append({"panel": "N", "d": d, "N": N, "M": min(N, int(d * N ** 0.5)), "bandwidth_spec": bw})
+            for M in cfg["M_values"]:
+                if M <= cfg["N_fixed"]:
+                    pts.append({"panel": "M", "d": d, "N": cfg["N_fixed"], "M": M, "bandwidth_spec": bw})
+    elif cfg["experiment"] == "bandwidth":
+        N = cfg["N_fixed"]
+        for d in cfg["dims"]:
+            for s in cfg["sigmas"]:
+                pts.append({"panel": "sigma", "d": d, "N": N, "M": int(d * N ** 0.5), "bandwidth_spec": s})
+    else:
+        raise ValueError(f"cfg['experiment'] must be 'relerr' or 'bandwidth', got {cfg['experiment']!r}")
+    return pts
+
+
+def _point_key(model_name: str, p: dict) -> str:
+    return f"{model_name}|{p['panel']}|{p['d']}|{p['N']}|{p['M']}|{p['bandwidth_spec']}"
+
+
+# --------------------------------------------------------------------------------------------
+# Result files
+# --------------------------------------------------------------------------------------------
+def load_rows(path: str | Path) -> list[dict]:
+    """Rows of a sweep CSV as dicts with numeric fields converted (empty list if absent)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path, encoding="utf-8", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    for r in rows:
+        for k in ("d", "N", "M", "run", "rank"):
+            r[k] = int(r[k])
+        for k in ("bandwidth", "error"):
+            r[k] = float(r[k])
+    return rows
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=SWEEP_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (f"{r[k]:.10g}" if isinstance(r[k], float) else r[k]) for k in SWEEP_COLUMNS})
+    atomic_write_text(path, buf.getvalue())
+
+
+def _prepare_dir(out: Path, cfg: dict) -> dict:
+    """Create ``out``; clear previous results made with another configuration. Returns the
+    previous provenance (for the accumulated wall time) or ``{}``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / "config.json"
+    prev = {}
+    if cfg_path.exists():
+        old = read_json(cfg_path)
+        if old != json.loads(json.dumps(cfg)):
+            log.warning("configuration in %s differs from this run: starting afresh", out)
+            for f in list(out.glob("*.csv")) + [out / "provenance.json"]:
+                if f.exists():
+                    f.unlink()
+        elif (out / "provenance.json").exists():
+            prev = read_json(out / "provenance.json")
+    atomic_write_json(cfg_path, cfg)
+    return prev
+
+
+# --------------------------------------------------------------------------------------------
+# Sweeps (relerr, bandwidth)
+# --------------------------------------------------------------------------------------------
+def _compute_point(model_name: str, p: dict, cfg: dict, device: str, exact_cache: dict,
+                   mem_bytes: float) -> list[dict]:
+    d, N, M, R = p["d"], p["N"], p["M"], cfg["runs"]
+    model = make_model(model_name, d)
+    if (model_name, d) not in exact_cache:
+        thetas, grads, exact = [], [], []
+        for r in range(R):
+            g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, r))
+            th = draw_theta(model_name, d, g, cfg["theta_variance"])
+            gr = cfg["grad_variance"] ** 0.5 * torch.randn(model.num_params, generator=g, dtype=torch.float64)
+            thetas.append(th)
+            grads.append(gr)
+            exact.append(model.wng(th, gr))
+        exact_cache[(model_name, d)] = (torch.stack(thetas), torch.stack(grads), torch.stack(exact))
+    Theta, Grads, Exact = exact_cache[(model_name, d)]
+    Z = torch.empty(R, N, d, dtype=torch.float64)
+    idx = torch.empty(R, M, dtype=torch.long)
+    crd = torch.empty(R, M, dtype=torch.long)
+    for r in range(R):
+        g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, N, r))
+        Z[r] = torch.randn(N, d, generator=g, dtype=torch.float64)
+        gb = torch.Generator().manual_seed(_seed(cfg["seed"], _point_key(model_name, p), r))
+        idx[r] = torch.randperm(N, generator=gb)[:M]
+        crd[r] = torch.randint(0, d, (M,), generator=gb)
+    bw, sigma0 = _parse_bandwidth(p["bandwidth_spec"])
+    dev = torch.device(device)
+    D, sig, rank = batched_kwng(model, Theta.to(dev), Grads.to(dev), Z.to(dev), idx.to(dev), crd.to(dev),
+                                eps=cfg["eps"], lam=cfg["lam"], bandwidth=bw, sigma0=sigma0,
+                                damping=cfg["damping"], mem_bytes=mem_bytes)
+    D, sig, rank = D.cpu(), sig.cpu(), rank.cpu()
+    err = torch.linalg.vector_norm(D - Exact, dim=1) / torch.linalg.vector_norm(Exact, dim=1)
+    return [{"model": model_name, "panel": p["panel"], "d": d, "N": N, "M": M,
+             "bandwidth_spec": str(p["bandwidth_spec"]), "run": r, "bandwidth": float(sig[r]),
+             "rank": int(rank[r]), "error": float(err[r])} for r in range(R)]
+
+
+def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[str] | None = None,
+              mem_gb: float = 4.0, progress: bool = True) -> dict:
+    """Run (or resume) the ``relerr`` or ``bandwidth`` sweep described by ``cfg`` into ``out``.
+
+    ``models`` restricts the sweep to some of ``cfg["models"]``; ``mem_gb`` bounds the memory of
+    one batch of runs. Returns the provenance record written to ``out/provenance.json``.
+    """
+    from tqdm.auto import tqdm
+
+    if cfg.get("experiment") not in ("relerr", "bandwidth"):
+        raise ValueError("cfg['experiment'] must be 'relerr' or 'bandwidth'")
+    models = list(cfg["models"] if models is None else models)
+    for m in models:
+        if m not in cfg["models"]:
+            raise ValueError(f"models must be a subset of {cfg['models']}, got {m!r}")
+    if mem_gb <= 0:
+        raise ValueError(f"mem_gb must be in (0, inf), got {mem_gb}")
+    out = Path(out)
+    prev = _prepare_dir(out, cfg)
+    t0 = time.perf_counter()
+    timings: dict[str, float] = dict(prev.get("timings_s", {}))
+    exact_cache: dict = {}
+    for model_name in models:
+        path = out / f"{model_name}.csv"
+        rows = load_rows(path)
+        done: dict[str, int] = {}
+        for r in rows:
+            k = _point_key(model_name, r)
+            done[k] = done.get(k, 0) + 1
+        points = _sweep_points(cfg, model_name)
+        todo = [p for p in points if done.get(_point_key(model_name, p), 0) < cfg["runs"]]
+        keys_todo = {_point_key(model_name, p) for p in todo}
+        rows = [r for r in rows if _point_key(model_name, r) not in keys_todo]  # drop partial points
+        log.info("%s/%s: %d of %d points to do", cfg["experiment"], model_name, len(todo), len(points))
+        tm = time.perf_counter()
+        for p in tqdm(todo, desc=f"{cfg['experiment']}:{model_name}", disable=not progress):
+            rows.extend(_compute_point(model_name, p, cfg, device, exact_cache, mem_gb * 1e9))
+            _write_rows(path, rows)
+        timings[model_name] = timings.get(model_name, 0.0) + time.perf_counter() - tm
+    wall = time.perf_counter() - t0
+    return write_provenance(out, cfg, seeds={"base_seed": cfg["seed"], "rule": "crc32 of the grid point key"},
+                            device=device, wall_time_s=wall,
+                            wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall, timings_s=timings,
+                            models_done=sorted(set(prev.get("models_done", [])) | set(models)))
+
+
+# --------------------------------------------------------------------------------------------
+# The W2 flow (Fig. 2)
+# --------------------------------------------------------------------------------------------
+def normal_w2_and_grad(model: NormalModel, theta: torch.Tensor, mu_t: np.ndarray, Sigma_t: np.ndarray
+                       ) -> tuple[float, torch.Tensor]:
+    """``L(θ) = W2²(N(μ, LLᵀ), N(μ*, Σ*))`` and its Euclidean gradient in ``θ = (μ, vech L)``.
+
+    With ``S = Σ*^{1/2}`` and ``T = S (SΣS)^{-1/2} S`` (the optimal transport map from ``N(·, Σ)`` to
+    ``N(·, Σ*)``), ``∇_μ L = 2(μ - μ*)`` and ``∇_Σ L = I - T``, so that ``∇_L L = tril(2 (I - T) L)``.
+    """
+    if not isinstance(model, NormalModel):
+        raise ValueError("model must be a NormalModel")
+    mu, L = model.split(theta)
+    mu, L = mu.detach().cpu().numpy(), L.detach().cpu().numpy()
+    Sigma = L @ L.T
+    loss = gaussian_w2_squared(mu, Sigma, mu_t, Sigma_t)
+    w, V = np.linalg.eigh(Sigma_t)
+    S = (V * np.sqrt(np.clip(w, 0, None))) @ V.T
+    w2, V2 = np.linalg.eigh(S @ Sigma @ S)
+    inv_sqrt = (V2 / np.sqrt(np.clip(w2, 1e-300, None))) @ V2.T
+    Tmap = S @ inv_sqrt @ S
+    gL = 2.0 * (np.eye(model.d) - Tmap) @ L
+    grad = model.join(torch.from_numpy(2.0 * (mu - mu_t)), torch.from_numpy(np.tril(gL)))
+    return loss, grad.to(torch.float64)
+
+
+def _flow_problem(cfg: dict) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.ndarray]:
+    d = cfg["d"]
+    model = NormalModel(d)
+    g = torch.Generator().manual_seed(cfg["seed"])
+    theta0 = draw_theta("normal", d, g, cfg["theta_variance"])
+    target = draw_theta("normal", d, g, cfg["theta_variance"])
+    target[:d] = cfg["target_mean_std"] * torch.randn(d, generator=g, dtype=torch.float64)
+    mu_t, L_t = model.split(target)
+    return model, theta0, mu_t.numpy(), (L_t @ L_t.T).numpy()
+
+
+def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = True) -> dict:
+    """Fig. 2: iterate ``θ ← θ - γ · direction`` for exact WNG, KWNG and EG on the W2² loss.
+
+    Writes ``out/loss.csv`` (iteration, method, loss), ``out/trajectories.csv`` (iteration,
+    method, θ) and ``out/pca.csv`` (the trajectories projected on the two leading principal
+    directions of the WNG trajectory), plus provenance. Returns the provenance record.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    prev = _prepare_dir(out, cfg)
+    if (out / "pca.csv").exists() and prev:
+        log.info("flow results already complete in %s", out)
+        return prev
+    t0 = time.perf_counter()
+    model, theta0, mu_t, Sigma_t = _flow_problem(cfg)
+    variants = cfg["kwng_variants"]
+    bw, sigma0 = _parse_bandwidth(cfg["bandwidth"])
+    kernel = GaussianKernel(1.0 if isinstance(bw, str) else bw)
+    dev = torch.device(device)
+    methods = ["wng", *variants, "eg"]
+    traj = {m: [theta0.clone()] for m in methods}
+    loss0 = normal_w2_and_grad(model, theta0, mu_t, Sigma_t)[0]
+    losses = {m: [loss0] for m in methods}
+    stopped: dict[str, int] = {}
+    for it in tqdm(range(cfg["iterations"]), desc="flow", disable=not progress):
+        for method in methods:
+            th = traj[method][-1]
+            if method in stopped:
+                traj[method].append(torch.full_like(th, float("nan")))
+                losses[method].append(float("nan"))
+                continue
+            _, grad = normal_w2_and_grad(model, th, mu_t, Sigma_t)
+            try:
+                if method == "eg":
+                    direction = grad
+                elif method == "wng":
+                    direction = model.wng(th, grad)
+                else:
+                    N, M = variants[method]["N"], variants[method]["M"]
+                    g = torch.Generator().manual_seed(_seed(cfg["seed"], method, it))
+                    Z = model.sample_latent(N, g).to(dev)
+                    res = kwng_gradient(lambda t, Z=Z: model.sample(t, Z), th.to(dev), grad.to(dev), num_basis=M,
+                                        eps=cfg["eps"], lam=cfg["lam"], kernel=kernel, generator=g,
+                                        damping=cfg["damping"], bandwidth=bw if isinstance(bw, str) else None,
+                                        sigma0=sigma0)
+                    direction = res.direction.cpu()
+                new = th - cfg["steps"][method] * direction
+                loss = normal_w2_and_grad(model, new, mu_t, Sigma_t)[0]
+                ok = bool(torch.isfinite(new).all()) and np.isfinite(loss) and loss < cfg["divergence_factor"] * loss0
+            except (ValueError, np.linalg.LinAlgError) as exc:  # diverged: samples or Σ unusable
+                log.warning("flow %s failed at iteration %d: %s", method, it, exc)
+                ok = False
+            if not ok:
+                log.warning("flow %s diverged at iteration %d; recording NaN from here", method, it)
+                stopped[method] = it
+                new, loss = torch.full_like(th, float("nan")), float("nan")
+            traj[method].append(new)
+            losses[method].append(loss)
+    buf = io.StringIO()
+    buf.write("iteration,method,loss\n")
+    for m, ls in losses.items():
+        for i, v in enumerate(ls):
+            buf.write(f"{i},{m},{v:.12g}\n")
+    atomic_write_text(out / "loss.csv", buf.getvalue())
+    buf = io.StringIO()
+    buf.write("iteration,method," + ",".join(f"theta_{k}" for k in range(model.num_params)) + "\n")
+    for m, ts in traj.items():
+        for i, t in enumerate(ts):
+            buf.write(f"{i},{m}," + ",".join(f"{x:.10g}" for x in t.tolist()) + "\n")
+    atomic_write_text(out / "trajectories.csv", buf.getvalue())
+    W = torch.stack(traj["wng"]).numpy()
+    W = W[np.isfinite(W).all(1)]
+    centre = W.mean(0)
+    _, svals, Vt = np.linalg.svd(W - centre, full_matrices=False)
+    buf = io.StringIO()
+    buf.write("iteration,method,pc1,pc2\n")
+    for m, ts in traj.items():
+        P = (torch.stack(ts).numpy() - centre) @ Vt[:2].T
+        for i, (a, b) in enumerate(P):
+            buf.write(f"{i},{m},{a:.10g},{b:.10g}\n")
+    atomic_write_text(out / "pca.csv", buf.getvalue())
+    wall = time.perf_counter() - t0
+    explained = (svals[:2] ** 2 / (svals ** 2).sum()).tolist()
+    return write_provenance(out, cfg, seeds={"base_seed": cfg["seed"]}, device=device, wall_time_s=wall,
+                            wall_time_total_s=wall, pca_explained_variance=explained, diverged_at=stopped,
+                            target_mean=mu_t.tolist(), target_cov=Sigma_t.tolist())
+
+
+def load_flow(results_dir: str | Path) -> dict:
+    """``{"loss": {method: array}, "pca": {method: (T, 2) array}, "provenance": dict}``."""
+    results_dir = Path(results_dir)
+    loss: dict[str, list] = {}
+    with open(results_dir / "loss.csv", encoding="utf-8") as fh:
+        for r in csv.DictReader(fh):
+            loss.setdefault(r["method"], []).append(float(r["loss"]))
+    pca: dict[str, list] = {}
+    with open(results_dir / "pca.csv", encoding="utf-8") as fh:
+        for r in csv.DictReader(fh):
+            pca.setdefault(r["method"], []).append((float(r["pc1"]), float(r["pc2"])))
+    return {"loss": {k: np.array(v) for k, v in loss.items()}, "pca": {k: np.array(v) for k, v in pca.items()},
+            "provenance": read_json(results_dir / "provenance.json")}
+
+
+# --------------------------------------------------------------------------------------------
+# Completeness check of committed results
+# --------------------------------------------------------------------------------------------
+def check_results_complete(name: str, results_dir: str | Path = "results", runs: int = 100) -> list[str]:
+    """Problems with ``results_dir/name`` (empty list when complete).
+
+    A sweep is complete when every grid point of its configuration holds ``runs`` runs with a
+    finite error and ``provenance.json`` has the keys of :data:`REQUIRED_PROVENANCE`; the flow
+    needs its three CSVs and all iterations of the three methods.
+    """
+    if name not in ("relerr", "bandwidth", "flow"):
+        raise ValueError(f"name must be one of ['relerr', 'bandwidth', 'flow'], got {name!r}")
+    d = Path(results_dir) / name
+    problems: list[str] = []
+    if not (d / "provenance.json").exists():
+        return [f"{d}/provenance.json missing"]
+    prov = read_json(d / "provenance.json")
+    problems += [f"provenance lacks {k!r}" for k in REQUIRED_PROVENANCE if k not in prov]
+    cfg = prov.get("config", {})
+    if name == "flow":
+        for f in ("loss.csv", "trajectories.csv", "pca.csv"):
+            if not (d / f).exists():
+                problems.append(f"{f} missing")
+        if not problems:
+            fl = load_flow(d)
+            for m in ("wng", *cfg.get("kwng_variants", {}), "eg"):
+                if len(fl["loss"].get(m, [])) != cfg["iterations"] + 1:
+                    problems.append(f"flow method {m}: {len(fl['loss'].get(m, []))} losses, "
+                                    f"expected {cfg['iterations'] + 1}")
+        return problems
+    if cfg.get("runs") != runs:
+        problems.append(f"config has {cfg.get('runs')} runs per point, expected {runs}")
+    for model_name in cfg.get("models", []):
+        rows = load_rows(d / f"{model_name}.csv")
+        count: dict[str, int] = {}
+        for r in rows:
+            if np.isfinite(r["error"]):
+                k = _point_key(model_name, r)
+                count[k] = count.get(k, 0) + 1
+        for p in _sweep_points(cfg, model_name):
+            c = count.get(_point_key(model_name, p), 0)
+            if c != cfg.get("runs"):
+                problems.append(f"{model_name} {p}: {c} runs")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kwng.experiments relerr|bandwidth|flow [--scale] [--model ...] [--device] [--out]``."""
+    ap = argparse.ArgumentParser(prog="python -m kwng.experiments", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=["relerr", "bandwidth", "flow"])
+    ap.add_argument("--scale", choices=list(_config.SCALES), default=None,
+                    help="grid size (default: $KWNG_SCALE, else small)")
+    ap.add_argument("--model", nargs="+", choices=list(MODELS), default=None, help="models to run (sweeps)")
+    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    ap.add_argument("--out", default=None, help="output directory (default results/<name>)")
+    ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound of one batch of runs")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    out = Path(args.out or Path("results") / args.name)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda requested but CUDA is not available")
+    if args.name == "flow":
+        prov = run_flow(flow_config(args.scale), out, args.device, progress=not args.no_progress)
+    else:
+        cfg = relerr_config(args.scale) if args.name == "relerr" else bandwidth_config(args.scale)
+        prov = run_sweep(cfg, out, args.device, args.model, args.mem_gb, progress=not args.no_progress)
+    log.info("%s done in %.1f s -> %s", args.name, prov["wall_time_s"], out)
+    print(f"{args.name}: wall time {prov['wall_time_s']:.1f} s on {prov['device']} -> {out}")
+    return 0
