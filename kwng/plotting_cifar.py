@@ -1,0 +1,169 @@
+"""Figures and tables of the CIFAR study from result records (book chapter :ref:`experiments-cifar`).
+
+Each function takes the dictionary of :func:`kwng.experiments.cifar.load_results`
+(``{(conditioning, method, seed): record}``) and returns a matplotlib figure or plain data:
+
+* :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per epoch, ill- and
+  well-conditioned side by side, mean over seeds with the min–max band);
+* :func:`fig_accuracy_vs_time` — Fig. 7 (accuracy against training time);
+* :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ kernel, scaled logits);
+* :func:`final_accuracy_table` — final test accuracy per method and conditioning, mean ± spread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+__all__ = ["MAIN_METHODS", "ABLATION_METHODS", "curves", "final_accuracy_table", "format_table",
+           "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation"]
+
+MAIN_METHODS = ("sgd", "sgd_momentum", "sgd_momentum_wd", "adam", "kfac", "ekfac", "kwng", "kwng_m20",
+                "kwng_momentum", "kwng_bigbatch")
+ABLATION_METHODS = ("kwng", "kwng_damping_identity", "kwng_damping_T", "diag_T", "diag_Ttilde", "kwng_rq",
+                    "kwng_scaled_logits")
+_COLORS = {"sgd": "tab:blue", "sgd_momentum": "tab:cyan", "sgd_momentum_wd": "tab:olive", "adam": "tab:green",
+           "kfac": "tab:purple", "ekfac": "tab:orange", "kwng": "tab:red", "kwng_m20": "tab:brown",
+           "kwng_momentum": "tab:gray", "kwng_bigbatch": "tab:pink", "kwng_damping_identity": "tab:blue",
+           "kwng_damping_T": "tab:green", "diag_T": "tab:purple", "diag_Ttilde": "tab:cyan",
+           "kwng_rq": "gold", "kwng_scaled_logits": "tab:brown"}
+
+
+def curves(results: dict, conditioning: str, method: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(epochs, values)`` with values of shape ``(seeds, epochs)``, truncated to the shortest run."""
+    runs = [r for (c, m, _), r in sorted(results.items()) if c == conditioning and m == method and r["epochs"]]
+    if not runs:
+        return np.zeros(0), np.zeros((0, 0))
+    n = min(len(r["epochs"]) for r in runs)
+    vals = np.array([[row[key] for row in r["epochs"][:n]] for r in runs], dtype=float)
+    return np.arange(1, n + 1), vals
+
+
+def final_accuracy_table(results: dict, methods: Sequence[str] = MAIN_METHODS + ABLATION_METHODS[1:],
+                         conditionings: Sequence[str] = ("ill", "well")) -> dict:
+    """``{method: {cond: {"mean", "min", "max", "std", "n", "epochs", "diverged"}}}`` of the last-epoch
+    test accuracy (absent entries: no run)."""
+    out: dict = {}
+    for m in methods:
+        for c in conditionings:
+            runs = [r for (cc, mm, _), r in results.items() if cc == c and mm == m and r["epochs"]]
+            if not runs:
+                continue
+            acc = np.array([r["epochs"][-1]["test_acc"] for r in runs], dtype=float)
+            out.setdefault(m, {})[c] = {
+                "mean": float(np.nanmean(acc)) if np.isfinite(acc).any() else float("nan"),
+                "min": float(np.nanmin(acc)) if np.isfinite(acc).any() else float("nan"),
+                "max": float(np.nanmax(acc)) if np.isfinite(acc).any() else float("nan"),
+                "std": float(np.nanstd(acc, ddof=1)) if np.isfinite(acc).sum() > 1 else 0.0,
+                "n": len(runs), "epochs": [len(r["epochs"]) for r in runs],
+                "complete": all(r.get("complete") for r in runs),
+                "diverged": sum(bool(r.get("diverged")) for r in runs)}
+    return out
+
+
+def format_table(table: dict, conditionings: Sequence[str] = ("ill", "well")) -> str:
+    """A Markdown table: mean ± std (min–max, n seeds) of the final test accuracy in %."""
+    head = "| method | " + " | ".join(f"{c}-conditioned" for c in conditionings) + " |"
+    lines = [head, "|---" * (len(conditionings) + 1) + "|"]
+    for m, row in table.items():
+        cells = []
+        for c in conditionings:
+            e = row.get(c)
+            if e is None:
+                cells.append("–")
+                continue
+            s = f"{100 * e['mean']:.1f}"
+            if e["n"] > 1:
+                s += f" ± {100 * e['std']:.1f} ({100 * e['min']:.1f}–{100 * e['max']:.1f}, n={e['n']})"
+            if not e["complete"]:
+                s += " (incomplete)"
+            if e["diverged"]:
+                s += f" ({e['diverged']} diverged)"
+            cells.append(s)
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _band(ax, x, vals, label, color):
+    if vals.size == 0:
+        return
+    mean = vals.mean(0)
+    ax.plot(x, 100 * mean, color=color, label=label, lw=1.5)
+    if vals.shape[0] > 1:
+        ax.fill_between(x, 100 * vals.min(0), 100 * vals.max(0), color=color, alpha=0.2, lw=0)
+
+
+def fig_accuracy_per_epoch(results: dict, methods: Sequence[str] = MAIN_METHODS, title: str = ""):
+    """Fig. 3: rows test / training accuracy, columns ill- / well-conditioned."""
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, squeeze=False)
+    for j, cond in enumerate(("ill", "well")):
+        for i, (key, name) in enumerate((("test_acc", "test accuracy (%)"), ("train_acc", "training accuracy (%)"))):
+            ax = axes[i, j]
+            for m in methods:
+                x, v = curves(results, cond, m, key)
+                _band(ax, x, v, m, _COLORS.get(m))
+            ax.set_ylabel(name)
+            ax.set_title(f"{cond}-conditioned")
+            ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("epoch")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    fig.suptitle(title or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)")
+    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    return fig
+
+
+def fig_accuracy_vs_time(results: dict, methods: Sequence[str] = MAIN_METHODS, timing: dict | None = None,
+                         train_size: int = 50_000):
+    """Fig. 7: accuracy against training time. With ``timing`` (the record of ``cifar timing``) the time
+    axis is ``epoch × steps per epoch × seconds per step measured alone``; otherwise the recorded
+    cumulative training time (which includes slow-down from runs sharing the GPU)."""
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), squeeze=False)
+    for i, cond in enumerate(("ill", "well")):
+        for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
+            ax = axes[i, j]
+            for m in methods:
+                x, v = curves(results, cond, m, key)
+                if v.size == 0:
+                    continue
+                if timing is not None and m in timing["methods"]:
+                    t = timing["methods"][m]
+                    t_ep = -(-train_size // t["batch_size"]) * t["sec_per_step"]
+                    tx = x * t_ep
+                else:
+                    _, tt = curves(results, cond, m, "time_train")
+                    tx = tt.mean(0)
+                _band(ax, tx, v, m, _COLORS.get(m))
+            ax.set_title(f"{cond}-conditioned")
+            ax.set_ylabel(name)
+            ax.set_xlabel("training time (s)")
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    fig.suptitle("CIFAR-10: accuracy against training time")
+    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    return fig
+
+
+def fig_ablation(results: dict, methods: Sequence[str] = ABLATION_METHODS):
+    """Fig. 8: ill-conditioned case, KWNG against its variants (training and test accuracy per epoch)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), squeeze=False)
+    for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
+        ax = axes[0, j]
+        for m in methods:
+            x, v = curves(results, "ill", m, key)
+            _band(ax, x, v, m, _COLORS.get(m))
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle("Ill-conditioned CIFAR-10: damping, diagonal conditioning, kernel")
+    fig.tight_layout(rect=(0, 0.12, 1, 0.93))
+    return fig
