@@ -8,10 +8,11 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: book test install lint clean bench
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip -q
 	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
