@@ -8,6 +8,9 @@ The package behind the kwng book. Public API:
   :func:`nystrom_solve` and its building blocks;
 * models with closed-form WNG: :class:`NormalModel`, :class:`LogNormalModel`,
   :class:`HyperSphereModel`;
+* deep networks: :class:`KWNGPreconditioner` (drop-in between ``loss.backward`` and
+  ``optimizer.step``; see :mod:`kwng.precond`), the networks of the CIFAR study in
+  :mod:`kwng.nets`, data in :mod:`kwng.data`, KFAC/EKFAC baselines in :mod:`kwng.baselines`;
 * the scale switch :func:`scale` (``$KWNG_SCALE`` = ``small`` | ``full``).
 """
 
@@ -17,14 +20,17 @@ from .estimator import (
     DAMPINGS,
     METHODS,
     KWNGResult,
+    bandwidth_tensor,
     damping_vector,
     draw_basis,
     jacobian_from_outputs,
     jacobian_from_sampler,
     kernel_matrices,
+    kernel_matrices_nosync,
     kwng_gradient,
     kwng_gradient_from_outputs,
     nystrom_solve,
+    nystrom_solve_nosync,
 )
 from .kernels import (
     GaussianKernel,
@@ -45,6 +51,8 @@ from .models import (
     make_model,
     normal_wng_sigma_coords,
 )
+from .precond import MODES as PRECOND_MODES
+from .precond import KWNGPreconditioner
 
 __version__ = "0.1.0"
 
@@ -57,6 +65,8 @@ __all__ = [
     "kwng_gradient_from_outputs",
     "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
     "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
+    "bandwidth_tensor", "kernel_matrices_nosync", "nystrom_solve_nosync",
+    "KWNGPreconditioner", "PRECOND_MODES",
     "relative_error",
 ]
 

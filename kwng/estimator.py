@@ -53,6 +53,9 @@ __all__ = [
     "nystrom_solve",
     "kwng_gradient",
     "kwng_gradient_from_outputs",
+    "bandwidth_tensor",
+    "kernel_matrices_nosync",
+    "nystrom_solve_nosync",
     "DAMPINGS",
     "METHODS",
     "BANDWIDTH_RULES",
@@ -372,3 +375,125 @@ def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], 
     res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel),
                            basis_idx=basis_idx, basis_coords=basis_coords)
     return res
+
+
+# --- sync-free variants for training loops on GPU (used by kwng.precond, mode="fast") -------------
+#
+# ``kernel_matrices`` and ``nystrom_solve`` validate their inputs and return Python numbers (rank,
+# condition numbers), which forces the host to wait for the GPU. The two functions below compute
+# the same quantities with tensors only, so a training step can be queued without a host sync.
+
+
+def bandwidth_tensor(sq_dists: torch.Tensor, bandwidth: float | str, sigma0: float = 1.0) -> torch.Tensor:
+    """The kernel bandwidth as a 0-dim tensor (no host sync) from the ``M × N`` squared distances.
+
+    ``"mean_sq"``: ``σ0 · mean ‖X_n - Y_m‖²`` (the paper's heuristic, as :func:`mean_sq_bandwidth`);
+    ``"median"``: ``σ0 ·`` median of the same distances (as :func:`median_bandwidth` with ``Y``);
+    a number: that bandwidth.
+    """
+    if isinstance(bandwidth, str):
+        check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
+        stat = sq_dists.mean() if bandwidth == "mean_sq" else sq_dists.flatten().median()
+        return sigma0 * stat
+    return torch.as_tensor(float(bandwidth), dtype=sq_dists.dtype, device=sq_dists.device)
+
+
+def kernel_matrices_nosync(X: torch.Tensor, basis_idx: torch.Tensor, basis_coords: torch.Tensor,
+                           kernel: Kernel, bandwidth: float | str | None = None, sigma0: float = 1.0
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``C``, ``K``, ``CCᵀ`` of Prop. 5 exactly as :func:`kernel_matrices`, without host syncs.
+
+    ``basis_idx`` and ``basis_coords`` must already be valid (no range checks here) and may live on
+    the device. ``bandwidth`` as in :func:`bandwidth_tensor` (``None`` keeps the kernel's own).
+    Returns ``(C, K, CCt, sigma)`` with ``sigma`` the bandwidth used, a 0-dim tensor. The kernel's
+    radial profile ``φ(s), φ'(s), φ''(s)`` is evaluated with a tensor bandwidth, and
+    ``C[m, n, j] = -2 φ'(s_mn) δ_{i_m j} - 4 φ''(s_mn) r_{mn, i_m} r_{mn, j}`` with ``r = Y_m - X_n``
+    (the formula of :meth:`Kernel.mixed_coord`).
+    """
+    X = X.detach()
+    idx = basis_idx.to(X.device, non_blocking=True)
+    coords = basis_coords.to(X.device, non_blocking=True)
+    r = X[idx][:, None, :] - X[None, :, :]  # (M, N, d)
+    s = (r * r).sum(-1)
+    k = copy.copy(kernel)
+    if bandwidth is None:
+        sigma = torch.as_tensor(kernel.bandwidth, dtype=X.dtype, device=X.device)
+    else:
+        sigma = bandwidth_tensor(s, bandwidth, sigma0)
+    k._bandwidth = sigma  # a tensor: skips the setter's float() validation (a host sync)
+    _, d1, d2 = k._profile(s)
+    E = torch.nn.functional.one_hot(coords, X.shape[1]).to(X.dtype)  # (M, d)
+    r_i = (r * E[:, None, :]).sum(-1, keepdim=True)  # (M, N, 1)
+    C = -2.0 * d1[..., None] * E[:, None, :] - 4.0 * d2[..., None] * r_i * r
+    K = (C[:, idx, :] * E[None, :, :]).sum(-1)  # K[m, m'] = C[m, idx[m'], i_{m'}]
+    Cf = C.reshape(C.shape[0], -1)
+    return C, K, Cf @ Cf.T, sigma
+
+
+def nystrom_solve_nosync(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: torch.Tensor, N: int, *,
+                         eps: float | torch.Tensor, lam: float = 0.0, damping: str = "T_tilde",
+                         rcond: float | None = None, damping_floor: float = 1e-8,
+                         diagonal_only: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The stable estimator of Prop. 6 with tensors only (no host sync, no data-dependent branch).
+
+    Same estimator as :func:`nystrom_solve` with ``method="stable"``; two differences in *how*:
+
+    * the whitening ``W`` with ``W CCᵀ Wᵀ = I`` is ``L⁻¹`` from the Cholesky factor
+      ``CCᵀ = L Lᵀ`` instead of ``S^{-1/2} Uᵀ`` from the eigendecomposition. Both differ by an
+      orthogonal ``Q`` (``L⁻¹ = Q S^{-1/2} Uᵀ``), and the estimator and the column norms
+      ``‖T̃_{·,i}‖`` of the ``T_tilde`` damping are invariant under ``T̃ → Q T̃``;
+    * a nearly singular ``CCᵀ`` (a Cholesky pivot below ``rcond`` times the largest, or a failed
+      factorisation) is regularised to ``CCᵀ + μ I`` with ``μ = rcond · max diag CCᵀ`` instead of
+      truncated; ``info["ill_conditioned"]`` flags it and ``info["rank"]`` counts the pivots above
+      the threshold. The ``M × M`` algebra runs in float64.
+
+    ``eps`` may be a 0-dim tensor (the Levenberg-Marquardt ``ε`` kept on the device).
+    ``diagonal_only=True`` returns ``D⁻¹ ∇L`` (the paper's "diagonal conditioning" ablation).
+    Returns the direction (dtype of ``grad``) and a dict of 0-dim tensors: ``rank``,
+    ``ill_conditioned``, ``solve_failed`` (the ``r × r`` Cholesky failed: the direction is not
+    finite and the caller must fall back), ``damping_floored``.
+    """
+    check_choice(damping, "damping", DAMPINGS)
+    lam = check_positive(lam, "lam", allow_zero=True)
+    M, q = T.shape
+    f64, dev = torch.float64, T.device
+    if rcond is None:
+        rcond = M * torch.finfo(CCt.dtype).eps
+    eye = torch.eye(M, dtype=f64, device=dev)
+    A0 = CCt.to(f64)
+    L, info = torch.linalg.cholesky_ex(A0)
+    mu = rcond * A0.diagonal().max().clamp(min=torch.finfo(f64).tiny)
+    Lj, _ = torch.linalg.cholesky_ex(A0 + mu * eye)
+    piv = L.diagonal() ** 2
+    ok = (info == 0) & torch.isfinite(piv).all() & (piv.min() > rcond * piv.max())
+    L = torch.where(ok, L, Lj)
+    piv_used = L.diagonal() ** 2
+    rank = (piv_used > rcond * piv_used.max()).sum()
+    W = torch.linalg.solve_triangular(L, eye, upper=False)  # L⁻¹
+    Tt = W.to(T.dtype) @ T
+    if damping == "identity":
+        Dvec = torch.ones(q, dtype=T.dtype, device=dev)
+        n_floor = torch.zeros((), dtype=torch.long, device=dev)
+    else:
+        src = T if damping == "T" else Tt
+        norms = torch.einsum("mq,mq->q", src, src).sqrt()  # column norms; a strided dim-0 norm is slow
+        n_floor = (norms < damping_floor).sum()
+        Dvec = norms.clamp(min=damping_floor)
+    Dinv = 1.0 / Dvec
+    g = grad.to(T.dtype)
+    Dg = Dinv * g
+    eps64 = torch.as_tensor(eps, dtype=f64, device=dev)
+    if diagonal_only:
+        failed = torch.zeros((), dtype=torch.bool, device=dev)
+        direction = Dg
+    else:
+        A = ((Tt * Dinv) @ Tt.T).to(f64) + (eps64 / N) * eye
+        if lam > 0:
+            A = A + lam * eps64 * (W @ K.to(f64) @ W.T)
+        v = (Tt @ Dg).to(f64)
+        LA, infoA = torch.linalg.cholesky_ex(A)
+        w = torch.cholesky_solve(v[:, None], LA)[:, 0]
+        failed = infoA != 0
+        direction = (Dg - Dinv * (Tt.T @ w.to(T.dtype))) / eps64.to(T.dtype)
+    return direction.to(grad.dtype), {"rank": rank, "ill_conditioned": ~ok, "solve_failed": failed,
+                                      "damping_floored": n_floor}
