@@ -19,7 +19,10 @@ set -u
 PHASE=${1:?usage: run_cifar_gpu.sh 1|2}
 OUT=${OUT:-/tmp/out}
 LIMIT=${LIMIT:-510}            # seconds after which this phase must be tarring
-PROCS=${PROCS:-6}              # processes sharing the GPU
+PROCS=${PROCS:-6}              # processes sharing each GPU
+GPUS=${GPUS:-1}                # GPUs of the machine (one group of PROCS workers each)
+MAIN_BUDGET=${MAIN_BUDGET:-750}  # single-GPU seconds the main runs may take (x GPUS for the schedule)
+MAIN_IN_PHASE1=${MAIN_IN_PHASE1:-1}  # 0: phase 1 stops after selection (main runs all in phase 2)
 DATA=${DATA:-.data/cifar10_jpeg.npz}
 mkdir -p "$OUT"
 PY=${PY:-python}
@@ -32,17 +35,19 @@ $PY -c "from kwng.data import load_cifar; [load_cifar('cifar10', s, '$DATA') for
 left() { echo $(( LIMIT - SECONDS )); }
 if [ "$PHASE" = 1 ]; then
   $PY -m kwng.experiments cifar timing --steps 30 --warmup 5 2>&1 | grep -E "timing|Error"
-  $PY -m kwng.experiments cifar sweep --plan select --select-steps 120 --gpus 1 --procs-per-gpu "$PROCS" \
-      --data-root "$DATA" --deadline-s $(( $(left) - 230 )) 2>&1 | grep -vE "epoch 1:|UserWarning|warnings.warn" | tail -20
+  $PY -m kwng.experiments cifar sweep --plan select --select-steps 120 --gpus "$GPUS" --procs-per-gpu "$PROCS" \
+      --data-root "$DATA" --deadline-s $(( $(left) - 60 )) 2>&1 | grep -vE "epoch 1:|UserWarning|warnings.warn" | tail -20
   $PY -m kwng.experiments cifar select 2>&1 | grep selected
-  $PY -m kwng.experiments cifar schedule --budget-s 750 2>&1 | tail -1
-  echo "phase 1: main runs start at ${SECONDS}s"
-  $PY -m kwng.experiments cifar sweep --plan main --epochs auto --gpus 1 --procs-per-gpu "$PROCS" \
-      --data-root "$DATA" --deadline-s $(( $(left) - 25 )) 2>&1 | grep -E "epoch [0-9]+:|ERROR|Error" | tail -40
+  $PY -m kwng.experiments cifar schedule --budget-s $(( MAIN_BUDGET * GPUS )) 2>&1 | tail -1
+  if [ "$MAIN_IN_PHASE1" = 1 ]; then
+    echo "phase 1: main runs start at ${SECONDS}s"
+    $PY -m kwng.experiments cifar sweep --plan main --epochs auto --gpus "$GPUS" --procs-per-gpu "$PROCS" \
+        --data-root "$DATA" --deadline-s $(( $(left) - 25 )) 2>&1 | grep -E "epoch [0-9]+:|ERROR|Error" | tail -40
+  fi
   TAR=cifar_phase1.tar.gz
 else
   test -f results/cifar/selection/selected.json || { echo "extract the phase-1 tar first"; exit 2; }
-  $PY -m kwng.experiments cifar sweep --plan main --epochs auto --gpus 1 --procs-per-gpu "$PROCS" \
+  $PY -m kwng.experiments cifar sweep --plan main --epochs auto --gpus "$GPUS" --procs-per-gpu "$PROCS" \
       --data-root "$DATA" --deadline-s $(( $(left) - 25 )) 2>&1 | grep -E "epoch [0-9]+:|ERROR|Error" | tail -60
   $PY -m kwng.experiments cifar check; TAR=cifar_results.tar.gz
 fi
