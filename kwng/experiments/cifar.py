@@ -235,11 +235,11 @@ def _rng_state(device: torch.device) -> dict:
 
 
 def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # map_location may have moved it
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 def _sync(device: torch.device) -> None:
@@ -309,7 +309,7 @@ def run(cfg: RunConfig | dict, progress: bool = True) -> dict:
         scheduler.load_state_dict(ck["scheduler"])
         if precond is not None:
             precond.load_state_dict(ck["precond"])
-        data_gen.set_state(ck["data_gen"])
+        data_gen.set_state(ck["data_gen"].cpu())
         _set_rng_state(ck["rng"], device)
         record = ck["record"]
         start_epoch, steps, time_train = ck["epoch"], ck["steps"], ck["time_train"]
