@@ -14,6 +14,7 @@ Modes (all do zero_grad → forward → loss → gradients → optimizer.step):
   ``M + 1`` serial backward passes and host-side algebra);
 * ``kwng_fast``: ``mode="fast"`` (one batched backward, sync-free algebra);
 * ``kwng_loop``: ``mode="loop"`` (serial backward passes, sync-free algebra);
+* ``kwng_ensemble``: ``mode="ensemble"`` (one forward + backward of an ``M+1``-copy ensemble);
 * ``diag_only``: ``mode="fast", diagonal_only=True`` (``D⁻¹ g``, the ablation of App. E);
 * ``forward`` and ``forward_backward``: parts of the SGD step, for the cost analysis.
 """
@@ -40,7 +41,8 @@ __all__ = ["time_steps", "bench_model", "main"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("forward", "forward_backward", "sgd", "kwng_reference", "kwng_loop", "kwng_fast", "diag_only")
+MODES = ("forward", "forward_backward", "sgd", "kwng_reference", "kwng_loop", "kwng_fast", "kwng_ensemble",
+         "diag_only")
 
 
 def _sync(device: torch.device) -> None:
@@ -69,7 +71,8 @@ def _make_step(mode: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, nu
     precond = None
     if mode.startswith("kwng") or mode == "diag_only":
         kw = {"kwng_reference": {"mode": "reference"}, "kwng_loop": {"mode": "loop"},
-              "kwng_fast": {"mode": "fast"}, "diag_only": {"mode": "fast", "diagonal_only": True}}[mode]
+              "kwng_fast": {"mode": "fast"}, "kwng_ensemble": {"mode": "ensemble"},
+              "diag_only": {"mode": "fast", "diagonal_only": True}}[mode]
         precond = KWNGPreconditioner(model, optimizer=opt, num_basis=num_basis, eps=1e-5, **kw)
 
     def step() -> None:
@@ -121,6 +124,7 @@ def bench_model(name: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, *
             rec["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
         if precond is not None:
             rec["counters"] = precond.counters()
+            precond.remove_hooks()
         if mode in ("kwng_fast", "diag_only"):
             rec["vmap_fallback_warnings"] = fallbacks
         out[mode] = rec

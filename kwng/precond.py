@@ -38,7 +38,16 @@ Two ways to get ``g`` and ``T`` (``mode``):
   copy. The graph is the model's own, so ``T`` is the exact Jacobian even with batch norm in train
   mode (which couples the samples). The algebra is :func:`kwng.nystrom_solve_nosync` and all
   bookkeeping (ε, r, counters) stays in device tensors: no host sync in the step;
-* ``"loop"`` — the fast algebra with the serial backward passes (to measure what batching buys).
+* ``"loop"`` — the fast algebra with the serial backward passes (to measure what batching buys);
+* ``"ensemble"`` — the model's forward pass is re-run once as an ensemble of ``M + 1`` identical
+  copies of the parameters (``torch.func.functional_call`` under ``vmap``: convolutions become one
+  grouped convolution, batch norm one wider batch norm, linear layers one batched matmul), and a
+  single ordinary backward pass with cotangent ``(∂L/∂X, C_1/N, …, C_M/N)`` gives ``g`` and the
+  ``M`` rows of ``T`` as the gradients of the ``M + 1`` copies. Each copy sees the same batch and
+  the same parameters, so its batch-norm statistics, outputs and Jacobian are those of the model:
+  ``T`` is exact. The inputs of the last forward call are captured by a forward pre-hook.
+  Requirements: ``loss`` depends on the parameters only through ``outputs`` (put weight decay in
+  the optimizer), and the forward is deterministic (a dropout mask would be redrawn).
 
 Counters (:meth:`KWNGPreconditioner.counters`): ``fallbacks`` (steps where the natural direction
 was replaced by ``g``), ``ill_conditioned`` (``CCᵀ`` regularised), ``rank_sum`` (sum over steps
@@ -72,7 +81,7 @@ __all__ = ["KWNGPreconditioner", "MODES"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("fast", "reference", "loop")
+MODES = ("fast", "reference", "loop", "ensemble")
 _COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped", "eps_up", "eps_down")
 
 
@@ -95,7 +104,7 @@ class KWNGPreconditioner:
       [``ω``] in (0, 1), thresholds ``0 ≤ lm_low < lm_high``; ``adapt_eps`` switches it on;
       ``eps_min ≤ ε ≤ eps_max`` (the authors' bounds ``1e-10``, ``1e5``).
     * ``clip_norm`` > 0 or ``None`` — clip the final direction to this norm.
-    * ``mode`` — ``"fast"``, ``"reference"`` or ``"loop"`` (module docstring).
+    * ``mode`` — ``"fast"``, ``"reference"``, ``"loop"`` or ``"ensemble"`` (module docstring).
     * ``generator`` — a ``torch.Generator`` for the basis draw (reproducible runs and tests).
     * ``diagonal_only`` — use ``D⁻¹ g`` (no kernel correction; needs ``damping`` ``"T"`` or
       ``"T_tilde"``).
@@ -113,7 +122,9 @@ class KWNGPreconditioner:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         if not self.params:
             raise ValueError("model has no parameter with requires_grad=True")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -165,6 +176,10 @@ class KWNGPreconditioner:
             raise ValueError(f"eps must lie in [eps_min, eps_max] = [{eps_min}, {eps_max}], got {eps}")
         self.rcond = None if rcond is None else check_positive(rcond, "rcond")
         self.num_steps = 0
+        self._inputs: tuple[tuple, dict] | None = None
+        self._hook = None
+        if self.mode == "ensemble":
+            self._hook = model.register_forward_pre_hook(self._capture_inputs, with_kwargs=True)
         self._device: torch.device | None = None
         self._buffer: torch.Tensor | None = None
         self._reset_state(self.params[0].device)
@@ -279,9 +294,51 @@ class KWNGPreconditioner:
         coords = torch.randint(0, d, (self.num_basis,), device=device)
         return idx, coords
 
+    def _capture_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook (``mode="ensemble"``): remember the inputs of the latest forward call."""
+        if torch.is_grad_enabled():
+            self._inputs = (args, kwargs)
+
+    def remove_hooks(self) -> None:
+        """Detach the forward pre-hook installed by ``mode="ensemble"``."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _ensemble_gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g`` and ``T`` from one backward pass through an ``(M+1)``-copy ensemble forward."""
+        from torch.func import functional_call, vmap
+
+        if self._inputs is None:
+            raise ValueError("mode='ensemble' needs the model's forward to run (with grad enabled) before step()")
+        args, kwargs = self._inputs
+        N, M = X.shape[0], C.shape[0]
+        R = M + 1
+        (gX,) = torch.autograd.grad(loss, X)  # ∂L/∂X: only the small graph between X and the loss
+        names = self._param_names
+        stacked = {n: p.detach().unsqueeze(0).expand(R, *p.shape).clone().requires_grad_(True)
+                   for n, p in zip(names, self.params)}
+        buffers = {n: b.detach().unsqueeze(0).expand(R, *b.shape).clone()  # copies: running stats untouched
+                   for n, b in self.model.named_buffers()}
+
+        def forward(p: dict, b: dict) -> torch.Tensor:
+            return functional_call(self.model, (p, b), args, kwargs)
+
+        Xs = vmap(forward, in_dims=(0, 0), randomness="same")(stacked, buffers)
+        if Xs.shape != (R,) + tuple(X.shape):
+            raise ValueError(f"the ensemble forward returned shape {tuple(Xs.shape)}, expected {(R,) + tuple(X.shape)}"
+                             "; outputs must be the model's own (N, d) output of the last forward call")
+        V = torch.cat([gX.detach()[None].to(Xs.dtype), (C / N).to(Xs.dtype)], 0)
+        grads = torch.autograd.grad(Xs, list(stacked.values()), V)
+        G = torch.cat([gr.reshape(R, -1) for gr in grads], 1)
+        return G[0], G[1:]
+
     def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``g`` (``q``) and ``T`` (``M × q``) from the graph of ``loss`` and ``X``."""
         N, M = X.shape[0], C.shape[0]
+        if self.mode == "ensemble":
+            return self._ensemble_gradients(loss, X, C)
         if self.mode == "fast":
             R = M + 1
             e0 = torch.zeros(R, dtype=loss.dtype, device=loss.device)

@@ -47,7 +47,7 @@ def test_fast_loop_and_reference_agree_with_batchnorm(damping):
     z, y = _batch()
     model = _cnn()
     ref, info_ref, _ = _direction(model, "reference", z, y, damping=damping)
-    for mode in ("fast", "loop"):
+    for mode in ("fast", "loop", "ensemble"):
         d, info, _ = _direction(model, mode, z, y, damping=damping)
         assert torch.linalg.vector_norm(d - ref) <= 1e-4 * torch.linalg.vector_norm(ref)
         assert int(info["rank"]) == info_ref["rank"] == 5
@@ -69,6 +69,36 @@ def test_batched_jacobian_equals_serial_vjps():
     g, T = pc._gradients(loss, X, C)
     assert torch.allclose(T, T_ref, rtol=1e-5, atol=1e-7)
     assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_ensemble_jacobian_equals_serial_vjps_and_keeps_running_stats():
+    """mode="ensemble": one backward through M+1 stacked copies gives ∇L and T exactly, and the
+    ensemble forward leaves the batch-norm running statistics as the user's forward set them."""
+    z, y = _batch()
+    model = _cnn()
+    params = list(model.parameters())
+    pc = KWNGPreconditioner(model, adapt_eps=False, mode="ensemble")
+    X = model(z)
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+    loss = nn.functional.cross_entropy(X, y)
+    idx, coords = kwng.draw_basis(X.shape[0], X.shape[1], 5, torch.Generator().manual_seed(0))
+    C, _, _ = kernel_matrices(X, idx, coords, kwng.GaussianKernel(2.0))
+    T_ref = kwng.jacobian_from_outputs(X, params, C, retain_graph=True)
+    g_ref = torch.cat([gp.reshape(-1) for gp in torch.autograd.grad(loss, params, retain_graph=True)])
+    g, T = pc._gradients(loss, X, C)
+    assert torch.allclose(T, T_ref, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-7)
+    for k, v in stats.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    pc.remove_hooks()
+
+
+def test_ensemble_needs_a_forward_call():
+    model = _cnn()
+    pc = KWNGPreconditioner(model, adapt_eps=False, mode="ensemble")
+    X = nn.Linear(10, 10)(torch.randn(8, 10))  # has a graph, but the model never ran
+    with pytest.raises(ValueError, match="forward"):
+        pc.step((X ** 2).sum(), X)
 
 
 def test_reference_equals_kwng_gradient_from_outputs():
