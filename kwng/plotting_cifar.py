@@ -5,8 +5,10 @@ Each function takes the dictionary of :func:`kwng.experiments.cifar.load_results
 
 * :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per epoch, ill- and
   well-conditioned side by side, mean over seeds with the min–max band);
-* :func:`fig_accuracy_vs_time` — Fig. 7 (accuracy against training time);
+* :func:`fig_accuracy_vs_time` — Fig. 7 (accuracy against training time: the wall clock recorded by
+  each run, or the step time of each method measured alone);
 * :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ kernel, scaled logits);
+* :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each epoch;
 * :func:`final_accuracy_table` — final test accuracy per method and conditioning, mean ± spread.
 """
 
@@ -18,7 +20,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 __all__ = ["MAIN_METHODS", "ABLATION_METHODS", "curves", "final_accuracy_table", "format_table",
-           "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation"]
+           "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps"]
 
 MAIN_METHODS = ("sgd", "sgd_momentum", "sgd_momentum_wd", "adam", "kfac", "ekfac", "kwng", "kwng_m20",
                 "kwng_momentum", "kwng_bigbatch")
@@ -29,6 +31,9 @@ _COLORS = {"sgd": "tab:blue", "sgd_momentum": "tab:cyan", "sgd_momentum_wd": "ta
            "kwng_momentum": "tab:gray", "kwng_bigbatch": "tab:pink", "kwng_damping_identity": "tab:blue",
            "kwng_damping_T": "tab:green", "diag_T": "tab:purple", "diag_Ttilde": "tab:cyan",
            "kwng_rq": "gold", "kwng_scaled_logits": "tab:brown"}
+_STYLES = {"kwng_m20": "--", "kwng_momentum": "-.", "kwng_bigbatch": ":", "sgd_momentum": "--",
+           "sgd_momentum_wd": ":", "ekfac": "--", "diag_T": "--", "diag_Ttilde": ":", "kwng_rq": "-.",
+           "kwng_scaled_logits": "--"}
 
 
 def curves(results: dict, conditioning: str, method: str, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -58,13 +63,15 @@ def final_accuracy_table(results: dict, methods: Sequence[str] = MAIN_METHODS + 
                 "max": float(np.nanmax(acc)) if np.isfinite(acc).any() else float("nan"),
                 "std": float(np.nanstd(acc, ddof=1)) if np.isfinite(acc).sum() > 1 else 0.0,
                 "n": len(runs), "epochs": [len(r["epochs"]) for r in runs],
+                "planned": max(int(r["config"]["epochs"]) for r in runs),
                 "complete": all(r.get("complete") for r in runs),
                 "diverged": sum(bool(r.get("diverged")) for r in runs)}
     return out
 
 
 def format_table(table: dict, conditionings: Sequence[str] = ("ill", "well")) -> str:
-    """A Markdown table: mean ± std (min–max, n seeds) of the final test accuracy in %."""
+    """A Markdown table: mean ± std (min–max, n seeds) of the final test accuracy in %; runs stopped
+    before their planned number of epochs are marked with the epochs they reached."""
     head = "| method | " + " | ".join(f"{c}-conditioned" for c in conditionings) + " |"
     lines = [head, "|---" * (len(conditionings) + 1) + "|"]
     for m, row in table.items():
@@ -78,7 +85,7 @@ def format_table(table: dict, conditionings: Sequence[str] = ("ill", "well")) ->
             if e["n"] > 1:
                 s += f" ± {100 * e['std']:.1f} ({100 * e['min']:.1f}–{100 * e['max']:.1f}, n={e['n']})"
             if not e["complete"]:
-                s += " (incomplete)"
+                s += f" (incomplete: {min(e['epochs'])}/{e['planned']} epochs)"
             if e["diverged"]:
                 s += f" ({e['diverged']} diverged)"
             cells.append(s)
@@ -86,13 +93,30 @@ def format_table(table: dict, conditionings: Sequence[str] = ("ill", "well")) ->
     return "\n".join(lines)
 
 
-def _band(ax, x, vals, label, color):
+def _band(ax, x, vals, label, color, ls="-"):
     if vals.size == 0:
         return
     mean = vals.mean(0)
-    ax.plot(x, 100 * mean, color=color, label=label, lw=1.5)
+    ax.plot(x, 100 * mean, color=color, label=label, lw=1.5, ls=ls, marker="o", ms=2.5)
     if vals.shape[0] > 1:
         ax.fill_between(x, 100 * vals.min(0), 100 * vals.max(0), color=color, alpha=0.2, lw=0)
+
+
+def _legend_below(fig, axes):
+    """One legend under the figure, from the panel with the most labelled lines."""
+    ax = max(axes.flat, key=lambda a: len(a.get_legend_handles_labels()[1]))
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, frameon=False)
+
+
+def _label(results: dict, cond: str, method: str) -> str:
+    """``method`` with ``n=k`` seeds, and the epochs reached where a run stopped early."""
+    runs = [r for (c, m, _), r in results.items() if c == cond and m == method and r["epochs"]]
+    lab = method + (f" (n={len(runs)})" if len(runs) > 1 else "")
+    if runs and not all(r.get("complete") for r in runs):
+        lab += f" [{min(len(r['epochs']) for r in runs)}/{runs[0]['config']['epochs']} ep.]"
+    return lab
 
 
 def fig_accuracy_per_epoch(results: dict, methods: Sequence[str] = MAIN_METHODS, title: str = ""):
@@ -103,25 +127,24 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str] = MAIN_METHODS,
             ax = axes[i, j]
             for m in methods:
                 x, v = curves(results, cond, m, key)
-                _band(ax, x, v, m, _COLORS.get(m))
+                _band(ax, x, v, _label(results, cond, m), _COLORS.get(m), _STYLES.get(m, "-"))
             ax.set_ylabel(name)
             ax.set_title(f"{cond}-conditioned")
             ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    _legend_below(fig, axes)
     fig.suptitle(title or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)")
-    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     return fig
 
 
 def fig_accuracy_vs_time(results: dict, methods: Sequence[str] = MAIN_METHODS, timing: dict | None = None,
-                         train_size: int = 50_000):
-    """Fig. 7: accuracy against training time. With ``timing`` (the record of ``cifar timing``) the time
-    axis is ``epoch × steps per epoch × seconds per step measured alone``; otherwise the recorded
-    cumulative training time (which includes slow-down from runs sharing the GPU)."""
+                         train_size: int = 50_000, title: str = ""):
+    """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``: the cumulative
+    training wall clock recorded by each run (mean over seeds), which includes the slow-down from other
+    runs sharing the GPU. With ``timing`` (the record of ``cifar timing``): ``epoch × steps per epoch ×
+    seconds per step measured alone`` (methods missing from ``timing`` are left out)."""
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), squeeze=False)
     for i, cond in enumerate(("ill", "well")):
         for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
@@ -130,40 +153,60 @@ def fig_accuracy_vs_time(results: dict, methods: Sequence[str] = MAIN_METHODS, t
                 x, v = curves(results, cond, m, key)
                 if v.size == 0:
                     continue
-                if timing is not None and m in timing["methods"]:
+                if timing is not None:
+                    if m not in timing["methods"]:
+                        continue
                     t = timing["methods"][m]
-                    t_ep = -(-train_size // t["batch_size"]) * t["sec_per_step"]
-                    tx = x * t_ep
+                    tx = x * (-(-train_size // t["batch_size"]) * t["sec_per_step"])
                 else:
                     _, tt = curves(results, cond, m, "time_train")
                     tx = tt.mean(0)
-                _band(ax, tx, v, m, _COLORS.get(m))
+                _band(ax, tx / 60, v, _label(results, cond, m), _COLORS.get(m), _STYLES.get(m, "-"))
             ax.set_title(f"{cond}-conditioned")
             ax.set_ylabel(name)
-            ax.set_xlabel("training time (s)")
+            ax.set_xlabel("training time (min)" + (", per-step time measured alone" if timing else
+                                                   ", recorded on a shared GPU"))
             ax.grid(alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
-    fig.suptitle("CIFAR-10: accuracy against training time")
-    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    _legend_below(fig, axes)
+    fig.suptitle(title or "CIFAR-10: accuracy against training time")
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     return fig
 
 
 def fig_ablation(results: dict, methods: Sequence[str] = ABLATION_METHODS):
     """Fig. 8: ill-conditioned case, KWNG against its variants (training and test accuracy per epoch)."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), squeeze=False)
     for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
         ax = axes[0, j]
         for m in methods:
             x, v = curves(results, "ill", m, key)
-            _band(ax, x, v, m, _COLORS.get(m))
+            _band(ax, x, v, _label(results, "ill", m), _COLORS.get(m), _STYLES.get(m, "-"))
         ax.set_xlabel("epoch")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle("Ill-conditioned CIFAR-10: damping, diagonal conditioning, kernel")
-    fig.tight_layout(rect=(0, 0.12, 1, 0.93))
+    axes[0, 0].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Ill-conditioned CIFAR-10: damping, diagonal conditioning, kernel, estimator input")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return fig
+
+
+def fig_eps(results: dict, floor: float = 1e-10):
+    """The Levenberg–Marquardt ε at the end of every epoch, one line per KWNG run (both conditionings)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True, squeeze=False)
+    for j, cond in enumerate(("ill", "well")):
+        ax = axes[0, j]
+        for (c, m, s), r in sorted(results.items()):
+            if c != cond or not r["epochs"] or "eps" not in r["epochs"][0]:
+                continue
+            eps = [row["eps"] for row in r["epochs"]]
+            ax.semilogy(range(1, len(eps) + 1), eps, color=_COLORS.get(m), ls=_STYLES.get(m, "-"), marker="o",
+                        ms=2.5, lw=1.2, label=m if s == 0 else None)
+        ax.axhline(floor, color="k", lw=0.8, ls=":")
+        ax.set_title(f"{cond}-conditioned")
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, ncol=2)
+    axes[0, 0].set_ylabel("ε at the end of the epoch")
+    fig.suptitle("Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)")
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     return fig

@@ -205,14 +205,49 @@ def test_kfac_leaves_batchnorm_gradient_plain():
 
 
 def test_committed_results_complete():
-    """Skipped until the GPU results are committed under results/cifar/ (then every run of the plan must
-    be there, complete, with provenance)."""
+    """Every run of the main plan is committed under results/cifar/ with provenance and all its epochs,
+    except the runs the GPU budget cut short (``cifar.BUDGET_CUT``), which must have exactly the number
+    of epochs documented there."""
+    import json
     from pathlib import Path
 
     from kwng.experiments import cifar
 
     root = Path(__file__).resolve().parent.parent / "results" / "cifar"
-    if not (root / "cifar10").is_dir():
-        pytest.skip("no committed CIFAR results yet")
+    assert (root / "cifar10").is_dir() and (root / "selection" / "selected.json").is_file()
     res = cifar.check_results(root, "cifar10")
     assert not res["missing"] and not res["incomplete"], res
+    assert sorted(res["cut"]) == sorted(cifar.BUDGET_CUT), res["cut"]
+    assert len(res["ok"]) + len(res["cut"]) == len(cifar.build_plan("main"))
+    epochs = json.loads((root / "schedule.json").read_text())["epochs"]
+    recs = cifar.load_results(root, "cifar10")
+    for (c, m, s), rec in recs.items():
+        name = f"{c}/{m}/seed{s}"
+        prov = json.loads((root / "cifar10" / c / m / f"seed{s}" / "provenance.json").read_text())
+        assert prov["config"]["method"] == m and prov["config"]["seed"] == s and prov["device"], name
+        assert rec["config"]["epochs"] == epochs, name
+        want = cifar.BUDGET_CUT.get(name, epochs)
+        assert len(rec["epochs"]) == want and rec["complete"] == (name not in cifar.BUDGET_CUT), name
+        assert [r["epoch"] for r in rec["epochs"]] == list(range(1, want + 1)), name
+
+
+def test_check_results_budget_cut(tmp_path):
+    """The allow-list accepts a cut run only with its documented epoch count."""
+    from kwng.experiments import cifar
+    from kwng.provenance import atomic_write_json
+
+    plan = cifar.build_plan("main", epochs=6)
+    cut = "ill/kwng_m20/seed0"
+    for j in plan:
+        name = f"{j['conditioning']}/{j['method']}/seed{j['seed']}"
+        n = 3 if name == cut else 6
+        d = tmp_path / "cifar10" / j["conditioning"] / j["method"] / f"seed{j['seed']}"
+        rows = [{"epoch": k + 1, "test_acc": 0.5} for k in range(n)]
+        atomic_write_json(d / "metrics.json", {"config": {"epochs": 6}, "complete": n == 6, "epochs": rows})
+        atomic_write_json(d / "provenance.json", {})
+    res = cifar.check_results(tmp_path, "cifar10", allow_cut={cut: 3})
+    assert res["cut"] == [cut] and not res["incomplete"] and not res["missing"]
+    assert cifar.check_results(tmp_path, "cifar10", allow_cut={cut: 4})["incomplete"] == [cut]
+    assert cifar.check_results(tmp_path, "cifar10", allow_cut={})["incomplete"] == [cut]
+    (tmp_path / "cifar10" / "well" / "sgd" / "seed1" / "provenance.json").unlink()
+    assert cifar.check_results(tmp_path, "cifar10", allow_cut={cut: 3})["missing"] == ["well/sgd/seed1"]
