@@ -79,6 +79,9 @@ def plot_relerr(rows: Sequence[dict], title: str = "", N_box: int | None = None,
             ax.plot(s["x"], s[stat], "o-", ms=3, color=colors[d], label=f"d={d}")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        xs = sorted({x for s in summ.values() for x in s["x"]})
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])  # label the grid points, not log-minor ticks
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_xlabel(lab)
         ax.set_ylabel(f"{stat} relative error")
         ax.set_title(ttl)
