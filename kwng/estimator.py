@@ -405,26 +405,20 @@ def kernel_matrices_nosync(X: torch.Tensor, basis_idx: torch.Tensor, basis_coord
 
     ``basis_idx`` and ``basis_coords`` must already be valid (no range checks here) and may live on
     the device. ``bandwidth`` as in :func:`bandwidth_tensor` (``None`` keeps the kernel's own).
-    Returns ``(C, K, CCt, sigma)`` with ``sigma`` the bandwidth used, a 0-dim tensor. The kernel's
-    radial profile ``φ(s), φ'(s), φ''(s)`` is evaluated with a tensor bandwidth, and
-    ``C[m, n, j] = -2 φ'(s_mn) δ_{i_m j} - 4 φ''(s_mn) r_{mn, i_m} r_{mn, j}`` with ``r = Y_m - X_n``
-    (the formula of :meth:`Kernel.mixed_coord`).
+    Returns ``(C, K, CCt, sigma)`` with ``sigma`` the bandwidth used, a 0-dim tensor; ``C`` comes
+    from :meth:`Kernel.mixed_coord_from_differences` (the formula of :meth:`Kernel.mixed_coord`)
+    with that tensor bandwidth.
     """
     X = X.detach()
     idx = basis_idx.to(X.device, non_blocking=True)
     coords = basis_coords.to(X.device, non_blocking=True)
     r = X[idx][:, None, :] - X[None, :, :]  # (M, N, d)
-    s = (r * r).sum(-1)
-    k = copy.copy(kernel)
     if bandwidth is None:
         sigma = torch.as_tensor(kernel.bandwidth, dtype=X.dtype, device=X.device)
     else:
-        sigma = bandwidth_tensor(s, bandwidth, sigma0)
-    k._bandwidth = sigma  # a tensor: skips the setter's float() validation (a host sync)
-    _, d1, d2 = k._profile(s)
+        sigma = bandwidth_tensor((r * r).sum(-1), bandwidth, sigma0)
     E = torch.nn.functional.one_hot(coords, X.shape[1]).to(X.dtype)  # (M, d)
-    r_i = (r * E[:, None, :]).sum(-1, keepdim=True)  # (M, N, 1)
-    C = -2.0 * d1[..., None] * E[:, None, :] - 4.0 * d2[..., None] * r_i * r
+    C = kernel.mixed_coord_from_differences(r, E, sigma)
     K = (C[:, idx, :] * E[None, :, :]).sum(-1)  # K[m, m'] = C[m, idx[m'], i_{m'}]
     Cf = C.reshape(C.shape[0], -1)
     return C, K, Cf @ Cf.T, sigma

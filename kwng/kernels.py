@@ -105,7 +105,9 @@ class Kernel:
         self._bandwidth = check_positive(value, "bandwidth")
 
     # --- to be provided by subclasses ---------------------------------------------------
-    def _profile(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _profile(self, s: torch.Tensor, sigma: torch.Tensor | float | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``φ(s), φ'(s), φ''(s)``; ``sigma`` overrides the bandwidth (a tensor: no host sync)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -156,11 +158,20 @@ class Kernel:
         """
         r = self._pair(Y, X)
         coords = _check_coords(coords, Y.shape[0], Y.shape[1])
-        _, d1, d2 = self._profile((r * r).sum(-1))
-        idx = coords.to(r.device)
-        r_i = torch.gather(r, 2, idx[:, None, None].expand(-1, r.shape[1], 1))  # (M, N, 1)
-        onehot = torch.nn.functional.one_hot(idx, r.shape[-1]).to(r.dtype)[:, None, :]  # (M, 1, d)
-        return -2.0 * d1[..., None] * onehot - 4.0 * d2[..., None] * r_i * r
+        onehot = torch.nn.functional.one_hot(coords.to(r.device), r.shape[-1]).to(r.dtype)
+        return self.mixed_coord_from_differences(r, onehot)
+
+    def mixed_coord_from_differences(self, r: torch.Tensor, onehot: torch.Tensor,
+                                     sigma: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The formula behind :meth:`mixed_coord`, without validation or host syncs.
+
+        ``r[m, n] = Y_m - X_n`` (shape ``(M, N, d)``), ``onehot[m]`` the indicator of ``i_m``
+        (``(M, d)``), ``sigma`` an optional bandwidth override (e.g. a 0-dim tensor on the
+        device). ``C[m, n, j] = -2 φ'(s) δ_{i_m j} - 4 φ''(s) r_{i_m} r_j`` with ``s = ‖r‖²``.
+        """
+        _, d1, d2 = self._profile((r * r).sum(-1), sigma)
+        r_i = (r * onehot[:, None, :]).sum(-1, keepdim=True)  # (M, N, 1)
+        return -2.0 * d1[..., None] * onehot[:, None, :] - 4.0 * d2[..., None] * r_i * r
 
 
 class GaussianKernel(Kernel):
@@ -168,8 +179,8 @@ class GaussianKernel(Kernel):
 
     name = "gaussian"
 
-    def _profile(self, s):
-        sigma = self.bandwidth
+    def _profile(self, s, sigma=None):
+        sigma = self.bandwidth if sigma is None else sigma
         phi = torch.exp(-s / (2.0 * sigma))
         d1 = -phi / (2.0 * sigma)
         d2 = phi / (4.0 * sigma * sigma)
@@ -191,8 +202,9 @@ class RationalQuadraticKernel(Kernel):
     def __repr__(self) -> str:
         return f"RationalQuadraticKernel(bandwidth={self.bandwidth:.4g}, alpha={self.alpha:.4g})"
 
-    def _profile(self, s):
-        a, sigma = self.alpha, self.bandwidth
+    def _profile(self, s, sigma=None):
+        a = self.alpha
+        sigma = self.bandwidth if sigma is None else sigma
         c = 1.0 / (2.0 * a * sigma)
         u = 1.0 + c * s
         phi = u.pow(-a)
