@@ -62,7 +62,7 @@ def test_batched_rejects_bad_input():
 
 def test_w2_gradient_matches_finite_differences():
     cfg = syn.flow_config("small")
-    model, theta, mu_t, Sigma_t = syn._flow_problem(dict(cfg, d=4))
+    model, theta, mu_t, Sigma_t = syn.flow_problem(dict(cfg, d=4))
     loss, grad = syn.normal_w2_and_grad(model, theta, mu_t, Sigma_t)
     assert loss == pytest.approx(kwng.gaussian_w2_squared(*model.split(theta)[:1], model.covariance(theta),
                                                           mu_t, Sigma_t))

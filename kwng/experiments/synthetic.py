@@ -328,7 +328,8 @@ def normal_w2_and_grad(model: NormalModel, theta: torch.Tensor, mu_t: np.ndarray
     return loss, grad.to(torch.float64)
 
 
-def _flow_problem(cfg: dict) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.ndarray]:
+def flow_problem(cfg: dict) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.ndarray]:
+    """The flow of Fig. 2: ``(model, θ₀, μ*, Σ*)`` drawn from ``cfg["seed"]`` (d = ``cfg["d"]``)."""
     d = cfg["d"]
     model = NormalModel(d)
     g = torch.Generator().manual_seed(cfg["seed"])
@@ -354,7 +355,7 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
         log.info("flow results already complete in %s", out)
         return prev
     t0 = time.perf_counter()
-    model, theta0, mu_t, Sigma_t = _flow_problem(cfg)
+    model, theta0, mu_t, Sigma_t = flow_problem(cfg)
     variants = cfg["kwng_variants"]
     bw, sigma0 = _parse_bandwidth(cfg["bandwidth"])
     kernel = GaussianKernel(1.0 if isinstance(bw, str) else bw)
