@@ -94,8 +94,9 @@ class KWNGPreconditioner:
     * ``optimizer`` — the ``torch.optim`` optimizer that takes the step; its
       ``param_groups[0]['lr']`` is the step size in the reduction ratio ``r``. Required when
       ``adapt_eps`` is on.
-    * ``num_basis`` [``M``] ≥ 1; ``eps`` [``ε``] > 0, the initial damping; ``lam`` [``λ``] ≥ 0
-      (only ``0`` is supported with the stable form here, as in the paper's experiments).
+    * ``num_basis`` [``M``] ≥ 1; ``eps`` [``ε``] > 0, the initial damping; ``lam`` [``λ``] ≥ 0,
+      the RKHS regularisation (``0`` in the paper's experiments; ``λ > 0`` adds ``λε W K Wᵀ`` to
+      the stable system, which keeps it equal to Prop. 5).
     * ``kernel`` — ``"gaussian"``, ``"rq"`` or a :class:`kwng.Kernel`; ``bandwidth`` —
       ``"mean_sq"`` (``σ = σ0 · mean ‖X_n − Y_m‖²``), ``"median"`` or a positive number;
       ``sigma0`` [``σ0``] > 0.
@@ -133,8 +134,6 @@ class KWNGPreconditioner:
         self.num_basis = check_int(num_basis, "num_basis", 1)
         self.eps_init = check_positive(eps, "eps")
         self.lam = check_positive(lam, "lam", allow_zero=True)
-        if self.lam != 0:
-            raise ValueError(f"lam must be 0 (the stable estimator of Prop. 6 used for training), got {lam}")
         if isinstance(kernel, str):
             kernel = make_kernel(kernel)  # raises on an unknown name
         elif not isinstance(kernel, Kernel):
@@ -400,14 +399,14 @@ class KWNGPreconditioner:
         g, T = self._gradients(loss, X, C)
 
         if reference and not self.diagonal_only:
-            res = nystrom_solve(T, CCt, torch.zeros_like(CCt), g, N, eps=float(eps), lam=0.0,
+            res = nystrom_solve(T, CCt, K, g, N, eps=float(eps), lam=self.lam,
                                 damping=self.damping, method="stable", rcond=self.rcond)
             direction, rank = res.direction, res.diagnostics["rank"]
             rank_t = torch.tensor(rank, device=X.device)
             ill_t = torch.tensor(rank < self.num_basis, device=X.device)
             n_floor_t = torch.tensor(res.diagnostics["damping_floored"], device=X.device)
         else:
-            direction, diag = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=0.0, damping=self.damping,
+            direction, diag = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=self.lam, damping=self.damping,
                                                    rcond=self.rcond, diagonal_only=self.diagonal_only)
             rank_t, ill_t, n_floor_t = diag["rank"], diag["ill_conditioned"], diag["damping_floored"]
 

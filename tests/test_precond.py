@@ -54,6 +54,17 @@ def test_fast_loop_and_reference_agree_with_batchnorm(damping):
         assert not bool(info["fallback"])
 
 
+def test_positive_lambda_modes_agree_and_change_the_direction():
+    """λ > 0 enters the stable system as λε W K Wᵀ in every mode; it changes the direction."""
+    z, y = _batch()
+    model = _cnn()
+    ref, _, _ = _direction(model, "reference", z, y, lam=1e3, eps=0.1)
+    fast, _, _ = _direction(model, "fast", z, y, lam=1e3, eps=0.1)
+    plain, _, _ = _direction(model, "reference", z, y, lam=0.0, eps=0.1)
+    assert torch.linalg.vector_norm(fast - ref) <= 1e-4 * torch.linalg.vector_norm(ref)
+    assert torch.linalg.vector_norm(plain - ref) > 1e-3 * torch.linalg.vector_norm(ref)
+
+
 def test_batched_jacobian_equals_serial_vjps():
     """The M+1 rows of the batched backward are ∇L and the M rows of T (jacobian_from_outputs)."""
     z, y = _batch()
@@ -284,7 +295,7 @@ def test_repr_lists_hyperparameters():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"num_basis": 0}, "num_basis"), ({"eps": -1.0}, "eps"), ({"eps": 1e6}, "eps"), ({"lam": 0.1}, "lam"),
+    ({"num_basis": 0}, "num_basis"), ({"eps": -1.0}, "eps"), ({"eps": 1e6}, "eps"), ({"lam": -0.1}, "lam"),
     ({"kernel": "laplace"}, "kernel"), ({"bandwidth": "silverman"}, "bandwidth"), ({"bandwidth": -1.0}, "bandwidth"),
     ({"sigma0": 0.0}, "sigma0"), ({"damping": "full"}, "damping"), ({"lm_interval": 0}, "lm_interval"),
     ({"lm_omega": 1.5}, "lm_omega"), ({"lm_low": 0.9}, "lm_low"), ({"clip_norm": 0.0}, "clip_norm"),
