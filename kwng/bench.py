@@ -1,32 +1,35 @@
-"""Cost of one training step: SGD vs KWNG (reference, fast, loop, diagonal only).
+"""Cost of one training step: SGD vs KWNG, side by side, in one process on one device.
 
-Run ``python -m kwng.bench`` (GPU: the paper's ResNet-18 at batch 128, ``M = 5``, fp32, CIFAR-shaped
-random inputs, and a small MLP). Every mode is timed on the same device in one process: warm-up
-steps, then ``--steps`` steps each followed by a device synchronisation, and the median wall time
-is reported with its ratio to the SGD step. The result goes to
-``results/benchmarks/step_cost.json`` with provenance (:mod:`kwng.provenance`); ``--profile`` also
-writes a ``torch.profiler`` table of a few fast-mode steps next to it.
+Run ``python -m kwng.bench`` on a GPU: the paper's ResNet-18 (Table 1) at batch ``N = 128``,
+CIFAR-shaped random inputs, in three configurations — fp32 NCHW, fp32 ``channels_last`` and
+bf16 autocast + ``channels_last`` — and for each configuration the rows
 
-Modes (all do zero_grad → forward → loss → gradients → optimizer.step):
+* ``sgd``: zero_grad → forward → loss → ``loss.backward()`` → ``optimizer.step()``;
+* ``fwd_bwd_N`` and ``fwd_bwd_RN`` (``R = M + 1``): one forward + backward at batch ``N`` and at
+  batch ``R·N`` — the second is the hardware limit of a KWNG step, which needs ``R`` backward
+  passes over the same activations;
+* ``kwng_fast`` / ``kwng_reference``: :class:`kwng.KWNGPreconditioner` in each mode (``M`` = 5 and
+  20); ``diag_fast``: ``diagonal_only=True`` (``D⁻¹ g``, the ablation of App. E);
+* ``sgd_graph`` / ``kwng_fast_graph``: the same steps captured once in a CUDA graph and replayed
+  (possible because the fast step never synchronises with the host); the step size and the
+  batch are then fixed at capture, as in any graph-captured training loop.
 
-* ``sgd``: ``loss.backward()``;
-* ``kwng_reference``: :class:`kwng.KWNGPreconditioner` with ``mode="reference"`` (the authors'
-  ``M + 1`` serial backward passes and host-side algebra);
-* ``kwng_fast``: ``mode="fast"`` (one batched backward, sync-free algebra);
-* ``kwng_loop``: ``mode="loop"`` (serial backward passes, sync-free algebra);
-* ``kwng_ensemble``: ``mode="ensemble"`` (one forward + backward of an ``M+1``-copy ensemble);
-* ``diag_only``: ``mode="fast", diagonal_only=True`` (``D⁻¹ g``, the ablation of App. E);
-* ``forward`` and ``forward_backward``: parts of the SGD step, for the cost analysis.
+Each row is timed after warm-up steps, with a device synchronisation after every step; the median
+is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory.
+The table goes to ``results/benchmarks/step_cost.json`` with provenance; an existing file is kept
+unless ``--force`` (which moves it to a dated backup).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import datetime
 import logging
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -35,14 +38,17 @@ from torch import nn
 
 from .nets import mlp, resnet18
 from .precond import KWNGPreconditioner
-from .provenance import atomic_write_json, atomic_write_text, make_provenance
+from .provenance import atomic_write_json, make_provenance
 
-__all__ = ["time_steps", "bench_model", "main"]
+__all__ = ["time_steps", "bench_config", "CONFIGS", "main"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("forward", "forward_backward", "sgd", "kwng_reference", "kwng_loop", "kwng_fast", "kwng_ensemble",
-         "diag_only")
+CONFIGS = {"fp32_nchw": (torch.float32, torch.contiguous_format),
+           "fp32_channels_last": (torch.float32, torch.channels_last),
+           "bf16_channels_last": (torch.bfloat16, torch.channels_last)}
+ROWS = ("sgd", "fwd_bwd_N", "fwd_bwd_RN", "kwng_fast", "kwng_reference", "diag_fast", "sgd_graph",
+        "kwng_fast_graph")
 
 
 def _sync(device: torch.device) -> None:
@@ -64,144 +70,167 @@ def time_steps(fn: Callable[[], None], device: torch.device, steps: int, warmup:
     return times
 
 
-def _make_step(mode: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num_basis: int,
-               lr: float) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
+def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num_basis: int,
+               amp: torch.dtype | None) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
     loss_fn = nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     precond = None
-    if mode.startswith("kwng") or mode == "diag_only":
-        kw = {"kwng_reference": {"mode": "reference"}, "kwng_loop": {"mode": "loop"},
-              "kwng_fast": {"mode": "fast"}, "kwng_ensemble": {"mode": "ensemble"},
-              "diag_only": {"mode": "fast", "diagonal_only": True}}[mode]
-        precond = KWNGPreconditioner(model, optimizer=opt, num_basis=num_basis, eps=1e-5, **kw)
+    graph = row.endswith("_graph")
+    row = row.removesuffix("_graph")
+    if row in ("kwng_fast", "kwng_reference", "diag_fast"):
+        precond = KWNGPreconditioner(model, optimizer=opt, num_basis=num_basis, eps=1e-5,
+                                     mode="reference" if row == "kwng_reference" else "fast",
+                                     diagonal_only=row == "diag_fast")
+    if row == "fwd_bwd_RN":
+        z = z.repeat((num_basis + 1,) + (1,) * (z.dim() - 1)).contiguous(
+            memory_format=torch.channels_last if z.is_contiguous(memory_format=torch.channels_last)
+            and not z.is_contiguous() else torch.contiguous_format)
+        y = y.repeat(num_basis + 1)
+
+    def autocast():
+        return torch.autocast(z.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
 
     def step() -> None:
-        if mode == "forward":
-            with torch.no_grad():
-                model(z)
-            return
         opt.zero_grad(set_to_none=True)
-        X = model(z)
-        loss = loss_fn(X, y)
+        with autocast():
+            X = model(z)
+            loss = loss_fn(X.float(), y)
         if precond is None:
             loss.backward()
-            if mode == "forward_backward":
+            if row != "sgd":
                 return
         else:
             precond.step(loss, X)
         opt.step()
 
+    if graph:  # the whole step captured once and replayed: no Python or launch cost per step
+        if z.device.type != "cuda":
+            raise ValueError("the *_graph rows need a CUDA device")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            step()
+        return cuda_graph.replay, precond
     return step, precond
 
 
-def bench_model(name: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, num_basis: int, steps: int,
-                warmup: int, modes: tuple[str, ...] = MODES, lr: float = 1e-3) -> dict:
-    """Time every mode on one model; returns ``{mode: {median_ms, ..., ratio_to_sgd}}``."""
+def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precision: torch.dtype,
+                 memory_format: torch.memory_format, basis_sizes: tuple[int, ...], steps: int, warmup: int,
+                 rows: tuple[str, ...] = ROWS) -> list[dict]:
+    """Time every row in one configuration; returns records with ``ratio_to_sgd``."""
     device = z.device
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    out: dict[str, dict] = {}
-    for mode in modes:
-        model.load_state_dict(state)
-        model.train()
-        step, precond = _make_step(mode, model, z, y, num_basis, lr)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        if mode in ("kwng_fast", "diag_only"):
-            # record the vmap fallbacks (ops without a batching rule run as a loop) of one fast step
-            torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                step()
-            torch._C._functorch._set_vmap_fallback_warning_enabled(False)
-            fallbacks = sorted({str(w.message)[:160] for w in caught})
-            for msg in fallbacks:
-                log.warning("%s %s: %s", name, mode, msg)
-        times = time_steps(step, device, steps, warmup)
-        rec = {"median_ms": statistics.median(times), "min_ms": min(times),
-               "q25_ms": statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0],
-               "q75_ms": statistics.quantiles(times, n=4)[2] if len(times) > 1 else times[0], "steps": steps}
-        if device.type == "cuda":
-            rec["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
-        if precond is not None:
-            rec["counters"] = precond.counters()
-            precond.remove_hooks()
-        if mode in ("kwng_fast", "diag_only"):
-            rec["vmap_fallback_warnings"] = fallbacks
-        out[mode] = rec
-        log.info("%s %-17s %8.2f ms", name, mode, rec["median_ms"])
-    if "sgd" in out:
-        for rec in out.values():
-            rec["ratio_to_sgd"] = rec["median_ms"] / out["sgd"]["median_ms"]
+    base = copy.deepcopy(model).to(memory_format=memory_format)
+    z = z.contiguous(memory_format=memory_format) if z.dim() == 4 else z
+    amp = None if precision == torch.float32 else precision
+    out = []
+    for row in rows:
+        for M in (basis_sizes if row not in ("sgd", "fwd_bwd_N", "sgd_graph") else (0,)):
+            m = copy.deepcopy(base).train()
+            step, precond = _make_step(row, m, z, y, max(M, 1), amp)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            times = time_steps(step, device, steps if row != "kwng_reference" else max(5, steps // 3), warmup)
+            rec = {"mode": row, "num_basis": M or None, "median_ms": statistics.median(times), "min_ms": min(times),
+                   "q25_ms": statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0],
+                   "q75_ms": statistics.quantiles(times, n=4)[2] if len(times) > 1 else times[0],
+                   "steps": len(times)}
+            if device.type == "cuda":
+                rec["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+            if precond is not None:
+                rec["counters"] = precond.counters()
+                precond.remove_hooks()
+            out.append(rec)
+            log.info("  %-15s M=%-3s %8.2f ms", row, M or "-", rec["median_ms"])
+    sgd = next((r["median_ms"] for r in out if r["mode"] == "sgd"), None)
+    for r in out:
+        r["ratio_to_sgd"] = None if sgd is None else r["median_ms"] / sgd
     return out
 
 
-def _profile(model: nn.Module, z: torch.Tensor, y: torch.Tensor, num_basis: int, path: Path) -> None:
-    from torch.profiler import ProfilerActivity, profile
+def _table(records: list[dict]) -> str:
+    lines = ["| precision | memory format | mode | M | median ms | × SGD | peak MiB |", "|---|---|---|---|---|---|---|"]
+    for r in records:
+        ratio = "" if r["ratio_to_sgd"] is None else f"{r['ratio_to_sgd']:.2f}"
+        mem = f"{r['peak_mem_mb']:.0f}" if "peak_mem_mb" in r else ""
+        lines.append(f"| {r['precision']} | {r['memory_format']} | {r['mode']} | {r['num_basis'] or ''} | "
+                     f"{r['median_ms']:.2f} | {ratio} | {mem} |")
+    return "\n".join(lines)
 
-    step, _ = _make_step("kwng_fast", model, z, y, num_basis, 1e-3)
-    for _ in range(3):
-        step()
-    _sync(z.device)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if z.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for _ in range(5):
-            step()
-        _sync(z.device)
-    key = "cuda_time_total" if z.device.type == "cuda" else "cpu_time_total"
-    atomic_write_text(path, prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+
+def _write(path: Path, record: dict, force: bool) -> None:
+    if path.exists():
+        if not force:
+            raise SystemExit(f"{path} exists (a committed result?): pass --out elsewhere, or --force to move it "
+                             "to a dated backup first")
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        backup = path.with_name(f"{path.stem}.backup-{stamp}{path.suffix}")
+        path.rename(backup)
+        log.info("moved the old %s to %s", path, backup)
+    atomic_write_json(path, record)
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m kwng.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default="resnet18", choices=("resnet18", "mlp"))
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--num-basis", type=int, default=5)
+    p.add_argument("--num-basis", default="5,20", help="comma list of M")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {list(ROWS)}")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--models", default="resnet18,mlp", help="comma list of resnet18, mlp")
-    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--out", default="results/benchmarks/step_cost.json")
-    p.add_argument("--profile", action="store_true", help="also write a torch.profiler table of fast mode")
+    p.add_argument("--force", action="store_true", help="replace an existing --out (moved to a dated backup)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    configs = [c for c in args.configs.split(",") if c]
+    rows = tuple(r for r in args.rows.split(",") if r)
+    for name, allowed, got in (("--configs", CONFIGS, configs), ("--rows", ROWS, rows)):
+        if set(got) - set(allowed):
+            raise SystemExit(f"{name} must be among {list(allowed)}, got {sorted(set(got) - set(allowed))}")
+    basis_sizes = tuple(int(m) for m in args.num_basis.split(","))
+    if any(m < 1 or m > args.batch for m in basis_sizes):
+        raise SystemExit(f"--num-basis entries must lie in [1, --batch={args.batch}], got {basis_sizes}")
+    out_path = Path(args.out)
+    if out_path.exists() and not args.force:
+        raise SystemExit(f"{out_path} exists (a committed result?): pass --out elsewhere, or --force")
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    modes = tuple(m for m in args.modes.split(",") if m)
-    unknown = set(modes) - set(MODES)
-    if unknown:
-        raise ValueError(f"--modes must be among {MODES}, got {sorted(unknown)}")
+    if args.model == "resnet18":
+        model = resnet18(10).to(device)
+        z = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
+    else:
+        model = mlp(784, 10, hidden=256, depth=2).to(device)
+        z = torch.randn(args.batch, 784, device=device)
+    y = torch.randint(0, 10, (args.batch,), device=device)
     config = vars(args).copy()
     log.info("kwng.bench: %s", config)
-    results = {}
-    for name in [m for m in args.models.split(",") if m]:
-        if name == "resnet18":
-            model = resnet18(10).to(device)
-            z = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
-        elif name == "mlp":
-            model = mlp(784, 10, hidden=256, depth=2).to(device)
-            z = torch.randn(args.batch, 784, device=device)
-        else:
-            raise ValueError(f"--models entries must be resnet18 or mlp, got {name!r}")
-        y = torch.randint(0, 10, (args.batch,), device=device)
-        q = sum(p.numel() for p in model.parameters())
-        res = bench_model(name, model, z, y, num_basis=args.num_basis, steps=args.steps, warmup=args.warmup,
-                          modes=modes)
-        results[name] = {"q": q, "modes": res}
-        if args.profile and name == "resnet18":
-            _profile(model, z, y, args.num_basis, Path(args.out).with_name("step_cost_profile.txt"))
+    records = []
+    for name in configs:
+        precision, fmt = CONFIGS[name]
+        log.info("%s:", name)
+        for r in bench_config(model, z, y, precision=precision, memory_format=fmt, basis_sizes=basis_sizes,
+                              steps=args.steps, warmup=args.warmup, rows=rows):
+            r["precision"] = "bf16_autocast" if precision == torch.bfloat16 else "fp32"
+            r["memory_format"] = "channels_last" if fmt == torch.channels_last else "nchw"
+            records.append(r)
     prov = make_provenance(config, seeds={"torch": args.seed}, device=str(device))
-    record = {"device": prov["device"], "torch": torch.__version__, "batch_size": args.batch,
-              "num_basis": args.num_basis, "dtype": "float32", "results": results, "provenance": prov}
-    atomic_write_json(args.out, record)
-    for name, r in results.items():
-        line = ", ".join(f"{m} {v['median_ms']:.2f} ms" + (f" ({v['ratio_to_sgd']:.2f}x)" if "ratio_to_sgd" in v
-                                                           else "") for m, v in r["modes"].items())
-        log.info("%s (q=%d): %s", name, r["q"], line)
-    log.info("wrote %s", args.out)
+    record = {"model": args.model, "q": sum(p.numel() for p in model.parameters()), "batch_size": args.batch,
+              "device": prov["device"], "torch": torch.__version__,
+              "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
+              "rows": records, "provenance": prov}
+    _write(out_path, record, args.force)
+    log.info("\n%s\nwrote %s", _table(records), out_path)
     return record
 
 

@@ -30,24 +30,25 @@ Algorithm (one call of :meth:`KWNGPreconditioner.step`; symbols ↔ arguments)::
 
 Two ways to get ``g`` and ``T`` (``mode``):
 
+* ``"fast"`` (default) — one backward pass for all ``M + 1`` cotangents
+  (:mod:`kwng.replicate`): the model's training forward runs on ``M + 1`` stacked copies of the
+  batch (matrix work on one copy only; batch norm per copy, so ``X``, the running statistics and
+  the Jacobian are the model's own), the backward pass takes the stacked cotangent
+  ``(∂L/∂X, C_1/N, …, C_M/N)``, and every layer forms the ``M + 1`` weight gradients in one call.
+  ``outputs`` must be the tensor the model returned. The ``M × M`` algebra is
+  :func:`kwng.nystrom_solve_nosync` and all bookkeeping (ε, r, counters, fallbacks, clipping) stays
+  in device tensors: no host synchronisation in a step. A model with parameters outside
+  ``Conv2d``/``Linear``/``BatchNorm`` (:func:`kwng.replicate.unsupported_reason`), or a step whose
+  ``outputs`` are not the model's own output, uses the serial passes below (logged once);
 * ``"reference"`` — as the authors' code: ``M + 1`` serial backward passes (``retain_graph``), the
-  float64 eigendecomposition solve of :func:`kwng.nystrom_solve`, bookkeeping on the host;
-* ``"fast"`` — one backward pass with ``M + 1`` stacked cotangents (``is_grads_batched``: the loss
-  gets cotangent ``e_0``, the outputs ``X`` get ``(0, C_1/N, …, C_M/N)``), so every layer back-
-  propagates a batch of ``(M+1)·N`` signals in one kernel and, for the weights, one reduction per
-  copy. The graph is the model's own, so ``T`` is the exact Jacobian even with batch norm in train
-  mode (which couples the samples). The algebra is :func:`kwng.nystrom_solve_nosync` and all
-  bookkeeping (ε, r, counters) stays in device tensors: no host sync in the step;
-* ``"loop"`` — the fast algebra with the serial backward passes (to measure what batching buys);
-* ``"ensemble"`` — the model's forward pass is re-run once as an ensemble of ``M + 1`` identical
-  copies of the parameters (``torch.func.functional_call`` under ``vmap``: convolutions become one
-  grouped convolution, batch norm one wider batch norm, linear layers one batched matmul), and a
-  single ordinary backward pass with cotangent ``(∂L/∂X, C_1/N, …, C_M/N)`` gives ``g`` and the
-  ``M`` rows of ``T`` as the gradients of the ``M + 1`` copies. Each copy sees the same batch and
-  the same parameters, so its batch-norm statistics, outputs and Jacobian are those of the model:
-  ``T`` is exact. The inputs of the last forward call are captured by a forward pre-hook.
-  Requirements: ``loss`` depends on the parameters only through ``outputs`` (put weight decay in
-  the optimizer), and the forward is deterministic (a dropout mask would be redrawn).
+  float64 eigendecomposition solve of :func:`kwng.nystrom_solve`, bookkeeping on the host.
+
+Under ``torch.autocast`` the network runs in the autocast dtype; ``g`` and ``T`` are returned in the
+parameters' dtype and the kernel algebra runs in float32/float64 as in full precision.
+
+ε convention: ``eps`` enters as ``(ε/N) I`` next to the whitened ``T̃ D⁻¹ T̃ᵀ`` (Prop. 6). The
+authors' code whitens with ``(CCᵀ/N)^{-1/2}`` and adds ``ε_a I``; the two regularisers agree when
+``ε = √N · ε_a`` (:func:`eps_from_authors`), bounds included.
 
 Counters (:meth:`KWNGPreconditioner.counters`): ``fallbacks`` (steps where the natural direction
 was replaced by ``g``), ``ill_conditioned`` (``CCᵀ`` regularised), ``rank_sum`` (sum over steps
@@ -58,6 +59,7 @@ In fast mode fallbacks are counted on the device and logged by :meth:`counters` 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -76,13 +78,25 @@ from .estimator import (
     nystrom_solve_nosync,
 )
 from .kernels import Kernel, make_kernel
+from .lm import LM_RULES, LevenbergMarquardt
+from .replicate import ReplicatedEngine, unsupported_reason
 
-__all__ = ["KWNGPreconditioner", "MODES"]
+__all__ = ["KWNGPreconditioner", "MODES", "eps_from_authors"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("fast", "reference", "loop", "ensemble")
-_COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped", "eps_up", "eps_down")
+MODES = ("fast", "reference")
+_COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped", "serial_steps")
+
+
+def eps_from_authors(eps: float, batch_size: int) -> float:
+    """``ε`` in this package's convention for the authors' ``ε_a``: ``ε = √N · ε_a`` (``N`` = batch).
+
+    The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε_a I``; :func:`kwng.nystrom_solve`
+    whitens with ``(CCᵀ)^{-1/2}`` and adds ``(ε/N) I``, so the two regularisers coincide for
+    ``ε = √N ε_a`` (the same factor converts the bounds ``[1e-10, 1e5]`` of App. E).
+    """
+    return check_positive(eps, "eps") * math.sqrt(check_int(batch_size, "batch_size", 1))
 
 
 class KWNGPreconditioner:
@@ -90,22 +104,25 @@ class KWNGPreconditioner:
 
     Arguments (paper symbol in brackets):
 
-    * ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q`` numbers).
+    * ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q`` numbers). A
+      parameter frozen later (``requires_grad=False``) is left alone from then on.
     * ``optimizer`` — the ``torch.optim`` optimizer that takes the step; its
       ``param_groups[0]['lr']`` is the step size in the reduction ratio ``r``. Required when
       ``adapt_eps`` is on.
-    * ``num_basis`` [``M``] ≥ 1; ``eps`` [``ε``] > 0, the initial damping; ``lam`` [``λ``] ≥ 0,
-      the RKHS regularisation (``0`` in the paper's experiments; ``λ > 0`` adds ``λε W K Wᵀ`` to
-      the stable system, which keeps it equal to Prop. 5).
+    * ``num_basis`` [``M``] ≥ 1; ``eps`` [``ε``] > 0, the initial damping (this package's
+      convention; :func:`eps_from_authors` converts the authors'); ``lam`` [``λ``] ≥ 0, the RKHS
+      regularisation (``0`` in the paper's experiments; ``λ > 0`` adds ``λε W K Wᵀ`` to the stable
+      system, which keeps it equal to Prop. 5).
     * ``kernel`` — ``"gaussian"``, ``"rq"`` or a :class:`kwng.Kernel`; ``bandwidth`` —
       ``"mean_sq"`` (``σ = σ0 · mean ‖X_n − Y_m‖²``), ``"median"`` or a positive number;
       ``sigma0`` [``σ0``] > 0.
     * ``damping`` [``D``] — ``"identity"``, ``"T"`` (``‖T_{·,i}‖``) or ``"T_tilde"`` (``‖T̃_{·,i}‖``).
-    * Levenberg-Marquardt (App. E): ``lm_interval`` ≥ 1 steps between updates, ``lm_omega``
-      [``ω``] in (0, 1), thresholds ``0 ≤ lm_low < lm_high``; ``adapt_eps`` switches it on;
-      ``eps_min ≤ ε ≤ eps_max`` (the authors' bounds ``1e-10``, ``1e5``).
+    * Levenberg-Marquardt (App. E, :class:`kwng.lm.LevenbergMarquardt`): ``lm_interval`` ≥ 1
+      steps between updates, ``lm_omega`` [``ω``] in (0, 1), thresholds ``0 ≤ lm_low < lm_high``;
+      ``adapt_eps`` switches it on; ``eps_min ≤ ε ≤ eps_max``; ``lm_rule`` ``"authors"`` (next
+      batch's loss) or ``"same_batch"`` (the loop calls :meth:`observe_loss_after_step`).
     * ``clip_norm`` > 0 or ``None`` — clip the final direction to this norm.
-    * ``mode`` — ``"fast"``, ``"reference"``, ``"loop"`` or ``"ensemble"`` (module docstring).
+    * ``mode`` — ``"fast"`` or ``"reference"`` (module docstring).
     * ``generator`` — a ``torch.Generator`` for the basis draw (reproducible runs and tests).
     * ``diagonal_only`` — use ``D⁻¹ g`` (no kernel correction; needs ``damping`` ``"T"`` or
       ``"T_tilde"``).
@@ -119,7 +136,8 @@ class KWNGPreconditioner:
                  lm_interval: int = 5, lm_omega: float = 0.85, lm_low: float = 0.25, lm_high: float = 0.75,
                  adapt_eps: bool = True, clip_norm: float | None = 1.0, mode: str = "fast",
                  generator: torch.Generator | None = None, diagonal_only: bool = False,
-                 eps_min: float = 1e-10, eps_max: float = 1e5, rcond: float | None = None) -> None:
+                 eps_min: float = 1e-10, eps_max: float = 1e5, rcond: float | None = None,
+                 lm_rule: str = "authors") -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -132,7 +150,6 @@ class KWNGPreconditioner:
             raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.num_basis = check_int(num_basis, "num_basis", 1)
-        self.eps_init = check_positive(eps, "eps")
         self.lam = check_positive(lam, "lam", allow_zero=True)
         if isinstance(kernel, str):
             kernel = make_kernel(kernel)  # raises on an unknown name
@@ -146,19 +163,21 @@ class KWNGPreconditioner:
         self.bandwidth = bandwidth
         self.sigma0 = check_positive(sigma0, "sigma0")
         self.damping = check_choice(damping, "damping", DAMPINGS)
-        self.lm_interval = check_int(lm_interval, "lm_interval", 1)
-        self.lm_omega = check_positive(lm_omega, "lm_omega")
-        if not self.lm_omega < 1:
-            raise ValueError(f"lm_omega must lie in (0, 1), got {lm_omega}")
-        self.lm_low = check_positive(lm_low, "lm_low", allow_zero=True)
-        self.lm_high = check_positive(lm_high, "lm_high", allow_zero=True)
-        if not self.lm_low < self.lm_high:
-            raise ValueError(f"lm_low must be < lm_high, got lm_low={lm_low}, lm_high={lm_high}")
         if not isinstance(adapt_eps, bool):
             raise ValueError(f"adapt_eps must be a bool, got {type(adapt_eps).__name__}")
         self.adapt_eps = adapt_eps
         if adapt_eps and optimizer is None:
             raise ValueError("optimizer is required when adapt_eps=True (its lr enters the reduction ratio)")
+        check_int(lm_interval, "lm_interval", 1)
+        if not 0 < check_positive(lm_omega, "lm_omega") < 1:
+            raise ValueError(f"lm_omega must lie in (0, 1), got {lm_omega}")
+        if not check_positive(lm_low, "lm_low", allow_zero=True) < check_positive(lm_high, "lm_high",
+                                                                                  allow_zero=True):
+            raise ValueError(f"lm_low must be < lm_high, got lm_low={lm_low}, lm_high={lm_high}")
+        self.lm = LevenbergMarquardt(eps, eps_min=eps_min, eps_max=eps_max, omega=lm_omega, low=lm_low,
+                                     high=lm_high, interval=lm_interval, rule=check_choice(lm_rule, "lm_rule",
+                                                                                            LM_RULES),
+                                     device=self.params[0].device)
         self.clip_norm = None if clip_norm is None else check_positive(clip_norm, "clip_norm")
         self.mode = check_choice(mode, "mode", MODES)
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -169,39 +188,38 @@ class KWNGPreconditioner:
         if diagonal_only and damping == "identity":
             raise ValueError("diagonal_only=True needs damping 'T' or 'T_tilde' (with 'identity' it is plain SGD)")
         self.diagonal_only = diagonal_only
-        self.eps_min = check_positive(eps_min, "eps_min")
-        self.eps_max = check_positive(eps_max, "eps_max")
-        if not self.eps_min <= self.eps_init <= self.eps_max:
-            raise ValueError(f"eps must lie in [eps_min, eps_max] = [{eps_min}, {eps_max}], got {eps}")
         self.rcond = None if rcond is None else check_positive(rcond, "rcond")
         self.num_steps = 0
-        self._inputs: tuple[tuple, dict] | None = None
-        self._hook = None
-        if self.mode == "ensemble":
-            self._hook = model.register_forward_pre_hook(self._capture_inputs, with_kwargs=True)
-        self._device: torch.device | None = None
+        self._warned: set[str] = set()
+        self._engine: ReplicatedEngine | None = None
+        if self.mode == "fast":
+            reason = unsupported_reason(model, self.params)
+            if reason is None:
+                self._engine = ReplicatedEngine(model, self.num_basis + 1)
+            else:
+                self._warn_once("unsupported", "KWNG fast mode: %s; this model uses serial backward passes", reason)
         self._buffer: torch.Tensor | None = None
-        self._reset_state(self.params[0].device)
+        self._counters = {k: torch.zeros((), dtype=torch.long, device=self.params[0].device) for k in _COUNTERS}
 
     # --- state ------------------------------------------------------------------------------
-    def _reset_state(self, device: torch.device) -> None:
-        self._device = device
-        f64 = torch.float64
-        self._eps = torch.tensor(self.eps_init, dtype=f64, device=device)
-        self._prev_loss = torch.zeros((), dtype=f64, device=device)
-        self._prev_dot = torch.zeros((), dtype=f64, device=device)
-        self._r_max = torch.zeros((), dtype=f64, device=device)
-        self._has_prev = False
-        self._counters = {k: torch.zeros((), dtype=torch.long, device=device) for k in _COUNTERS}
+    @property
+    def lm_rule(self) -> str:
+        return self.lm.rule
 
     @property
     def eps(self) -> float:
         """The current ``ε`` (a host sync on GPU)."""
-        return float(self._eps)
+        return float(self.lm.eps)
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
 
     def counters(self) -> dict[str, int]:
         """Counters since construction, as Python ints (a host sync); logs fallbacks if any."""
         out = {k: int(v) for k, v in self._counters.items()}
+        out["eps_up"], out["eps_down"] = int(self.lm.ups), int(self.lm.downs)
         out["steps"] = self.num_steps
         if out["fallbacks"]:
             log.info("KWNG fell back to the Euclidean gradient in %d of %d steps", out["fallbacks"], self.num_steps)
@@ -210,31 +228,28 @@ class KWNGPreconditioner:
         return out
 
     def hyperparameters(self) -> dict[str, Any]:
-        return {"num_basis": self.num_basis, "eps": self.eps_init, "lam": self.lam, "kernel": repr(self.kernel),
+        lm = self.lm
+        return {"num_basis": self.num_basis, "eps": lm.eps_init, "lam": self.lam, "kernel": repr(self.kernel),
                 "bandwidth": self.bandwidth, "sigma0": self.sigma0, "damping": self.damping,
-                "lm_interval": self.lm_interval, "lm_omega": self.lm_omega, "lm_low": self.lm_low,
-                "lm_high": self.lm_high, "adapt_eps": self.adapt_eps, "clip_norm": self.clip_norm,
-                "mode": self.mode, "diagonal_only": self.diagonal_only, "eps_min": self.eps_min,
-                "eps_max": self.eps_max, "rcond": self.rcond}
+                "lm_interval": lm.interval, "lm_omega": lm.omega, "lm_low": lm.low, "lm_high": lm.high,
+                "adapt_eps": self.adapt_eps, "clip_norm": self.clip_norm, "mode": self.mode,
+                "diagonal_only": self.diagonal_only, "eps_min": lm.eps_min, "eps_max": lm.eps_max,
+                "rcond": self.rcond, "lm_rule": lm.rule}
 
     def state_dict(self) -> dict[str, Any]:
-        """ε, the Levenberg-Marquardt memory, the counters and the hyperparameters (for checking)."""
-        return {"eps": float(self._eps), "num_steps": self.num_steps, "has_prev": self._has_prev,
-                "prev_loss": float(self._prev_loss), "prev_dot": float(self._prev_dot),
-                "r_max": float(self._r_max), "counters": {k: int(v) for k, v in self._counters.items()},
+        """The Levenberg-Marquardt state (``lm``, with the current ``ε``), the counters and the
+        hyperparameters (for checking)."""
+        return {"lm": self.lm.state_dict(), "num_steps": self.num_steps,
+                "counters": {k: int(v) for k, v in self._counters.items()},
                 "hyperparameters": self.hyperparameters()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"eps", "num_steps", "has_prev", "prev_loss", "prev_dot", "r_max", "counters"} - set(state)
+        missing = {"lm", "num_steps", "counters"} - set(state)
         if missing:
             raise ValueError(f"state_dict is missing {sorted(missing)}")
-        dev, f64 = self._device, torch.float64
-        self._eps = torch.tensor(check_positive(state["eps"], "eps"), dtype=f64, device=dev)
+        self.lm.load_state_dict(state["lm"])
         self.num_steps = check_int(state["num_steps"], "num_steps", 0)
-        self._has_prev = bool(state["has_prev"])
-        self._prev_loss = torch.tensor(float(state["prev_loss"]), dtype=f64, device=dev)
-        self._prev_dot = torch.tensor(float(state["prev_dot"]), dtype=f64, device=dev)
-        self._r_max = torch.tensor(float(state["r_max"]), dtype=f64, device=dev)
+        dev = self.lm.eps.device
         for k in _COUNTERS:
             self._counters[k] = torch.tensor(int(state["counters"].get(k, 0)), dtype=torch.long, device=dev)
         hp = state.get("hyperparameters")
@@ -245,6 +260,12 @@ class KWNGPreconditioner:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
         q = sum(p.numel() for p in self.params)
         return f"KWNGPreconditioner(q={q}, {hp})"
+
+    def remove_hooks(self) -> None:
+        """Give the model its own forward back (fast mode patches Conv2d/Linear/BatchNorm)."""
+        if self._engine is not None:
+            self._engine.remove()
+            self._engine = None
 
     # --- the step ---------------------------------------------------------------------------
     def _check_inputs(self, loss: torch.Tensor, outputs: torch.Tensor) -> None:
@@ -266,24 +287,11 @@ class KWNGPreconditioner:
             return 1.0
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _levenberg_marquardt(self, loss: torch.Tensor) -> None:
-        """App. E: track ``r = max_t 2(L_{t-1} − L_t)/(lr ⟨g,ĝ⟩_{t-1})``, adapt ``ε`` every ``lm_interval``."""
-        cur = loss.detach().to(torch.float64)
-        if self._has_prev:
-            denom = self._lr() * self._prev_dot
-            r = torch.where(denom > 0, 2.0 * (self._prev_loss - cur) / denom.clamp(min=1e-300),
-                            torch.zeros_like(denom))
-            self._r_max = torch.maximum(self._r_max, r)
-        if self._has_prev and self.num_steps % self.lm_interval == 0:
-            up = (self._r_max < self.lm_low) & (self._eps < self.eps_max)
-            down = (self._r_max > self.lm_high) & (self._eps > self.eps_min)
-            new = torch.where(up, self._eps / self.lm_omega, torch.where(down, self._eps * self.lm_omega, self._eps))
-            self._eps = new.clamp(self.eps_min, self.eps_max)
-            self._counters["eps_up"] += up.long()
-            self._counters["eps_down"] += down.long()
-            self._r_max = torch.zeros_like(self._r_max)
-            if self.mode == "reference":
-                log.debug("step %d: eps = %.3e", self.num_steps, float(self._eps))
+    def observe_loss_after_step(self, loss_after: torch.Tensor) -> None:
+        """``lm_rule="same_batch"``: the loss of the step's mini-batch after ``optimizer.step()``."""
+        if not isinstance(loss_after, torch.Tensor) or loss_after.dim() != 0:
+            raise ValueError("loss_after must be a scalar tensor (the same batch's loss after the step)")
+        self.lm.observe(loss_after)
 
     def _draw_basis(self, N: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.generator is not None:
@@ -293,74 +301,64 @@ class KWNGPreconditioner:
         coords = torch.randint(0, d, (self.num_basis,), device=device)
         return idx, coords
 
-    def _capture_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook (``mode="ensemble"``): remember the inputs of the latest forward call."""
-        if torch.is_grad_enabled():
-            self._inputs = (args, kwargs)
+    def _direct_params(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor]) -> list:
+        """Parameters that ``loss`` reaches without passing through ``X`` (e.g. an L2 term)."""
+        wanted = {id(p): p for p in params}
+        found, seen, stack = {}, set(), [loss.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn is X.grad_fn or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            var = getattr(fn, "variable", None)
+            if var is not None and id(var) in wanted:
+                found[id(var)] = var
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+        return list(found.values())
 
-    def remove_hooks(self) -> None:
-        """Detach the forward pre-hook installed by ``mode="ensemble"``."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-
-    def _ensemble_gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g`` and ``T`` from one backward pass through an ``(M+1)``-copy ensemble forward."""
-        from torch.func import functional_call, vmap
-
-        if self._inputs is None:
-            raise ValueError("mode='ensemble' needs the model's forward to run (with grad enabled) before step()")
-        args, kwargs = self._inputs
+    def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g`` (``q``) and ``T`` (``M × q``) of the active parameters, from the graph of ``loss``, ``X``."""
         N, M = X.shape[0], C.shape[0]
-        R = M + 1
-        (gX,) = torch.autograd.grad(loss, X)  # ∂L/∂X: only the small graph between X and the loss
-        names = self._param_names
-        stacked = {n: p.detach().unsqueeze(0).expand(R, *p.shape).clone().requires_grad_(True)
-                   for n, p in zip(names, self.params)}
-        buffers = {n: b.detach().unsqueeze(0).expand(R, *b.shape).clone()  # copies: running stats untouched
-                   for n, b in self.model.named_buffers()}
-
-        def forward(p: dict, b: dict) -> torch.Tensor:
-            return functional_call(self.model, (p, b), args, kwargs)
-
-        Xs = vmap(forward, in_dims=(0, 0), randomness="same")(stacked, buffers)
-        if Xs.shape != (R,) + tuple(X.shape):
-            raise ValueError(f"the ensemble forward returned shape {tuple(Xs.shape)}, expected {(R,) + tuple(X.shape)}"
-                             "; outputs must be the model's own (N, d) output of the last forward call")
-        V = torch.cat([gX.detach()[None].to(Xs.dtype), (C / N).to(Xs.dtype)], 0)
-        grads = torch.autograd.grad(Xs, list(stacked.values()), V)
-        G = torch.cat([gr.reshape(R, -1) for gr in grads], 1)
-        return G[0], G[1:]
-
-    def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g`` (``q``) and ``T`` (``M × q``) from the graph of ``loss`` and ``X``."""
-        N, M = X.shape[0], C.shape[0]
-        if self.mode == "ensemble":
-            return self._ensemble_gradients(loss, X, C)
+        if self._engine is not None and self._engine.owns(X):
+            direct = self._direct_params(loss, X, params)
+            g_direct = {}
+            if direct:  # the loss also depends on parameters directly: one extra backward pass
+                self._warn_once("direct", "KWNG: the loss depends on %d parameter tensor(s) directly (not "
+                                "only through the outputs): one extra backward pass per step", len(direct))
+                grads = torch.autograd.grad(loss, direct, retain_graph=True)
+                g_direct = {id(p): gr for p, gr in zip(direct, grads)}
+            (gX,) = torch.autograd.grad(loss, X, retain_graph=bool(direct))
+            V = torch.cat([gX.detach()[None], (C / N).to(gX.dtype)], 0).reshape(-1, X.shape[1])
+            G = self._engine.backward(V, params)
+            rows = []
+            for p in params:
+                Gp = G.get(id(p))
+                if Gp is None:  # a parameter the forward did not use
+                    Gp = torch.zeros((M + 1,) + tuple(p.shape), dtype=p.dtype, device=p.device)
+                if id(p) in g_direct:
+                    Gp = torch.cat([g_direct[id(p)][None].to(Gp.dtype), Gp[1:]], 0)
+                rows.append(Gp.reshape(M + 1, -1))
+            Gall = torch.cat(rows, 1)
+            return Gall[0], Gall[1:]
         if self.mode == "fast":
-            R = M + 1
-            e0 = torch.zeros(R, dtype=loss.dtype, device=loss.device)
-            e0[0] = 1.0
-            V = torch.cat([torch.zeros_like(X)[None], (C / N).to(X.dtype)], 0)
-            grads = torch.autograd.grad([loss, X], self.params, grad_outputs=[e0, V], is_grads_batched=True,
-                                        allow_unused=True, materialize_grads=True)
-            G = torch.cat([gr.reshape(R, -1) for gr in grads], 1)
-            return G[0], G[1:]
-        g_parts = torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True,
-                                      materialize_grads=True)
+            self._warn_once("serial", "KWNG fast mode: outputs are not the output of the model's last training "
+                            "forward (or the model is unsupported): serial backward passes are used")
+            self._counters["serial_steps"] += 1
+        g_parts = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=True)
         g = torch.cat([gp.reshape(-1) for gp in g_parts])
-        T = jacobian_from_outputs(X, self.params, C.to(X.dtype), retain_graph=False)
+        T = jacobian_from_outputs(X, params, C.to(X.dtype), retain_graph=False)
         return g, T
 
-    def _write_grads(self, direction: torch.Tensor) -> None:
+    def _write_grads(self, direction: torch.Tensor, params: list[torch.Tensor]) -> None:
         q = direction.numel()
+        dtype = params[0].dtype
         if self._buffer is None or self._buffer.numel() != q or self._buffer.device != direction.device \
-                or self._buffer.dtype != self.params[0].dtype:
-            self._buffer = torch.empty(q, dtype=self.params[0].dtype, device=direction.device)
+                or self._buffer.dtype != dtype:
+            self._buffer = torch.empty(q, dtype=dtype, device=direction.device)
         self._buffer.copy_(direction)
         offset = 0
-        for p in self.params:
+        for p in params:
             n = p.numel()
             view = self._buffer[offset:offset + n].view_as(p)
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
@@ -372,31 +370,43 @@ class KWNGPreconditioner:
 
         ``outputs`` is the ``(N, d)`` batch ``X = h_θ(z)`` and ``loss`` a scalar built from it
         (it may also depend on the parameters directly, e.g. an L2 term: ``g`` is its full
-        gradient). Returns a dict with ``eps`` (used in this step), ``fallback`` (the Euclidean
-        gradient was used), ``rank``, ``dot`` (``⟨g, ĝ⟩`` after clipping), ``grad_norm``,
-        ``direction_norm``, ``bandwidth`` — 0-dim tensors in ``"fast"``/``"loop"`` mode (no host
-        sync), Python numbers in ``"reference"`` mode.
+        gradient). Returns a dict with ``eps`` (used in this step), ``reduction_ratio`` (the
+        latest ``r`` of the ε rule), ``fallback`` (the Euclidean gradient was used), ``clipped``,
+        ``rank``, ``floored_columns`` (entries of ``D`` raised to the floor), ``dot``
+        (``⟨g, ĝ⟩`` after clipping), ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim
+        tensors in ``"fast"`` mode (no host sync), Python numbers in ``"reference"`` mode.
         """
         self._check_inputs(loss, outputs)
+        with torch.autocast(outputs.device.type, enabled=False):  # the kernel algebra in ≥ float32
+            return self._step(loss, outputs)
+
+    def _step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
         X = outputs
         N, d = X.shape
-        if X.device != self._device:
-            state = self.state_dict()
-            self._reset_state(X.device)
-            self.load_state_dict(state)
+        if X.device != self.lm.eps.device:
+            self.lm.to(X.device)
+            self._counters = {k: v.to(X.device) for k, v in self._counters.items()}
+        params = [p for p in self.params if p.requires_grad]
+        for p in self.params:
+            if not p.requires_grad and p.grad is not None and self._buffer is not None \
+                    and p.grad.untyped_storage().data_ptr() == self._buffer.untyped_storage().data_ptr():
+                p.grad = None  # frozen since the last step: leave it alone
+        if not params:
+            raise ValueError("every parameter of the model is frozen (requires_grad=False): nothing to update")
         self.num_steps += 1
-        if self.adapt_eps:
-            self._levenberg_marquardt(loss)
-        eps = self._eps
+        eps = self.lm.update(loss) if self.adapt_eps else self.lm.eps
         idx, coords = self._draw_basis(N, d, X.device)
         reference = self.mode == "reference"
+        Xk = X.detach().to(torch.promote_types(X.dtype, torch.float32))
         if reference:
-            kern = _with_bandwidth(self.kernel, X.detach(), idx, self.bandwidth, self.sigma0)
-            C, K, CCt = kernel_matrices(X, idx, coords, kern)
+            kern = _with_bandwidth(self.kernel, Xk, idx, self.bandwidth, self.sigma0)
+            C, K, CCt = kernel_matrices(Xk, idx, coords, kern)
             sigma = torch.tensor(kern.bandwidth)
         else:
-            C, K, CCt, sigma = kernel_matrices_nosync(X, idx, coords, self.kernel, self.bandwidth, self.sigma0)
-        g, T = self._gradients(loss, X, C)
+            C, K, CCt, sigma = kernel_matrices_nosync(Xk, idx, coords, self.kernel, self.bandwidth, self.sigma0)
+        g, T = self._gradients(loss, X, C, params)
+        g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
+        T = T.to(g.dtype)
 
         if reference and not self.diagonal_only:
             res = nystrom_solve(T, CCt, K, g, N, eps=float(eps), lam=self.lam,
@@ -423,22 +433,20 @@ class KWNGPreconditioner:
             direction = direction * scale
             dot = dot * scale.to(dot.dtype)
             norm = norm * scale
-        self._write_grads(direction)
-
-        self._prev_loss = loss.detach().to(torch.float64)
-        self._prev_dot = dot
-        self._has_prev = True
+        self._write_grads(direction, params)
+        self.lm.record(self._lr(), dot)
         c = self._counters
         c["fallbacks"] += bad.long()
         c["ill_conditioned"] += ill_t.long()
         c["rank_sum"] += rank_t.long()
-        c["damping_floored"] += torch.as_tensor(n_floor_t, device=X.device).long()
+        n_floor_t = torch.as_tensor(n_floor_t, device=X.device).long()
+        c["damping_floored"] += n_floor_t
         c["clipped"] += clipped.long()
-        info = {"eps": eps, "fallback": bad, "rank": rank_t, "dot": dot, "grad_norm": grad_norm,
+        info = {"eps": eps, "reduction_ratio": self.lm.ratio, "fallback": bad, "clipped": clipped,
+                "rank": rank_t, "floored_columns": n_floor_t, "dot": dot, "grad_norm": grad_norm,
                 "direction_norm": norm, "bandwidth": sigma}
         if reference:
             info = {k: v.item() for k, v in info.items()}
             if info["fallback"]:
                 log.info("step %d: ⟨g, ĝ⟩ ≤ 0 or ĝ not finite: Euclidean gradient used", self.num_steps)
         return info
-

@@ -8,8 +8,9 @@ from torch import nn
 
 import kwng
 from kwng.estimator import kernel_matrices, kernel_matrices_nosync, nystrom_solve, nystrom_solve_nosync
+from kwng.lm import LevenbergMarquardt
 from kwng.nets import tiny_cnn
-from kwng.precond import KWNGPreconditioner
+from kwng.precond import KWNGPreconditioner, eps_from_authors
 
 
 def _batch(N=24, seed=0, size=8):
@@ -37,8 +38,8 @@ def _direction(model, mode, z, y, seed=3, **kw):
 
 
 @pytest.mark.parametrize("damping", list(kwng.DAMPINGS))
-def test_fast_loop_and_reference_agree_with_batchnorm(damping):
-    """One batched backward (fast) gives the same T, hence the same direction, as M serial VJPs.
+def test_fast_and_reference_agree_with_batchnorm(damping):
+    """One replicated backward (fast) gives the same T, hence the same direction, as M serial VJPs.
 
     tiny_cnn has batch norm in train mode, which couples the samples: T must still be the exact
     Jacobian. The fast solve whitens with a Cholesky factor instead of the eigendecomposition;
@@ -47,11 +48,11 @@ def test_fast_loop_and_reference_agree_with_batchnorm(damping):
     z, y = _batch()
     model = _cnn()
     ref, info_ref, _ = _direction(model, "reference", z, y, damping=damping)
-    for mode in ("fast", "loop", "ensemble"):
-        d, info, _ = _direction(model, mode, z, y, damping=damping)
-        assert torch.linalg.vector_norm(d - ref) <= 1e-4 * torch.linalg.vector_norm(ref)
-        assert int(info["rank"]) == info_ref["rank"] == 5
-        assert not bool(info["fallback"])
+    d, info, pc = _direction(model, "fast", z, y, damping=damping)
+    assert torch.linalg.vector_norm(d - ref) <= 1e-4 * torch.linalg.vector_norm(ref)
+    assert int(info["rank"]) == info_ref["rank"] == 5
+    assert not bool(info["fallback"])
+    assert pc.counters()["serial_steps"] == 0  # the replicated engine ran
 
 
 def test_positive_lambda_modes_agree_and_change_the_direction():
@@ -65,51 +66,135 @@ def test_positive_lambda_modes_agree_and_change_the_direction():
     assert torch.linalg.vector_norm(plain - ref) > 1e-3 * torch.linalg.vector_norm(ref)
 
 
-def test_batched_jacobian_equals_serial_vjps():
-    """The M+1 rows of the batched backward are ∇L and the M rows of T (jacobian_from_outputs)."""
-    z, y = _batch()
-    model = _cnn()
-    params = list(model.parameters())
+def _serial(model, z, y, C):
+    """∇L and the rows of T by plain autograd (serial VJPs), on a copy of ``model``."""
+    params = [p for p in model.parameters() if p.requires_grad]
     X = model(z)
     loss = nn.functional.cross_entropy(X, y)
-    idx, coords = kwng.draw_basis(X.shape[0], X.shape[1], 5, torch.Generator().manual_seed(0))
-    C, _, _ = kernel_matrices(X, idx, coords, kwng.GaussianKernel(2.0))
-    T_ref = kwng.jacobian_from_outputs(X, params, C, retain_graph=True)
-    g_ref = torch.cat([gp.reshape(-1) for gp in torch.autograd.grad(loss, params, retain_graph=True)])
-    pc = KWNGPreconditioner(model, adapt_eps=False, mode="fast")
-    g, T = pc._gradients(loss, X, C)
-    assert torch.allclose(T, T_ref, rtol=1e-5, atol=1e-7)
-    assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-7)
+    T = kwng.jacobian_from_outputs(X, params, C, retain_graph=True)
+    g = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+    return torch.cat([gp.reshape(-1) for gp in g]), T
 
 
-def test_ensemble_jacobian_equals_serial_vjps_and_keeps_running_stats():
-    """mode="ensemble": one backward through M+1 stacked copies gives ∇L and T exactly, and the
-    ensemble forward leaves the batch-norm running statistics as the user's forward set them."""
-    z, y = _batch()
-    model = _cnn()
-    params = list(model.parameters())
-    pc = KWNGPreconditioner(model, adapt_eps=False, mode="ensemble")
+def _replicated(model, z, y, C, **kw):
+    params = [p for p in model.parameters() if p.requires_grad]
+    pc = KWNGPreconditioner(model, adapt_eps=False, mode="fast", **kw)
     X = model(z)
-    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
     loss = nn.functional.cross_entropy(X, y)
-    idx, coords = kwng.draw_basis(X.shape[0], X.shape[1], 5, torch.Generator().manual_seed(0))
-    C, _, _ = kernel_matrices(X, idx, coords, kwng.GaussianKernel(2.0))
-    T_ref = kwng.jacobian_from_outputs(X, params, C, retain_graph=True)
-    g_ref = torch.cat([gp.reshape(-1) for gp in torch.autograd.grad(loss, params, retain_graph=True)])
-    g, T = pc._gradients(loss, X, C)
-    assert torch.allclose(T, T_ref, rtol=1e-5, atol=1e-7)
-    assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-7)
-    for k, v in stats.items():
-        assert torch.equal(model.state_dict()[k], v), k
-    pc.remove_hooks()
+    return pc._gradients(loss, X, C, params), pc
 
 
-def test_ensemble_needs_a_forward_call():
-    model = _cnn()
-    pc = KWNGPreconditioner(model, adapt_eps=False, mode="ensemble")
-    X = nn.Linear(10, 10)(torch.randn(8, 10))  # has a graph, but the model never ran
-    with pytest.raises(ValueError, match="forward"):
-        pc.step((X ** 2).sum(), X)
+def _resnet(seed=0):
+    torch.manual_seed(seed)
+    return kwng.nets.ResNet18(10, widths=(4, 8, 8, 8)).double()
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_replicated_backward_equals_serial_vjps_on_a_batchnorm_resnet(fmt):
+    """g and T of one replicated backward equal serial autograd VJPs on a BN ResNet in train mode
+    (float64: to round-off), and the forward leaves X and the running statistics as a plain forward."""
+    z, y = _batch(N=12, size=8)
+    z = z.double().contiguous(memory_format=fmt)
+    model = _resnet().to(memory_format=fmt)
+    C = torch.randn(5, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    plain = copy.deepcopy(model)
+    g_ref, T_ref = _serial(plain, z, y, C)
+    (g, T), pc = _replicated(model, z, y, C)
+    assert pc.counters()["serial_steps"] == 0
+    assert torch.allclose(T, T_ref, rtol=1e-10, atol=1e-13)
+    assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
+    for (k, v), v_ref in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(v, v_ref), k
+
+
+def test_replicated_backward_with_an_unused_and_a_frozen_parameter():
+    """A parameter the forward never uses has zero g and T columns; a parameter frozen after the
+    preconditioner was built is left out (no gradient written) and the rest is still exact."""
+    z, y = _batch(N=12, size=8)
+    z = z.double()
+    model = _resnet()
+    model.unused = nn.Linear(3, 3).double()  # never called in forward
+    C = torch.randn(4, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pc = KWNGPreconditioner(model, optimizer=opt, num_basis=4, eps=1e-3, clip_norm=None,
+                            generator=torch.Generator().manual_seed(5))
+    ref_model = copy.deepcopy(model)
+    pc_ref = KWNGPreconditioner(ref_model, optimizer=torch.optim.SGD(ref_model.parameters(), lr=0.1),
+                                num_basis=4, eps=1e-3, clip_norm=None, mode="reference",
+                                generator=torch.Generator().manual_seed(5))
+    for m, p in ((model, pc), (ref_model, pc_ref)):
+        m.layers[0].conv1.weight.requires_grad_(False)  # frozen after construction
+        X = m(z)
+        p.step(nn.functional.cross_entropy(X, y), X)
+    assert model.layers[0].conv1.weight.grad is None
+    assert pc.counters()["serial_steps"] == 0
+    for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        if a.requires_grad:
+            assert torch.allclose(a.grad, b.grad, rtol=1e-8, atol=1e-12), n
+    assert torch.count_nonzero(model.unused.weight.grad) == 0
+    fresh = _resnet()
+    fresh.unused = nn.Linear(3, 3).double()
+    g_ref, T_ref = _serial(copy.deepcopy(fresh), z, y, C)
+    (g, T), _ = _replicated(fresh, z, y, C, num_basis=4)
+    assert torch.allclose(T, T_ref, rtol=1e-10, atol=1e-13) and torch.count_nonzero(T[:, -12:]) == 0
+
+
+def test_loss_with_a_direct_parameter_term_keeps_the_full_gradient():
+    """An L2 term in the loss reaches the parameters without passing through X: g must include it."""
+    z, y = _batch(N=12, size=8)
+    z = z.double()
+    model = _resnet()
+    ref = copy.deepcopy(model)
+    C = torch.randn(3, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    pc = KWNGPreconditioner(model, adapt_eps=False, num_basis=3)
+    X = model(z)
+    loss = nn.functional.cross_entropy(X, y) + 0.1 * model.linear.weight.square().sum()
+    g, _ = pc._gradients(loss, X, C, list(model.parameters()))
+    Xr = ref(z)
+    loss_r = nn.functional.cross_entropy(Xr, y) + 0.1 * ref.linear.weight.square().sum()
+    g_ref = torch.cat([gp.reshape(-1) for gp in torch.autograd.grad(loss_r, list(ref.parameters()))])
+    assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
+
+
+def test_unsupported_layers_and_foreign_outputs_use_serial_passes(caplog):
+    """A parameter outside Conv2d/Linear/BatchNorm (here a LayerNorm) or outputs that are not the
+    model's own output: the step is still exact, through serial passes, and says so in the log."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    z = torch.randn(16, 5)
+    y = torch.randint(0, 3, (16,))
+    with caplog.at_level("WARNING"):
+        d_fast, _, pc = _direction(model, "fast", z, y)
+    assert "LayerNorm" in caplog.text
+    d_ref, _, _ = _direction(model, "reference", z, y)
+    assert torch.linalg.vector_norm(d_fast - d_ref) <= 1e-4 * torch.linalg.vector_norm(d_ref)
+    m2 = kwng.nets.mlp(5, 3)
+    pc2 = KWNGPreconditioner(m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1))
+    X = 2.0 * m2(z)  # not the model's own output tensor
+    pc2.step(nn.functional.cross_entropy(X, y), X)
+    assert pc2.counters()["serial_steps"] == 1
+
+
+def test_replicated_forward_refuses_dropout():
+    model = nn.Sequential(nn.Linear(5, 6), nn.Dropout(0.5), nn.Linear(6, 3))
+    KWNGPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="Dropout"):
+        model(torch.randn(8, 5))
+    model.eval()
+    assert model(torch.randn(8, 5)).shape == (8, 3)
+
+
+def test_plain_backward_on_a_replicated_forward_gives_the_true_gradient():
+    """``loss.backward()`` instead of ``precond.step`` still leaves ∇L in ``p.grad``."""
+    z, y = _batch(N=12, size=8)
+    z = z.double()
+    model = _resnet()
+    ref = copy.deepcopy(model)
+    KWNGPreconditioner(model, adapt_eps=False)
+    nn.functional.cross_entropy(model(z), y).backward()
+    nn.functional.cross_entropy(ref(z), y).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-10, atol=1e-13)
 
 
 def test_reference_equals_kwng_gradient_from_outputs():
@@ -228,54 +313,64 @@ def test_tiny_model_loss_goes_down_in_20_steps(mode):
     assert pc.counters()["steps"] == 20
 
 
-def _lm(ratios_high: bool, steps=10, interval=5):
-    """Feed a synthetic loss sequence whose reduction ratio r is known; return ε after ``steps``."""
-    model = nn.Linear(2, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pc = KWNGPreconditioner(model, optimizer=opt, eps=1e-3, lm_interval=interval)
+def _lm(ratios_high: bool, steps=10, interval=5, rule="authors"):
+    """Feed a loss sequence whose reduction ratio r is known; return the schedule after ``steps``."""
+    lm = LevenbergMarquardt(1e-3, interval=interval, rule=rule)
     loss = torch.tensor(10.0, dtype=torch.float64)
-    pc._prev_loss, pc._prev_dot, pc._has_prev = loss.clone(), torch.tensor(1.0, dtype=torch.float64), True
     for _ in range(steps):
-        # predicted first-order decrease lr·⟨g,ĝ⟩ = 0.1; r = 2·actual/0.1
-        loss = loss - (0.1 if ratios_high else -0.01)  # r = 2 (very good) or r = -0.2 (loss went up)
-        pc.num_steps += 1
-        pc._levenberg_marquardt(loss)
-        pc._prev_loss = loss.clone()
-    return pc.eps, pc.counters()
+        lm.update(loss)
+        lm.record(0.1, torch.tensor(1.0))  # predicted decrease ½·lr·⟨g,ĝ⟩ = 0.05
+        after = loss - (0.1 if ratios_high else -0.01)  # r = 2 (very good) or r = -0.2 (loss went up)
+        if rule == "same_batch":
+            lm.observe(after)
+            loss = after + 5.0  # the next batch's loss is unrelated: only the same-batch pair counts
+        else:
+            loss = after
+    return lm
 
 
-def test_levenberg_marquardt_moves_eps_the_right_way():
-    """r > 3/4 (the quadratic model is trusted) lowers ε by ω each lm_interval; r < 1/4 raises it."""
-    eps_good, c_good = _lm(True)
-    eps_bad, c_bad = _lm(False)
-    assert eps_good == pytest.approx(1e-3 * 0.85 ** 2)
-    assert eps_bad == pytest.approx(1e-3 / 0.85 ** 2)
-    assert c_good["eps_down"] == 2 and c_bad["eps_up"] == 2
-    # between the thresholds nothing changes
-    model = nn.Linear(2, 2)
-    pc = KWNGPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), eps=1e-3, lm_interval=1)
-    pc._prev_loss, pc._prev_dot, pc._has_prev = (torch.tensor(1.0, dtype=torch.float64),
-                                                 torch.tensor(1.0, dtype=torch.float64), True)
-    pc.num_steps = 1
-    pc._levenberg_marquardt(torch.tensor(0.75))  # r = 2 · 0.25 / 1 = 0.5
-    assert pc.eps == pytest.approx(1e-3)
+@pytest.mark.parametrize("rule", ["authors", "same_batch"])
+def test_levenberg_marquardt_moves_eps_the_right_way(rule):
+    """r > 3/4 (the quadratic model is trusted) lowers ε by ω each interval; r < 1/4 raises it."""
+    good, bad = _lm(True, rule=rule), _lm(False, rule=rule)
+    assert float(good.eps) == pytest.approx(1e-3 * 0.85 ** 2)
+    assert float(bad.eps) == pytest.approx(1e-3 / 0.85 ** 2)
+    assert int(good.downs) == 2 and int(bad.ups) == 2
+    assert float(good.ratio) == pytest.approx(2.0) and float(bad.ratio) == pytest.approx(-0.2)
+    # between the thresholds nothing changes: r = 0.25 / (½ · 1 · 1) = 0.5
+    lm = LevenbergMarquardt(1e-3, interval=1)
+    lm.update(torch.tensor(1.0))
+    lm.record(1.0, torch.tensor(1.0))
+    lm.update(torch.tensor(0.75))
+    assert float(lm.eps) == pytest.approx(1e-3)
 
 
-def test_eps_stays_within_bounds():
-    model = nn.Linear(2, 2)
-    pc = KWNGPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), eps=1e-10, lm_interval=1)
-    pc._prev_loss, pc._prev_dot, pc._has_prev = (torch.tensor(1.0, dtype=torch.float64),
-                                                 torch.tensor(1.0, dtype=torch.float64), True)
-    pc.num_steps = 1
-    pc._levenberg_marquardt(torch.tensor(0.0))  # r = 2 > 3/4 but ε is at eps_min
-    assert pc.eps == pytest.approx(1e-10)
+def test_eps_stays_within_bounds_and_rules_are_checked():
+    lm = LevenbergMarquardt(1e-10, interval=1)
+    lm.update(torch.tensor(1.0))
+    lm.record(1.0, torch.tensor(1.0))
+    lm.update(torch.tensor(0.0))  # r = 2 > 3/4 but ε is at eps_min
+    assert float(lm.eps) == pytest.approx(1e-10)
+    with pytest.raises(ValueError, match="same_batch"):
+        lm.observe(torch.tensor(0.0))
+    with pytest.raises(ValueError, match="rule"):
+        LevenbergMarquardt(1e-3, rule="next")
+
+
+def test_lm_state_dict_round_trip():
+    lm = _lm(True, steps=7)
+    lm2 = LevenbergMarquardt(1e-3, interval=5)
+    lm2.load_state_dict(lm.state_dict())
+    assert lm2.state_dict() == lm.state_dict()
+    with pytest.raises(ValueError, match="missing"):
+        lm2.load_state_dict({"eps": 1.0})
 
 
 def test_state_dict_round_trip():
     z, y = _batch()
     model = _cnn()
     _, _, pc = _direction(model, "fast", z, y)
-    pc._eps = pc._eps * 3
+    pc.lm.eps = pc.lm.eps * 3
     state = pc.state_dict()
     pc2 = KWNGPreconditioner(copy.deepcopy(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              mode="fast", eps=1e-3, clip_norm=None)
@@ -285,6 +380,32 @@ def test_state_dict_round_trip():
     assert pc2.counters()["rank_sum"] == 5
     with pytest.raises(ValueError, match="missing"):
         pc2.load_state_dict({"eps": 1.0})
+
+
+def test_same_batch_rule_in_a_training_loop():
+    """lm_rule="same_batch": the loop hands the same batch's loss after the step to the schedule."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    z = torch.randn(64, 5)
+    y = (z[:, 0] > 0).long()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    pc = KWNGPreconditioner(model, optimizer=opt, eps=1e-2, lm_rule="same_batch", lm_interval=1)
+    for _ in range(6):
+        opt.zero_grad()
+        X = model(z)
+        loss = nn.functional.cross_entropy(X, y)
+        info = pc.step(loss, X)
+        opt.step()
+        with torch.no_grad():
+            pc.observe_loss_after_step(nn.functional.cross_entropy(model(z), y))
+    assert torch.isfinite(info["reduction_ratio"]) and float(info["reduction_ratio"]) != 0.0
+    assert pc.counters()["eps_up"] + pc.counters()["eps_down"] >= 1
+
+
+def test_eps_from_authors_converts_by_sqrt_batch():
+    assert eps_from_authors(1e-5, 128) == pytest.approx(1e-5 * 128 ** 0.5)
+    with pytest.raises(ValueError, match="batch_size"):
+        eps_from_authors(1e-5, 0)
 
 
 def test_repr_lists_hyperparameters():
@@ -299,7 +420,8 @@ def test_repr_lists_hyperparameters():
     ({"kernel": "laplace"}, "kernel"), ({"bandwidth": "silverman"}, "bandwidth"), ({"bandwidth": -1.0}, "bandwidth"),
     ({"sigma0": 0.0}, "sigma0"), ({"damping": "full"}, "damping"), ({"lm_interval": 0}, "lm_interval"),
     ({"lm_omega": 1.5}, "lm_omega"), ({"lm_low": 0.9}, "lm_low"), ({"clip_norm": 0.0}, "clip_norm"),
-    ({"mode": "turbo"}, "mode"), ({"diagonal_only": True, "damping": "identity"}, "diagonal_only"),
+    ({"mode": "ensemble"}, "mode"), ({"lm_rule": "next"}, "lm_rule"),
+    ({"diagonal_only": True, "damping": "identity"}, "diagonal_only"),
     ({"generator": 3}, "generator"), ({"optimizer": None}, "optimizer"),
 ])
 def test_bad_hyperparameters_raise(kw, match):
