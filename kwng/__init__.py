@@ -51,8 +51,9 @@ from .models import (
     make_model,
     normal_wng_sigma_coords,
 )
+from .lm import LevenbergMarquardt
 from .precond import MODES as PRECOND_MODES
-from .precond import KWNGPreconditioner
+from .precond import KWNGPreconditioner, eps_from_authors
 
 __version__ = "0.1.0"
 
@@ -66,7 +67,7 @@ __all__ = [
     "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
     "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
     "bandwidth_tensor", "kernel_matrices_nosync", "nystrom_solve_nosync",
-    "KWNGPreconditioner", "PRECOND_MODES",
+    "KWNGPreconditioner", "PRECOND_MODES", "LevenbergMarquardt", "eps_from_authors",
     "relative_error",
 ]
 

@@ -88,7 +88,8 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num
         y = y.repeat(num_basis + 1)
 
     def autocast():
-        return torch.autocast(z.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+        return (torch.autocast(z.device.type, dtype=amp, cache_enabled=False) if amp is not None
+                else contextlib.nullcontext())  # no weight-cast cache: a CUDA graph would replay freed memory
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
