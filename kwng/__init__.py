@@ -41,6 +41,7 @@ from .kernels import (
     median_bandwidth,
     squared_distances,
 )
+from .lm import LevenbergMarquardt
 from .models import (
     HyperSphereModel,
     ImplicitModel,
@@ -51,7 +52,6 @@ from .models import (
     make_model,
     normal_wng_sigma_coords,
 )
-from .lm import LevenbergMarquardt
 from .precond import MODES as PRECOND_MODES
 from .precond import KWNGPreconditioner, eps_from_authors
 
