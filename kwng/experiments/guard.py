@@ -125,9 +125,11 @@ def prepare_result_dir(out: str | os.PathLike, cfg: dict, force: bool = False,
         backup(out)
     out.mkdir(parents=True, exist_ok=True)
     prev = {}
-    if cfg_path.exists() and (out / "provenance.json").exists():
-        prev = read_json(out / "provenance.json")
-    atomic_write_json(cfg_path, cfg)
+    if cfg_path.exists():  # same configuration: left as it is (a finished rerun changes no file)
+        if (out / "provenance.json").exists():
+            prev = read_json(out / "provenance.json")
+    else:
+        atomic_write_json(cfg_path, cfg)
     return prev
 
 
@@ -158,7 +160,8 @@ def read_csv_checked(path: str | os.PathLike, columns: Sequence[str], converters
     """Rows of the CSV ``path`` that are whole, parseable, finite in ``finite`` and unique by ``key``.
 
     Returns ``(good_rows, problems)``; each problem names the file, the line and what is wrong (a
-    field that does not parse, a missing field, a non-finite value, a repeated key). Of rows with a
+    field that does not parse, a missing field, a last row without its line end, a non-finite value,
+    a repeated key). Of rows with a
     repeated key only the first is kept. A header other than ``columns`` raises
     :class:`ResultFileError`. A missing file gives ``([], [])``."""
     path = Path(path)
@@ -166,11 +169,15 @@ def read_csv_checked(path: str | os.PathLike, columns: Sequence[str], converters
         return [], []
     try:
         with open(path, encoding="utf-8", newline="") as fh:
-            reader = csv.reader(fh)
-            header = next(reader, None)
-            lines = list(reader)
+            text = fh.read()
+        reader = csv.reader(text.splitlines())
+        header = next(reader, None)
+        lines = list(reader)
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ResultFileError(f"{path}: not a readable CSV file ({exc})") from exc
+    # files are written whole, each row ending in a newline: a last row without one was cut short
+    # (possibly in the middle of a number that still parses)
+    cut_tail = bool(lines) and not text.endswith("\n")
     if header is None:
         return [], [f"{path}: empty file (no header)"]
     if list(header) != list(columns):
@@ -178,6 +185,9 @@ def read_csv_checked(path: str | os.PathLike, columns: Sequence[str], converters
     good, problems, seen = [], [], set()
     for lineno, fields in enumerate(lines, start=2):
         where = f"{path}:{lineno}"
+        if cut_tail and lineno == len(lines) + 1:
+            problems.append(f"{where}: last row has no line end (file truncated)")
+            continue
         if len(fields) != len(columns):
             problems.append(f"{where}: {len(fields)} fields, expected {len(columns)} (truncated row?)")
             continue

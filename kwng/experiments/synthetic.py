@@ -282,6 +282,7 @@ def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[
     t0 = time.perf_counter()
     timings: dict[str, float] = dict(prev.get("timings_s", {}))
     exact_cache: dict = {}
+    computed = 0
     for model_name in models:
         path = out / f"{model_name}.csv"
         rows, problems = checked_rows(path)
@@ -300,8 +301,12 @@ def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[
         for p in tqdm(todo, desc=f"{cfg['experiment']}:{model_name}", disable=not progress):
             rows.extend(_compute_point(model_name, p, cfg, device, exact_cache, mem_gb * 1e9))
             _write_rows(path, rows)
+            computed += 1
         timings[model_name] = timings.get(model_name, 0.0) + time.perf_counter() - tm
     wall = time.perf_counter() - t0
+    if computed == 0 and prev and set(models) <= set(prev.get("models_done", [])):
+        log.info("%s: complete in %s, nothing recomputed; provenance kept", cfg["experiment"], out)
+        return prev  # a rerun of a finished sweep changes no file
     return write_provenance(out, cfg, seeds={"base_seed": cfg["seed"], "rule": "crc32 of the grid point key"},
                             device=device, wall_time_s=wall,
                             wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall, timings_s=timings,
