@@ -110,8 +110,9 @@ def test_cifar_run_same_configuration_without_checkpoint_is_refused(tmp_path):
     before = _snapshot(dst)
     rec = json.loads((dst / "metrics.json").read_text())
     c = rec["config"]
+    # (a deadline in the past: were the run to start, it would stop at its first step)
     cfg = _run_cfg(tmp_path, method="kwng_m20", conditioning="ill", model=c["model"], epochs=c["epochs"],
-                   lr=rec["lr"], batch_size=None, train_subset=None, stop_after_epoch=1)
+                   lr=rec["lr"], batch_size=None, train_subset=None, deadline=1.0)
     with pytest.raises(ValueError, match="checkpoint .* is missing"):
         cifar.run(cfg, progress=False)
     assert _snapshot(dst) == before

@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("configuration: %s", json.dumps(dict(cfg)))
         try:
             rec = run(cfg, progress=not a.no_progress, force=a.force)
-        except (guard.ConfigMismatchError, ResultFileError) as exc:
+        except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
             log.error("refused: %s", exc)
             return 2
         if rec["epochs"]:
