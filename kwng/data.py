@@ -6,7 +6,8 @@ Three sources, all returning ``uint8`` images of shape ``(N, 32, 32, 3)`` and ``
   ``cifar-100-python/{train,test,meta}``), read with :func:`read_official_cifar` and, where the user
   has internet and torchvision, downloaded by :func:`download_official`;
 * the **offline JPEG copy** of CIFAR-10 (``cifar10_jpeg.npz``: the original JPEG bytes of every image,
-  quality 75), decoded once with Pillow by :func:`load_jpeg_npz` and cached as ``.npy`` arrays;
+  quality 75), decoded once with Pillow by :func:`load_jpeg_npz` and cached as ``.npy`` arrays keyed
+  by the npz's content hash (:func:`file_fingerprint`), so a replaced npz is decoded again;
 * the **committed sample** (``kwng/data_sample/cifar10_sample.npz``: 500 train + 200 test images taken
   from the offline copy), read by :func:`load_sample`, for tests and the book's live run.
 
@@ -19,7 +20,9 @@ whose state is checkpointed for exact resume.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import logging
 import os
 import pickle
@@ -33,7 +36,7 @@ from ._checks import check_choice, check_int
 
 __all__ = ["DATASETS", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH", "read_official_cifar",
            "write_official_cifar", "load_jpeg_npz", "load_sample", "download_official", "find_source",
-           "load_cifar", "GPUAugmentedData", "augment_batch", "normalize"]
+           "file_fingerprint", "source_fingerprint", "load_cifar", "GPUAugmentedData", "augment_batch", "normalize"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,36 @@ def download_official(root: str | os.PathLike, dataset: str) -> Path:
     return root / _OFFICIAL_DIR[dataset]
 
 
+# ------------------------------------------------------------------------------------------ identity
+def file_fingerprint(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """BLAKE2b-128 of the content of ``path`` (and its size): equal for equal files wherever they lie."""
+    path = Path(path)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(path.stat().st_size).encode())
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def source_fingerprint(dataset: str, data_root: str | os.PathLike | None = None, source: str = "auto") -> str:
+    """``"<kind>:<hash>"`` identifying the data :func:`load_cifar` would read with these arguments:
+    the content hash of the npz or of the official files (not their paths). Raises as
+    :func:`find_source` when there is no data."""
+    check_choice(dataset, "dataset", DATASETS)
+    check_choice(source, "source", ("auto", "official", "jpeg", "sample"))
+    if source == "sample":
+        return f"sample:{file_fingerprint(SAMPLE_PATH)}"
+    kind, where = find_source(dataset, data_root)
+    if kind == "jpeg":
+        return f"jpeg:{file_fingerprint(where)}"
+    folder = where / _OFFICIAL_DIR[dataset] if (where / _OFFICIAL_DIR[dataset]).is_dir() else where
+    h = hashlib.blake2b(digest_size=16)
+    for f in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
+        h.update(f"{f.name}:{file_fingerprint(f)}".encode())
+    return f"official:{h.hexdigest()}"
+
+
 # ------------------------------------------------------------------------------------------ JPEG npz
 def _decode_jpegs(buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     from PIL import Image
@@ -159,19 +192,37 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
 
     The decoded ``uint8`` array is cached as ``<stem>_<split>_x.npy`` in ``cache_dir`` (default: next to
     the npz, or ``~/.cache/kwng`` if that folder is read-only) so that the decode (a few seconds) happens
-    once. With ``official_order`` and a ``train_official_perm`` key, training rows are put in the order
-    of the official ``data_batch`` files.
+    once. The cache is used only if its key file ``<stem>_<split>_x.key.json`` holds the npz's current
+    :func:`file_fingerprint`; otherwise (npz replaced, key missing, shape wrong) it is rebuilt.
+    With ``official_order`` and a ``train_official_perm`` key, training rows are put in the order of the
+    official ``data_batch`` files.
     """
     check_choice(split, "split", ("train", "test"))
     path = Path(path)
-    z = np.load(path)
-    y = np.asarray(z[f"y_{split}"], dtype=np.int64)
+    try:
+        z = np.load(path)
+        y = np.asarray(z[f"y_{split}"], dtype=np.int64)
+    except (OSError, ValueError, KeyError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable CIFAR JPEG npz ({type(exc).__name__}: {exc})") from exc
+    key = {"source_fingerprint": file_fingerprint(path), "split": split}
     candidates = [Path(cache_dir)] if cache_dir is not None else [path.parent, Path.home() / ".cache" / "kwng"]
     x = None
     for c in candidates:
         f = c / f"{path.stem}_{split}_x.npy"
+        kf = c / f"{path.stem}_{split}_x.key.json"
         if f.is_file():
-            x = np.load(f)
+            try:
+                stored = json.loads(kf.read_text(encoding="utf-8")) if kf.is_file() else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                stored = None
+            if stored != key:
+                log.warning("decode cache %s does not match %s (source changed or key missing): rebuilding", f, path)
+                continue
+            try:
+                x = np.load(f)
+            except (OSError, ValueError, EOFError) as exc:
+                log.warning("decode cache %s unreadable (%s): rebuilding", f, exc)
+                continue
             if x.shape != (len(y), 32, 32, 3):
                 log.warning("ignoring cache %s with shape %s", f, x.shape)
                 x = None
@@ -187,7 +238,10 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
                 tmp = c / f".{f.name}.{os.getpid()}.tmp"
                 with open(tmp, "wb") as fh:
                     np.save(fh, x)
-                os.replace(tmp, f)
+                ktmp = c / f".{f.name}.key.{os.getpid()}.tmp"
+                ktmp.write_text(json.dumps(key), encoding="utf-8")
+                os.replace(tmp, f)  # images first, then the key: a crash in between leaves a stale key
+                os.replace(ktmp, c / f"{path.stem}_{split}_x.key.json")
                 break
             except OSError as exc:
                 log.info("cannot cache decoded images in %s (%s)", c, exc)
@@ -217,12 +271,16 @@ def _default_roots() -> list[Path]:
 def find_source(dataset: str, data_root: str | os.PathLike | None = None) -> tuple[str, Path]:
     """Locate data for ``dataset``: ``("official", folder)`` or ``("jpeg", npz path)``.
 
-    Looks in ``data_root`` (a folder or an npz file), then ``$KWNG_DATA``, ``<repo>/.data``,
-    ``<repo>/../shared/data`` and ``~/.cache/kwng``; official archives are preferred to the JPEG copy.
+    An explicit ``data_root`` (a folder or an npz file) is the only place searched: if it does not
+    exist or holds no data for ``dataset`` that is an error, never a silent fall-back to other
+    folders. Without it: ``$KWNG_DATA``, ``<repo>/.data``, ``<repo>/../shared/data`` and
+    ``~/.cache/kwng``. Official archives are preferred to the JPEG copy.
     Raises ``FileNotFoundError`` listing the places searched.
     """
     check_choice(dataset, "dataset", DATASETS)
-    roots = ([Path(data_root)] if data_root is not None else []) + _default_roots()
+    if data_root is not None and not Path(data_root).exists():
+        raise FileNotFoundError(f"data_root {str(data_root)!r} does not exist (check --data-root)")
+    roots = [Path(data_root)] if data_root is not None else _default_roots()
     for r in roots:
         if r.is_file() and r.suffix == ".npz":
             return "jpeg", r
@@ -232,8 +290,8 @@ def find_source(dataset: str, data_root: str | os.PathLike | None = None) -> tup
     for r in roots:
         if (r / _JPEG_NAME[dataset]).is_file():
             return "jpeg", r / _JPEG_NAME[dataset]
-    raise FileNotFoundError(f"no {dataset} data found in {[str(r) for r in roots]}; pass --data-root, "
-                            "or --download to fetch the official archive with torchvision")
+    raise FileNotFoundError(f"no {dataset} data found in {[str(r) for r in roots]}; pass --data-root "
+                            "(a folder or an npz file), or --download to fetch the official archive with torchvision")
 
 
 def load_cifar(dataset: str, split: str, data_root: str | os.PathLike | None = None, source: str = "auto",
@@ -255,6 +313,8 @@ def load_cifar(dataset: str, split: str, data_root: str | os.PathLike | None = N
     except FileNotFoundError:
         if not download:
             raise
+        if data_root is not None:
+            Path(data_root).mkdir(parents=True, exist_ok=True)
         kind, where = "official", download_official(data_root or _default_roots()[-1], dataset)
     if source != "auto" and kind != source:
         raise FileNotFoundError(f"asked for source={source!r} but found {kind} data at {where}")

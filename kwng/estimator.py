@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -51,6 +52,7 @@ __all__ = [
     "jacobian_from_outputs",
     "damping_vector",
     "nystrom_solve",
+    "check_sample_resolution",
     "kwng_gradient",
     "kwng_gradient_from_outputs",
     "bandwidth_tensor",
@@ -103,9 +105,12 @@ def kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, basis_coords: torc
 
     Returns ``C`` with shape ``(M, N, d)`` (``C[m, n, j] = ∂_{i_m}∂_{j+d} k(Y_m, X_n)``), ``K``
     with shape ``(M, M)`` (``K[m, m'] = ∂_{i_m}∂_{i_{m'}+d} k(Y_m, Y_{m'})``) and ``CCᵀ``
-    (``M × M``, summed over ``n`` and ``j`` *without* the ``1/N``). ``X`` is detached.
+    (``M × M``, summed over ``n`` and ``j`` *without* the ``1/N``). ``X`` is detached and promoted to
+    float64 (at least): the three matrices come back in float64, so the kernel terms add no rounding
+    of their own to that of the samples, and float16/bfloat16 samples cannot overflow them.
     """
     X = check_points(X, "X").detach()
+    X = X.to(torch.promote_types(X.dtype, torch.float64))
     Y = X[basis_idx.to(X.device)]
     coords = basis_coords.to(X.device)
     C = kernel.mixed_coord(Y, coords, X)
@@ -125,7 +130,8 @@ def jacobian_from_sampler(sampler: Callable[[torch.Tensor], torch.Tensor], theta
     """
     B = torch.autograd.functional.jacobian(sampler, theta, vectorize=True, strategy="forward-mode")
     N = B.shape[0]
-    return torch.einsum("mnj,njq->mq", C.to(B.dtype), B) / N
+    dt = torch.promote_types(C.dtype, B.dtype)  # a float64 C keeps the contraction in float64
+    return torch.einsum("mnj,njq->mq", C.to(dt), B.to(dt)) / N
 
 
 def jacobian_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], C: torch.Tensor,
@@ -178,9 +184,14 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
     """The linear algebra of Props. 5 and 6 given ``T`` (``M × q``), ``CCᵀ`` and ``K`` (``M × M``).
 
     ``eps`` is ``ε > 0``, ``lam`` is ``λ >= 0``, ``grad`` the estimated Euclidean gradient (``q``).
-    The small ``M × M`` algebra runs in float64; ``rcond`` is the relative threshold below which
-    eigenvalues of ``CCᵀ`` are dropped by the stable form (default ``M · float-eps`` of ``CCᵀ``'s
-    dtype). Returns the direction in ``grad``'s dtype.
+    The algebra *and the final combination* ``(D⁻¹∇L - D⁻¹ T̃ᵀ w) / ε`` run in float64 whatever the
+    inputs' dtype: the two terms nearly cancel (their difference is ``ε`` times smaller than each),
+    so a subtraction in float32 or lower would return rounding noise. ``rcond`` is the relative
+    threshold below which eigenvalues of ``CCᵀ`` are dropped by the stable form (default
+    ``M · float-eps`` of ``CCᵀ``'s dtype). Returns the direction in ``grad``'s dtype.
+
+    The precision of the samples themselves is checked by :func:`kwng_gradient` and
+    :func:`kwng_gradient_from_outputs` (:func:`check_sample_resolution`).
     """
     eps = check_positive(eps, "eps")
     lam = check_positive(lam, "lam", allow_zero=True)
@@ -192,7 +203,12 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
     if grad.shape != (q,):
         raise ValueError(f"grad must have shape ({q},) to match the parameters, got {tuple(grad.shape)}")
     check_finite(grad, "grad")
-    check_finite(T, "T")
+    if not bool(torch.isfinite(T).all()):
+        raise ValueError("T must contain only finite values: the Jacobian of the samples with respect to the "
+                         f"parameters has {int(torch.isnan(T).sum())} NaN and {int(torch.isinf(T).sum())} inf entries")
+    if not bool(torch.isfinite(CCt).all()) or not bool(torch.isfinite(K).all()):
+        raise ValueError("CCt and K must contain only finite values (NaN or inf found: non-finite samples, "
+                         "or a kernel that overflows in the input dtype)")
     if CCt.shape != (M, M) or K.shape != (M, M):
         raise ValueError(f"CCt and K must be ({M}, {M}), got {tuple(CCt.shape)} and {tuple(K.shape)}")
     f64 = torch.float64
@@ -208,20 +224,19 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
         raise ValueError("C Cᵀ is numerically zero: the kernel derivatives vanish at every sample "
                          "(bandwidth far too small or too large for the data)")
     W = (U[:, keep] / S[keep].sqrt()).T  # r × M, W CCᵀ Wᵀ = I_r
+    T64 = T.to(f64)
     Tt = None
     if method == "stable" or damping == "T_tilde":
-        Tt = W @ T.to(f64)  # r × q, in float64: T̃ D⁻¹ T̃ᵀ must stay positive semi-definite
-    Dvec, n_floor = damping_vector(damping, T, Tt, damping_floor)
+        Tt = W @ T64  # r × q, in float64: T̃ D⁻¹ T̃ᵀ must stay positive semi-definite
+    Dvec, n_floor = damping_vector(damping, T64, Tt, damping_floor)
     Dinv = 1.0 / Dvec
-    g = grad.to(T.dtype)
-    Dg = Dinv * g
+    Dg = Dinv * grad.to(f64)
 
     if method == "stable":
-        Dinv64 = Dinv.to(f64)
-        A = (Tt * Dinv64) @ Tt.T + (eps / N) * torch.eye(rank, dtype=f64, device=T.device)
+        A = (Tt * Dinv) @ Tt.T + (eps / N) * torch.eye(rank, dtype=f64, device=T.device)
         if lam > 0:
             A = A + lam * eps * (W @ K.to(f64) @ W.T)
-        v = Tt @ Dg.to(f64)
+        v = Tt @ Dg
         L, info = torch.linalg.cholesky_ex(A)
         if int(info) == 0:
             w = torch.cholesky_solve(v[:, None], L)[:, 0]
@@ -230,14 +245,19 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
             log.warning("stable KWNG system not positive definite in float64; using lstsq")
             w = torch.linalg.lstsq(A, v[:, None]).solution[:, 0]
             solver = "lstsq"
-        correction = (Tt.T @ w).to(T.dtype)
+        correction = Tt.T @ w
     else:
-        A = ((T * Dinv) @ T.T).to(f64) + lam * eps * K.to(f64) + (eps / N) * CCt.to(f64)
-        v = (T @ Dg).to(f64)
+        A = (T64 * Dinv) @ T64.T + lam * eps * K.to(f64) + (eps / N) * CCt.to(f64)
+        v = T64 @ Dg
         w = torch.linalg.pinv(A, hermitian=True) @ v
         solver = "pinv"
-        correction = T.T @ w.to(T.dtype)
-    direction = (Dg - Dinv * correction) / eps
+        correction = T64.T @ w
+    residual = Dg - Dinv * correction  # float64: the two terms nearly cancel
+    direction = residual / eps
+    out = direction.to(grad.dtype)
+    if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(direction).all()):
+        warnings.warn(f"KWNG direction overflows {grad.dtype}: pass grad in a wider dtype", RuntimeWarning,
+                      stacklevel=2)
 
     diag = {}
     if diagnostics:
@@ -249,7 +269,7 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
             "cond_CCt": float("inf") if rank < M else float(Spos.max() / Spos.min()),
             "cond_system": _cond(A),
         }
-    return KWNGResult(direction.to(grad.dtype), diag)
+    return KWNGResult(out, diag)
 
 
 BANDWIDTH_RULES = ("mean_sq", "median")
@@ -260,8 +280,12 @@ def _with_bandwidth(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor, ba
     it, ``"mean_sq"`` uses ``σ0 · mean ‖X_n - Y_m‖²`` and ``"median"`` the median heuristic."""
     if bandwidth is None:
         return kernel
+    if not bool(torch.isfinite(X.detach()).all()):
+        raise ValueError(f"X must contain only finite values to set the bandwidth: found "
+                         f"{int(torch.isnan(X).sum())} NaN and {int(torch.isinf(X).sum())} inf entries")
     kernel = copy.copy(kernel)
-    Y = X.detach()[basis_idx.to(X.device)]
+    X = X.detach().to(torch.promote_types(X.dtype, torch.float64))  # as kernel_matrices
+    Y = X[basis_idx.to(X.device)]
     if isinstance(bandwidth, str):
         check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
         kernel.bandwidth = (mean_sq_bandwidth(X, Y, sigma0) if bandwidth == "mean_sq"
@@ -271,9 +295,43 @@ def _with_bandwidth(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor, ba
     return kernel
 
 
+#: Relative resolution of the samples (``u · max|X| / spread``) above which the estimate is flagged.
+RESOLUTION_WARN = 0.01
+
+
+def check_sample_resolution(X: torch.Tensor) -> float:
+    """How coarsely the samples ``X`` are resolved by their dtype, relative to their spread.
+
+    With ``u`` the unit round-off of ``X.dtype``, ``max|X|`` the largest magnitude and ``s`` the RMS
+    distance of the samples to their mean, returns ``r = u · max|X| / s``: the rounding of each sample
+    as a fraction of the distances the kernel sees. ``r > RESOLUTION_WARN`` (1 %) gives a
+    ``RuntimeWarning`` (the estimate is dominated by rounding: compute the samples in a wider dtype);
+    ``s = 0`` (every sample equal in this dtype) raises ``ValueError``. float16 and bfloat16 outputs of
+    magnitude ~100 with unit spread, or float32 ones of magnitude ~1e5, are flagged."""
+    Xd = X.detach().to(torch.float64)
+    u = torch.finfo(X.dtype).eps
+    big = float(Xd.abs().max())
+    spread = float(((Xd - Xd.mean(0)) ** 2).sum(1).mean().sqrt())
+    if spread == 0.0:
+        raise ValueError(f"all {X.shape[0]} samples X are equal in {X.dtype} (magnitude {big:.3g}, resolution "
+                         f"{u * big:.2g}): if they should differ, compute them in a wider dtype")
+    r = u * big / spread
+    if r > RESOLUTION_WARN and X.dtype != torch.float64:
+        warnings.warn(f"KWNG inputs in {X.dtype} are rounded to {100 * r:.2g} % of their spread (magnitude {big:.3g}, "
+                      f"spread {spread:.3g}): the estimate is dominated by rounding; compute the samples in float32 "
+                      "or float64, or centre them", RuntimeWarning, stacklevel=3)
+    return r
+
+
+def _check_finite_counted(t: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} must contain only finite values: found {int(torch.isnan(t).sum())} NaN and "
+                         f"{int(torch.isinf(t).sum())} inf entries")
+
+
 def _prepare(X, grad, num_basis, eps, lam, kernel, generator, basis_idx, basis_coords):
     X = check_points(X, "X")
-    check_finite(X.detach(), "X")
+    _check_finite_counted(X.detach(), "X (the samples)")
     N, d = X.shape
     check_int(num_basis, "num_basis", 1, N)
     check_positive(eps, "eps")
@@ -282,7 +340,7 @@ def _prepare(X, grad, num_basis, eps, lam, kernel, generator, basis_idx, basis_c
         raise ValueError(f"kernel must be a kwng.Kernel, got {type(kernel).__name__}")
     if not isinstance(grad, torch.Tensor) or grad.dim() != 1:
         raise ValueError("grad must be a 1-d torch.Tensor (the flattened Euclidean gradient)")
-    check_finite(grad, "grad")
+    _check_finite_counted(grad, "grad")
     if basis_idx is None and basis_coords is None:
         basis_idx, basis_coords = draw_basis(N, d, num_basis, generator)
     elif basis_idx is None or basis_coords is None:
@@ -336,12 +394,12 @@ def kwng_gradient(sampler: Callable[[torch.Tensor], torch.Tensor], theta: torch.
         X = sampler(theta)
     X, N, d, basis_idx, basis_coords = _prepare(X, grad, num_basis, eps, lam, kernel, generator,
                                                 basis_idx, basis_coords)
+    resolution = check_sample_resolution(X)
     kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
-    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)
+    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)  # float64
     T = jacobian_from_sampler(sampler, theta.detach(), C)
-    res = nystrom_solve(T, CCt, K, grad.to(T.dtype), N, eps=eps, lam=lam, damping=damping,
-                        method=method, rcond=rcond)
-    res.direction = res.direction.to(grad.dtype)
+    res = nystrom_solve(T, CCt, K, grad, N, eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
+    res.diagnostics["sample_resolution"] = resolution
     res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel),
                            basis_idx=basis_idx, basis_coords=basis_coords)
     return res
@@ -367,11 +425,12 @@ def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], 
     q = sum(p.numel() for p in params)
     if grad.shape != (q,):
         raise ValueError(f"grad must have shape ({q},) = total size of params, got {tuple(grad.shape)}")
+    resolution = check_sample_resolution(X)
     kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
-    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)
+    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)  # float64
     T = jacobian_from_outputs(X, params, C, retain_graph=retain_graph)
-    res = nystrom_solve(T, CCt, K, grad.to(T.dtype), N, eps=eps, lam=lam, damping=damping,
-                        method=method, rcond=rcond)
+    res = nystrom_solve(T, CCt, K, grad, N, eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
+    res.diagnostics["sample_resolution"] = resolution
     res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel),
                            basis_idx=basis_idx, basis_coords=basis_coords)
     return res

@@ -35,6 +35,13 @@ __all__ = [
 ]
 
 
+def _check_finite_points(t: torch.Tensor, name: str) -> None:
+    """Bandwidth heuristics on NaN/inf points would report "all samples coincide": say what is wrong."""
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} must contain only finite values: found {int(torch.isnan(t).sum())} NaN and "
+                         f"{int(torch.isinf(t).sum())} inf entries")
+
+
 def squared_distances(Y: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """Matrix of ``‖Y_m - X_n‖²`` of shape ``(M, N)``, computed exactly (no cancellation)."""
     Y, X = check_points(Y, "Y"), check_points(X, "X")
@@ -50,6 +57,8 @@ def mean_sq_bandwidth(X: torch.Tensor, Y: torch.Tensor, sigma0: float = 1.0) -> 
     fixed multiplier.
     """
     check_positive(sigma0, "sigma0")
+    _check_finite_points(X.detach(), "X")
+    _check_finite_points(Y.detach(), "Y")
     sigma = float(squared_distances(Y.detach(), X.detach()).mean()) * sigma0
     if not sigma > 0:
         raise ValueError("mean_sq_bandwidth: all samples coincide with the basis points, the "
@@ -65,6 +74,9 @@ def median_bandwidth(X: torch.Tensor, Y: torch.Tensor | None = None) -> float:
     pairwise distance.
     """
     X = check_points(X.detach(), "X")
+    _check_finite_points(X, "X")
+    if Y is not None:
+        _check_finite_points(Y.detach(), "Y")
     if Y is None:
         sq = squared_distances(X, X)
         iu = torch.triu_indices(X.shape[0], X.shape[0], offset=1, device=X.device)

@@ -18,8 +18,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_text", "atomic_write_json", "read_json", "git_commit", "device_name",
-           "make_provenance", "write_provenance"]
+__all__ = ["ResultFileError", "atomic_write_text", "atomic_write_json", "read_json", "git_commit",
+           "device_name", "make_provenance", "write_provenance"]
+
+
+class ResultFileError(ValueError):
+    """A result, record or checkpoint file exists but cannot be read (truncated, corrupt, wrong
+    type). The message names the file; the original error is chained."""
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -45,8 +50,14 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    """Parse the JSON file ``path``. A missing file raises ``FileNotFoundError``; a file that is
+    truncated, not UTF-8 or not JSON raises :class:`ResultFileError` naming ``path``."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultFileError(f"{path}: not a readable JSON file ({exc}); it may be truncated or "
+                              "corrupt: move it away or rerun with --force") from exc
 
 
 def _default(o):

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import DATASETS, NUM_CLASSES, GPUAugmentedData, load_cifar
-from ..provenance import atomic_write_json, read_json, write_provenance
+from ..provenance import ResultFileError, atomic_write_json, read_json, write_provenance
+from . import guard
 
 __all__ = ["METHODS", "LR_GRID", "SELECT_METHODS", "CONDITIONINGS", "RunConfig", "run", "run_dir_for",
            "build_plan", "select_lrs", "check_results", "load_results", "main", "BUDGET_CUT"]
@@ -266,19 +267,24 @@ def evaluate(model: nn.Module, data: GPUAugmentedData, U: nn.Module | None, batc
 
 
 # --------------------------------------------------------------------------------------------- run
-def run(cfg: RunConfig | dict, progress: bool = True) -> dict:
+def run(cfg: RunConfig | dict, progress: bool = True, force: bool = False) -> dict:
     """Train one configuration to completion (or to ``stop_after_epoch`` / ``max_steps`` / ``deadline``),
-    resuming from its checkpoint if one exists. Returns the metrics record (also written to disk)."""
+    resuming from its checkpoint if one exists. Returns the metrics record (also written to disk).
+
+    A run directory written with another identity (:func:`kwng.experiments.guard.run_identity`: step
+    size, epochs, model, data, batch, method spec, ...) is refused, never resumed, skipped or
+    overwritten; so is an unfinished record whose checkpoint is gone. ``force`` moves such results to
+    a dated backup and starts afresh."""
     cfg = cfg if isinstance(cfg, RunConfig) else RunConfig(**cfg)
     rdir, ckpt_path = run_dir_for(cfg), checkpoint_path_for(cfg)
     metrics_path = rdir / "metrics.json"
-    if metrics_path.is_file():
-        prev = read_json(metrics_path)
-        if prev.get("complete"):
-            log.info("%s is complete: skipped", rdir)
-            return prev
-    device = _device(cfg["device"])
     lr = resolve_lr(cfg)
+    identity = _identity(cfg, lr)
+    prev = guard.check_existing_run(rdir, ckpt_path, identity, force)
+    if prev is not None:
+        log.info("%s is complete: skipped", rdir)
+        return prev
+    device = _device(cfg["device"])
     torch.manual_seed(cfg["seed"])
     np.random.seed(cfg["seed"])
     random.seed(cfg["seed"])
@@ -298,13 +304,14 @@ def run(cfg: RunConfig | dict, progress: bool = True) -> dict:
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
     precond = _preconditioner(cfg, model, optimizer, U, device)
     data_gen = torch.Generator().manual_seed(10_000 + cfg["seed"])
-    record = {"config": dict(cfg), "lr": lr, "milestones": milestones, "batch_size": cfg.batch,
+    record = {"config": dict(cfg), "identity": identity, "lr": lr, "milestones": milestones, "batch_size": cfg.batch,
               "method_spec": cfg.spec, "clip_norm": CLIP_NORM, "epochs": [], "complete": False,
               "diverged": False, "train_size": len(train), "eval_size": len(test),
               "eval_split": "validation (held out of train)" if cfg["val_size"] else "test"}
     start_epoch, steps, time_train = 0, 0, 0.0
     if ckpt_path.is_file():
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
+        ck = guard.load_checkpoint(ckpt_path, map_location=device)
+        guard.check_run_record(ckpt_path, guard.record_identity(ck["record"]), identity)
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["scheduler"])
@@ -412,6 +419,18 @@ def run(cfg: RunConfig | dict, progress: bool = True) -> dict:
     return record
 
 
+def _identity(cfg: RunConfig, lr: float) -> dict:
+    from ..data import source_fingerprint
+
+    try:
+        data = source_fingerprint(cfg["dataset"], cfg["data_root"], cfg["source"])
+    except FileNotFoundError:
+        if not cfg["download"]:
+            raise
+        data = None  # fetched by this run; not compared
+    return guard.run_identity(cfg, lr, cfg.batch, cfg.spec, data)
+
+
 # ----------------------------------------------------------------------------------------- plans
 def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6, select_steps: int = 120,
                select_subset: int = 10_000, select_val: int = 2_000, data_root: str | None = None) -> list[dict]:
@@ -462,28 +481,34 @@ def _claim(cfg: RunConfig, session: str) -> bool:
     return True
 
 
-def worker(jobs: Iterable[dict], session: str, deadline: float | None) -> int:
-    """Run every unclaimed, unfinished job of ``jobs`` in this process; returns how many it ran."""
-    n = 0
+def worker(jobs: Iterable[dict], session: str, deadline: float | None,
+           failures_file: str | os.PathLike | None = None) -> list[dict]:
+    """Run every unclaimed, unfinished job of ``jobs`` in this process.
+
+    A run that fails (corrupt record, other configuration in its directory, error while training) is
+    logged and listed, and the worker goes on with the next. Returns the failures
+    (``{"run", "error"}``), also written to ``failures_file`` when given."""
+    failures: list[dict] = []
     for job in jobs:
         if deadline is not None and time.time() > deadline - 20:
             log.info("worker %d: deadline close, not starting new runs", os.getpid())
             break
-        cfg = RunConfig(**{**job, "deadline": deadline})
-        mp = run_dir_for(cfg) / "metrics.json"
-        if mp.is_file() and read_json(mp).get("complete"):
-            continue
-        if not _claim(cfg, session):
-            continue
+        name = "/".join(str(job.get(k, "?")) for k in ("dataset", "conditioning", "method", "seed"))
         try:
-            run(cfg, progress=False)
-        except (RuntimeError, ValueError, FileNotFoundError, KeyError) as exc:  # one bad run must not stop a sweep
-            log.error("run %s failed: %s", run_dir_for(cfg), exc)
-            atomic_write_json(run_dir_for(cfg) / "error.json", {"error": repr(exc), "config": dict(cfg)})
+            cfg = RunConfig(**{**job, "deadline": deadline})
+            name = str(run_dir_for(cfg))
+            mp = run_dir_for(cfg) / "metrics.json"
+            done = mp.is_file() and read_json(mp).get("complete")
+            if done or _claim(cfg, session):  # a finished run is still checked against its record
+                run(cfg, progress=False)
+        except (RuntimeError, ValueError, OSError, KeyError, EOFError) as exc:  # one bad run must not stop a sweep
+            log.error("run %s failed: %s", name, exc)
+            failures.append({"run": name, "error": f"{type(exc).__name__}: {exc}"})
+            if failures_file is not None:
+                atomic_write_json(failures_file, failures)
             if isinstance(exc, RuntimeError) and "CUDA" in str(exc) and "out of memory" not in str(exc):
                 raise
-        n += 1
-    return n
+    return failures
 
 
 def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | None, plan_file: Path) -> int:
@@ -507,11 +532,18 @@ def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | N
     rc = 0
     for pr in procs:
         rc = max(rc, pr.wait())
+    failures = []
+    for f in sorted(plan_file.parent.glob(f"{plan_file.stem}.failures-{session}-*.json")):
+        failures += read_json(f)
+    if failures:
+        log.error("sweep: %d run(s) failed (the others ran):\n%s", len(failures),
+                  "\n".join(f"  {x['run']}: {x['error']}" for x in failures))
+        rc = max(rc, 1)
     return rc
 
 
 # -------------------------------------------------------------------------------------- selection
-def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True) -> dict:
+def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True, force: bool = False) -> dict:
     """Apply the selection rule to the short runs under ``root``.
 
     Rule: for each (dataset, conditioning, method), the step size of :data:`LR_GRID` with the highest
@@ -540,8 +572,8 @@ def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True) -> dict:
                          "candidates": sorted(rs, key=lambda r: -r["lr"])}
     out = {"rule": select_lrs.__doc__.split("Writes")[0].strip(), "grid": list(LR_GRID), "selected": selected,
            "inherit": {m: s["lr_from"] for m, s in METHODS.items() if "lr_from" in s}}
-    if write:
-        atomic_write_json(root / "selected.json", out)
+    if write:  # a different existing selection is refused unless force (then backed up)
+        guard.write_json_guarded(root / "selected.json", out, force)
     return out
 
 
@@ -615,9 +647,12 @@ def load_results(root: str | os.PathLike = RESULTS, dataset: str = "cifar10") ->
     """``{(conditioning, method, seed): metrics record}`` for the runs under ``root/dataset``."""
     out = {}
     for mp in sorted(Path(root, dataset).glob("*/*/seed*/metrics.json")):
-        rec = read_json(mp)
-        c = rec["config"]
-        out[(c["conditioning"], c["method"], int(c["seed"]))] = rec
+        rec = read_json(mp)  # names the file if it is not JSON
+        try:
+            c = rec["config"]
+            out[(c["conditioning"], c["method"], int(c["seed"]))] = rec
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ResultFileError(f"{mp}: not a metrics record ({type(exc).__name__}: {exc})") from exc
     return out
 
 
@@ -685,6 +720,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--stop-after-epoch", type=int, default=None, help="stop (checkpointed) after this epoch")
     p.add_argument("--selection-file", default=None)
+    p.add_argument("--force", action="store_true", help="if the run directory holds results of another "
+                   "configuration (or a record without its checkpoint), move them to a dated backup")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -704,7 +741,11 @@ def main(argv: list[str] | None = None) -> int:
                         val_size=a.val_size, max_steps=a.max_steps, model=a.model, batch_size=a.batch_size,
                         stop_after_epoch=a.stop_after_epoch, selection_file=a.selection_file, download=a.download)
         log.info("configuration: %s", json.dumps(dict(cfg)))
-        rec = run(cfg, progress=not a.no_progress)
+        try:
+            rec = run(cfg, progress=not a.no_progress, force=a.force)
+        except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
+            log.error("refused: %s", exc)
+            return 2
         if rec["epochs"]:
             log.info("final: %s", rec["epochs"][-1])
         return 0
@@ -725,8 +766,8 @@ def main(argv: list[str] | None = None) -> int:
         if sub == "worker":
             jobs = list(read_json(a.plan))
             jobs = jobs[a.offset:] + jobs[:a.offset]  # spread the first claims over the plan
-            worker(jobs, a.session, a.deadline)
-            return 0
+            ff = Path(a.plan).with_name(f"{Path(a.plan).stem}.failures-{a.session}-{os.getpid()}.json")
+            return 1 if worker(jobs, a.session, a.deadline, ff) else 0
         epochs = a.epochs
         if epochs == "auto":
             epochs = int(read_json(RESULTS / "schedule.json")["epochs"])
@@ -734,10 +775,12 @@ def main(argv: list[str] | None = None) -> int:
         plan_file = CHECKPOINTS / "plans" / f"{Path(a.plan).stem}.json"
         log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus, a.procs_per_gpu)
         return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file)
+    p.add_argument("--force", action="store_true", help="replace a different existing output file "
+                   "(select, timing, schedule), moving it to a dated backup first")
     if sub == "select":
         p.add_argument("--root", default=str(SELECTION))
         a = p.parse_args(rest)
-        out = select_lrs(a.root)
+        out = select_lrs(a.root, force=a.force)
         for k, v in sorted(out["selected"].items()):
             log.info("selected %s: lr=%g (held-out acc %.3f)", k, v["lr"], v["val_acc"])
         return 0
@@ -752,6 +795,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", default=str(RESULTS / "timing" / "timing.json"))
         a = p.parse_args(rest)
         methods = list(METHODS) if a.methods == "all" else a.methods.split(",")
+        for f in (Path(a.out), Path(a.out).parent / "provenance.json"):
+            if f.exists() and not a.force:
+                raise guard.ConfigMismatchError(f"{f} exists; {guard.FORCE_HINT}")
+            if f.exists():
+                guard.backup(f)
         timing(methods, a.dataset, a.conditioning, a.steps, a.warmup, a.device, Path(a.out), a.model)
         return 0
     if sub == "schedule":
@@ -760,12 +808,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--concurrency-gain", type=float, default=1.5)
         p.add_argument("--min-epochs", type=int, default=3)
         p.add_argument("--max-epochs", type=int, default=15)
+        p.add_argument("--out", default=str(RESULTS / "schedule.json"))
         a = p.parse_args(rest)
         e = schedule_epochs(Path(a.timing), build_plan("main"), a.budget_s, a.concurrency_gain, a.min_epochs,
                             a.max_epochs)
-        atomic_write_json(RESULTS / "schedule.json", {"epochs": e, "budget_s": a.budget_s,
-                                                      "concurrency_gain": a.concurrency_gain,
-                                                      "milestones": "50% and 75% of the epochs, x0.1"})
+        guard.write_json_guarded(a.out, {"epochs": e, "budget_s": a.budget_s, "concurrency_gain": a.concurrency_gain,
+                                         "milestones": "50% and 75% of the epochs, x0.1"}, a.force)
         log.info("schedule: %d epochs", e)
         print(e)
         return 0

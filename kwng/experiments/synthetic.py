@@ -12,8 +12,11 @@ Three commands (``python -m kwng.experiments <name> --scale small|full ...``):
 
 Results go to ``results/<name>/`` as CSV/JSON with a ``provenance.json``. Sweeps write one CSV
 per model, rewritten atomically after every finished grid point; a rerun with the same
-configuration skips the points already there (resume), a rerun with another configuration
-starts afresh.
+configuration skips the points already there (resume) after checking every row (a truncated,
+non-finite or repeated row is recomputed). A rerun with another configuration refuses, naming the
+differing keys, unless ``--force``, which moves the old results to a dated backup
+(:mod:`kwng.experiments.guard`); so the committed full-scale results under ``results/`` are never
+replaced by a small run.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import logging
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -36,7 +39,8 @@ from ..batched import batched_kwng
 from ..estimator import kwng_gradient
 from ..kernels import GaussianKernel
 from ..models import NormalModel, gaussian_w2_squared, make_model
-from ..provenance import atomic_write_json, atomic_write_text, read_json, write_provenance
+from ..provenance import ResultFileError, atomic_write_text, read_json, write_provenance
+from .guard import ConfigMismatchError, prepare_result_dir, read_csv_checked
 
 __all__ = ["MODELS", "SWEEP_COLUMNS", "relerr_config", "bandwidth_config", "flow_config", "draw_theta",
            "run_sweep", "run_flow", "load_rows", "check_results_complete", "normal_w2_and_grad",
@@ -174,19 +178,28 @@ def _point_key(model_name: str, p: dict) -> str:
 # --------------------------------------------------------------------------------------------
 # Result files
 # --------------------------------------------------------------------------------------------
+_CONVERTERS = {"d": int, "N": int, "M": int, "run": int, "rank": int, "bandwidth": float, "error": float}
+
+
+def _row_key(r: dict) -> tuple[str, int]:
+    return _point_key(r["model"], r), r["run"]
+
+
 def load_rows(path: str | Path) -> list[dict]:
-    """Rows of a sweep CSV as dicts with numeric fields converted (empty list if absent)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    with open(path, encoding="utf-8", newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    for r in rows:
-        for k in ("d", "N", "M", "run", "rank"):
-            r[k] = int(r[k])
-        for k in ("bandwidth", "error"):
-            r[k] = float(r[k])
+    """Rows of a sweep CSV as dicts with numeric fields converted (empty list if absent).
+
+    Raises :class:`kwng.provenance.ResultFileError` naming the file and line when a row does not
+    parse or repeats a run (non-finite errors are data and are returned)."""
+    rows, problems = read_csv_checked(path, SWEEP_COLUMNS, _CONVERTERS, _row_key)
+    if problems:
+        raise ResultFileError(f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5]))
     return rows
+
+
+def checked_rows(path: str | Path) -> tuple[list[dict], list[str]]:
+    """The rows of a sweep CSV a resume may trust (parseable, finite, one per run) and the problems
+    of the others, each naming the file and line."""
+    return read_csv_checked(path, SWEEP_COLUMNS, _CONVERTERS, _row_key, finite=("bandwidth", "error"))
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
@@ -198,23 +211,11 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
-def _prepare_dir(out: Path, cfg: dict) -> dict:
-    """Create ``out``; clear previous results made with another configuration. Returns the
-    previous provenance (for the accumulated wall time) or ``{}``."""
-    out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / "config.json"
-    prev = {}
-    if cfg_path.exists():
-        old = read_json(cfg_path)
-        if old != json.loads(json.dumps(cfg)):
-            log.warning("configuration in %s differs from this run: starting afresh", out)
-            for f in list(out.glob("*.csv")) + [out / "provenance.json"]:
-                if f.exists():
-                    f.unlink()
-        elif (out / "provenance.json").exists():
-            prev = read_json(out / "provenance.json")
-    atomic_write_json(cfg_path, cfg)
-    return prev
+def _prepare_dir(out: Path, cfg: dict, force: bool = False) -> dict:
+    """Create ``out`` or check that its recorded configuration is ``cfg`` (see
+    :func:`kwng.experiments.guard.prepare_result_dir`: another configuration is refused unless
+    ``force``, which moves it to a backup). Returns the previous provenance or ``{}``."""
+    return prepare_result_dir(out, cfg, force)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,11 +258,14 @@ def _compute_point(model_name: str, p: dict, cfg: dict, device: str, exact_cache
 
 
 def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[str] | None = None,
-              mem_gb: float = 4.0, progress: bool = True) -> dict:
+              mem_gb: float = 4.0, progress: bool = True, force: bool = False) -> dict:
     """Run (or resume) the ``relerr`` or ``bandwidth`` sweep described by ``cfg`` into ``out``.
 
     ``models`` restricts the sweep to some of ``cfg["models"]``; ``mem_gb`` bounds the memory of
-    one batch of runs. Returns the provenance record written to ``out/provenance.json``.
+    one batch of runs. If ``out`` holds results of another configuration the sweep refuses unless
+    ``force`` (old results moved to a dated backup). On resume every CSV row is checked; bad rows
+    (truncated, non-finite, repeated) are logged and their grid points recomputed. Returns the
+    provenance record written to ``out/provenance.json``.
     """
     from tqdm.auto import tqdm
 
@@ -274,13 +278,16 @@ def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[
     if mem_gb <= 0:
         raise ValueError(f"mem_gb must be in (0, inf), got {mem_gb}")
     out = Path(out)
-    prev = _prepare_dir(out, cfg)
+    prev = _prepare_dir(out, cfg, force)
     t0 = time.perf_counter()
     timings: dict[str, float] = dict(prev.get("timings_s", {}))
     exact_cache: dict = {}
+    computed = 0
     for model_name in models:
         path = out / f"{model_name}.csv"
-        rows = load_rows(path)
+        rows, problems = checked_rows(path)
+        if problems:
+            log.warning("%d bad row(s) in %s will be recomputed: %s", len(problems), path, "; ".join(problems[:5]))
         done: dict[str, int] = {}
         for r in rows:
             k = _point_key(model_name, r)
@@ -294,8 +301,12 @@ def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[
         for p in tqdm(todo, desc=f"{cfg['experiment']}:{model_name}", disable=not progress):
             rows.extend(_compute_point(model_name, p, cfg, device, exact_cache, mem_gb * 1e9))
             _write_rows(path, rows)
+            computed += 1
         timings[model_name] = timings.get(model_name, 0.0) + time.perf_counter() - tm
     wall = time.perf_counter() - t0
+    if computed == 0 and prev and set(models) <= set(prev.get("models_done", [])):
+        log.info("%s: complete in %s, nothing recomputed; provenance kept", cfg["experiment"], out)
+        return prev  # a rerun of a finished sweep changes no file
     return write_provenance(out, cfg, seeds={"base_seed": cfg["seed"], "rule": "crc32 of the grid point key"},
                             device=device, wall_time_s=wall,
                             wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall, timings_s=timings,
@@ -340,17 +351,18 @@ def flow_problem(cfg: dict) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.n
     return model, theta0, mu_t.numpy(), (L_t @ L_t.T).numpy()
 
 
-def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = True) -> dict:
+def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = True, force: bool = False) -> dict:
     """Fig. 2: iterate ``θ ← θ - γ · direction`` for exact WNG, KWNG and EG on the W2² loss.
 
     Writes ``out/loss.csv`` (iteration, method, loss), ``out/trajectories.csv`` (iteration,
     method, θ) and ``out/pca.csv`` (the trajectories projected on the two leading principal
-    directions of the WNG trajectory), plus provenance. Returns the provenance record.
+    directions of the WNG trajectory), plus provenance. Results of another configuration in ``out``
+    are refused unless ``force`` (moved to a dated backup). Returns the provenance record.
     """
     from tqdm.auto import tqdm
 
     out = Path(out)
-    prev = _prepare_dir(out, cfg)
+    prev = _prepare_dir(out, cfg, force)
     if (out / "pca.csv").exists() and prev:
         log.info("flow results already complete in %s", out)
         return prev
@@ -429,17 +441,24 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
                             target_mean=mu_t.tolist(), target_cov=Sigma_t.tolist())
 
 
+def _read_flow_csv(path: Path, columns: tuple[str, ...]) -> list[dict]:
+    conv = {c: float for c in columns if c not in ("iteration", "method")}
+    conv["iteration"] = int
+    rows, problems = read_csv_checked(path, columns, conv, lambda r: (r["method"], r["iteration"]))
+    if problems:
+        raise ResultFileError(f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5]))
+    return rows
+
+
 def load_flow(results_dir: str | Path) -> dict:
     """``{"loss": {method: array}, "pca": {method: (T, 2) array}, "provenance": dict}``."""
     results_dir = Path(results_dir)
     loss: dict[str, list] = {}
-    with open(results_dir / "loss.csv", encoding="utf-8") as fh:
-        for r in csv.DictReader(fh):
-            loss.setdefault(r["method"], []).append(float(r["loss"]))
+    for r in _read_flow_csv(results_dir / "loss.csv", ("iteration", "method", "loss")):
+        loss.setdefault(r["method"], []).append(r["loss"])
     pca: dict[str, list] = {}
-    with open(results_dir / "pca.csv", encoding="utf-8") as fh:
-        for r in csv.DictReader(fh):
-            pca.setdefault(r["method"], []).append((float(r["pc1"]), float(r["pc2"])))
+    for r in _read_flow_csv(results_dir / "pca.csv", ("iteration", "method", "pc1", "pc2")):
+        pca.setdefault(r["method"], []).append((r["pc1"], r["pc2"]))
     return {"loss": {k: np.array(v) for k, v in loss.items()}, "pca": {k: np.array(v) for k, v in pca.items()},
             "provenance": read_json(results_dir / "provenance.json")}
 
@@ -477,7 +496,8 @@ def check_results_complete(name: str, results_dir: str | Path = "results", runs:
     if cfg.get("runs") != runs:
         problems.append(f"config has {cfg.get('runs')} runs per point, expected {runs}")
     for model_name in cfg.get("models", []):
-        rows = load_rows(d / f"{model_name}.csv")
+        rows, bad = checked_rows(d / f"{model_name}.csv")
+        problems += bad
         count: dict[str, int] = {}
         for r in rows:
             if np.isfinite(r["error"]):
@@ -504,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     ap.add_argument("--out", default=None, help="output directory (default results/<name>)")
     ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound of one batch of runs")
+    ap.add_argument("--force", action="store_true",
+                    help="if --out holds results of another configuration, move them to a dated backup "
+                         "(<out>.backup-<date>) and start afresh; without it such a run refuses")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -512,11 +535,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or Path("results") / args.name)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
-    if args.name == "flow":
-        prov = run_flow(flow_config(args.scale), out, args.device, progress=not args.no_progress)
-    else:
-        cfg = relerr_config(args.scale) if args.name == "relerr" else bandwidth_config(args.scale)
-        prov = run_sweep(cfg, out, args.device, args.model, args.mem_gb, progress=not args.no_progress)
+    try:
+        if args.name == "flow":
+            prov = run_flow(flow_config(args.scale), out, args.device, progress=not args.no_progress,
+                            force=args.force)
+        else:
+            cfg = relerr_config(args.scale) if args.name == "relerr" else bandwidth_config(args.scale)
+            prov = run_sweep(cfg, out, args.device, args.model, args.mem_gb, progress=not args.no_progress,
+                             force=args.force)
+    except (ConfigMismatchError, ResultFileError) as exc:
+        print(f"{args.name}: refused: {exc}", file=sys.stderr)
+        return 2
     log.info("%s done in %.1f s -> %s", args.name, prov["wall_time_s"], out)
     print(f"{args.name}: wall time {prov['wall_time_s']:.1f} s on {prov['device']} -> {out}")
     return 0

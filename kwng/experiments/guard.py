@@ -1,0 +1,316 @@
+"""Guards shared by the experiment commands: results are never destroyed, bad files never read silently.
+
+* A result directory records the configuration that produced it (``config.json`` for the synthetic
+  sweeps, the ``identity`` of ``metrics.json`` for a CIFAR run). A rerun compares its configuration
+  with the record: equal -> resume or skip; different -> :class:`ConfigMismatchError` naming the
+  directory and the differing keys. With ``force`` the old results are moved to a dated backup
+  (:func:`backup`), never deleted.
+* Every read of a JSON file, a CSV and a checkpoint names the file when it fails
+  (:class:`kwng.provenance.ResultFileError`).
+* :func:`read_csv_checked` validates every row of a result CSV (parseable, finite, unique key) and
+  reports the bad ones, so that a resume recomputes them instead of trusting them.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..provenance import ResultFileError, atomic_write_json, read_json
+
+__all__ = ["ConfigMismatchError", "ResultFileError", "diff_keys", "backup", "prepare_result_dir",
+           "write_json_guarded", "read_csv_checked", "load_checkpoint", "check_run_record", "SweepFailure"]
+
+log = logging.getLogger(__name__)
+
+FORCE_HINT = "use another --out, or --force to move the old results to a dated backup (nothing is deleted)"
+
+
+class ConfigMismatchError(ValueError):
+    """Results of another configuration are where this command would write."""
+
+
+class SweepFailure(RuntimeError):
+    """Some runs of a sweep failed (the others were completed)."""
+
+
+def _normal(obj: Any) -> Any:
+    """``obj`` as it reads back from JSON (tuples -> lists, non-string keys -> strings)."""
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def diff_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the keys whose values differ between two (nested) configurations.
+
+    Values are compared as they read back from JSON; a key present on one side only differs.
+    Non-dict values that differ give ``prefix`` (``"<root>"`` at the top)."""
+    old, new = _normal(old), _normal(new)
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new)):
+            name = f"{prefix}.{k}" if prefix else str(k)
+            if k not in old or k not in new:
+                out.append(name)
+            else:
+                out += diff_keys(old[k], new[k], name)
+        return out
+    return [] if old == new else [prefix or "<root>"]
+
+
+def _describe(keys: Sequence[str], old: Any, new: Any, limit: int = 8) -> str:
+    """``lr: 0.1 -> 0.01; epochs: 6 -> 2`` for the first ``limit`` keys."""
+    old, new = _normal(old), _normal(new)
+
+    def get(d, dotted):
+        for part in dotted.split("."):
+            if not isinstance(d, dict) or part not in d:
+                return "<absent>"
+            d = d[part]
+        return d
+
+    parts = []
+    for k in keys[:limit]:
+        a, b = repr(get(old, k)), repr(get(new, k))
+        parts.append(f"{k}: {a[:60]} -> {b[:60]}")
+    more = f"; and {len(keys) - limit} more" if len(keys) > limit else ""
+    return "; ".join(parts) + more
+
+
+def backup(path: str | os.PathLike) -> Path:
+    """Move ``path`` (file or folder) to ``<name>.backup-<UTC date and time>`` next to it and return
+    the new path. Nothing is deleted; an existing backup name gets a counter."""
+    path = Path(path)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = path.with_name(f"{path.name}.backup-{stamp}")
+    k = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.backup-{stamp}-{k}")
+        k += 1
+    os.replace(path, target)
+    log.warning("moved %s to %s", path, target)
+    return target
+
+
+def prepare_result_dir(out: str | os.PathLike, cfg: dict, force: bool = False,
+                       record: str = "config.json") -> dict:
+    """Make ``out`` ready for results of ``cfg`` without destroying anything.
+
+    * ``out`` absent or empty: created, ``cfg`` recorded in ``out/record``;
+    * ``out/record`` equal to ``cfg``: kept (resume); returns the previous ``provenance.json`` or ``{}``;
+    * ``out/record`` different, or files but no record: :class:`ConfigMismatchError` naming ``out``
+      and the differing keys, unless ``force``, which moves ``out`` to a dated backup and starts afresh.
+    """
+    out = Path(out)
+    cfg_path = out / record
+    problem = None
+    if cfg_path.exists():
+        old = read_json(cfg_path)
+        keys = diff_keys(old, cfg)
+        if keys:
+            problem = (f"{out} holds results of another configuration (differing keys: {', '.join(keys)}; "
+                       f"{_describe(keys, old, cfg)})")
+    elif out.is_dir() and any(out.iterdir()):
+        problem = f"{out} holds files but no {record} recording their configuration"
+    if problem is not None:
+        if not force:
+            raise ConfigMismatchError(f"{problem}; {FORCE_HINT}")
+        log.warning("%s; --force: moving them to a backup", problem)
+        backup(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prev = {}
+    if cfg_path.exists():  # same configuration: left as it is (a finished rerun changes no file)
+        if (out / "provenance.json").exists():
+            prev = read_json(out / "provenance.json")
+    else:
+        atomic_write_json(cfg_path, cfg)
+    return prev
+
+
+def write_json_guarded(path: str | os.PathLike, obj: Any, force: bool = False,
+                       ignore: Iterable[str] = ()) -> bool:
+    """Write ``obj`` to the JSON file ``path`` unless it would replace different content.
+
+    Same content (up to the keys in ``ignore``): nothing written, returns ``False``. Different
+    content: :class:`ConfigMismatchError` naming the file and keys, unless ``force`` (the old file
+    goes to a dated backup). Returns ``True`` when the file was written."""
+    path = Path(path)
+    if path.exists():
+        old = read_json(path)
+        strip = set(ignore)
+        keys = [k for k in diff_keys(old, obj) if k.split(".")[0] not in strip]
+        if not keys:
+            return False
+        if not force:
+            raise ConfigMismatchError(f"{path} exists with other content (differing keys: {', '.join(keys)}); "
+                                      f"{FORCE_HINT}")
+        backup(path)
+    atomic_write_json(path, obj)
+    return True
+
+
+def read_csv_checked(path: str | os.PathLike, columns: Sequence[str], converters: dict[str, Callable],
+                     key: Callable[[dict], Any], finite: Sequence[str] = ()) -> tuple[list[dict], list[str]]:
+    """Rows of the CSV ``path`` that are whole, parseable, finite in ``finite`` and unique by ``key``.
+
+    Returns ``(good_rows, problems)``; each problem names the file, the line and what is wrong (a
+    field that does not parse, a missing field, a last row without its line end, a non-finite value,
+    a repeated key). Of rows with a
+    repeated key only the first is kept. A header other than ``columns`` raises
+    :class:`ResultFileError`. A missing file gives ``([], [])``."""
+    path = Path(path)
+    if not path.exists():
+        return [], []
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            text = fh.read()
+        reader = csv.reader(text.splitlines())
+        header = next(reader, None)
+        lines = list(reader)
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ResultFileError(f"{path}: not a readable CSV file ({exc})") from exc
+    # files are written whole, each row ending in a newline: a last row without one was cut short
+    # (possibly in the middle of a number that still parses)
+    cut_tail = bool(lines) and not text.endswith("\n")
+    if header is None:
+        return [], [f"{path}: empty file (no header)"]
+    if list(header) != list(columns):
+        raise ResultFileError(f"{path}: header {header} differs from the expected columns {list(columns)}")
+    good, problems, seen = [], [], set()
+    for lineno, fields in enumerate(lines, start=2):
+        where = f"{path}:{lineno}"
+        if cut_tail and lineno == len(lines) + 1:
+            problems.append(f"{where}: last row has no line end (file truncated)")
+            continue
+        if len(fields) != len(columns):
+            problems.append(f"{where}: {len(fields)} fields, expected {len(columns)} (truncated row?)")
+            continue
+        row: dict[str, Any] = dict(zip(columns, fields))
+        try:
+            for k, conv in converters.items():
+                row[k] = conv(row[k])
+        except ValueError as exc:
+            problems.append(f"{where}: field {k!r} = {row[k]!r} does not parse ({exc})")
+            continue
+        bad = [k for k in finite if not math.isfinite(row[k])]
+        if bad:
+            problems.append(f"{where}: non-finite {', '.join(f'{k}={row[k]}' for k in bad)}")
+            continue
+        kk = key(row)
+        if kk in seen:
+            problems.append(f"{where}: duplicate of an earlier row with key {kk!r}")
+            continue
+        seen.add(kk)
+        good.append(row)
+    return good, problems
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict:
+    """``torch.load`` of a checkpoint written by this package; a truncated or corrupt file raises
+    :class:`ResultFileError` naming it."""
+    import pickle
+
+    import torch
+
+    try:
+        ck = torch.load(path, map_location=map_location, weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ResultFileError(f"{path}: checkpoint cannot be read ({type(exc).__name__}: {exc}); it may be "
+                              "truncated: move it away to restart the run from scratch") from exc
+    if not isinstance(ck, dict):
+        raise ResultFileError(f"{path}: checkpoint holds a {type(ck).__name__}, expected a dict")
+    return ck
+
+
+def check_run_record(where: str | os.PathLike, old: dict, new: dict, force: bool = False) -> list[str]:
+    """Compare the identity ``old`` recorded for a run (at ``where``) with ``new``.
+
+    Keys absent from ``old`` (records older than the key) are not compared. Returns the differing
+    keys; raises :class:`ConfigMismatchError` naming ``where`` and them unless ``force``."""
+    common = {k: new[k] for k in new if k in old}
+    keys = diff_keys({k: old[k] for k in common}, common)
+    if keys and not force:
+        raise ConfigMismatchError(f"{where} was produced with another configuration (differing keys: "
+                                  f"{', '.join(keys)}; {_describe(keys, old, new)}); {FORCE_HINT}")
+    return keys
+
+
+# ------------------------------------------------------------------------------- CIFAR run records
+#: Settings of a CIFAR run that change its result; with the resolved step size, the batch size, the
+#: method's spec and the data's fingerprint they form the run's identity, recorded in metrics.json.
+RUN_IDENTITY_KEYS = ("dataset", "conditioning", "method", "seed", "epochs", "model", "train_subset", "val_size",
+                     "max_steps")
+
+
+def run_identity(cfg: dict, lr: float, batch_size: int, method_spec: dict, data: str | None) -> dict:
+    """What must be equal for a CIFAR run directory to be resumed or skipped."""
+    ident = {k: cfg.get(k) for k in RUN_IDENTITY_KEYS}
+    ident.update(lr=float(lr), batch_size=int(batch_size), method_spec=dict(method_spec))
+    if data is not None:
+        ident["data"] = data
+    return _normal(ident)
+
+
+def record_identity(rec: dict) -> dict:
+    """The identity stored in a metrics record, or the one rebuilt from its fields for records written
+    before identities were stored (without the data fingerprint, which is then not compared)."""
+    if "identity" in rec:
+        return rec["identity"]
+    c = rec.get("config", {})
+    ident = {k: c[k] for k in RUN_IDENTITY_KEYS if k in c}
+    for k in ("lr", "batch_size", "method_spec"):
+        if k in rec:
+            ident[k] = rec[k]
+    return _normal(ident)
+
+
+def check_existing_run(rdir: str | os.PathLike, ckpt_path: str | os.PathLike, identity: dict,
+                       force: bool = False) -> dict | None:
+    """Decide what a CIFAR run may do with what is already in ``rdir`` (and its checkpoint).
+
+    Returns the finished record when the run is complete with this identity (skip), ``None`` when the
+    run may start or resume. Raises :class:`ConfigMismatchError` (naming the directory and the
+    differing keys) when ``rdir/metrics.json`` was written with another identity, and when it records
+    epochs of an unfinished run whose checkpoint is gone (starting over would overwrite them: the
+    budget-cut records are such runs). With ``force`` the old directory and checkpoint are moved to a
+    dated backup instead. An unreadable ``metrics.json`` raises
+    :class:`~kwng.provenance.ResultFileError` naming it (backed up with ``force``)."""
+    rdir, ckpt_path = Path(rdir), Path(ckpt_path)
+    mp = rdir / "metrics.json"
+    if not mp.is_file():
+        return None
+
+    def move_away(reason: str) -> None:
+        log.warning("%s; --force: moving it to a backup", reason)
+        backup(rdir)
+        if ckpt_path.is_file():
+            backup(ckpt_path)
+
+    try:
+        rec = read_json(mp)
+    except ResultFileError as exc:
+        if not force:
+            raise
+        move_away(str(exc))
+        return None
+    keys = check_run_record(rdir, record_identity(rec), identity, force)
+    if keys:
+        move_away(f"{rdir} was produced with another configuration (differing keys: {', '.join(keys)})")
+        return None
+    if rec.get("complete"):
+        return rec
+    if rec.get("epochs") and not ckpt_path.is_file():
+        msg = (f"{mp} records {len(rec['epochs'])} epoch(s) of an unfinished run whose checkpoint {ckpt_path} "
+               "is missing: starting over would overwrite them")
+        if not force:
+            raise ConfigMismatchError(f"{msg}; {FORCE_HINT}")
+        move_away(msg)
+    return None
