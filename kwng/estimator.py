@@ -152,23 +152,57 @@ def jacobian_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], C: to
     return torch.stack(rows)
 
 
+DAMPING_FLOOR = 1e-12  # relative: entries of D below this fraction of the largest are floored
+
+
+def _floored_norms(src: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Column norms of ``src`` raised to ``floor · max`` (no host sync): ``(D, floored, zero)``.
+
+    The floor is *relative*, so it never sets the scale of a column that the samples resolve:
+    a column whose norm is a millionth of the largest (a last-layer row behind a logit scaled by
+    ``U_k = 1e-6``, say) keeps its own norm, and only columns that are numerically zero are floored.
+    ``zero`` marks exactly-zero columns: parameters the samples do not depend on.
+    """
+    norms = (src * src).sum(0).sqrt()  # an einsum here becomes q tiny gemv calls
+    low = floor * norms.max()
+    low = torch.where(low > 0, low, torch.ones_like(low))  # all columns zero: D = 1
+    return torch.maximum(norms, low), norms < low, norms == 0
+
+
 def damping_vector(kind: str, T: torch.Tensor, T_tilde: torch.Tensor | None = None,
-                   floor: float = 1e-8) -> tuple[torch.Tensor, int]:
-    """Diagonal ``D(θ)`` of §3.3: ``1``, ``‖T_{·,i}‖`` or ``‖T̃_{·,i}‖``, floored at ``floor``.
+                   floor: float = DAMPING_FLOOR) -> tuple[torch.Tensor, int]:
+    """Diagonal ``D(θ)`` of §3.3: ``1``, ``‖T_{·,i}‖`` or ``‖T̃_{·,i}‖``, each at least ``floor``
+    times the largest entry (a relative floor, :data:`DAMPING_FLOOR`).
 
     Returns the vector and how many entries were raised to the floor (parameters the samples do
     not depend on have a zero column).
     """
     check_choice(kind, "damping", DAMPINGS)
+    floor = check_positive(floor, "floor")
     if kind == "identity":
         return torch.ones(T.shape[1], dtype=T.dtype, device=T.device), 0
-    src = T if kind == "T" else T_tilde
-    norms = (src * src).sum(0).sqrt()
-    low = norms < floor
+    D, low, _ = _floored_norms(T if kind == "T" else T_tilde, floor)
     n_low = int(low.sum())
     if n_low:
-        log.debug("damping %s: %d of %d entries raised to the floor %.1e", kind, n_low, norms.numel(), floor)
-    return torch.clamp(norms, min=floor).to(T.dtype), n_low
+        log.debug("damping %s: %d of %d entries raised to %.1e of the largest", kind, n_low, D.numel(), floor)
+    return D.to(T.dtype), n_low
+
+
+def loss_only_columns(direction: torch.Tensor, grad: torch.Tensor, zero: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Treatment of parameters that move the loss but not the samples (a zero column of ``T``).
+
+    The Wasserstein metric does not see such a parameter: its natural-gradient component is
+    unbounded, and ``(D⁻¹ g)_i / ε`` with a floored ``D_i`` would only reflect the floor. Its
+    component is instead the Euclidean gradient scaled like the rest of the direction,
+    ``ĝ_i = g_i · ‖ĝ_rest‖ / ‖g_rest‖``. Returns the direction and how many such components there
+    are (0-dim tensor; parameters with zero column *and* zero gradient are not counted).
+    """
+    hit = zero & (grad != 0)
+    rest = ~zero
+    ratio = torch.linalg.vector_norm(torch.where(rest, direction, 0)) / \
+        torch.linalg.vector_norm(torch.where(rest, grad, 0)).clamp(min=torch.finfo(grad.dtype).tiny)
+    return torch.where(hit, grad * ratio, direction), hit.sum()
 
 
 def _cond(A: torch.Tensor) -> float:
@@ -179,7 +213,7 @@ def _cond(A: torch.Tensor) -> float:
 
 def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: torch.Tensor, N: int, *,
                   eps: float, lam: float = 0.0, damping: str = "T_tilde", method: str = "stable",
-                  rcond: float | None = None, damping_floor: float = 1e-8,
+                  rcond: float | None = None, damping_floor: float = DAMPING_FLOOR,
                   diagnostics: bool = True) -> KWNGResult:
     """The linear algebra of Props. 5 and 6 given ``T`` (``M × q``), ``CCᵀ`` and ``K`` (``M × M``).
 
@@ -228,7 +262,12 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
     Tt = None
     if method == "stable" or damping == "T_tilde":
         Tt = W @ T64  # r × q, in float64: T̃ D⁻¹ T̃ᵀ must stay positive semi-definite
-    Dvec, n_floor = damping_vector(damping, T64, Tt, damping_floor)
+    if damping == "identity":
+        Dvec, low, zero = torch.ones(q, dtype=f64, device=T.device), None, None
+    else:
+        Dvec, low, zero = _floored_norms(T64 if damping == "T" else Tt, check_positive(damping_floor,
+                                                                                       "damping_floor"))
+    n_floor = 0 if low is None else int(low.sum())
     Dinv = 1.0 / Dvec
     Dg = Dinv * grad.to(f64)
 
@@ -254,6 +293,14 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
         correction = T64.T @ w
     residual = Dg - Dinv * correction  # float64: the two terms nearly cancel
     direction = residual / eps
+    n_loss_only, share = 0, 0.0
+    if zero is not None:
+        direction, hits = loss_only_columns(direction, grad.to(f64), zero)
+        n_loss_only = int(hits)
+        share = float(torch.where(low, direction ** 2, 0).sum() / (direction ** 2).sum().clamp(min=1e-300))
+        if n_loss_only:
+            log.info("%d parameter(s) move the loss but not the samples (zero column of T): their "
+                     "components are the Euclidean gradient scaled like the rest", n_loss_only)
     out = direction.to(grad.dtype)
     if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(direction).all()):
         warnings.warn(f"KWNG direction overflows {grad.dtype}: pass grad in a wider dtype", RuntimeWarning,
@@ -264,7 +311,8 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
         Spos = S[keep]
         diag = {
             "M": M, "q": q, "N": N, "rank": rank, "method": method, "damping": damping,
-            "eps": eps, "lam": lam, "damping_floored": n_floor, "solver": solver,
+            "eps": eps, "lam": lam, "damping_floored": n_floor, "floored_share": share, "loss_only": n_loss_only,
+            "solver": solver,
             "fallbacks": int(solver == "lstsq"),
             "cond_CCt": float("inf") if rank < M else float(Spos.max() / Spos.min()),
             "cond_system": _cond(A),
@@ -485,7 +533,7 @@ def kernel_matrices_nosync(X: torch.Tensor, basis_idx: torch.Tensor, basis_coord
 
 def nystrom_solve_nosync(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: torch.Tensor, N: int, *,
                          eps: float | torch.Tensor, lam: float = 0.0, damping: str = "T_tilde",
-                         rcond: float | None = None, damping_floor: float = 1e-8,
+                         rcond: float | None = None, damping_floor: float = DAMPING_FLOOR,
                          diagonal_only: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The stable estimator of Prop. 6 with tensors only (no host sync, no data-dependent branch).
 
@@ -504,7 +552,9 @@ def nystrom_solve_nosync(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, gr
     ``diagonal_only=True`` returns ``D⁻¹ ∇L`` (the paper's "diagonal conditioning" ablation).
     Returns the direction (dtype of ``grad``) and a dict of 0-dim tensors: ``rank``,
     ``ill_conditioned``, ``solve_failed`` (the ``r × r`` Cholesky failed: the direction is not
-    finite and the caller must fall back), ``damping_floored``.
+    finite and the caller must fall back), ``damping_floored`` (entries of ``D`` at the relative
+    floor), ``floored_share`` (their share of ``‖ĝ‖²``) and ``loss_only`` (components treated by
+    :func:`loss_only_columns`).
     """
     check_choice(damping, "damping", DAMPINGS)
     lam = check_positive(lam, "lam", allow_zero=True)
@@ -526,12 +576,10 @@ def nystrom_solve_nosync(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, gr
     Tt = W.to(T.dtype) @ T
     if damping == "identity":
         Dvec = torch.ones(q, dtype=T.dtype, device=dev)
-        n_floor = torch.zeros((), dtype=torch.long, device=dev)
+        low = zero = torch.zeros(q, dtype=torch.bool, device=dev)
     else:
-        src = T if damping == "T" else Tt
-        norms = (src * src).sum(0).sqrt()  # column norms (an einsum here becomes q tiny gemv calls)
-        n_floor = (norms < damping_floor).sum()
-        Dvec = norms.clamp(min=damping_floor)
+        Dvec, low, zero = _floored_norms(T if damping == "T" else Tt, damping_floor)  # zero: T·,i = 0
+    n_floor = low.sum()
     Dinv = 1.0 / Dvec
     g = grad.to(T.dtype)
     Dg = Dinv * g
@@ -548,5 +596,9 @@ def nystrom_solve_nosync(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, gr
         w = torch.cholesky_solve(v[:, None], LA)[:, 0]
         failed = infoA != 0
         direction = (Dg - Dinv * (Tt.T @ w.to(T.dtype))) / eps64.to(T.dtype)
+    direction, n_loss_only = loss_only_columns(direction, g, zero)
+    sq = direction * direction
+    share = torch.where(low, sq, 0).sum(dtype=f64) / sq.sum(dtype=f64).clamp(min=torch.finfo(f64).tiny)
     return direction.to(grad.dtype), {"rank": rank, "ill_conditioned": ~ok, "solve_failed": failed,
-                                      "damping_floored": n_floor}
+                                      "damping_floored": n_floor, "floored_share": share,
+                                      "loss_only": n_loss_only}

@@ -86,7 +86,8 @@ __all__ = ["KWNGPreconditioner", "MODES", "eps_from_authors"]
 log = logging.getLogger(__name__)
 
 MODES = ("fast", "reference")
-_COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped", "serial_steps")
+_COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped", "serial_steps",
+             "loss_only")
 
 
 def eps_from_authors(eps: float, batch_size: int) -> float:
@@ -225,6 +226,10 @@ class KWNGPreconditioner:
             log.info("KWNG fell back to the Euclidean gradient in %d of %d steps", out["fallbacks"], self.num_steps)
         if out["ill_conditioned"]:
             log.info("C Cᵀ was rank deficient in %d of %d steps", out["ill_conditioned"], self.num_steps)
+        if out["loss_only"]:
+            self._warn_once("loss_only", "KWNG: parameters that move the loss but not the samples (zero column "
+                            "of T) took the Euclidean gradient scaled like the rest (%d components over %d "
+                            "steps)", out["loss_only"], self.num_steps)
         return out
 
     def hyperparameters(self) -> dict[str, Any]:
@@ -372,7 +377,9 @@ class KWNGPreconditioner:
         (it may also depend on the parameters directly, e.g. an L2 term: ``g`` is its full
         gradient). Returns a dict with ``eps`` (used in this step), ``reduction_ratio`` (the
         latest ``r`` of the ε rule), ``fallback`` (the Euclidean gradient was used), ``clipped``,
-        ``rank``, ``floored_columns`` (entries of ``D`` raised to the floor), ``dot``
+        ``rank``, ``floored_columns`` (entries of ``D`` raised to the relative floor),
+        ``floored_share`` (their share of ``‖ĝ‖²``), ``loss_only`` (components of parameters the
+        samples do not depend on, :func:`kwng.estimator.loss_only_columns`), ``dot``
         (``⟨g, ĝ⟩`` after clipping), ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim
         tensors in ``"fast"`` mode (no host sync), Python numbers in ``"reference"`` mode.
         """
@@ -415,10 +422,13 @@ class KWNGPreconditioner:
             rank_t = torch.tensor(rank, device=X.device)
             ill_t = torch.tensor(rank < self.num_basis, device=X.device)
             n_floor_t = torch.tensor(res.diagnostics["damping_floored"], device=X.device)
+            loss_only_t = torch.tensor(res.diagnostics["loss_only"], device=X.device)
+            share_t = torch.tensor(res.diagnostics["floored_share"], device=X.device)
         else:
             direction, diag = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=self.lam, damping=self.damping,
                                                    rcond=self.rcond, diagonal_only=self.diagonal_only)
             rank_t, ill_t, n_floor_t = diag["rank"], diag["ill_conditioned"], diag["damping_floored"]
+            loss_only_t, share_t = diag["loss_only"], diag["floored_share"]
 
         dot = torch.dot(g.to(torch.float64), direction.to(torch.float64))
         bad = ~(dot > 0) | ~torch.isfinite(direction).all()
@@ -442,9 +452,11 @@ class KWNGPreconditioner:
         n_floor_t = torch.as_tensor(n_floor_t, device=X.device).long()
         c["damping_floored"] += n_floor_t
         c["clipped"] += clipped.long()
+        c["loss_only"] += loss_only_t.long()
         info = {"eps": eps, "reduction_ratio": self.lm.ratio, "fallback": bad, "clipped": clipped,
-                "rank": rank_t, "floored_columns": n_floor_t, "dot": dot, "grad_norm": grad_norm,
-                "direction_norm": norm, "bandwidth": sigma}
+                "rank": rank_t, "floored_columns": n_floor_t, "floored_share": share_t,
+                "loss_only": loss_only_t, "dot": dot, "grad_norm": grad_norm, "direction_norm": norm,
+                "bandwidth": sigma}
         if reference:
             info = {k: v.item() for k, v in info.items()}
             if info["fallback"]:

@@ -76,8 +76,11 @@ def _default(o):
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """The current git commit (with ``+dirty`` if the tree has changes), or ``"unknown"``."""
+    """``$KWNG_GIT_COMMIT`` if set, else the current git commit (with ``+dirty`` if the tree has
+    changes), or ``"unknown"``."""
     cwd = cwd or Path(__file__).resolve().parent.parent
+    if os.environ.get("KWNG_GIT_COMMIT"):  # set by the GPU scripts: the copied tree's .git may be stale
+        return os.environ["KWNG_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                              check=True, timeout=10).stdout.strip()
