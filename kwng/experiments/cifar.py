@@ -1055,6 +1055,19 @@ def _run_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _overrides(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for it in items:
+        key, sep, val = it.partition("=")
+        if not sep or key not in RunConfig.DEFAULTS:
+            raise ValueError(f"--set takes KEY=VALUE with KEY one of {sorted(RunConfig.DEFAULTS)}, got {it!r}")
+        try:
+            out[key] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key] = val
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "cifar":
@@ -1093,6 +1106,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="claim_select: training images per run (default: all but the held-out ones)")
         p.add_argument("--select-val", type=int, default=5_000, help="claim_select: held-out images")
         p.add_argument("--timing", default=None, help="a timing file (`cifar timing`) to balance the GPUs")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a run setting in every run of the plan (e.g. model=tiny for a CPU "
+                            "smoke test); VALUE is read as JSON if it parses, else as a string")
         a = p.parse_args(rest)
         if sub == "worker":
             jobs = list(read_json(a.plan))
@@ -1112,6 +1128,7 @@ def main(argv: list[str] | None = None) -> int:
                               select_val=a.select_val, data_root=a.data_root, select_epochs=a.select_epochs)
         else:
             plan = build_plan(a.plan, a.dataset, int(epochs), select_steps=a.select_steps, data_root=a.data_root)
+        plan = [{**j, **_overrides(a.set)} for j in plan]
         plan_file = CHECKPOINTS / "plans" / f"{Path(a.plan).stem}.json"
         timing_rec = read_json(a.timing)["methods"] if a.timing else None
         log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus, a.procs_per_gpu)
