@@ -28,7 +28,8 @@ import numpy as np
 
 __all__ = ["MAIN_METHODS", "ABLATION_METHODS", "CLAIM_METHODS", "curves", "final_accuracy_table", "format_table",
            "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps", "fig_per_class_vs_U",
-           "fig_kwng_diagnostics", "claim_verdict", "selection_table", "class_scalings", "SMALL_U"]
+           "fig_kwng_diagnostics", "claim_verdict", "selection_table", "class_scalings", "final_per_class",
+           "SMALL_U"]
 
 MAIN_METHODS = ("sgd", "sgd_momentum", "sgd_momentum_wd", "adam", "kfac", "ekfac", "kwng", "kwng_m20",
                 "kwng_momentum", "kwng_bigbatch")
@@ -238,7 +239,8 @@ def class_scalings(results: dict) -> np.ndarray:
     return DiagonalConditioning(10, 1e7).diag.double().numpy()
 
 
-def _final_per_class(results: dict, cond: str, method: str) -> np.ndarray | None:
+def final_per_class(results: dict, cond: str, method: str) -> np.ndarray | None:
+    """Per-class test accuracy after the last epoch, mean over seeds (None without such records)."""
     runs = [r for (c, m, _), r in results.items() if c == cond and m == method and r["epochs"]
             and "test_acc_per_class" in r["epochs"][-1]]
     if not runs:
@@ -253,7 +255,7 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str] = CLAIM_METHODS, co
     order = np.argsort(U)
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for m in methods:
-        acc = _final_per_class(results, cond, m)
+        acc = final_per_class(results, cond, m)
         if acc is None:
             continue
         ax.semilogx(U[order], 100 * acc[order], marker="o", ms=4, lw=1.3, color=_COLORS.get(m),
@@ -342,7 +344,7 @@ def claim_verdict(results: dict, within: float = 0.05, above_sgd: float = 0.20, 
     k_ill, k_well, s_ill = fin("kwng", "ill"), fin("kwng", "well"), fin("sgd", "ill")
     U = class_scalings(results)
     small = np.flatnonzero(U <= small_u)
-    pc_ill, pc_well = _final_per_class(results, "ill", "kwng"), _final_per_class(results, "well", "kwng")
+    pc_ill, pc_well = final_per_class(results, "ill", "kwng"), final_per_class(results, "well", "kwng")
     out = {"kwng_ill": k_ill, "kwng_well": k_well, "sgd_ill": s_ill, "small_classes": small.tolist(),
            "U_small": U[small].tolist(), "a_within": None, "b_above_sgd": None, "c_small_classes": None,
            "drops": {m: (fin(m, "well") - fin(m, "ill")) if fin(m, "well") is not None and fin(m, "ill") is not None
