@@ -522,3 +522,46 @@ def _run_cfg_claim():
     return {"source": "sample", "model": "tiny", "batch_size": 50, "epochs": 1, "lr": 0.1, "device": "cpu",
             "out": "/nonexistent-out", "checkpoint_dir": "/nonexistent-ck", "train_subset": 100,
             "method": "kwng_lm_same_batch"}
+
+
+def _fake_claim_results(kwng_ill: float, small_ill: float):
+    """Records of the claim suite: 10 classes, per-class accuracy; KWNG IC has ``kwng_ill`` overall and
+    ``small_ill`` on the four classes with the smallest U_k."""
+    from kwng.plotting_cifar import class_scalings
+
+    U = class_scalings({})
+    small = np.argsort(U)[:4]
+    out = {}
+    for cond in ("ill", "well"):
+        for m, seeds in (("sgd", 2), ("kwng", 2), ("adam", 1)):
+            for s in range(seeds):
+                acc = {"sgd": 0.3 if cond == "ill" else 0.8, "kwng": kwng_ill if cond == "ill" else 0.8,
+                       "adam": 0.7}[m]
+                pc = np.full(10, acc)
+                if m == "kwng" and cond == "ill":
+                    pc[small] = small_ill
+                rows = [{"epoch": 1, "test_acc": acc, "train_acc": acc, "test_acc_per_class": pc.tolist(),
+                         "steps": 10, "eps_mean": 1e-4, "clipped": 10, "time_train": 1.0}]
+                out[(cond, m, s)] = {"epochs": rows, "config": {"epochs": 1}, "complete": True, "U": U.tolist(),
+                                     "batch_size": 128, "method_spec": {"eps_convention": "authors"}}
+    return out
+
+
+def test_claim_verdict_rule():
+    from kwng import plotting_cifar as pcf
+
+    holds = pcf.claim_verdict(_fake_claim_results(0.78, 0.7))
+    assert holds["holds"] and holds["a_within"] and holds["b_above_sgd"] and holds["c_small_classes"]
+    assert len(holds["small_classes"]) == 4 and max(holds["U_small"]) <= pcf.SMALL_U
+    assert holds["drops"]["sgd"] == pytest.approx(0.5) and holds["drops"]["kfac"] is None
+    far = pcf.claim_verdict(_fake_claim_results(0.6, 0.7))
+    assert far["a_within"] is False and far["b_above_sgd"] is True and far["holds"] is False
+    small = pcf.claim_verdict(_fake_claim_results(0.78, 0.3))  # small-U classes at 0.3 < 0.5 * 0.8
+    assert small["c_small_classes"] is False and small["holds"] is False
+    assert pcf.claim_verdict({})["holds"] is None
+    fig = pcf.fig_per_class_vs_U(_fake_claim_results(0.78, 0.7))
+    fig2 = pcf.fig_kwng_diagnostics(_fake_claim_results(0.78, 0.7))
+    assert fig.axes[0].get_xscale() == "log" and len(fig2.axes) == 6
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
