@@ -54,19 +54,24 @@ if ls .whl/nngeometry-*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ "$GPUS" -gt 0 ] && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$LOG"
-if [ -d results/cifar/claim ] && [ ! -d "$KEEP/claim" ]; then cp -r results/cifar/claim "$KEEP/claim"; fi
+# results/cifar/claim is a link into $KEEP, so every write lands on the kept disk at once (a killed
+# call loses nothing that was written). A real folder there (first call, or results extracted into
+# the tree) moves into $KEEP if $KEEP has none, else aside to $KEEP/claim.from_tree.<time>.
 mkdir -p results/cifar
-if [ -d "$KEEP/claim" ]; then rm -rf results/cifar/claim; cp -r "$KEEP/claim" results/cifar/claim; fi
+if [ -d results/cifar/claim ] && [ ! -L results/cifar/claim ]; then
+  if [ -d "$KEEP/claim" ]; then mv results/cifar/claim "$KEEP/claim.from_tree.$(date +%s)"
+  else mv results/cifar/claim "$KEEP/claim"; fi
+fi
+mkdir -p "$KEEP/claim"
+rm -f results/cifar/claim && ln -s "$PWD/$KEEP/claim" results/cifar/claim
 [ -f "$KEEP/data/cifar10_jpeg.npz" ] || cp "$DATA" "$KEEP/data/cifar10_jpeg.npz" || exit 2
 ROOT="$KEEP/data/cifar10_jpeg.npz"
 $PY -c "import nngeometry, torch; print('nngeometry ok; torch', torch.__version__)" || exit 2
 $PY -c "from kwng.data import load_cifar; [load_cifar('cifar10', s, '$ROOT') for s in ('train', 'test')]" || exit 2
 say "setup done"
 
-persist() {  # results to the kept folder and to $OUT (tar), whatever happened before
-  rm -rf "$KEEP/claim.new" && cp -r results/cifar/claim "$KEEP/claim.new" 2>/dev/null && \
-    rm -rf "$KEEP/claim" && mv "$KEEP/claim.new" "$KEEP/claim"
-  tar czf "$OUT/cifar_claim.tar.gz" results/cifar/claim 2>/dev/null
+persist() {  # the results (through the link) to $OUT, whatever happened before
+  tar czhf "$OUT/cifar_claim.tar.gz" results/cifar/claim 2>/dev/null
   say "tarred: $OUT/cifar_claim.tar.gz ($(du -h "$OUT/cifar_claim.tar.gz" 2>/dev/null | cut -f1))"
 }
 trap persist EXIT
