@@ -433,7 +433,7 @@ class _UpdateShare:
         last = {id(p) for p in last_linear(model).parameters()}
         params = [p for p in model.parameters() if p.requires_grad]
         self.params = [p.detach() for p in params]
-        self.is_last = [id(p) in last for p in params]
+        self.mask = torch.tensor([id(p) in last for p in params], device=params[0].device)  # once: no copy per step
         self.snap = [p.clone() for p in self.params]
 
     def before(self) -> None:
@@ -442,9 +442,9 @@ class _UpdateShare:
     def after(self) -> torch.Tensor:
         torch._foreach_sub_(self.snap, self.params)
         sq = torch.stack(torch._foreach_norm(self.snap)).double() ** 2
-        mask = torch.tensor(self.is_last, device=sq.device)
         total = sq.sum()
-        return torch.where(total > 0, sq[mask].sum() / total.clamp(min=1e-300), torch.zeros_like(total))
+        last = torch.where(self.mask, sq, torch.zeros_like(sq)).sum()  # no boolean indexing: no sync
+        return torch.where(total > 0, last / total.clamp(min=1e-300), torch.zeros_like(total))
 
 
 def _train_step(cfg: RunConfig, model: nn.Module, optimizer, precond, z: torch.Tensor, yb: torch.Tensor,
