@@ -1112,9 +1112,9 @@ def main(argv: list[str] | None = None) -> int:
         a = p.parse_args(rest)
         if sub == "worker":
             jobs = list(read_json(a.plan))
-            if any("slot" in j for j in jobs):  # this worker's assigned run first, then the unassigned ones
-                jobs = [j for j in jobs if j.get("slot") == a.offset] + [j for j in jobs if "slot" not in j] + \
-                    [j for j in jobs if "slot" in j and j["slot"] != a.offset]
+            if any("slot" in j for j in jobs):  # this worker's assigned run, then the unassigned ones;
+                # never another worker's run (that would move it to another GPU and unbalance the loads)
+                jobs = [j for j in jobs if j.get("slot") == a.offset] + [j for j in jobs if "slot" not in j]
             else:
                 jobs = jobs[a.offset:] + jobs[:a.offset]  # spread the first claims over the plan
             worker(jobs, a.session, a.deadline)
