@@ -316,6 +316,10 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
                 n += 1
             if not n:
                 ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+            if key == "clipped":
+                ax.set_ylim(-0.03, 1.03)
+            if key == "eps" and n:
+                ax.axhline(1e-10, color="k", lw=0.8, ls=":")  # the authors' floor
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)
             if i == 0:
@@ -344,6 +348,7 @@ def claim_verdict(results: dict, within: float = 0.05, above_sgd: float = 0.20, 
     k_ill, k_well, s_ill = fin("kwng", "ill"), fin("kwng", "well"), fin("sgd", "ill")
     U = class_scalings(results)
     small = np.flatnonzero(U <= small_u)
+    small = small[np.argsort(U[small])]  # ascending U_k
     pc_ill, pc_well = final_per_class(results, "ill", "kwng"), final_per_class(results, "well", "kwng")
     out = {"kwng_ill": k_ill, "kwng_well": k_well, "sgd_ill": s_ill, "small_classes": small.tolist(),
            "U_small": U[small].tolist(), "a_within": None, "b_above_sgd": None, "c_small_classes": None,
