@@ -18,7 +18,11 @@
 # Knobs: GPUS (GPUs of the machine), PROCS (workers per GPU for the claim suite; >= runs/GPUS keeps
 # every run going at once), SEL_PROCS (workers per GPU for the selection), LIMIT (seconds this call
 # may take before it must be tarring), EPOCHS (claim suite; fixed before its first run: the schedule
-# depends on it), SELECT_EPOCHS, SELECT_SUBSET (training images per selection run; empty: all 45,000),
+# depends on it; "auto": from the measured step times and CLAIM_BUDGET_S, the wall-clock seconds
+# left for the claim suite over all remaining calls, with GAIN the throughput gain of processes
+# sharing a GPU, 1.0 by default as measured in the earlier study; written once to
+# results/cifar/claim/schedule.json), SELECT_EPOCHS, SELECT_SUBSET (training images per selection
+# run; empty: all 45,000),
 # DATA (the JPEG npz), PY, SET (run-setting overrides for every run, e.g. for a CPU smoke test:
 # SET="model=tiny batch_size=50 train_subset=150 device=cpu" SEL_SET="val_size=100" GPUS=0
 # DATA=kwng/data_sample/cifar10_sample.npz TIMING_MODEL=tiny TIMING_STEPS=3).
@@ -78,7 +82,7 @@ trap persist EXIT
 plan_done() {  # prints 1 if every run of plan $1 is complete
   $PY -c "
 from kwng.experiments import cifar
-p = cifar.build_plan('$1', epochs=$EPOCHS, select_epochs=$SELECT_EPOCHS, data_root='$ROOT',
+p = cifar.build_plan('$1', epochs=1, select_epochs=$SELECT_EPOCHS, data_root='$ROOT',
                      select_subset=${SELECT_SUBSET:-None}, select_val=5000)
 print(int(all(cifar._is_complete(j) for j in p)))"
 }
@@ -108,6 +112,14 @@ else
 fi
 
 # ---- the claim suite
+if [ "$EPOCHS" = auto ]; then  # fixed once, before the first claim run: from the measured step times
+  SCHED=results/cifar/claim/schedule.json
+  TSRC=$TIMING_FILE; [ -f "$TSRC" ] || TSRC=results/cifar/timing/timing.json  # the earlier study's
+  [ -f "$SCHED" ] || $PY -m kwng.experiments cifar schedule --plan claim --budget-s "${CLAIM_BUDGET_S:?EPOCHS=auto needs CLAIM_BUDGET_S}" \
+      --timing "$TSRC" --gpus "$GPUS" --procs-per-gpu "$PROCS" --concurrency-gain "${GAIN:-1.0}" \
+      --min-epochs 1 --out "$SCHED" 2>&1 | tail -1 | tee -a "$LOG"
+  EPOCHS=$($PY -c "import json; print(json.load(open('$SCHED'))['epochs'])") || exit 2
+fi
 if [ "$(left)" -gt 60 ]; then
   say "claim suite: $EPOCHS epochs (deadline in $(( $(left) - 30 ))s)"
   $PY -m kwng.experiments cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$PROCS" \
