@@ -1,55 +1,132 @@
 #!/usr/bin/env bash
-# The CIFAR-10 study on ONE GPU in two phases of < 9 minutes each (book chapter experiments_cifar).
+# The CIFAR-10 claim suite (book chapter experiments_cifar, issue 10) on one multi-GPU machine, in
+# calls of at most LIMIT seconds each. Run the SAME command again until it prints "claim suite
+# complete"; every call resumes where the previous one stopped (checkpoints and results persist in
+# the ignored folder checkpoints/ on the machine's disk between calls):
 #
-#   phase 1:  bash benchmarks/run_cifar_gpu.sh 1   # install nngeometry, decode data, time every method alone,
-#                                                  # step-size selection (96 short runs), choose the number of
-#                                                  # epochs, start the main runs; tar -> $OUT/cifar_phase1.tar.gz
-#   (lead: extract that tar into the repository root so that phase 2 sees results/cifar/selection)
-#   phase 2:  bash benchmarks/run_cifar_gpu.sh 2   # continue/finish the main runs (resume from checkpoints if
-#                                                  # the machine is still warm); tar -> $OUT/cifar_results.tar.gz
+#   KWNG_GIT_COMMIT=$(git rev-parse HEAD) GPUS=4 LIMIT=560 EPOCHS=30 bash benchmarks/run_cifar_gpu.sh
 #
-# Needs: .data/cifar10_jpeg.npz (or official archives under .data/) and .whl/nngeometry-0.4-*.whl carried.
-# Estimate (H100, fp32/TF32, batch 128, 50k images = 391 steps/epoch): SGD ~7 ms/step (2.7 s/epoch); on
-# the CPU at tiny scale KWNG (M=5) costs ~4x an SGD step, EKFAC ~9x, KWNG M=20 ~8x, KFAC ~1.3x, so the
-# 38-run main plan costs ~300 s of single-process GPU time per epoch; with 6 processes sharing the GPU
-# (assumed 1.5x throughput) ~200 s per epoch. Phase 1: ~30 s setup, ~60 s timing, ~200 s selection,
-# then main runs until 500 s; phase 2: main runs until 500 s. The number of epochs is computed in phase 1
-# from the measured step times for a 750 s budget (clamped to [3, 15]); expect 3-5 epochs.
+# Each call: (1) install nngeometry from .whl/ and copy .data/cifar10_jpeg.npz to checkpoints/data
+# (decoded once, cached there); (2) first call only: `cifar timing` of the claim methods alone on
+# GPU 0 (TIMING=0 skips it); (3) step-size selection (plan claim_select: 7 methods x 2
+# conditionings x 6 step sizes, SELECT_EPOCHS epochs each, scored on 5,000 held-out training images)
+# until it is complete, then `cifar select`; (4) the claim suite (plan claim, EPOCHS epochs) with the
+# selected step sizes; (5) `cifar check --suite claim`; (6) results/cifar/claim and the log tarred to
+# $OUT/cifar_claim.tar.gz (extract it in the repository root: it holds results/cifar/claim/...).
+# Runs stop at the deadline in the middle of an epoch and resume there exactly in the next call.
+#
+# Knobs: GPUS (GPUs of the machine), PROCS (workers per GPU for the claim suite; >= runs/GPUS keeps
+# every run going at once), SEL_PROCS (workers per GPU for the selection), LIMIT (seconds this call
+# may take before it must be tarring), EPOCHS (claim suite; fixed before its first run: the schedule
+# depends on it; "auto": from the measured step times and CLAIM_BUDGET_S, the wall-clock seconds
+# left for the claim suite over all remaining calls, with GAIN the throughput gain of processes
+# sharing a GPU, 1.0 by default as measured in the earlier study; written once to
+# results/cifar/claim/schedule.json), SELECT_EPOCHS, SELECT_SUBSET (training images per selection
+# run; empty: all 45,000),
+# DATA (the JPEG npz), PY, SET (run-setting overrides for every run, e.g. for a CPU smoke test:
+# SET="model=tiny batch_size=50 train_subset=150 device=cpu" SEL_SET="val_size=100" GPUS=0
+# DATA=kwng/data_sample/cifar10_sample.npz TIMING_MODEL=tiny TIMING_STEPS=3).
+# Cost (H200 step times of results/cifar/timing/timing.json, batch 128): SGD 7 ms, KFAC ~13 ms,
+# KWNG 39 ms per step; one claim-suite epoch is ~165 s of single-GPU time (~42 s per GPU on 4 GPUs),
+# the selection ~1340 s (~335 s per GPU on 4 GPUs). See the report / chapter for epochs per budget.
 set -u
-PHASE=${1:?usage: run_cifar_gpu.sh 1|2}
 OUT=${OUT:-/tmp/out}
-LIMIT=${LIMIT:-510}            # seconds after which this phase must be tarring
-PROCS=${PROCS:-6}              # processes sharing each GPU
-GPUS=${GPUS:-1}                # GPUs of the machine (one group of PROCS workers each)
-MAIN_BUDGET=${MAIN_BUDGET:-750}  # single-GPU seconds the main runs may take (x GPUS for the schedule)
-MAIN_IN_PHASE1=${MAIN_IN_PHASE1:-1}  # 0: phase 1 stops after selection (main runs all in phase 2)
+GPUS=${GPUS:-4}
+PROCS=${PROCS:-5}
+SEL_PROCS=${SEL_PROCS:-6}
+LIMIT=${LIMIT:-560}
+EPOCHS=${EPOCHS:-30}
+SELECT_EPOCHS=${SELECT_EPOCHS:-2}
+SELECT_SUBSET=${SELECT_SUBSET:-}
+TIMING=${TIMING:-1}
 DATA=${DATA:-.data/cifar10_jpeg.npz}
-mkdir -p "$OUT"
+SETARG=(); for kv in ${SET:-}; do SETARG+=(--set "$kv"); done
+SELSET=("${SETARG[@]}"); for kv in ${SEL_SET:-}; do SELSET+=(--set "$kv"); done
 PY=${PY:-python}
-export KWNG_GIT_COMMIT=${KWNG_GIT_COMMIT:-unknown}   # no .git on the GPU machine: pass the commit in
-pip install -q --no-deps --target /tmp/site .whl/nngeometry-0.4-*.whl 2>&1 | tail -1
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-$PY -c "import nngeometry, torch; print('nngeometry ok; torch', torch.__version__, torch.cuda.get_device_name())"
-$PY -c "from kwng.data import load_cifar; [load_cifar('cifar10', s, '$DATA') for s in ('train', 'test')]"
+KEEP=checkpoints/keep            # persists between calls (ignored by git, not replaced by the sync)
+mkdir -p "$OUT" "$KEEP/data" checkpoints/logs
+LOG="$OUT/cifar_claim_log.txt"
+export KWNG_GIT_COMMIT=${KWNG_GIT_COMMIT:-unknown}   # pass the commit in: the copy may have no .git
+export PYTHONUNBUFFERED=1
 left() { echo $(( LIMIT - SECONDS )); }
-if [ "$PHASE" = 1 ]; then
-  $PY -m kwng.experiments cifar timing --steps 30 --warmup 5 2>&1 | grep -E "timing|Error"
-  $PY -m kwng.experiments cifar sweep --plan select --select-steps 120 --gpus "$GPUS" --procs-per-gpu "$PROCS" \
-      --data-root "$DATA" --deadline-s $(( $(left) - 60 )) 2>&1 | grep -vE "epoch 1:|UserWarning|warnings.warn" | tail -20
-  $PY -m kwng.experiments cifar select 2>&1 | grep selected
-  $PY -m kwng.experiments cifar schedule --budget-s $(( MAIN_BUDGET * GPUS )) 2>&1 | tail -1
-  if [ "$MAIN_IN_PHASE1" = 1 ]; then
-    echo "phase 1: main runs start at ${SECONDS}s"
-    $PY -m kwng.experiments cifar sweep --plan main --epochs auto --gpus "$GPUS" --procs-per-gpu "$PROCS" \
-        --data-root "$DATA" --deadline-s $(( $(left) - 25 )) 2>&1 | grep -E "epoch [0-9]+:|ERROR|Error" | tail -40
-  fi
-  TAR=cifar_phase1.tar.gz
-else
-  test -f results/cifar/selection/selected.json || { echo "extract the phase-1 tar first"; exit 2; }
-  $PY -m kwng.experiments cifar sweep --plan main --epochs auto --gpus "$GPUS" --procs-per-gpu "$PROCS" \
-      --data-root "$DATA" --deadline-s $(( $(left) - 25 )) 2>&1 | grep -E "epoch [0-9]+:|ERROR|Error" | tail -60
-  $PY -m kwng.experiments cifar check; TAR=cifar_results.tar.gz
+say() { echo "[${SECONDS}s] $*" | tee -a "$LOG"; }
+
+# ---- setup
+if ls .whl/nngeometry-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/nngeometry-*.whl 2>&1 | tail -1
 fi
-tar czf "$OUT/$TAR" results/cifar
-echo "phase $PHASE done in ${SECONDS}s: $OUT/$TAR ($(du -h "$OUT/$TAR" | cut -f1))"
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ "$GPUS" -gt 0 ] && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$LOG"
+# results/cifar/claim is a link into $KEEP, so every write lands on the kept disk at once (a killed
+# call loses nothing that was written). A real folder there (first call, or results extracted into
+# the tree) moves into $KEEP if $KEEP has none, else aside to $KEEP/claim.from_tree.<time>.
+mkdir -p results/cifar
+if [ -d results/cifar/claim ] && [ ! -L results/cifar/claim ]; then
+  if [ -d "$KEEP/claim" ]; then mv results/cifar/claim "$KEEP/claim.from_tree.$(date +%s)"
+  else mv results/cifar/claim "$KEEP/claim"; fi
+fi
+mkdir -p "$KEEP/claim"
+rm -f results/cifar/claim && ln -s "$PWD/$KEEP/claim" results/cifar/claim
+[ -f "$KEEP/data/cifar10_jpeg.npz" ] || cp "$DATA" "$KEEP/data/cifar10_jpeg.npz" || exit 2
+ROOT="$KEEP/data/cifar10_jpeg.npz"
+$PY -c "import nngeometry, torch; print('nngeometry ok; torch', torch.__version__)" || exit 2
+$PY -c "from kwng.data import load_cifar; [load_cifar('cifar10', s, '$ROOT') for s in ('train', 'test')]" || exit 2
+say "setup done"
+
+persist() {  # the results (through the link) to $OUT, whatever happened before
+  tar czhf "$OUT/cifar_claim.tar.gz" results/cifar/claim 2>/dev/null
+  say "tarred: $OUT/cifar_claim.tar.gz ($(du -h "$OUT/cifar_claim.tar.gz" 2>/dev/null | cut -f1))"
+}
+trap persist EXIT
+plan_done() {  # prints 1 if every run of plan $1 is complete
+  $PY -c "
+from kwng.experiments import cifar
+p = cifar.build_plan('$1', epochs=1, select_epochs=$SELECT_EPOCHS, data_root='$ROOT',
+                     select_subset=${SELECT_SUBSET:-None}, select_val=5000)
+print(int(all(cifar._is_complete(j) for j in p)))"
+}
+filter() { grep -E "epoch [0-9]+:|deadline|ERROR|Error|Traceback|sweep" | tee -a "$LOG" | tail -${1:-30}; }
+
+# ---- timing of each method alone (first call only)
+TIMING_FILE=results/cifar/claim/timing/timing.json
+if [ "$TIMING" = 1 ] && [ ! -f "$TIMING_FILE" ]; then
+  CUDA_VISIBLE_DEVICES=0 $PY -m kwng.experiments cifar timing --methods claim --steps "${TIMING_STEPS:-100}" \
+      --warmup 10 --out "$TIMING_FILE" ${TIMING_MODEL:+--model "$TIMING_MODEL"} 2>&1 | grep -E "timing|Error" | tee -a "$LOG"
+fi
+TARG=(); [ -f "$TIMING_FILE" ] && TARG=(--timing "$TIMING_FILE")
+
+# ---- step-size selection
+SUBARG=(); [ -n "$SELECT_SUBSET" ] && SUBARG=(--select-subset "$SELECT_SUBSET")
+if [ "$(plan_done claim_select)" != 1 ] && [ "$(left)" -gt 60 ]; then
+  say "selection: starting (deadline in $(( $(left) - 30 ))s)"
+  $PY -m kwng.experiments cifar sweep --plan claim_select --select-epochs "$SELECT_EPOCHS" "${SUBARG[@]}" \
+      --gpus "$GPUS" --procs-per-gpu "$SEL_PROCS" --data-root "$ROOT" "${TARG[@]}" "${SELSET[@]}" \
+      --deadline-s $(( $(left) - 30 )) 2>&1 | filter 20
+fi
+if [ "$(plan_done claim_select)" = 1 ]; then
+  [ -f results/cifar/claim/selection/selected.json ] || \
+    $PY -m kwng.experiments cifar select --root results/cifar/claim/selection 2>&1 | grep selected | tee -a "$LOG"
+else
+  say "selection not complete yet: run this command again"; exit 0
+fi
+
+# ---- the claim suite
+if [ "$EPOCHS" = auto ]; then  # fixed once, before the first claim run: from the measured step times
+  SCHED=results/cifar/claim/schedule.json
+  TSRC=$TIMING_FILE; [ -f "$TSRC" ] || TSRC=results/cifar/timing/timing.json  # the earlier study's
+  [ -f "$SCHED" ] || $PY -m kwng.experiments cifar schedule --plan claim --budget-s "${CLAIM_BUDGET_S:?EPOCHS=auto needs CLAIM_BUDGET_S}" \
+      --timing "$TSRC" --gpus "$GPUS" --procs-per-gpu "$PROCS" --concurrency-gain "${GAIN:-1.0}" \
+      --min-epochs 1 --out "$SCHED" 2>&1 | tail -1 | tee -a "$LOG"
+  EPOCHS=$($PY -c "import json; print(json.load(open('$SCHED'))['epochs'])") || exit 2
+fi
+if [ "$(left)" -gt 60 ]; then
+  say "claim suite: $EPOCHS epochs (deadline in $(( $(left) - 30 ))s)"
+  $PY -m kwng.experiments cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$PROCS" \
+      --data-root "$ROOT" "${TARG[@]}" "${SETARG[@]}" --deadline-s $(( $(left) - 30 )) 2>&1 | filter 40
+fi
+if $PY -m kwng.experiments cifar check --suite claim --min-epochs "$EPOCHS" 2>&1 | tee -a "$LOG"; then
+  say "claim suite complete"
+else
+  say "claim suite not complete yet: run this command again"
+fi

@@ -4,9 +4,12 @@
   256, 512; each block two 3×3 convolutions with batch normalisation and ReLU; stride 2 at the
   first block of widths 128/256/512), global average pooling and a linear layer. Its output is
   the logits ``x = h_θ(z)``: the samples of the implicit model.
-* :class:`DiagonalConditioning` — the fixed diagonal ``U`` of the ill-conditioned study, applied to
-  the logits inside the loss ``L = CE(U x, y)``; log-spaced diagonal from ``1e-6`` to ``10``
-  (condition number ``1e7``) by default, identity for the well-conditioned case.
+* :class:`DiagonalConditioning` — the fixed diagonal ``U`` of the ill-conditioned study;
+  log-spaced diagonal from ``1e-6`` to ``10`` (condition number ``1e7``) by default.
+* :class:`ConditionedNetwork` — ``z ↦ U h_θ(z)``: ``U`` inside the network, as in the authors' code,
+  so that the network's outputs (the samples of the implicit model) are ``U h_θ(z)``; the loss is
+  ``CE(U h_θ(z), y)`` either way. :meth:`ConditionedNetwork.forward_both` also returns ``h_θ(z)``.
+* :func:`last_linear` — the last ``nn.Linear`` of a network (the layer that ``U`` reparametrises).
 * :func:`tiny_cnn`, :func:`mlp` — small models for tests and CPU examples.
 """
 
@@ -17,7 +20,8 @@ from torch import nn
 
 from ._checks import check_int, check_positive
 
-__all__ = ["BasicBlock", "ResNet18", "resnet18", "DiagonalConditioning", "tiny_cnn", "mlp"]
+__all__ = ["BasicBlock", "ResNet18", "resnet18", "DiagonalConditioning", "ConditionedNetwork", "last_linear",
+           "tiny_cnn", "mlp"]
 
 
 class BasicBlock(nn.Module):
@@ -99,6 +103,42 @@ class DiagonalConditioning(nn.Module):
     def extra_repr(self) -> str:
         d = self.diag
         return f"num_classes={d.numel()}, min={float(d.min()):.1e}, max={float(d.max()):.1e}"
+
+
+class ConditionedNetwork(nn.Module):
+    """``z ↦ U h_θ(z)``: a network ``body`` (``h_θ``) followed by a fixed ``conditioning`` (``U``).
+
+    With ``U`` inside the network the samples of the implicit model are ``U h_θ(z)``, as in the
+    authors' code. For a diagonal ``U`` and a last layer ``h_θ(z) = W φ(z) + b``, the outputs are
+    ``(U W) φ(z) + U b``: ``U`` is a reparametrisation of the last layer, and a natural gradient on
+    these samples is invariant to it (Prop. 1; book chapter :ref:`experiments-cifar`).
+    ``conditioning=None`` is the identity (the well-conditioned case).
+    """
+
+    def __init__(self, body: nn.Module, conditioning: nn.Module | None = None) -> None:
+        super().__init__()
+        if not isinstance(body, nn.Module):
+            raise ValueError(f"body must be a torch.nn.Module, got {type(body).__name__}")
+        if conditioning is not None and not isinstance(conditioning, nn.Module):
+            raise ValueError(f"conditioning must be None or an nn.Module, got {type(conditioning).__name__}")
+        self.body = body
+        self.conditioning = conditioning
+
+    def forward_both(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h_θ(z), U h_θ(z))`` from one forward pass (the first is the second when ``U`` is None)."""
+        h = self.body(z)
+        return h, (h if self.conditioning is None else self.conditioning(h))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.forward_both(z)[1]
+
+
+def last_linear(model: nn.Module) -> nn.Linear:
+    """The last ``nn.Linear`` module of ``model`` in registration order (its output layer)."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not layers:
+        raise ValueError(f"model has no nn.Linear layer: {type(model).__name__}")
+    return layers[-1]
 
 
 def tiny_cnn(num_classes: int = 10, width: int = 8) -> nn.Sequential:

@@ -10,6 +10,13 @@ Each function takes the dictionary of :func:`kwng.experiments.cifar.load_results
 * :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ kernel, scaled logits);
 * :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each epoch;
 * :func:`final_accuracy_table` — final test accuracy per method and conditioning, mean ± spread.
+
+For the claim suite (issue 10; records with per-class accuracy and KWNG diagnostics per epoch):
+
+* :func:`fig_per_class_vs_U` — per-class test accuracy against the class's scaling ``U_k`` (IC);
+* :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped fraction per epoch;
+* :func:`claim_verdict` — the decision rule fixed before the runs, evaluated on the records;
+* :func:`selection_table` — the step-size selection as a Markdown table.
 """
 
 from __future__ import annotations
@@ -19,19 +26,27 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-__all__ = ["MAIN_METHODS", "ABLATION_METHODS", "curves", "final_accuracy_table", "format_table",
-           "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps"]
+__all__ = ["MAIN_METHODS", "ABLATION_METHODS", "CLAIM_METHODS", "curves", "final_accuracy_table", "format_table",
+           "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps", "fig_per_class_vs_U",
+           "fig_kwng_diagnostics", "claim_verdict", "selection_table", "class_scalings", "final_per_class",
+           "SMALL_U"]
 
 MAIN_METHODS = ("sgd", "sgd_momentum", "sgd_momentum_wd", "adam", "kfac", "ekfac", "kwng", "kwng_m20",
                 "kwng_momentum", "kwng_bigbatch")
 ABLATION_METHODS = ("kwng", "kwng_damping_identity", "kwng_damping_T", "diag_T", "diag_Ttilde", "kwng_rq",
                     "kwng_scaled_logits")
-_COLORS = {"sgd": "tab:blue", "sgd_momentum": "tab:cyan", "sgd_momentum_wd": "tab:olive", "adam": "tab:green",
+CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U", "diag_Ttilde",
+                 "kwng_lm_same_batch")
+#: the decision rule's "small-U_k classes": U_k at most this
+SMALL_U = 1e-3
+_COLORS = {"kwng_samples_before_U": "tab:orange", "kwng_lm_same_batch": "tab:pink",
+           "sgd": "tab:blue", "sgd_momentum": "tab:cyan", "sgd_momentum_wd": "tab:olive", "adam": "tab:green",
            "kfac": "tab:purple", "ekfac": "tab:orange", "kwng": "tab:red", "kwng_m20": "tab:brown",
            "kwng_momentum": "tab:gray", "kwng_bigbatch": "tab:pink", "kwng_damping_identity": "tab:blue",
            "kwng_damping_T": "tab:green", "diag_T": "tab:purple", "diag_Ttilde": "tab:cyan",
            "kwng_rq": "gold", "kwng_scaled_logits": "tab:brown"}
-_STYLES = {"kwng_m20": "--", "kwng_momentum": "-.", "kwng_bigbatch": ":", "sgd_momentum": "--",
+_STYLES = {"kwng_samples_before_U": "--", "kwng_lm_same_batch": "-.",
+           "kwng_m20": "--", "kwng_momentum": "-.", "kwng_bigbatch": ":", "sgd_momentum": "--",
            "sgd_momentum_wd": ":", "ekfac": "--", "diag_T": "--", "diag_Ttilde": ":", "kwng_rq": "-.",
            "kwng_scaled_logits": "--"}
 
@@ -210,3 +225,154 @@ def fig_eps(results: dict, floor: float = 1e-10):
     fig.suptitle("Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)")
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     return fig
+
+
+# ------------------------------------------------------------------------------------- claim suite
+def class_scalings(results: dict) -> np.ndarray:
+    """``U_k`` of each class in the ill-conditioned runs (from the records; the study's default
+    :class:`kwng.nets.DiagonalConditioning` if a record does not carry it)."""
+    for (c, _, _), r in sorted(results.items()):
+        if c == "ill" and r.get("U"):
+            return np.asarray(r["U"], dtype=float)
+    from .nets import DiagonalConditioning
+
+    return DiagonalConditioning(10, 1e7).diag.double().numpy()
+
+
+def final_per_class(results: dict, cond: str, method: str) -> np.ndarray | None:
+    """Per-class test accuracy after the last epoch, mean over seeds (None without such records)."""
+    runs = [r for (c, m, _), r in results.items() if c == cond and m == method and r["epochs"]
+            and "test_acc_per_class" in r["epochs"][-1]]
+    if not runs:
+        return None
+    return np.mean([r["epochs"][-1]["test_acc_per_class"] for r in runs], axis=0)
+
+
+def fig_per_class_vs_U(results: dict, methods: Sequence[str] = CLAIM_METHODS, cond: str = "ill"):
+    """Final test accuracy of each class against its scaling ``U_k`` (log x), one line per method
+    (mean over seeds). A method invariant to the reparametrisation gives a flat line."""
+    U = class_scalings(results)
+    order = np.argsort(U)
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for m in methods:
+        acc = final_per_class(results, cond, m)
+        if acc is None:
+            continue
+        ax.semilogx(U[order], 100 * acc[order], marker="o", ms=4, lw=1.3, color=_COLORS.get(m),
+                    ls=_STYLES.get(m, "-"), label=_label(results, cond, m))
+    ax.axvline(SMALL_U, color="k", lw=0.8, ls=":")
+    ax.set_xlabel("$U_k$ of the class (log scale)")
+    ax.set_ylabel("test accuracy of the class (%)")
+    ax.set_ylim(-3, 103)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    ax.set_title(f"{cond}-conditioned: per-class test accuracy after the last epoch against $U_k$")
+    fig.tight_layout()
+    return fig
+
+
+def _diag_series(rec: dict, key: str) -> np.ndarray:
+    rows = rec["epochs"]
+    if key == "clipped":
+        if all("clipped_mean" in r for r in rows):
+            return np.array([r["clipped_mean"] for r in rows], dtype=float)
+        if all("clipped" in r for r in rows):  # cumulative counter -> fraction of the epoch's steps
+            cum = np.array([0] + [r["clipped"] for r in rows], dtype=float)
+            st = np.array([0] + [r["steps"] for r in rows], dtype=float)
+            return np.diff(cum) / np.maximum(np.diff(st), 1)
+        return np.zeros(0)
+    if key == "eps":
+        vals = [r.get("eps_mean", r.get("eps")) for r in rows]
+        if any(v is None for v in vals):
+            return np.zeros(0)
+        conv = rec.get("method_spec", {}).get("eps_convention", "ours")
+        return np.array(vals, dtype=float) / (np.sqrt(rec["batch_size"]) if conv == "authors" else 1.0)
+    vals = [r.get(f"{key}_mean") for r in rows]
+    return np.zeros(0) if any(v is None for v in vals) else np.array(vals, dtype=float)
+
+
+def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_samples_before_U", "diag_Ttilde",
+                                                                    "kwng_lm_same_batch")):
+    """Rows: ε (epoch mean; in the authors' units ``ε_ours / √N`` for runs of the authors' convention),
+    the reduction ratio (epoch mean over finite values) and the fraction of clipped steps; columns:
+    ill- and well-conditioned. One line per run; panels without records say so."""
+    keys = (("eps", "ε (authors' units)"), ("reduction_ratio", "reduction ratio r"),
+            ("clipped", "fraction of steps clipped"))
+    fig, axes = plt.subplots(3, 2, figsize=(10, 8), sharex=True, squeeze=False)
+    for j, cond in enumerate(("ill", "well")):
+        for i, (key, name) in enumerate(keys):
+            ax = axes[i, j]
+            n = 0
+            for (c, m, s), r in sorted(results.items()):
+                if c != cond or m not in methods or not r["epochs"]:
+                    continue
+                v = _diag_series(r, key)
+                if v.size == 0:
+                    continue
+                x = np.arange(1, v.size + 1)
+                plot = ax.semilogy if key == "eps" else ax.plot
+                plot(x, v, color=_COLORS.get(m), ls=_STYLES.get(m, "-"), marker="o", ms=2, lw=1.1,
+                     label=f"{m} s{s}")
+                n += 1
+            if not n:
+                ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+            if key == "clipped":
+                ax.set_ylim(-0.03, 1.03)
+            if key == "eps" and n:
+                ax.axhline(1e-10, color="k", lw=0.8, ls=":")  # the authors' floor
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+            if i == 0:
+                ax.set_title(f"{cond}-conditioned")
+                if n:
+                    ax.legend(fontsize=6.5, ncol=2)
+    for ax in axes[-1]:
+        ax.set_xlabel("epoch")
+    fig.suptitle("KWNG diagnostics per epoch (Levenberg–Marquardt ε, reduction ratio, clipping)")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    return fig
+
+
+def claim_verdict(results: dict, within: float = 0.05, above_sgd: float = 0.20, class_ratio: float = 0.5,
+                  small_u: float = SMALL_U) -> dict:
+    """The decision rule of the claim suite, fixed before the runs (book chapter, "Decision rule"):
+    the claim holds if, in the final test accuracy (mean over seeds), (a) IC KWNG is within
+    ``within`` of WC KWNG, (b) IC KWNG is at least ``above_sgd`` above IC SGD, and (c) on every class
+    with ``U_k ≤ small_u``, IC KWNG's accuracy is at least ``class_ratio`` times WC KWNG's on that class.
+    Returns the numbers and the three booleans (``None`` where a run is missing)."""
+    table = final_accuracy_table(results, methods=CLAIM_METHODS)
+
+    def fin(m, c):
+        return table.get(m, {}).get(c, {}).get("mean")
+
+    k_ill, k_well, s_ill = fin("kwng", "ill"), fin("kwng", "well"), fin("sgd", "ill")
+    U = class_scalings(results)
+    small = np.flatnonzero(U <= small_u)
+    small = small[np.argsort(U[small])]  # ascending U_k
+    pc_ill, pc_well = final_per_class(results, "ill", "kwng"), final_per_class(results, "well", "kwng")
+    out = {"kwng_ill": k_ill, "kwng_well": k_well, "sgd_ill": s_ill, "small_classes": small.tolist(),
+           "U_small": U[small].tolist(), "a_within": None, "b_above_sgd": None, "c_small_classes": None,
+           "drops": {m: (fin(m, "well") - fin(m, "ill")) if fin(m, "well") is not None and fin(m, "ill") is not None
+                     else None for m in CLAIM_METHODS}}
+    if k_ill is not None and k_well is not None:
+        out["a_within"] = bool(abs(k_well - k_ill) <= within)
+    if k_ill is not None and s_ill is not None:
+        out["b_above_sgd"] = bool(k_ill - s_ill >= above_sgd)
+    if pc_ill is not None and pc_well is not None:
+        out["per_class_ill"], out["per_class_well"] = pc_ill[small].tolist(), pc_well[small].tolist()
+        out["c_small_classes"] = bool(np.all(pc_ill[small] >= class_ratio * pc_well[small]))
+    parts = (out["a_within"], out["b_above_sgd"], out["c_small_classes"])
+    out["holds"] = None if any(p is None for p in parts) else all(parts)
+    return out
+
+
+def selection_table(selected: dict) -> str:
+    """The step-size selection (the ``selected.json`` of ``cifar select``) as a Markdown table:
+    held-out accuracy per step size of the grid, ``div`` for diverged runs, the chosen one in bold."""
+    grid = selected["grid"]
+    lines = ["| run | " + " | ".join(f"{g:g}" for g in grid) + " | chosen |", "|---" * (len(grid) + 2) + "|"]
+    for key, v in sorted(selected["selected"].items()):
+        acc = {c["lr"]: ("div" if not c["ok"] else f"{100 * c['val_acc']:.1f}") for c in v["candidates"]}
+        cells = [f"**{acc[g]}**" if g == v["lr"] else acc.get(g, "–") for g in grid]
+        lines.append(f"| {key.split('/', 1)[1]} | " + " | ".join(cells) + f" | {v['lr']:g} |")
+    return "\n".join(lines)

@@ -251,3 +251,317 @@ def test_check_results_budget_cut(tmp_path):
     assert cifar.check_results(tmp_path, "cifar10", allow_cut={})["incomplete"] == [cut]
     (tmp_path / "cifar10" / "well" / "sgd" / "seed1" / "provenance.json").unlink()
     assert cifar.check_results(tmp_path, "cifar10", allow_cut={cut: 3})["missing"] == ["well/sgd/seed1"]
+
+
+# ----------------------------------------------------------------------------------- the claim suite
+def _two_networks(seed: int = 0, d: int = 5, condition: float = 1e4):
+    """Network A: ``z ↦ U h(z)`` (U inside). Network B: the same body with the last layer's rows
+    multiplied by ``U`` and no U: the same function, reparametrised. Float64 for exact comparisons."""
+    from kwng.nets import ConditionedNetwork, DiagonalConditioning, mlp
+
+    torch.manual_seed(seed)
+    body = mlp(6, d, hidden=8, depth=1).double()
+    U = DiagonalConditioning(d, condition).double()
+    A = ConditionedNetwork(body, U)
+    body_b = mlp(6, d, hidden=8, depth=1).double()
+    body_b.load_state_dict(body.state_dict())
+    with torch.no_grad():
+        body_b[-1].weight.mul_(U.diag[:, None])
+        body_b[-1].bias.mul_(U.diag)
+    B = ConditionedNetwork(body_b, None)
+    # a: dθ_B = a · dθ_A (1 on the body, U_k on row k of the last layer)
+    a = torch.cat([torch.ones(sum(p.numel() for p in body[:-1].parameters()), dtype=torch.float64),
+                   U.diag[:, None].expand(d, 8).reshape(-1), U.diag])
+    return A, B, U, a
+
+
+def _T_and_g(net, z, y, idx, coords, kernel, before_U=False):
+    from kwng.estimator import jacobian_from_outputs, kernel_matrices
+
+    params = list(net.parameters())
+    h, out = net.forward_both(z)
+    X = h if before_U else out
+    C, K, CCt = kernel_matrices(X, idx, coords, kernel)
+    T = jacobian_from_outputs(X, params, C)
+    loss = torch.nn.functional.cross_entropy(out, y)
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
+    return X.detach(), T, g, CCt, K
+
+
+def test_samples_after_U_reparametrise_the_last_layer():
+    """With the samples U·h, U is a reparametrisation of the last layer: the estimated Wasserstein
+    metric is covariant (T_A = T_B diag(a), g_A = a g_B), and a direction whose damping transforms
+    like a metric (D_A = a² D_B) is invariant (a ĝ_A = ĝ_B). With the samples h (before U) the metric
+    is not covariant. KWNG's damping D = ‖T̃_{·,i}‖ scales like a, not a², and breaks the invariance."""
+    from kwng.estimator import draw_basis, nystrom_solve
+    from kwng.kernels import make_kernel
+
+    A, B, U, a = _two_networks()
+    z, y = torch.randn(32, 6, dtype=torch.float64), torch.randint(0, 5, (32,))
+    idx, coords = draw_basis(32, 5, 4, torch.Generator().manual_seed(1))
+    kern = make_kernel("gaussian", 2.0)
+    XA, TA, gA, CCtA, KA = _T_and_g(A, z, y, idx, coords, kern)
+    XB, TB, gB, CCtB, KB = _T_and_g(B, z, y, idx, coords, kern)
+    assert torch.allclose(XA, XB, atol=1e-12) and torch.allclose(CCtA, CCtB, rtol=1e-10)
+    assert torch.allclose(TA, TB * a, rtol=1e-9, atol=1e-14) and torch.allclose(gA, gB * a, rtol=1e-9, atol=1e-14)
+    _, Th, _, CCth, _ = _T_and_g(A, z, y, idx, coords, kern, before_U=True)
+    delta_B = torch.randn(a.numel(), dtype=torch.float64)
+    W = torch.linalg.inv(torch.linalg.cholesky(CCtA))  # any whitening: the metric is T̃ᵀT̃ = Tᵀ(CCᵀ)⁻¹T
+    Wh = torch.linalg.inv(torch.linalg.cholesky(CCth))
+    m_B = (W @ TB @ delta_B).norm()
+    assert torch.isclose((W @ TA @ (delta_B / a)).norm(), m_B, rtol=1e-9)  # after U: covariant
+    assert abs(float((Wh @ Th @ (delta_B / a)).norm() / m_B) - 1) > 0.1  # before U: not
+
+    N, eps = 32, 1e-3
+
+    def dense(T, CCt, g, Dvec):  # (N T̃ᵀT̃ + ε diag(D))⁻¹ g, T̃ᵀT̃ = Tᵀ(CCᵀ)⁻¹T
+        return torch.linalg.solve(N * T.T @ torch.linalg.solve(CCt, T) + eps * torch.diag(Dvec), g)
+
+    def col_norms(T, CCt):
+        return (T * torch.linalg.solve(CCt, T)).sum(0).sqrt()  # ‖T̃_{·,i}‖
+
+    # the Woodbury form of the package equals the dense form (T_tilde damping)
+    ref = nystrom_solve(TA, CCtA, KA, gA, N, eps=eps, damping="T_tilde").direction
+    assert torch.allclose(ref, dense(TA, CCtA, gA, col_norms(TA, CCtA)), rtol=1e-6)
+    nA, nB = col_norms(TA, CCtA), col_norms(TB, CCtB)
+    assert torch.allclose(nA, a * nB, rtol=1e-9)
+    inv = a * dense(TA, CCtA, gA, nA ** 2)
+    assert torch.allclose(inv, dense(TB, CCtB, gB, nB ** 2), rtol=1e-6)  # damping like a metric: invariant
+    kw = a * dense(TA, CCtA, gA, nA)
+    kb = dense(TB, CCtB, gB, nB)
+    assert (kw - kb).norm() / kb.norm() > 1e-2  # KWNG's damping: the direction depends on the parametrisation
+
+
+def test_kwng_direction_on_Uh_batch_both_ways():
+    """On the same U·h batch and basis, the directions with the samples after and before U are both
+    descent directions and differ; the after-U one puts more of its squared norm on the last layer
+    (whose rows U rescales) — the layer where the two metrics differ."""
+    from kwng.estimator import draw_basis, nystrom_solve
+    from kwng.kernels import make_kernel
+
+    A, _, U, a = _two_networks(seed=3, condition=1e6)
+    z, y = torch.randn(64, 6, dtype=torch.float64), torch.randint(0, 5, (64,))
+    idx, coords = draw_basis(64, 5, 5, torch.Generator().manual_seed(2))
+    dirs = {}
+    for before in (False, True):
+        X, T, g, CCt, K = _T_and_g(A, z, y, idx, coords, make_kernel("gaussian", 1.0), before_U=before)
+        kern = make_kernel("gaussian", float(((X[:, None] - X[idx][None]) ** 2).sum(-1).mean()))
+        X, T, g, CCt, K = _T_and_g(A, z, y, idx, coords, kern, before_U=before)
+        dirs[before] = nystrom_solve(T, CCt, K, g, 64, eps=1e-4, damping="T_tilde").direction
+        assert float(g @ dirs[before]) > 0
+    after, before = dirs[False], dirs[True]
+    cos = float(after @ before / (after.norm() * before.norm()))
+    assert cos < 0.99
+    last = a != 1
+    share = {k: float((v[last] ** 2).sum() / (v ** 2).sum()) for k, v in dirs.items()}
+    assert share[False] != pytest.approx(share[True], rel=0.05)
+
+
+def test_authors_eps_convention():
+    """ε_ours = √N ε_authors: the authors' direction (whitening by (CCᵀ/N)^{-1/2}, D = 1/(‖T̃‖ + 1e-8),
+    ε I in the M × M system), written out independently here, equals ours with the converted ε."""
+    from kwng.estimator import draw_basis, nystrom_solve
+    from kwng.experiments import cifar
+    from kwng.kernels import make_kernel
+
+    A, _, _, _ = _two_networks(seed=5)
+    N = 48
+    z, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 5, (N,))
+    idx, coords = draw_basis(N, 5, 5, torch.Generator().manual_seed(4))
+    X, T, g, CCt, K = _T_and_g(A, z, y, idx, coords, make_kernel("gaussian", 3.0), before_U=True)
+    eps_a = 1e-3
+    S, V = torch.linalg.eigh(CCt / N)
+    Tt = (V / S.sqrt()).T @ T
+    D = 1.0 / (Tt.norm(dim=0) + 1e-8)
+    G = (Tt * D) @ Tt.T + eps_a * torch.eye(5, dtype=torch.float64)
+    authors = D * (g - Tt.T @ torch.linalg.solve(G, Tt @ (D * g))) / eps_a
+    ours = nystrom_solve(T, CCt, K, g, N, eps=cifar.authors_eps(eps_a, N), damping="T_tilde").direction
+    err = float((ours - authors).norm() / authors.norm())
+    assert err < 1e-6, err
+    same_nominal = nystrom_solve(T, CCt, K, g, N, eps=eps_a, damping="T_tilde").direction
+    assert (same_nominal - authors).norm() / authors.norm() > 0.1
+    assert cifar.authors_eps(1e-5, 128) == pytest.approx(1e-5 * 128 ** 0.5)
+    for bad in ((0.0, 128), (1e-5, 0), (float("nan"), 4), (1e-5, 2.5)):
+        with pytest.raises(ValueError, match="eps|batch_size"):
+            cifar.authors_eps(*bad)
+
+
+def test_claim_protocol_plans_and_schedule():
+    from kwng.experiments import cifar
+
+    assert cifar.milestones_for(30, "claim") == [26] and cifar.milestones_for(60, "claim") == [51]
+    assert cifar.milestones_for(6, "study6") == [3, 4] and cifar.milestones_for(2, "constant") == []
+    for E in range(2, 200):
+        (m,) = cifar.milestones_for(E, "claim")
+        assert E - m == max(1, round(0.15 * E))  # the last ~15 % of the epochs at 0.1x
+    with pytest.raises(ValueError, match="schedule"):
+        cifar.milestones_for(10, "cosine")
+    claim = cifar.build_plan("claim", epochs=30, with_ablations=False)
+    names = {(j["conditioning"], j["method"], j["seed"]) for j in claim}
+    assert len(claim) == len(names) == 2 * len(cifar.CLAIM_METHODS) + 2 * len(cifar.CLAIM_TWO_SEEDS) == 18
+    assert all(j["schedule"] == "claim" and j["epochs"] == 30 and "claim" in j["out"] for j in claim)
+    with_abl = cifar.build_plan("claim", epochs=30, with_ablations=True)
+    assert {j["method"] for j in with_abl} - {j["method"] for j in claim} == set(cifar.CLAIM_ABLATIONS)
+    sel = cifar.build_plan("claim_select", select_epochs=2)
+    assert len(sel) == len(cifar.CLAIM_METHODS) * 2 * len(cifar.LR_GRID)
+    assert all(j["val_size"] > 0 and j["schedule"] == "constant" and j["epochs"] == 2 for j in sel)
+    spec = cifar.METHODS
+    assert spec["kwng"]["estimator_input"] == "scaled" and spec["kwng_samples_before_U"]["estimator_input"] == "logits"
+    assert spec["diag_Ttilde"]["estimator_input"] == "scaled" and spec["diag_Ttilde"]["diagonal_only"]
+    # balanced slots: every GPU gets a similar share of the expensive runs
+    slotted = cifar.assign_slots(claim, 4, 5)
+    load = [0.0] * 4
+    for j in slotted:
+        load[j["slot"] // 5] += cifar.job_cost(j)
+    assert len({j["slot"] for j in slotted}) == len(claim) and max(load) - min(load) <= 5.4 + 1e-9
+
+
+def test_check_claim(tmp_path):
+    from kwng.experiments import cifar
+    from kwng.provenance import atomic_write_json
+
+    plan = cifar.build_plan("claim", epochs=30, with_ablations=False)
+    for j in plan:
+        d = tmp_path / "cifar10" / j["conditioning"] / j["method"] / f"seed{j['seed']}"
+        rows = [{"epoch": k + 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 10} for k in range(30)]
+        atomic_write_json(d / "metrics.json", {"config": {"epochs": 30, "schedule": "claim"}, "complete": True,
+                                               "milestones": [26], "epochs": rows})
+        atomic_write_json(d / "provenance.json", {})
+    res = cifar.check_claim(tmp_path)
+    assert len(res["ok"]) == 18 and not res["missing"] and not res["incomplete"]
+    assert cifar.check_claim(tmp_path, min_epochs=31)["incomplete"]  # shorter than asked
+    d = tmp_path / "cifar10" / "ill" / "kwng" / "seed1"
+    rec = {"config": {"epochs": 30, "schedule": "claim"}, "complete": False, "milestones": [26],
+           "epochs": [{"epoch": 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 10}]}
+    atomic_write_json(d / "metrics.json", rec)
+    assert cifar.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
+    rec.update(complete=True, epochs=[{"epoch": k + 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 9}
+                                      for k in range(30)])
+    atomic_write_json(d / "metrics.json", rec)
+    assert cifar.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]  # per-class accuracy missing
+    (tmp_path / "cifar10" / "well" / "adam" / "seed0" / "provenance.json").unlink()
+    assert cifar.check_claim(tmp_path)["missing"] == ["well/adam/seed0"]
+
+
+def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
+    """A run stopped by its deadline in the middle of an epoch resumes from there to the same record,
+    and the record has the claim suite's per-epoch metrics."""
+    import itertools
+
+    from kwng.experiments import cifar
+
+    full = cifar.run(_run_cfg(tmp_path / "a", method="kwng", batch_size=50), progress=False)
+    calls = itertools.count()
+    real = cifar.time.time
+    monkeypatch.setattr(cifar.time, "time", lambda: 1e12 if next(calls) >= 6 else 0.0)
+    part = cifar.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50, deadline=1.0), progress=False)
+    monkeypatch.setattr(cifar.time, "time", real)
+    assert len(part["epochs"]) == 1 and part["stopped"] == "deadline"
+    ck = torch.load(cifar.checkpoint_path_for(_run_cfg(tmp_path / "b", method="kwng", batch_size=50)),
+                    weights_only=False)
+    assert ck["epoch"] == 1 and ck["partial"]["batches"] == 2
+    resumed = cifar.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50), progress=False)
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
+
+    assert strip(full["epochs"]) == strip(resumed["epochs"]) and resumed["complete"]
+    row = resumed["epochs"][-1]
+    assert len(row["test_acc_per_class"]) == 10 and len(row["last_layer_row_norms"]) == 10
+    assert 0 < row["last_layer_update_share"] < 1 and row["eps_mean"] > 0
+    # the committed sample's test split has 20 images per class
+    assert sum(a * 20 for a in row["test_acc_per_class"]) == pytest.approx(row["test_acc"] * 200)
+    assert resumed["milestones"] == cifar.milestones_for(2, "claim") == [1]
+
+
+class _SameBatchProbe:
+    """A stand-in preconditioner with the same-batch LM hook: records what the trainer passes."""
+
+    lm_rule = "same_batch"
+
+    def __init__(self):
+        self.seen = []
+
+    def step(self, loss, outputs):
+        loss.backward()
+        return {"eps": torch.tensor(1.0), "reduction_ratio": torch.tensor(float("nan"))}
+
+    def observe_loss_after_step(self, loss_after):
+        self.seen.append(loss_after)
+
+
+def test_same_batch_loss_after_step_keeps_batchnorm_stats():
+    from kwng.baselines import bn_state
+    from kwng.experiments import cifar
+
+    cfg = cifar.RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
+    torch.manual_seed(0)
+    model = cifar._build_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = _SameBatchProbe()
+    z, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    loss, out, info, _ = cifar._train_step(cfg, model, opt, probe, z, y)
+    stats_after_step = bn_state(model)
+    assert len(probe.seen) == 1
+    for k, v in bn_state(model).items():
+        assert torch.equal(v, stats_after_step[k])
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(model(z), y)  # train mode: batch statistics, as the step
+    assert torch.allclose(probe.seen[0], ref)
+    s = cifar._EpochStats(torch.device("cpu"))
+    s.add_info(info)
+    s.add_info({"eps": torch.tensor(3.0), "reduction_ratio": torch.tensor(0.5)})
+    r = s.row()
+    assert r["eps_mean"] == 2.0 and r["eps_last"] == 3.0 and r["reduction_ratio_mean"] == 0.5
+    if not cifar.lm_same_batch_available():
+        with pytest.raises(ValueError, match="lm_rule"):
+            cifar.run(_run_cfg_claim(), progress=False)
+
+
+def _run_cfg_claim():
+    return {"source": "sample", "model": "tiny", "batch_size": 50, "epochs": 1, "lr": 0.1, "device": "cpu",
+            "out": "/nonexistent-out", "checkpoint_dir": "/nonexistent-ck", "train_subset": 100,
+            "method": "kwng_lm_same_batch"}
+
+
+def _fake_claim_results(kwng_ill: float, small_ill: float):
+    """Records of the claim suite: 10 classes, per-class accuracy; KWNG IC has ``kwng_ill`` overall and
+    ``small_ill`` on the four classes with the smallest U_k."""
+    from kwng.plotting_cifar import class_scalings
+
+    U = class_scalings({})
+    small = np.argsort(U)[:4]
+    out = {}
+    for cond in ("ill", "well"):
+        for m, seeds in (("sgd", 2), ("kwng", 2), ("adam", 1)):
+            for s in range(seeds):
+                acc = {"sgd": 0.3 if cond == "ill" else 0.8, "kwng": kwng_ill if cond == "ill" else 0.8,
+                       "adam": 0.7}[m]
+                pc = np.full(10, acc)
+                if m == "kwng" and cond == "ill":
+                    pc[small] = small_ill
+                rows = [{"epoch": 1, "test_acc": acc, "train_acc": acc, "test_acc_per_class": pc.tolist(),
+                         "steps": 10, "eps_mean": 1e-4, "clipped": 10, "time_train": 1.0}]
+                out[(cond, m, s)] = {"epochs": rows, "config": {"epochs": 1}, "complete": True, "U": U.tolist(),
+                                     "batch_size": 128, "method_spec": {"eps_convention": "authors"}}
+    return out
+
+
+def test_claim_verdict_rule():
+    from kwng import plotting_cifar as pcf
+
+    holds = pcf.claim_verdict(_fake_claim_results(0.78, 0.7))
+    assert holds["holds"] and holds["a_within"] and holds["b_above_sgd"] and holds["c_small_classes"]
+    assert len(holds["small_classes"]) == 4 and max(holds["U_small"]) <= pcf.SMALL_U
+    assert holds["drops"]["sgd"] == pytest.approx(0.5) and holds["drops"]["kfac"] is None
+    far = pcf.claim_verdict(_fake_claim_results(0.6, 0.7))
+    assert far["a_within"] is False and far["b_above_sgd"] is True and far["holds"] is False
+    small = pcf.claim_verdict(_fake_claim_results(0.78, 0.3))  # small-U classes at 0.3 < 0.5 * 0.8
+    assert small["c_small_classes"] is False and small["holds"] is False
+    assert pcf.claim_verdict({})["holds"] is None
+    fig = pcf.fig_per_class_vs_U(_fake_claim_results(0.78, 0.7))
+    fig2 = pcf.fig_kwng_diagnostics(_fake_claim_results(0.78, 0.7))
+    assert fig.axes[0].get_xscale() == "log" and len(fig2.axes) == 6
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
