@@ -100,7 +100,8 @@ def authors_eps(eps: float, batch_size: int) -> float:
 _KWNG = {"precond": "kwng", "num_basis": 5, "damping": "T_tilde", "kernel": "gaussian", "diagonal_only": False,
          "estimator_input": "scaled", "eps_convention": "authors"}
 # the KWNG of the earlier 6-epoch study: samples before U, ε0 = 1e-5 in our convention
-_KWNG6 = {**_KWNG, "estimator_input": "logits", "eps_convention": "ours"}
+# (no "eps_convention" key: "ours" is the default, and the committed records predate the key)
+_KWNG6 = {k: v for k, v in {**_KWNG, "estimator_input": "logits"}.items() if k != "eps_convention"}
 METHODS: dict[str, dict[str, Any]] = {
     # the claim suite
     "sgd": {"optimizer": "sgd"},
@@ -488,6 +489,11 @@ def _save_checkpoint(path: Path, ck: dict) -> None:
     os.replace(tmp, path)
 
 
+def _past(deadline: float | None) -> bool:
+    """Whether the Unix time ``deadline`` has passed (checked once per batch by :func:`run`)."""
+    return deadline is not None and time.time() > deadline
+
+
 # --------------------------------------------------------------------------------------------- run
 def run(cfg: RunConfig | dict, progress: bool = True, force: bool = False) -> dict:
     """Train one configuration to completion (or to ``stop_after_epoch`` / ``max_steps`` / ``deadline``),
@@ -584,7 +590,7 @@ def run(cfg: RunConfig | dict, progress: bool = True, force: bool = False) -> di
         for b, (z, yb) in enumerate(train.batches(cfg.batch, data_gen)):
             if b < skip:
                 continue
-            if cfg["deadline"] is not None and time.time() > cfg["deadline"]:
+            if _past(cfg["deadline"]):
                 stopped = "deadline"
                 break
             loss, outputs, info, frac = _train_step(cfg, model, optimizer, precond, z, yb, share)
@@ -828,7 +834,11 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
 
 def _is_complete(job: dict) -> bool:
     mp = run_dir_for(RunConfig(**{k: v for k, v in job.items() if k != "slot"})) / "metrics.json"
-    return mp.is_file() and bool(read_json(mp).get("complete"))
+    try:
+        return mp.is_file() and bool(read_json(mp).get("complete"))
+    except ValueError as err:  # an unreadable record: its worker reports the failure, the rest go on
+        log.warning("%s", err)
+        return False
 
 
 def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | None, plan_file: Path,
