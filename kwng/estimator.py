@@ -152,16 +152,15 @@ def jacobian_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], C: to
     return torch.stack(rows)
 
 
-DAMPING_FLOOR = 1e-12  # relative: entries of D below this fraction of the largest are floored
+DAMPING_FLOOR = 1e-12  # relative: columns below this fraction of the largest are degenerate
 
 
 def _floored_norms(src: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Column norms of ``src`` raised to ``floor · max`` (no host sync): ``(D, floored, zero)``.
 
-    The floor is *relative*, so it never sets the scale of a column that the samples resolve:
-    a column whose norm is a millionth of the largest (a last-layer row behind a logit scaled by
-    ``U_k = 1e-6``, say) keeps its own norm, and only columns that are numerically zero are floored.
-    ``zero`` marks exactly-zero columns: parameters the samples do not depend on.
+    The floor is *relative* (a fraction of the largest norm), and the columns below it are
+    treated by :func:`loss_only_columns`, so the floor value never sets a component of the
+    direction. ``zero`` marks exactly-zero columns: parameters the samples do not depend on.
     """
     norms = (src * src).sum(0).sqrt()  # an einsum here becomes q tiny gemv calls
     low = floor * norms.max()
@@ -188,18 +187,20 @@ def damping_vector(kind: str, T: torch.Tensor, T_tilde: torch.Tensor | None = No
     return D.to(T.dtype), n_low
 
 
-def loss_only_columns(direction: torch.Tensor, grad: torch.Tensor, zero: torch.Tensor
+def loss_only_columns(direction: torch.Tensor, grad: torch.Tensor, degenerate: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Treatment of parameters that move the loss but not the samples (a zero column of ``T``).
+    """Treatment of the columns where the estimated metric is degenerate: parameters that move the
+    loss but not the samples (a zero column of ``T``), and columns whose norm is below the relative
+    floor (:data:`DAMPING_FLOOR` of the largest).
 
-    The Wasserstein metric does not see such a parameter: its natural-gradient component is
-    unbounded, and ``(D⁻¹ g)_i / ε`` with a floored ``D_i`` would only reflect the floor. Its
-    component is instead the Euclidean gradient scaled like the rest of the direction,
-    ``ĝ_i = g_i · ‖ĝ_rest‖ / ‖g_rest‖``. Returns the direction and how many such components there
-    are (0-dim tensor; parameters with zero column *and* zero gradient are not counted).
+    There the natural-gradient component is unbounded, and ``(D⁻¹ g)_i / ε`` with a floored ``D_i``
+    would be set by the floor constant, not by the data. The component is instead the Euclidean
+    gradient scaled like the rest of the direction, ``ĝ_i = g_i · ‖ĝ_rest‖ / ‖g_rest‖``, so no
+    constant can dominate the update. Returns the direction and how many components were replaced
+    (0-dim tensor; components with a zero gradient are left at zero).
     """
-    hit = zero & (grad != 0)
-    rest = ~zero
+    hit = degenerate & (grad != 0)
+    rest = ~degenerate
     ratio = torch.linalg.vector_norm(torch.where(rest, direction, 0)) / \
         torch.linalg.vector_norm(torch.where(rest, grad, 0)).clamp(min=torch.finfo(grad.dtype).tiny)
     return torch.where(hit, grad * ratio, direction), hit.sum()
@@ -295,8 +296,8 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
     direction = residual / eps
     n_loss_only, share = 0, 0.0
     if zero is not None:
-        direction, hits = loss_only_columns(direction, grad.to(f64), zero)
-        n_loss_only = int(hits)
+        direction, _ = loss_only_columns(direction, grad.to(f64), low)
+        n_loss_only = int((zero & (grad != 0)).sum())
         share = float(torch.where(low, direction ** 2, 0).sum() / (direction ** 2).sum().clamp(min=1e-300))
         if n_loss_only:
             log.info("%d parameter(s) move the loss but not the samples (zero column of T): their "
@@ -596,7 +597,8 @@ def nystrom_solve_nosync(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, gr
         w = torch.cholesky_solve(v[:, None], LA)[:, 0]
         failed = infoA != 0
         direction = (Dg - Dinv * (Tt.T @ w.to(T.dtype))) / eps64.to(T.dtype)
-    direction, n_loss_only = loss_only_columns(direction, g, zero)
+    direction, _ = loss_only_columns(direction, g, low)
+    n_loss_only = (zero & (g != 0)).sum()
     sq = direction * direction
     share = torch.where(low, sq, 0).sum(dtype=f64) / sq.sum(dtype=f64).clamp(min=torch.finfo(f64).tiny)
     return direction.to(grad.dtype), {"rank": rank, "ill_conditioned": ~ok, "solve_failed": failed,

@@ -35,7 +35,9 @@ Two ways to get ``g`` and ``T`` (``mode``):
   batch (matrix work on one copy only; batch norm per copy, so ``X``, the running statistics and
   the Jacobian are the model's own), the backward pass takes the stacked cotangent
   ``(∂L/∂X, C_1/N, …, C_M/N)``, and every layer forms the ``M + 1`` weight gradients in one call.
-  ``outputs`` must be the tensor the model returned. The ``M × M`` algebra is
+  ``outputs`` must be the tensor the model returned, or computed from it without parameters
+  (e.g. ``U · model(z)`` with a fixed ``U``: the cotangents are pulled back through that map).
+  The ``M × M`` algebra is
   :func:`kwng.nystrom_solve_nosync` and all bookkeeping (ε, r, counters, fallbacks, clipping) stays
   in device tensors: no host synchronisation in a step. A model with parameters outside
   ``Conv2d``/``Linear``/``BatchNorm`` (:func:`kwng.replicate.unsupported_reason`), or a step whose
@@ -106,7 +108,9 @@ class KWNGPreconditioner:
     Arguments (paper symbol in brackets):
 
     * ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q`` numbers). A
-      parameter frozen later (``requires_grad=False``) is left alone from then on.
+      parameter frozen later (``requires_grad=False``) is left alone from then on. In fast mode
+      the replicated forward runs when ``model`` itself is called (``model(z)``); attach the
+      preconditioner to the network that the training loop calls.
     * ``optimizer`` — the ``torch.optim`` optimizer that takes the step; its
       ``param_groups[0]['lr']`` is the step size in the reduction ratio ``r``. Required when
       ``adapt_eps`` is on.
@@ -321,21 +325,45 @@ class KWNGPreconditioner:
             stack.extend(nxt for nxt, _ in fn.next_functions)
         return list(found.values())
 
+    def _derived(self, X: torch.Tensor, X0: torch.Tensor, params: list[torch.Tensor]) -> bool:
+        """Whether ``X`` is computed from ``X0`` without touching any of ``params`` on the way
+        (e.g. ``X = U·X0`` with a fixed ``U``): then its cotangents map to ``X0`` exactly."""
+        wanted = {id(p) for p in params}
+        found, seen, stack = False, set(), [X.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            if fn is X0.grad_fn:
+                found = True
+                continue
+            var = getattr(fn, "variable", None)
+            if var is not None and id(var) in wanted:
+                return False
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+        return found
+
     def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``g`` (``q``) and ``T`` (``M × q``) of the active parameters, from the graph of ``loss``, ``X``."""
         N, M = X.shape[0], C.shape[0]
-        if self._engine is not None and self._engine.owns(X):
-            direct = self._direct_params(loss, X, params)
+        eng = self._engine
+        X0 = None if eng is None else eng.first
+        if X0 is not None and (X is X0 or (X.shape == X0.shape and self._derived(X, X0, params))):
+            direct = self._direct_params(loss, X0, params)
             g_direct = {}
             if direct:  # the loss also depends on parameters directly: one extra backward pass
                 self._warn_once("direct", "KWNG: the loss depends on %d parameter tensor(s) directly (not "
                                 "only through the outputs): one extra backward pass per step", len(direct))
                 grads = torch.autograd.grad(loss, direct, retain_graph=True)
                 g_direct = {id(p): gr for p, gr in zip(direct, grads)}
-            (gX,) = torch.autograd.grad(loss, X, retain_graph=bool(direct))
-            V = torch.cat([gX.detach()[None], (C / N).to(gX.dtype)], 0).reshape(-1, X.shape[1])
-            G = self._engine.backward(V, params)
+            Vc = (C / N).to(X.dtype)
+            if X is not X0:  # samples computed from the model's output: pull the cotangents back to it
+                Vc = torch.autograd.grad(X, X0, Vc, is_grads_batched=True, retain_graph=True)[0]
+            (gX,) = torch.autograd.grad(loss, X0, retain_graph=bool(direct))
+            V = torch.cat([gX.detach()[None], Vc.to(gX.dtype)], 0).reshape(-1, X0.shape[1])
+            G = eng.backward(V, params)
             rows = []
             for p in params:
                 Gp = G.get(id(p))

@@ -170,9 +170,30 @@ def test_unsupported_layers_and_foreign_outputs_use_serial_passes(caplog):
     assert torch.linalg.vector_norm(d_fast - d_ref) <= 1e-4 * torch.linalg.vector_norm(d_ref)
     m2 = kwng.nets.mlp(5, 3)
     pc2 = KWNGPreconditioner(m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1))
-    X = 2.0 * m2(z)  # not the model's own output tensor
+    X = m2(z) * m2[0].bias[:3]  # computed from the output *and* a parameter: not pulled back
     pc2.step(nn.functional.cross_entropy(X, y), X)
     assert pc2.counters()["serial_steps"] == 1
+
+
+def test_outputs_computed_from_the_model_output_without_parameters_stay_on_the_fast_path():
+    """Samples U·h with a fixed U (the ill-conditioned CIFAR network): the cotangents are pulled
+    back through U to the model's output; the direction equals the serial reference."""
+    torch.manual_seed(0)
+    model = _resnet()
+    z, y = _batch(N=12, size=8)
+    z = z.double()
+    U = torch.logspace(-3, 1, 10, dtype=torch.float64)
+    dirs = {}
+    for mode in ("fast", "reference"):
+        m = copy.deepcopy(model)
+        pc = KWNGPreconditioner(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), mode=mode, eps=1e-3,
+                                clip_norm=None, generator=torch.Generator().manual_seed(0))
+        X = m(z) * U
+        pc.step(nn.functional.cross_entropy(X, y), X)
+        dirs[mode] = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+        if mode == "fast":
+            assert pc.counters()["serial_steps"] == 0
+    assert torch.allclose(dirs["fast"], dirs["reference"], rtol=1e-8, atol=1e-10 * float(dirs["reference"].abs().max()))
 
 
 def test_replicated_forward_refuses_dropout():

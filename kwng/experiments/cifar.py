@@ -305,7 +305,12 @@ def _preconditioner(cfg: RunConfig, model: nn.Module, optimizer, U, device):
             raise ValueError(f"method {cfg['method']!r} needs KWNGPreconditioner(lm_rule=...), which this "
                              "version of kwng.precond does not accept")
         kw["lm_rule"] = spec["lm_rule"]
-    return KWNGPreconditioner(model, optimizer=optimizer, num_basis=spec["num_basis"], lam=0.0,
+    # the fast path replicates the forward of the module the loop calls through __call__: the body h
+    # (ConditionedNetwork.forward_both calls it; U·h is then pulled back to it, U has no parameters)
+    from ..nets import ConditionedNetwork
+
+    net = model.body if isinstance(model, ConditionedNetwork) else model
+    return KWNGPreconditioner(net, optimizer=optimizer, num_basis=spec["num_basis"], lam=0.0,
                               kernel=spec["kernel"], bandwidth="mean_sq", sigma0=1.0, damping=spec["damping"],
                               lm_interval=5, lm_omega=0.85, lm_low=0.25, lm_high=0.75, adapt_eps=True,
                               clip_norm=CLIP_NORM, mode="fast", diagonal_only=spec["diagonal_only"], **kw)
