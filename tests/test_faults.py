@@ -317,3 +317,9 @@ def test_truncated_checkpoint_is_named(tmp_path):
     with pytest.raises(Exception) as info:
         cifar.run(_run_cfg(tmp_path), progress=False)
     assert str(ck) in str(info.value)
+    rdir = cifar.run_dir_for(cfg)
+    partial = (rdir / "metrics.json").read_bytes()
+    rec = cifar.run(_run_cfg(tmp_path), progress=False, force=True)  # restarts; the old files kept aside
+    assert rec["complete"]
+    assert [b.read_bytes() for b in ck.parent.glob("checkpoint.pt.backup-*")] == [blob[: len(blob) // 2]]
+    assert [(b / "metrics.json").read_bytes() for b in rdir.parent.glob("seed0.backup-*")] == [partial]

@@ -309,9 +309,8 @@ def run(cfg: RunConfig | dict, progress: bool = True, force: bool = False) -> di
               "diverged": False, "train_size": len(train), "eval_size": len(test),
               "eval_split": "validation (held out of train)" if cfg["val_size"] else "test"}
     start_epoch, steps, time_train = 0, 0, 0.0
-    if ckpt_path.is_file():
-        ck = guard.load_checkpoint(ckpt_path, map_location=device)
-        guard.check_run_record(ckpt_path, guard.record_identity(ck["record"]), identity)
+    ck = guard.resume_checkpoint(ckpt_path, identity, device, force, rdir)
+    if ck is not None:
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["scheduler"])
