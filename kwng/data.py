@@ -52,8 +52,11 @@ _JPEG_NAME = {"cifar10": "cifar10_jpeg.npz", "cifar100": "cifar100_jpeg.npz"}
 
 # ----------------------------------------------------------------------------------- official format
 def _unpickle(path: Path) -> dict:
-    with open(path, "rb") as fh:
-        return pickle.load(fh, encoding="bytes")
+    try:
+        with open(path, "rb") as fh:
+            return pickle.load(fh, encoding="bytes")
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: not a readable CIFAR archive file ({type(exc).__name__}: {exc})") from exc
 
 
 def _get(d: dict, key: str):

@@ -118,6 +118,20 @@ def test_cifar_run_same_configuration_without_checkpoint_is_refused(tmp_path):
     assert _snapshot(dst) == before
 
 
+def test_schedule_never_replaces_a_different_file(tmp_path):
+    """``cifar schedule`` (and ``timing``, ``select``) refuse to replace a different output file."""
+    out = tmp_path / "schedule.json"
+    shutil.copy(RESULTS / "cifar" / "schedule.json", out)
+    before = out.read_bytes()
+    timing_file = str(RESULTS / "cifar" / "timing" / "timing.json")
+    with pytest.raises(ValueError, match="differing keys: .*budget_s"):
+        cifar.main(["schedule", "--budget-s", "123", "--timing", timing_file, "--out", str(out)])
+    assert out.read_bytes() == before
+    assert cifar.main(["schedule", "--budget-s", "123", "--timing", timing_file, "--out", str(out), "--force"]) == 0
+    assert json.loads(out.read_text())["budget_s"] == 123
+    assert [b.read_bytes() for b in tmp_path.glob("schedule.json.backup-*")] == [before]
+
+
 # ------------------------------------------------------------------ 2. reruns compare the settings
 def test_resume_with_another_lr_is_refused(tmp_path):
     cifar.run(_run_cfg(tmp_path, stop_after_epoch=1), progress=False)
@@ -303,3 +317,9 @@ def test_truncated_checkpoint_is_named(tmp_path):
     with pytest.raises(Exception) as info:
         cifar.run(_run_cfg(tmp_path), progress=False)
     assert str(ck) in str(info.value)
+    rdir = cifar.run_dir_for(cfg)
+    partial = (rdir / "metrics.json").read_bytes()
+    rec = cifar.run(_run_cfg(tmp_path), progress=False, force=True)  # restarts; the old files kept aside
+    assert rec["complete"]
+    assert [b.read_bytes() for b in ck.parent.glob("checkpoint.pt.backup-*")] == [blob[: len(blob) // 2]]
+    assert [(b / "metrics.json").read_bytes() for b in rdir.parent.glob("seed0.backup-*")] == [partial]

@@ -551,9 +551,8 @@ def run(cfg: RunConfig | dict, progress: bool = True, force: bool = False) -> di
     if precond is not None and hasattr(precond, "hyperparameters"):
         record["precond"] = {k: v for k, v in precond.hyperparameters().items() if isinstance(v, (int, float, str))}
     start_epoch, steps, time_train, partial = 0, 0, 0.0, None
-    if ckpt_path.is_file():
-        ck = guard.load_checkpoint(ckpt_path, map_location=device)
-        guard.check_run_record(ckpt_path, guard.record_identity(ck["record"]), identity)
+    ck = guard.resume_checkpoint(ckpt_path, identity, device, force, rdir)
+    if ck is not None:
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["scheduler"])

@@ -26,7 +26,8 @@ from typing import Any
 from ..provenance import ResultFileError, atomic_write_json, read_json
 
 __all__ = ["ConfigMismatchError", "ResultFileError", "diff_keys", "backup", "prepare_result_dir",
-           "write_json_guarded", "read_csv_checked", "load_checkpoint", "check_run_record", "SweepFailure"]
+           "write_json_guarded", "read_csv_checked", "load_checkpoint", "check_run_record", "check_existing_run",
+           "resume_checkpoint", "run_identity", "record_identity", "RUN_IDENTITY_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,6 @@ FORCE_HINT = "use another --out, or --force to move the old results to a dated b
 
 class ConfigMismatchError(ValueError):
     """Results of another configuration are where this command would write."""
-
-
-class SweepFailure(RuntimeError):
-    """Some runs of a sweep failed (the others were completed)."""
 
 
 def _normal(obj: Any) -> Any:
@@ -314,3 +311,27 @@ def check_existing_run(rdir: str | os.PathLike, ckpt_path: str | os.PathLike, id
             raise ConfigMismatchError(f"{msg}; {FORCE_HINT}")
         move_away(msg)
     return None
+
+
+def resume_checkpoint(ckpt_path: str | os.PathLike, identity: dict, map_location: Any = None,
+                      force: bool = False, rdir: str | os.PathLike | None = None) -> dict | None:
+    """The checkpoint of a CIFAR run to resume from, or ``None`` (no checkpoint: start afresh).
+
+    A checkpoint that cannot be read, or that was written with another identity, raises (naming the
+    file and the differing keys) unless ``force``, which moves it (and the run directory ``rdir``, whose
+    record the fresh start would overwrite) to a dated backup and returns ``None``."""
+    ckpt_path = Path(ckpt_path)
+    if not ckpt_path.is_file():
+        return None
+    try:
+        ck = load_checkpoint(ckpt_path, map_location)
+        check_run_record(ckpt_path, record_identity(ck.get("record", {})), identity, force=False)
+    except (ResultFileError, ConfigMismatchError) as exc:
+        if not force:
+            raise
+        log.warning("%s; --force: moving it to a backup", exc)
+        backup(ckpt_path)
+        if rdir is not None and Path(rdir).exists():
+            backup(rdir)
+        return None
+    return ck
