@@ -15,7 +15,8 @@
 # $OUT/cifar_claim.tar.gz (extract it in the repository root: it holds results/cifar/claim/...).
 # Runs stop at the deadline in the middle of an epoch and resume there exactly in the next call.
 #
-# Knobs: GPUS (GPUs of the machine), PROCS (workers per GPU for the claim suite; >= runs/GPUS keeps
+# Knobs: METHODS (comma list: only these methods, e.g. METHODS=sgd,adam,kwng for the core of the
+# suite when the GPU budget is short; a later call with more methods adds the rest), GPUS (GPUs of the machine), PROCS (workers per GPU for the claim suite; >= runs/GPUS keeps
 # every run going at once), SEL_PROCS (workers per GPU for the selection), LIMIT (seconds this call
 # may take before it must be tarring), EPOCHS (claim suite; fixed before its first run: the schedule
 # depends on it; "auto": from the measured step times and CLAIM_BUDGET_S, the wall-clock seconds
@@ -41,6 +42,8 @@ SELECT_SUBSET=${SELECT_SUBSET:-}
 TIMING=${TIMING:-1}
 DATA=${DATA:-.data/cifar10_jpeg.npz}
 SETARG=(); for kv in ${SET:-}; do SETARG+=(--set "$kv"); done
+METHODS=${METHODS:-}             # comma list: run only these methods' part of both plans (a suite in parts)
+MARG=(); [ -n "$METHODS" ] && MARG=(--methods "$METHODS")
 SELSET=("${SETARG[@]}"); for kv in ${SEL_SET:-}; do SELSET+=(--set "$kv"); done
 PY=${PY:-python}
 KEEP=checkpoints/keep            # persists between calls (ignored by git, not replaced by the sync)
@@ -83,7 +86,8 @@ plan_done() {  # prints 1 if every run of plan $1 is complete
   $PY -c "
 from kwng.experiments import cifar
 p = cifar.build_plan('$1', epochs=1, select_epochs=$SELECT_EPOCHS, data_root='$ROOT',
-                     select_subset=${SELECT_SUBSET:-None}, select_val=5000)
+                     select_subset=${SELECT_SUBSET:-None}, select_val=5000,
+                     methods='$METHODS'.split(',') if '$METHODS' else None)
 print(int(all(cifar._is_complete(j) for j in p)))"
 }
 filter() { grep -E "epoch [0-9]+:|deadline|ERROR|Error|Traceback|sweep" | tee -a "$LOG" | tail -${1:-30}; }
@@ -91,7 +95,7 @@ filter() { grep -E "epoch [0-9]+:|deadline|ERROR|Error|Traceback|sweep" | tee -a
 # ---- timing of each method alone (first call only)
 TIMING_FILE=results/cifar/claim/timing/timing.json
 if [ "$TIMING" = 1 ] && [ ! -f "$TIMING_FILE" ]; then
-  CUDA_VISIBLE_DEVICES=0 $PY -m kwng.experiments cifar timing --methods claim --steps "${TIMING_STEPS:-100}" \
+  CUDA_VISIBLE_DEVICES=0 $PY -m kwng.experiments cifar timing --methods "${METHODS:-claim}" --steps "${TIMING_STEPS:-100}" \
       --warmup 10 --out "$TIMING_FILE" ${TIMING_MODEL:+--model "$TIMING_MODEL"} 2>&1 | grep -E "timing|Error" | tee -a "$LOG"
 fi
 TARG=(); [ -f "$TIMING_FILE" ] && TARG=(--timing "$TIMING_FILE")
@@ -100,7 +104,7 @@ TARG=(); [ -f "$TIMING_FILE" ] && TARG=(--timing "$TIMING_FILE")
 SUBARG=(); [ -n "$SELECT_SUBSET" ] && SUBARG=(--select-subset "$SELECT_SUBSET")
 if [ "$(plan_done claim_select)" != 1 ] && [ "$(left)" -gt 60 ]; then
   say "selection: starting (deadline in $(( $(left) - 30 ))s)"
-  $PY -m kwng.experiments cifar sweep --plan claim_select --select-epochs "$SELECT_EPOCHS" "${SUBARG[@]}" \
+  $PY -m kwng.experiments cifar sweep --plan claim_select --select-epochs "$SELECT_EPOCHS" "${SUBARG[@]}" "${MARG[@]}" \
       --gpus "$GPUS" --procs-per-gpu "$SEL_PROCS" --data-root "$ROOT" "${TARG[@]}" "${SELSET[@]}" \
       --deadline-s $(( $(left) - 30 )) 2>&1 | filter 20
 fi
@@ -122,7 +126,7 @@ if [ "$EPOCHS" = auto ]; then  # fixed once, before the first claim run: from th
 fi
 if [ "$(left)" -gt 60 ]; then
   say "claim suite: $EPOCHS epochs (deadline in $(( $(left) - 30 ))s)"
-  $PY -m kwng.experiments cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$PROCS" \
+  $PY -m kwng.experiments cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$PROCS" "${MARG[@]}" \
       --data-root "$ROOT" "${TARG[@]}" "${SETARG[@]}" --deadline-s $(( $(left) - 30 )) 2>&1 | filter 40
 fi
 if $PY -m kwng.experiments cifar check --suite claim --min-epochs "$EPOCHS" 2>&1 | tee -a "$LOG"; then

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -723,8 +723,9 @@ def assign_slots(plan: list[dict], gpus: int, procs_per_gpu: int, timing: dict |
 
 def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6, select_steps: int = 120,
                select_subset: int | None = 10_000, select_val: int = 2_000, data_root: str | None = None,
-               select_epochs: int = 2, with_ablations: bool | None = None) -> list[dict]:
-    """Run lists.
+               select_epochs: int = 2, with_ablations: bool | None = None,
+               methods: Sequence[str] | None = None) -> list[dict]:
+    """Run lists (only the runs of ``methods``, when given: a suite run in parts).
 
     * ``claim_select``: every method of :data:`CLAIM_METHODS` × {ill, well} × :data:`LR_GRID`, each
       ``select_epochs`` epochs at a constant step on the training set minus ``select_val`` held-out
@@ -741,6 +742,13 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6, select_step
       methods in both conditionings, the ablations (ill only).
     * a path to a JSON list of run settings.
     """
+    if methods is not None:
+        unknown = sorted(set(methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"methods must be names from {sorted(METHODS)}, got {unknown}")
+        keep = set(methods)
+        return [j for j in build_plan(name, dataset, epochs, select_steps, select_subset, select_val, data_root,
+                                      select_epochs, with_ablations) if j["method"] in keep]
     common = {"dataset": dataset, "data_root": data_root}
     if name == "claim_select":
         jobs = []
@@ -1162,6 +1170,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="claim_select: training images per run (default: all but the held-out ones)")
         p.add_argument("--select-val", type=int, default=5_000, help="claim_select: held-out images")
         p.add_argument("--timing", default=None, help="a timing file (`cifar timing`) to balance the GPUs")
+        p.add_argument("--methods", default=None, help="comma list: only these methods' runs of the plan")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a run setting in every run of the plan (e.g. model=tiny for a CPU "
                             "smoke test); VALUE is read as JSON if it parses, else as a string")
@@ -1179,11 +1188,14 @@ def main(argv: list[str] | None = None) -> int:
         if epochs == "auto":
             sched = CLAIM / "schedule.json" if a.plan == "claim" else RESULTS / "schedule.json"
             epochs = int(read_json(sched)["epochs"])
+        only = a.methods.split(",") if a.methods else None
         if a.plan == "claim_select":
             plan = build_plan(a.plan, a.dataset, int(epochs), select_subset=a.select_subset,
-                              select_val=a.select_val, data_root=a.data_root, select_epochs=a.select_epochs)
+                              select_val=a.select_val, data_root=a.data_root, select_epochs=a.select_epochs,
+                              methods=only)
         else:
-            plan = build_plan(a.plan, a.dataset, int(epochs), select_steps=a.select_steps, data_root=a.data_root)
+            plan = build_plan(a.plan, a.dataset, int(epochs), select_steps=a.select_steps, data_root=a.data_root,
+                              methods=only)
         plan = [{**j, **_overrides(a.set)} for j in plan]
         plan_file = CHECKPOINTS / "plans" / f"{Path(a.plan).stem}.json"
         timing_rec = read_json(a.timing)["methods"] if a.timing else None
