@@ -56,8 +56,9 @@ from ..models import NormalModel, make_model
 from ..provenance import atomic_write_json, atomic_write_text, make_provenance, read_json
 from .synthetic import draw_theta, normal_w2_and_grad
 
-__all__ = ["MODELS", "SWEEP_COLUMNS", "compare_once", "FLOW_METHODS", "LOSSES", "sweep_config", "flow_config",
-           "run_sweep", "run_flow", "load_sweep", "load_flow", "normal_kl_and_grad", "main"]
+__all__ = ["MODELS", "SWEEP_COLUMNS", "compare_once", "metric_vs_lambda", "FLOW_METHODS", "LOSSES",
+           "sweep_config", "flow_config", "run_sweep", "run_flow", "load_sweep", "load_flow",
+           "normal_kl_and_grad", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,32 @@ def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
                err_fng_lam=_relerr(fl.direction, exact),
                gf_exact_max=float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max()))
     return row
+
+
+def metric_vs_lambda(model_name: str, d: int, N: int, M: int, lams: list[float], cfg: dict,
+                     run: int = 0) -> list[float]:
+    """Largest eigenvalue of the kernel Fisher metric ``Ĝ_F(λ) = Tᵀ(CCᵀ/N + λK)†T`` for each
+    ``λ`` in ``lams``, on the samples and basis of run ``run`` of the sweep point ``(d, N, M)``
+    (``T`` reparametrised). Where the Fisher metric exists it converges as ``λ → 0``; on the
+    sphere it grows like ``1/λ`` until the float64 truncation of the pseudo-inverse stops it."""
+    if model_name not in MODELS:
+        raise ValueError(f"model_name must be one of {list(MODELS)}, got {model_name!r}")
+    if not lams or any(float(v) < 0 for v in lams):
+        raise ValueError(f"lams must be a non-empty list of numbers in [0, inf), got {lams!r}")
+    p = {"panel": "N", "d": d, "N": N, "M": M}
+    model = make_model(model_name, d)
+    g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, run))
+    theta = draw_theta(model_name, d, g, cfg["theta_variance"])
+    gz = torch.Generator().manual_seed(_seed(cfg["seed"], _key(model_name, p), run))
+    Z = model.sample_latent(N, gz)
+    idx, _ = draw_basis(N, d, M, gz)
+    sampler = lambda t: model.sample(t, Z)  # noqa: E731
+    sigma, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"][model_name])
+    X = sampler(theta).detach()
+    kernel = _bandwidth_for(GaussianKernel(1.0 if sigma is None else sigma), X, idx, rule, sigma0)
+    C, K, CCt, Gx = fisher_kernel_matrices(X, idx, kernel)
+    T = jacobian_from_sampler(sampler, theta, Gx)
+    return [float(torch.linalg.eigvalsh(kernel_fisher_metric(T, CCt, K, N, lam=float(v))).max()) for v in lams]
 
 
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
