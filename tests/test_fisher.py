@@ -193,6 +193,19 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
     with pytest.raises(SystemExit, match="another configuration"):
         E.run_sweep(other, tmp_path, progress=False)
     assert (tmp_path / "sweep.csv").read_text() == before
+    # the figures and the table read these rows
+    import matplotlib.pyplot as plt
+
+    from kwng import plotting_fisher as P
+
+    for fig in (P.plot_fisher_relerr(rows, models=("normal",)), P.plot_fisher_sphere(rows)):
+        assert len(fig.axes) >= 2
+        plt.close(fig)
+    table = {r["model"]: r for r in P.comparison_table(rows, 200)}
+    assert np.isnan(table["sphere"]["err_fng"]) and np.isfinite(table["normal"]["err_fng"])
+    assert table["sphere"]["gf_max"] > table["normal"]["gf_max"]
+    with pytest.raises(ValueError, match="column"):
+        P.median_by(rows, "no_such_column", ("N",))
 
 
 def test_flow_all_methods_decrease_the_loss(tmp_path):
