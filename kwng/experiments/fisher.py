@@ -214,11 +214,12 @@ def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
 
 
 def metric_vs_lambda(model_name: str, d: int, N: int, M: int, lams: list[float], cfg: dict,
-                     run: int = 0) -> list[float]:
+                     run: int = 0) -> tuple[list[float], float]:
     """Largest eigenvalue of the kernel Fisher metric ``Ĝ_F(λ) = Tᵀ(CCᵀ/N + λK)†T`` for each
     ``λ`` in ``lams``, on the samples and basis of run ``run`` of the sweep point ``(d, N, M)``
-    (``T`` reparametrised). Where the Fisher metric exists it converges as ``λ → 0``; on the
-    sphere it grows like ``1/λ`` until the float64 truncation of the pseudo-inverse stops it."""
+    (``T`` reparametrised), and the largest eigenvalue of the exact ``G_F`` (NaN on the sphere).
+    Where the Fisher metric exists ``Ĝ_F`` converges as ``λ → 0``; on the sphere it grows like
+    ``1/λ`` until the float64 truncation of the pseudo-inverse stops it."""
     if model_name not in MODELS:
         raise ValueError(f"model_name must be one of {list(MODELS)}, got {model_name!r}")
     if not lams or any(float(v) < 0 for v in lams):
@@ -236,7 +237,9 @@ def metric_vs_lambda(model_name: str, d: int, N: int, M: int, lams: list[float],
     kernel = _bandwidth_for(GaussianKernel(1.0 if sigma is None else sigma), X, idx, rule, sigma0)
     C, K, CCt, Gx = fisher_kernel_matrices(X, idx, kernel)
     T = jacobian_from_sampler(sampler, theta, Gx)
-    return [float(torch.linalg.eigvalsh(kernel_fisher_metric(T, CCt, K, N, lam=float(v))).max()) for v in lams]
+    values = [float(torch.linalg.eigvalsh(kernel_fisher_metric(T, CCt, K, N, lam=float(v))).max()) for v in lams]
+    exact = math.nan if model_name == "sphere" else float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max())
+    return values, exact
 
 
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
