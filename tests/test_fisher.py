@@ -187,8 +187,10 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
     for key in ("command", "config", "git_commit", "device", "date", "seeds", "wall_time_s"):
         assert key in prov
     before = (tmp_path / "sweep.csv").read_text()
+    prov_before = (tmp_path / "fisher-sweep.provenance.json").read_text()
     E.run_sweep(cfg, tmp_path, progress=False)  # resume: nothing to do, nothing changed
     assert (tmp_path / "sweep.csv").read_text() == before
+    assert (tmp_path / "fisher-sweep.provenance.json").read_text() == prov_before
     other = dict(cfg, runs=3)
     with pytest.raises(SystemExit, match="another configuration"):
         E.run_sweep(other, tmp_path, progress=False)

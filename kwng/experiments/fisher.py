@@ -288,6 +288,9 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True) -> dict:
     todo = [(m, p) for m in cfg["models"] for p in _points(cfg) if done.get(_key(m, p), 0) < cfg["runs"]]
     partial = {_key(m, p) for m, p in todo}
     rows = [r for r in rows if _key(r["model"], r) not in partial]
+    if not todo and prev:
+        log.info("sweep already complete in %s", out)
+        return prev
     t0 = time.perf_counter()
     for m, p in tqdm(todo, desc="fisher sweep", disable=not progress):
         rows.extend(compare_once(m, p, r, cfg) for r in range(cfg["runs"]))
@@ -355,7 +358,9 @@ def run_flow(cfg: dict, out: str | Path, progress: bool = True) -> dict:
     """Natural-gradient descent ``θ ← θ - γ · direction`` toward the target for every loss and
     method of ``cfg`` (:func:`flow_config`); writes ``out/flow.csv`` (loss, method, iteration,
     value) and the provenance. A method whose loss becomes non-finite or exceeds
-    ``divergence_factor`` times the initial loss is stopped and recorded as NaN from then on."""
+    ``divergence_factor`` times the initial loss is stopped and recorded as NaN from then on.
+    A complete flow in ``out`` is left as it is; an interrupted one (no ``flow.csv`` yet, about
+    20 s of work at full scale) is redone whole."""
     from tqdm.auto import tqdm
 
     if cfg.get("experiment") != "fisher-flow":
