@@ -84,3 +84,16 @@ def relative_error(estimate, exact) -> float:
     if nx == 0:
         raise ValueError("exact must be non-zero for a relative error")
     return float(torch.linalg.vector_norm(e - x)) / nx
+
+# Beyond the paper: the same kernel estimator on the Fisher–Rao dual (kwng.fisher).
+from .fisher import (  # noqa: E402
+    FISHER_JACOBIANS,
+    fisher_matrix,
+    fisher_matrix_mc,
+    fisher_natural_gradient,
+    kernel_fisher_metric,
+    kfng_gradient,
+)
+
+__all__ += ["FISHER_JACOBIANS", "kfng_gradient", "kernel_fisher_metric", "fisher_matrix",
+            "fisher_natural_gradient", "fisher_matrix_mc"]

@@ -11,4 +11,5 @@ EXPERIMENTS: dict[str, str] = {
     "bandwidth": "kwng.experiments.synthetic",
     "flow": "kwng.experiments.synthetic",
     "cifar": "kwng.experiments.cifar",
+    "fisher": "kwng.experiments.fisher",
 }
