@@ -129,7 +129,8 @@ if [ "$(left)" -gt 60 ]; then
   $PY -m kwng.experiments cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$PROCS" "${MARG[@]}" \
       --data-root "$ROOT" "${TARG[@]}" "${SETARG[@]}" --deadline-s $(( $(left) - 30 )) 2>&1 | filter 40
 fi
-if $PY -m kwng.experiments cifar check --suite claim --min-epochs "$EPOCHS" 2>&1 | tee -a "$LOG"; then
+$PY -m kwng.experiments cifar check --suite claim --min-epochs "$EPOCHS" 2>&1 | tee -a "$LOG"
+if [ "${PIPESTATUS[0]}" = 0 ]; then  # the check's own status, not tee's
   say "claim suite complete"
 else
   say "claim suite not complete yet: run this command again"
