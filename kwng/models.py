@@ -157,6 +157,19 @@ class NormalModel(ImplicitModel):
         rows, cols = torch.tril_indices(self.d, self.d)
         return torch.cat([mu.reshape(-1), L[rows, cols]])
 
+    def params_near_identity(self, generator: torch.Generator | None = None,
+                             variance: float = 0.1,
+                             dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``θ = (μ, vech(I + E))`` with ``μ`` and ``E`` drawn as in :meth:`random_params`.
+
+        The paper's draw ``θ ~ N(0, variance · I_q)`` puts ``L`` near zero, where ``Σ = LLᵀ``
+        is close to singular and finite differences or Lyapunov solves lose accuracy; adding
+        the identity to ``L`` keeps ``Σ`` well conditioned (the recipe the chapters and tests
+        use for a "generic" normal model).
+        """
+        mu, L = self.split(self.random_params(generator, variance, dtype))
+        return self.join(mu, L + torch.eye(self.d, dtype=L.dtype))
+
     def covariance(self, theta: torch.Tensor) -> np.ndarray:
         _, L = self.split(theta)
         L = _np(L)
