@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from pathlib import Path
 
 from sphinx.util import logging
 
@@ -132,7 +133,41 @@ def _process_docstring(app, what, name, obj, options, lines):
         LOG.info("kwng_book: re-aligned a simple table in the docstring of %s", name)
 
 
+_INLINE_SCRIPT = re.compile(r"^\s*<script>.*</script>\s*$")
+
+
+def dedupe_inline_scripts(html: str) -> str:
+    """Drop repeated identical one-line inline ``<script>`` tags from a page's head.
+
+    sphinx-thebe and sphinx-togglebutton register their inline configuration again when the
+    theme re-hashes the page assets, and a second ``const THEBE_JS_URL = ...`` is a JavaScript
+    error in the browser. Only exact repeats of one-line inline scripts are removed.
+    """
+    head_end = html.find("</head>")
+    if head_end < 0:
+        return html
+    seen, out = set(), []
+    for line in html[:head_end].splitlines(keepends=True):
+        if _INLINE_SCRIPT.match(line):
+            if line.strip() in seen:
+                continue
+            seen.add(line.strip())
+        out.append(line)
+    return "".join(out) + html[head_end:]
+
+
+def _dedupe_pages(app, exception):
+    if exception is not None or app.builder.format != "html":
+        return
+    for path in Path(app.outdir).rglob("*.html"):
+        text = path.read_text(encoding="utf-8")
+        new = dedupe_inline_scripts(text)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+
+
 def setup(app):
+    app.connect("build-finished", _dedupe_pages)
     app.connect("missing-reference", _missing_reference)
     app.connect("autodoc-process-docstring", _process_docstring)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
