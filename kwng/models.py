@@ -179,8 +179,9 @@ class NormalModel(ImplicitModel):
         mu, L = self.split(theta)
         return mu + Z.to(theta.dtype) @ L.T
 
-    def _jacobian_s_l(self, L: np.ndarray) -> np.ndarray:
-        """``J = ∂ tril(LLᵀ) / ∂ vech(L)``, square of size ``d(d+1)/2``."""
+    def jacobian_s_l(self, L: np.ndarray) -> np.ndarray:
+        """``J = ∂ tril(LLᵀ) / ∂ vech(L)``, square of size ``d(d+1)/2``: carries gradients
+        between our coordinates ``(μ, vech L)`` and the paper's ``(μ, tril Σ)``."""
         il = self._il
         n = len(il[0])
         J = np.zeros((n, n))
@@ -215,7 +216,7 @@ class NormalModel(ImplicitModel):
         L = _np(L)
         g = _np(grad)
         d = self.d
-        J = self._jacobian_s_l(L)
+        J = self.jacobian_s_l(L)
         g_s = np.linalg.solve(J.T, g[d:])  # ∇_s L from ∇_L L by the chain rule
         nat_mu, nat_s = normal_wng_sigma_coords(L @ L.T, g[:d], g_s)
         nat_l = np.linalg.solve(J, nat_s)

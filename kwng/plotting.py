@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["summarise", "plot_relerr", "plot_bandwidth", "plot_flow", "dim_colors"]
+__all__ = ["summarise", "plot_relerr", "plot_bandwidth", "plot_flow", "flow_styles", "dim_colors"]
 
 
 def dim_colors(dims: Sequence[int]) -> dict[int, tuple]:
@@ -114,26 +114,90 @@ def plot_bandwidth(rows_by_model: dict[str, Sequence[dict]], stat: str = "mean")
     return fig
 
 
-def plot_flow(flow: dict):
-    """Fig. 2: (a) W2² loss per iteration, (b) trajectories on the two leading PCA directions of
-    the WNG trajectory. ``flow`` is the output of :func:`~kwng.experiments.synthetic.load_flow`."""
+_FLOW_STYLES = {
+    "wng": dict(color="k", ls="-", label="WNG (exact)"),
+    "kwng": dict(color="tab:red", ls="--", marker="o", ms=3, label="KWNG"),
+    "eg": dict(color="tab:blue", ls=":", lw=2, label="EG"),
+}
+_EXTRA_STYLES = [
+    dict(color="tab:orange", ls="-.", marker="s", ms=3),
+    dict(color="tab:green", ls=(0, (5, 1)), marker="^", ms=3),
+    dict(color="tab:purple", ls=(0, (1, 1)), marker="v", ms=3),
+    dict(color="tab:brown", ls=(0, (3, 1, 1, 1)), marker="D", ms=3),
+]
+
+
+def flow_styles(methods: Sequence[str]) -> dict[str, dict]:
+    """A distinct colour, line style and marker for every method of a flow figure."""
+    styles, extra = {}, iter(_EXTRA_STYLES)
+    for m in methods:
+        if m in _FLOW_STYLES:
+            styles[m] = dict(_FLOW_STYLES[m])
+        else:
+            try:
+                styles[m] = dict(next(extra), label=m.upper().replace("_", " "))
+            except StopIteration:
+                raise ValueError(f"at most {len(_EXTRA_STYLES)} extra methods, got "
+                                 f"{list(methods)}") from None
+        styles[m].setdefault("lw", 1.5)
+    return styles
+
+
+def plot_flow(flow: dict, floor: float = 1e-12, markevery: int = 20):
+    """Fig. 2: (a) W2² loss per iteration, (b) trajectories on the two leading PCA directions
+    of the WNG trajectory. ``flow`` is the output of
+    :func:`~kwng.experiments.synthetic.load_flow`.
+
+    Losses below ``floor`` are drawn at the floor (dotted line): below it the computed
+    W2² is round-off, and may even be negative. A run whose loss stops being finite is
+    drawn up to its last finite iterate, marked with a cross and labelled "diverged";
+    panel (b) takes its limits from the runs that stayed finite, so a diverged run leaves
+    the frame instead of shrinking the others to a dot.
+    """
     import matplotlib.pyplot as plt
 
     if "loss" not in flow or "pca" not in flow:
         raise ValueError("flow must hold 'loss' and 'pca' (see load_flow)")
-    style = {"wng": ("k", "-", "WNG"), "eg": ("tab:blue", "-", "EG"), "kwng": ("tab:red", "--", "KWNG")}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    if not floor > 0:
+        raise ValueError(f"floor must be > 0, got {floor}")
+    if markevery < 1:
+        raise ValueError(f"markevery must be >= 1, got {markevery}")
+    styles = flow_styles(list(flow["loss"]))
+    fig, (ax_l, ax_p) = plt.subplots(1, 2, figsize=(9, 3.8))
+    box = []
     for m, loss in flow["loss"].items():
-        c, ls, lab = style.get(m, ("tab:orange", ":", m.upper().replace("_", " ")))
-        axes[0].semilogy(np.arange(len(loss)), loss, ls, color=c, label=lab)
-        P = flow["pca"][m]
-        axes[1].plot(P[:, 0], P[:, 1], ls, color=c, marker=".", ms=2, label=lab)
-    axes[0].set_xlabel("iteration")
-    axes[0].set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
-    axes[0].set_title("(a) loss")
-    axes[0].legend()
-    axes[1].set_xlabel("PC 1 of the WNG trajectory")
-    axes[1].set_ylabel("PC 2")
-    axes[1].set_title("(b) projected trajectories")
+        loss = np.asarray(loss, dtype=float)
+        finite = np.isfinite(loss)
+        last = int(np.flatnonzero(finite)[-1]) if finite.any() else -1
+        diverged = not finite.all()
+        st = dict(styles[m])
+        label = st.pop("label") + (f" (diverged at it. {last + 1})" if diverged else "")
+        it = np.arange(last + 1)
+        ax_l.semilogy(it, np.maximum(loss[: last + 1], floor), markevery=markevery,
+                      label=label, **st)
+        P = np.asarray(flow["pca"][m], dtype=float)[: last + 1]
+        ax_p.plot(P[:, 0], P[:, 1], markevery=markevery, label=label, **st)
+        if diverged:
+            ax_l.plot(last, max(loss[last], floor), "x", color=st["color"], ms=9, mew=2)
+            ax_p.plot(P[-1, 0], P[-1, 1], "x", color=st["color"], ms=9, mew=2)
+        else:
+            box.append(P)
+    ax_l.axhline(floor, color="0.6", ls=(0, (1, 2)), lw=1)
+    ax_l.annotate("round-off floor", (0.98, floor), xycoords=("axes fraction", "data"),
+                  ha="right", va="bottom", fontsize=9, color="0.4")
+    if box:
+        allP = np.concatenate(box)
+        lo, hi = allP.min(axis=0), allP.max(axis=0)
+        pad = 0.08 * np.maximum(hi - lo, 1e-12)
+        ax_p.set_xlim(lo[0] - pad[0], hi[0] + pad[0])
+        ax_p.set_ylim(lo[1] - pad[1], hi[1] + pad[1])
+    ax_l.set_xlabel("iteration")
+    ax_l.set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
+    ax_l.set_title("(a) loss")
+    ax_l.legend(fontsize=9)
+    ax_p.set_xlabel("PC 1 of the WNG trajectory")
+    ax_p.set_ylabel("PC 2")
+    ax_p.set_title("(b) projected trajectories")
+    ax_p.legend(fontsize=9)
     fig.tight_layout()
     return fig
