@@ -90,11 +90,11 @@ book: $(STAMP) $(MATHJAX)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 
 test: $(STAMP)
-	$(BIN)/ruff check kwng tests benchmarks
+	$(BIN)/ruff check kwng tests benchmarks tools book/_ext
 	$(BIN)/python -m pytest tests book -p no:cacheprovider -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check kwng tests benchmarks
+	$(BIN)/ruff check kwng tests benchmarks tools book/_ext
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/estimator_time.py

@@ -1,10 +1,11 @@
 """The real-browser checker of the book (tools/check_book.py) finds each defect class.
 
-Each test writes a small book-like folder with one page seeded with one defect and runs the
-checker on it in headless Chromium; a clean page with formulas rendered by the book's own
-MathJax copy must pass. Needs Chromium and the MathJax copy (``make check-book`` installs both
-and runs these tests with ``KWNG_REQUIRE_BROWSER=1``, so a missing browser fails there; under a
-plain ``make test`` on a machine without Chromium they are skipped with the reason).
+Each test writes a small book-like folder with one page seeded with one defect and runs
+the checker on it in headless Chromium; a clean page with formulas rendered by the
+book's own MathJax copy must pass. Needs Chromium and the MathJax copy (``make
+check-book`` installs both and runs these tests with ``KWNG_REQUIRE_BROWSER=1``, so a
+missing browser fails there; under a plain ``make test`` on a machine without Chromium
+they are skipped with the reason).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MATHJAX = ROOT / ".mathjax" / "mathjax"
 
-spec = importlib.util.spec_from_file_location("check_book", ROOT / "tools" / "check_book.py")
+spec = importlib.util.spec_from_file_location(
+    "check_book", ROOT / "tools" / "check_book.py"
+)
 check_book = importlib.util.module_from_spec(spec)
 sys.modules["check_book"] = check_book
 spec.loader.exec_module(check_book)
@@ -35,8 +38,9 @@ if not (MATHJAX / "tex-chtml.js").exists():
 if _missing:
     if os.environ.get("KWNG_REQUIRE_BROWSER") == "1":
         raise RuntimeError("the browser check needs " + ", ".join(_missing))
-    pytestmark = pytest.mark.skip(reason="needs " + ", ".join(_missing) + "; "
-                                  "make check-book installs them")
+    pytestmark = pytest.mark.skip(
+        reason="needs " + ", ".join(_missing) + "; make check-book installs them"
+    )
 
 HEAD = """<!DOCTYPE html><html><head><meta charset="utf-8">
 <script>window.MathJax = {tex: {inlineMath: [['\\\\(', '\\\\)']]},
@@ -56,11 +60,12 @@ SEEDED = {
     "raw-tex": r"<p>Inline <span>\(x^2\)</span> left as text.</p>",
     "mathjax-error": r'<div class="math">\[ x^^2 \]</div>',
     "broken-image": '<p><img src="_images/missing.png" alt="gone"></p>',
-    "broken-link": '<p><a href="nowhere.html">a</a> <a href="other.html#nope">b</a></p>',
+    "broken-link": '<p><a href="nowhere.html">a</a> <a href="other.html#no">b</a></p>',
     "pipe-table": "<p>| method | accuracy |\n|---|---|\n| sgd | 0.9 |</p>",
     "console": "<script>throw new Error('boom');</script>",
-    "wide-equation": r'<div class="math">\[ ' + " + ".join(f"x_{{{i}}}^{{{i}}}"
-                                                              for i in range(60)) + r" \]</div>",
+    "wide-equation": r'<div class="math">\[ '
+    + " + ".join(f"x_{{{i}}}^{{{i}}}" for i in range(60))
+    + r" \]</div>",
     "wide-code": "<pre>" + "x = " + " + ".join(["value"] * 40) + "</pre>",
     "network": '<script src="https://cdn.example.org/lib.js"></script>',
 }
@@ -77,7 +82,9 @@ def _book(tmp_path: Path, body: str) -> Path:
 
 def _run(root: Path, tmp_path: Path):
     shots = tmp_path / "shots"
-    defects = check_book.check_pages(root, check_book.find_pages(root), shots, width=900)
+    defects = check_book.check_pages(
+        root, check_book.find_pages(root), shots, width=900
+    )
     return defects, shots
 
 

@@ -1,30 +1,33 @@
-"""Open every page of the built book in headless Chromium, offline, and report what a reader
-would see go wrong.
+"""Open every page of the built book in headless Chromium, offline, and report what a
+reader would see go wrong.
 
 Usage::
 
-    python tools/check_book.py _build/html [--screenshots _build/screenshots] [--width 1280]
+    python tools/check_book.py _build/html [--screenshots _build/screenshots] [--width
+    1280]
 
-Each page is loaded from disk (``file://``, as a reader opens ``_build/html/index.html``) in
-Debian's Chromium driven by Playwright, with every request that is not a local file refused and
-counted. After MathJax has finished typesetting, the page fails on
+Each page is loaded from disk (``file://``, as a reader opens
+``_build/html/index.html``) in Debian's Chromium driven by Playwright, with every
+request that is not a local file refused and counted. After MathJax has finished
+typesetting, the page fails on
 
 * ``network``: a request for anything outside the book (a CDN script, a web font);
-* ``raw-tex``: TeX that MathJax did not render (``\\(``, ``\\[``, ``$$`` or a math element with
-  no rendered formula), or MathJax missing on a page that has mathematics;
+* ``raw-tex``: TeX that MathJax did not render (``\\(``, ``\\[``, ``$$`` or a math
+  element with no rendered formula), or MathJax missing on a page that has mathematics;
 * ``mathjax-error``: a formula that MathJax rendered as an error;
 * ``broken-image``: an image that did not load;
-* ``broken-link``: a link to a file of the book that does not exist, or to an anchor that the
-  target page does not have;
-* ``pipe-table``: a paragraph of Markdown table syntax (``| a | b |`` / ``|---|``), the trace of
-  a table that was parsed as plain text;
+* ``broken-link``: a link to a file of the book that does not exist, or to an anchor
+  that the target page does not have;
+* ``pipe-table``: a paragraph of Markdown table syntax (``| a | b |`` / ``|---|``), the
+  trace of a table that was parsed as plain text;
 * ``console``: a JavaScript error or a console message of level error;
 * ``wide-equation``: a display equation wider than the text column;
-* ``wide-code``: a code cell or a printed output wider than its block (it scrolls sideways).
+* ``wide-code``: a code cell or a printed output wider than its block (it scrolls
+  sideways).
 
-A full-page screenshot of each page goes to the screenshot folder, with ``report.json`` listing
-every defect found. The exit status is 1 when any page has a defect, 2 when the browser cannot be
-started.
+A full-page screenshot of each page goes to the screenshot folder, with ``report.json``
+listing every defect found. The exit status is 1 when any page has a defect, 2 when the
+browser cannot be started.
 """
 
 from __future__ import annotations
@@ -51,10 +54,25 @@ CHROMIUM_FLAGS = [
     "--host-resolver-rules=MAP * ~NOTFOUND",  # no name resolves: the network is off
 ]
 LOCAL = ("file:", "data:", "blob:", "about:")
-SKIP_DIRS = {"_static", "_sources", "_images", "_sphinx_design_static", "_panels_static"}
+SKIP_DIRS = {
+    "_static",
+    "_sources",
+    "_images",
+    "_sphinx_design_static",
+    "_panels_static",
+}
 SKIP_PAGES = {"search.html"}
-KINDS = ("network", "raw-tex", "mathjax-error", "broken-image", "broken-link", "pipe-table",
-         "console", "wide-equation", "wide-code")
+KINDS = (
+    "network",
+    "raw-tex",
+    "mathjax-error",
+    "broken-image",
+    "broken-link",
+    "pipe-table",
+    "console",
+    "wide-equation",
+    "wide-code",
+)
 
 # Runs in the page once MathJax is done; returns the defects it can see in the DOM.
 PAGE_PROBE = r"""
@@ -85,7 +103,8 @@ PAGE_PROBE = r"""
     add('mathjax-error', el.getAttribute('data-mjx-error') || el.textContent);
   // images
   for (const img of document.images)
-    if (!img.complete || img.naturalWidth === 0) add('broken-image', img.getAttribute('src'));
+    if (!img.complete || img.naturalWidth === 0) add('broken-image',
+    img.getAttribute('src'));
   // Markdown tables that stayed text
   const pipeRe = /\|\s*:?-{3,}:?\s*\|/;
   for (const p of main.querySelectorAll('p, div.output pre, div.cell_output pre')) {
@@ -96,13 +115,14 @@ PAGE_PROBE = r"""
   const col = (document.querySelector('main article') || main).getBoundingClientRect();
   for (const c of main.querySelectorAll('mjx-container[display="true"]')) {
     const w = Math.max(c.scrollWidth,
-                       ...[...c.querySelectorAll('mjx-math')].map(m => m.getBoundingClientRect().width));
+                       ...[...c.querySelectorAll('mjx-math')].map(m =>
+                       m.getBoundingClientRect().width));
     if (w > col.width + 1) {
       const src = c.closest('.math');
-      add('wide-equation', Math.round(w) + 'px > column ' + Math.round(col.width) + 'px: '
-          + (src ? (src.id || '') : '') + ' '
-          + (c.querySelector('mjx-assistive-mml') ? '' : '')
-          + (src && src.getAttribute('data-tex') || ''));
+      const tex = c.querySelector('mjx-assistive-mml math');
+      add('wide-equation', Math.round(w) + 'px > column ' + Math.round(col.width)
+          + 'px: ' + (src && src.id ? src.id + ' ' : '')
+          + (tex ? tex.textContent.slice(0, 80) : ''));
     }
   }
   for (const pre of main.querySelectorAll('pre')) {
@@ -137,9 +157,12 @@ class Defect:
 
 
 def find_pages(root: Path) -> list[Path]:
-    """Every HTML page of a built book, without Sphinx's own asset folders and search page."""
+    """Every HTML page of a built book, without Sphinx's own asset folders and search
+    page."""
     if not root.is_dir():
-        raise ValueError(f"root must be a built book folder (with index.html), got {root}")
+        raise ValueError(
+            f"root must be a built book folder (with index.html), got {root}"
+        )
     pages = []
     for path in sorted(root.rglob("*.html")):
         rel = path.relative_to(root)
@@ -163,7 +186,8 @@ def _ids(path: Path) -> set[str]:
 
 
 def check_links(links: list[str], page: Path) -> list[str]:
-    """Links to local files that do not exist, or anchors their target page does not have."""
+    """Links to local files that do not exist, or anchors their target page does not
+    have."""
     bad = []
     for href in dict.fromkeys(links):
         parts = urlsplit(href)
@@ -181,14 +205,21 @@ def check_links(links: list[str], page: Path) -> list[str]:
 
 
 def find_chromium() -> str | None:
-    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+    for name in (
+        os.environ.get("CHROMIUM"),
+        "chromium",
+        "chromium-browser",
+        "google-chrome",
+    ):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
 
 
 def _router(add):
-    """Let local files through; refuse (and report) any request that would leave the machine."""
+    """Let local files through; refuse (and report) any request that would leave the
+    machine."""
+
     def route(r):
         url = r.request.url
         if url.startswith(LOCAL):
@@ -196,6 +227,7 @@ def _router(add):
         else:
             add("network", url)
             r.abort("internetdisconnected")
+
     return route
 
 
@@ -204,6 +236,7 @@ def _console(add):
         # a failed load is reported once, with its URL, by the requestfailed handler
         if msg.type == "error" and not msg.text.startswith("Failed to load resource"):
             add("console", msg.text)
+
     return on_console
 
 
@@ -212,29 +245,49 @@ def _failed(add):
         if request.url.startswith("file:"):
             kind = "broken-image" if request.resource_type == "image" else "broken-link"
             add(kind, f"{request.url} ({request.failure})")
+
     return on_failed
 
 
-def check_pages(root: Path, pages: list[Path], screenshots: Path | None, width: int = 1440,
-                height: int = 900, executable: str | None = None) -> list[Defect]:
-    """Open each page offline in headless Chromium; return the defects found (see module doc)."""
+def check_pages(
+    root: Path,
+    pages: list[Path],
+    screenshots: Path | None,
+    width: int = 1440,
+    height: int = 900,
+    executable: str | None = None,
+) -> list[Defect]:
+    """Open each page offline in headless Chromium; return the defects found (see module
+    doc)."""
     if width < 320 or height < 200:
-        raise ValueError(f"width must be >= 320 and height >= 200, got {width}x{height}")
+        raise ValueError(
+            f"width must be >= 320 and height >= 200, got {width}x{height}"
+        )
     from playwright.sync_api import sync_playwright
 
     executable = executable or find_chromium()
     if executable is None:
-        raise FileNotFoundError("no Chromium found (Debian: apt-get install chromium); "
-                                "or set CHROMIUM to its path")
+        raise FileNotFoundError(
+            "no Chromium found (Debian: apt-get install chromium); "
+            "or set CHROMIUM to its path"
+        )
     if screenshots is not None:
         screenshots.mkdir(parents=True, exist_ok=True)
     defects: list[Defect] = []
     root = root.resolve()
     pages = [p.resolve() for p in pages]
-    with tempfile.TemporaryDirectory(prefix="kwng-chromium-") as profile, sync_playwright() as p:
+    with (
+        tempfile.TemporaryDirectory(prefix="kwng-chromium-") as profile,
+        sync_playwright() as p,
+    ):
         context = p.chromium.launch_persistent_context(
-            profile, executable_path=executable, headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": width, "height": height}, offline=True)
+            profile,
+            executable_path=executable,
+            headless=True,
+            args=CHROMIUM_FLAGS,
+            viewport={"width": width, "height": height},
+            offline=True,
+        )
         for page_path in pages:
             name = page_path.relative_to(root).as_posix()
             found: list[Defect] = []
@@ -244,15 +297,20 @@ def check_pages(root: Path, pages: list[Path], screenshots: Path | None, width: 
 
             page = context.new_page()
             page.route("**/*", _router(add))
-            page.on("pageerror", lambda e, _add=add: _add("console", f"page error: {e}"))
+            page.on(
+                "pageerror", lambda e, _add=add: _add("console", f"page error: {e}")
+            )
             page.on("console", _console(add))
             page.on("requestfailed", _failed(add))
-            redirect = re.search(r'http-equiv="refresh"[^>]*url=([^"]+)"',
-                                 page_path.read_text(encoding="utf-8", errors="replace"),
-                                 re.IGNORECASE)
+            redirect = re.search(
+                r'http-equiv="refresh"[^>]*url=([^"]+)"',
+                page_path.read_text(encoding="utf-8", errors="replace"),
+                re.IGNORECASE,
+            )
             if redirect:  # Sphinx's root index.html only forwards to the first chapter
-                for bad in check_links([(page_path.parent / redirect.group(1)).as_uri()],
-                                       page_path):
+                for bad in check_links(
+                    [(page_path.parent / redirect.group(1)).as_uri()], page_path
+                ):
                     add("broken-link", bad)
                 defects.extend(found)
                 print(f"{name}: redirect to {redirect.group(1)}", flush=True)
@@ -266,7 +324,9 @@ def check_pages(root: Path, pages: list[Path], screenshots: Path | None, width: 
             for bad in check_links(result["links"], page_path):
                 add("broken-link", bad)
             if screenshots is not None:
-                shot = screenshots / (name.replace("/", "__").removesuffix(".html") + ".png")
+                shot = screenshots / (
+                    name.replace("/", "__").removesuffix(".html") + ".png"
+                )
                 page.screenshot(path=str(shot), full_page=True)
             page.close()
             defects.extend(found)
@@ -284,11 +344,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path, nargs="?", default=Path("_build/html"))
     parser.add_argument("--screenshots", type=Path, default=Path("_build/screenshots"))
-    parser.add_argument("--width", type=int, default=1440,
-                        help="viewport width in CSS pixels (the theme's widest text column, "
-                             "854 px, is reached at 1440: an 88-column code line fits)")
-    parser.add_argument("--page", action="append", default=[],
-                        help="check only these pages (paths relative to root)")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=1440,
+        help="viewport width in CSS pixels (the theme's widest text column, "
+        "854 px, is reached at 1440: an 88-column code line fits)",
+    )
+    parser.add_argument(
+        "--page",
+        action="append",
+        default=[],
+        help="check only these pages (paths relative to root)",
+    )
     args = parser.parse_args(argv)
     try:
         pages = find_pages(args.root)
@@ -303,12 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check_book: {err}", file=sys.stderr)
         return 2
     args.screenshots.mkdir(parents=True, exist_ok=True)
-    report = {"pages": [p.resolve().relative_to(args.root.resolve()).as_posix() for p in pages],
-              "defects": [asdict(d) for d in defects]}
+    report = {
+        "pages": [
+            p.resolve().relative_to(args.root.resolve()).as_posix() for p in pages
+        ],
+        "defects": [asdict(d) for d in defects],
+    }
     (args.screenshots / "report.json").write_text(json.dumps(report, indent=1))
     counts = {k: sum(d.kind == k for d in defects) for k in KINDS}
     summary = ", ".join(f"{k}: {v}" for k, v in counts.items() if v) or "no defects"
-    print(f"check_book: {len(pages)} pages, {summary}; screenshots in {args.screenshots}")
+    print(
+        f"check_book: {len(pages)} pages, {summary}; screenshots in {args.screenshots}"
+    )
     return 1 if defects else 0
 
 

@@ -1,11 +1,11 @@
 """Sphinx glue for the kwng book (loaded through ``_config.yml`` ``local_extensions``).
 
-The package re-exports its public API at the top level (``kwng.kwng_gradient``), while the API
-page documents every object once, in the module that defines it
-(``kwng.estimator.kwng_gradient``). A cross-reference to the short name would go nowhere under
-``-n``; this extension resolves it to the documented object instead. References to classes of
-other libraries (``torch.Tensor``, ``numpy.ndarray``) are rendered as plain code: the book is
-built offline, so there is no inventory to link them to.
+The package re-exports its public API at the top level (``kwng.kwng_gradient``), while
+the API page documents every object once, in the module that defines it
+(``kwng.estimator.kwng_gradient``). A cross-reference to the short name would go nowhere
+under ``-n``; this extension resolves it to the documented object instead. References to
+classes of other libraries (``torch.Tensor``, ``numpy.ndarray``) are rendered as plain
+code: the book is built offline, so there is no inventory to link them to.
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ def _locate(name: str):
 
 
 def _canonical(target: str, module: str | None, klass: str | None) -> str | None:
-    prefixes = [p for p in (f"{module}.{klass}" if module and klass else None, module, "kwng")
-                if p]
+    prefixes = [
+        p
+        for p in (f"{module}.{klass}" if module and klass else None, module, "kwng")
+        if p
+    ]
     for name in [f"{p}.{target}" for p in prefixes] + [target]:
         obj = _locate(name)
         if obj is None:
@@ -70,8 +73,9 @@ def _missing_reference(app, env, node, contnode):
         candidates.append(named[0])
     for name in candidates:
         for reftype in (node["reftype"], "obj"):
-            found = domain.resolve_xref(env, node["refdoc"], app.builder, reftype, name,
-                                        node, contnode)
+            found = domain.resolve_xref(
+                env, node["refdoc"], app.builder, reftype, name, node, contnode
+            )
             if found is not None:
                 return found
     if target.split(".")[-1].startswith("_") and canonical is not None:
@@ -83,12 +87,14 @@ _BORDER = re.compile(r"^(\s*)(=+)(\s+)(=+)\s*$")
 
 
 def relayout_simple_tables(lines: list[str]) -> int:
-    """Re-align two-column reST simple tables (a cell may overflow into the column margin).
+    """Re-align two-column reST simple tables (a cell may overflow into the column
+    margin).
 
-    Docstrings write ``\\widehat`` in the source, one character more than the text docutils
-    sees, so a table aligned in the editor can be malformed once parsed. Cells are split at
-    the first run of two spaces; a row whose first column is blank continues the row above.
-    Returns the number of tables changed (edits ``lines`` in place).
+    Docstrings write ``\\widehat`` in the source, one character more than the text
+    docutils sees, so a table aligned in the editor can be malformed once parsed. Cells
+    are split at the first run of two spaces; a row whose first column is blank
+    continues the row above. Returns the number of tables changed (edits ``lines`` in
+    place).
     """
     changed = 0
     i = 0
@@ -110,7 +116,7 @@ def relayout_simple_tables(lines: list[str]) -> int:
         for k in range(borders[0] + 1, borders[2]):
             if k == borders[1]:
                 continue
-            text = lines[k][len(indent):]
+            text = lines[k][len(indent) :]
             if text[:start2].strip() == "":
                 rows.append((k, "", text.strip()))
             else:
@@ -118,12 +124,12 @@ def relayout_simple_tables(lines: list[str]) -> int:
                 rows.append((k, cells[0], cells[1] if len(cells) > 1 else ""))
         w1 = max(len(c1) for _, c1, _ in rows)
         w2 = max(len(c2) for _, _, c2 in rows)
-        before = lines[borders[0]:borders[2] + 1]
+        before = lines[borders[0] : borders[2] + 1]
         for b in borders:
             lines[b] = f"{indent}{'=' * w1}  {'=' * w2}"
         for k, c1, c2 in rows:
             lines[k] = f"{indent}{c1.ljust(w1)}  {c2}".rstrip()
-        changed += lines[borders[0]:borders[2] + 1] != before
+        changed += lines[borders[0] : borders[2] + 1] != before
         i = borders[2] + 1
     return changed
 
@@ -139,9 +145,10 @@ _INLINE_SCRIPT = re.compile(r"^\s*<script>.*</script>\s*$")
 def dedupe_inline_scripts(html: str) -> str:
     """Drop repeated identical one-line inline ``<script>`` tags from a page's head.
 
-    sphinx-thebe and sphinx-togglebutton register their inline configuration again when the
-    theme re-hashes the page assets, and a second ``const THEBE_JS_URL = ...`` is a JavaScript
-    error in the browser. Only exact repeats of one-line inline scripts are removed.
+    sphinx-thebe and sphinx-togglebutton register their inline configuration again when
+    the theme re-hashes the page assets, and a second ``const THEBE_JS_URL = ...`` is a
+    JavaScript error in the browser. Only exact repeats of one-line inline scripts are
+    removed.
     """
     head_end = html.find("</head>")
     if head_end < 0:

@@ -1,26 +1,29 @@
-"""Why KWNG at the paper's Fig. 2 settings cannot follow the W2 flow of a 10-d normal model.
+"""Why KWNG at the paper's Fig. 2 settings cannot follow the W2 flow of a 10-d normal
+model.
 
 At ``N = 128``, ``M = 100``, ``ε = 1e-10`` the flow of :mod:`kwng.experiments.synthetic`
-diverges within a few iterations on our 65-parameter model ``θ = (μ, vech L)``. This module
+diverges within a few iterations on our 65-parameter model ``θ = (μ, vech L)``. This
+module
 tests the candidate explanations at exactly those settings, one change at a time:
 
-* ``diagonal``: a diagonal covariance, ``X = μ + l ⊙ Z``, ``q = 20`` (the target is diagonal
-  too). For this family ``W2²`` is the Euclidean distance of ``(μ, l)``, so ``G_W = I`` and the
-  exact WNG is the Euclidean gradient;
-* ``sigma_coords``: the paper's coordinates ``θ = (μ, s)`` with ``s`` the lower triangle of
-  ``Σ`` (App. C), sampled as ``X = μ + chol(Σ) Z``; exact WNG from
+* ``diagonal``: a diagonal covariance, ``X = μ + l ⊙ Z``, ``q = 20`` (the target is
+  diagonal too). For this family ``W2²`` is the Euclidean distance of ``(μ, l)``, so
+  ``G_W = I`` and the exact WNG is the Euclidean gradient;
+* ``sigma_coords``: the paper's coordinates ``θ = (μ, s)`` with ``s`` the lower triangle
+  of ``Σ`` (App. C), sampled as ``X = μ + chol(Σ) Z``; exact WNG from
   :func:`kwng.models.normal_wng_sigma_coords`;
 * ``bandwidth``: fixed ``σ ∈ {1, 10}``, the median heuristic, and ``σ0 ∈ {0.5, 2}`` in
   ``σ = σ0 · mean‖X_n - Y_m‖²``;
-* ``damping``: ``D = I``, ``diag(TᵀT)``, ``diag(T̃ᵀT̃)``, and ``ε = 1e-5`` instead of ``1e-10``.
+* ``damping``: ``D = I``, ``diag(TᵀT)``, ``diag(T̃ᵀT̃)``, and ``ε = 1e-5`` instead of
+  ``1e-10``.
 
-For each variant it records the relative error of the KWNG direction at ``θ₀`` (median over
-draws) and runs the flow with step ``0.1`` next to the exact WNG flow of the same
+For each variant it records the relative error of the KWNG direction at ``θ₀`` (median
+over draws) and runs the flow with step ``0.1`` next to the exact WNG flow of the same
 parametrisation, stopping a run whose loss exceeds ``1e6`` times the initial one.
 
-Run ``python -m kwng.experiments.flow_study --scale small|full --out DIR``; results go to
-``DIR/flow_study.json`` with provenance (``DIR`` must not hold another configuration's
-results).
+Run ``python -m kwng.experiments.flow_study --scale small|full --out DIR``; results go
+to ``DIR/flow_study.json`` with provenance (``DIR`` must not hold another
+configuration's results).
 """
 
 from __future__ import annotations
@@ -39,14 +42,22 @@ import torch
 from .. import config as _config
 from ..estimator import kwng_gradient
 from ..kernels import GaussianKernel
-from ..models import NormalModel, normal_wng_sigma_coords
+from ..models import normal_wng_sigma_coords
 from ..provenance import atomic_write_json, make_provenance, read_json
 from .synthetic import flow_config, flow_problem, normal_w2_and_grad
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VARIANTS", "study_config", "Problem", "make_problem", "direction_error",
-           "run_variant_flow", "run_study", "main"]
+__all__ = [
+    "VARIANTS",
+    "study_config",
+    "Problem",
+    "make_problem",
+    "direction_error",
+    "run_variant_flow",
+    "run_study",
+    "main",
+]
 
 # name -> (parametrisation, overrides of the KWNG settings)
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -71,12 +82,22 @@ def study_config(scale: str | None = None) -> dict:
     full = scale == "full"
     base = flow_config("full")
     return {
-        "experiment": "flow_study", "scale": "full" if full else "small",
-        "d": base["d"], "seed": base["seed"], "theta_variance": base["theta_variance"],
+        "experiment": "flow_study",
+        "scale": "full" if full else "small",
+        "d": base["d"],
+        "seed": base["seed"],
+        "theta_variance": base["theta_variance"],
         "target_mean_std": base["target_mean_std"],
-        "N": 128, "M": 100, "eps": 1e-10, "lam": 0.0, "damping": "T_tilde",
-        "bandwidth": "mean_sq", "sigma0": 0.5, "step": 0.1,
-        "iterations": 50 if full else 10, "draws": 6 if full else 2,
+        "N": 128,
+        "M": 100,
+        "eps": 1e-10,
+        "lam": 0.0,
+        "damping": "T_tilde",
+        "bandwidth": "mean_sq",
+        "sigma0": 0.5,
+        "step": 0.1,
+        "iterations": 50 if full else 10,
+        "draws": 6 if full else 2,
         "divergence_factor": 1e6,
     }
 
@@ -105,8 +126,14 @@ def make_problem(parametrisation: str, cfg: dict) -> Problem:
     model, theta0, mu_t, Sigma_t = flow_problem(cfg)
     d = model.d
     if parametrisation == "cholesky":
-        return Problem(parametrisation, theta0, model.sample,
-                       lambda th: normal_w2_and_grad(model, th, mu_t, Sigma_t), model.wng, d)
+        return Problem(
+            parametrisation,
+            theta0,
+            model.sample,
+            lambda th: normal_w2_and_grad(model, th, mu_t, Sigma_t),
+            model.wng,
+            d,
+        )
     if parametrisation == "sigma_coords":
         rows, cols = torch.tril_indices(d, d)
         mu0, L0 = model.split(theta0)
@@ -129,7 +156,9 @@ def make_problem(parametrisation: str, cfg: dict) -> Problem:
 
         def wng(th, grad):
             Sigma = _sym_from_tril(th[d:], d).numpy()
-            nat_mu, nat_s = normal_wng_sigma_coords(Sigma, grad[:d].numpy(), grad[d:].numpy())
+            nat_mu, nat_s = normal_wng_sigma_coords(
+                Sigma, grad[:d].numpy(), grad[d:].numpy()
+            )
             return torch.from_numpy(np.concatenate([nat_mu, nat_s]))
 
         return Problem(parametrisation, s0, sample, loss_grad, wng, d)
@@ -144,10 +173,18 @@ def make_problem(parametrisation: str, cfg: dict) -> Problem:
             loss = float(dm @ dm + dl @ dl)
             return loss, torch.cat([2 * dm, 2 * dl * torch.sign(th[d:])])
 
-        return Problem(parametrisation, th0, lambda th, Z: th[:d] + th[d:] * Z.to(th.dtype),
-                       loss_grad, lambda th, g: g.clone(), d)
-    raise ValueError("parametrisation must be 'cholesky', 'sigma_coords' or 'diagonal', "
-                     f"got {parametrisation!r}")
+        return Problem(
+            parametrisation,
+            th0,
+            lambda th, Z: th[:d] + th[d:] * Z.to(th.dtype),
+            loss_grad,
+            lambda th, g: g.clone(),
+            d,
+        )
+    raise ValueError(
+        "parametrisation must be 'cholesky', 'sigma_coords' or 'diagonal', "
+        f"got {parametrisation!r}"
+    )
 
 
 def _kwng(problem: Problem, theta, grad, settings: dict, generator: torch.Generator):
@@ -155,14 +192,26 @@ def _kwng(problem: Problem, theta, grad, settings: dict, generator: torch.Genera
     bw = settings["bandwidth"]
     rule = bw if isinstance(bw, str) else None
     kernel = GaussianKernel(1.0 if rule else float(bw))
-    return kwng_gradient(lambda t: problem.sample(t, Z), theta, grad,
-                         num_basis=settings["M"], eps=settings["eps"], lam=settings["lam"],
-                         kernel=kernel, bandwidth=rule, sigma0=settings["sigma0"],
-                         damping=settings["damping"], generator=generator).direction
+    return kwng_gradient(
+        lambda t: problem.sample(t, Z),
+        theta,
+        grad,
+        num_basis=settings["M"],
+        eps=settings["eps"],
+        lam=settings["lam"],
+        kernel=kernel,
+        bandwidth=rule,
+        sigma0=settings["sigma0"],
+        damping=settings["damping"],
+        generator=generator,
+    ).direction
 
 
-def direction_error(problem: Problem, settings: dict, draws: int, seed: int = 0) -> list[float]:
-    """Relative error of the KWNG direction at ``θ₀`` for ``draws`` independent draws."""
+def direction_error(
+    problem: Problem, settings: dict, draws: int, seed: int = 0
+) -> list[float]:
+    """Relative error of the KWNG direction at ``θ₀`` for ``draws`` independent
+    draws."""
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
     _, grad = problem.loss_grad(problem.theta0)
@@ -175,11 +224,20 @@ def direction_error(problem: Problem, settings: dict, draws: int, seed: int = 0)
     return errs
 
 
-def run_variant_flow(problem: Problem, settings: dict, iterations: int, step: float,
-                     divergence_factor: float = 1e6, seed: int = 0) -> dict:
-    """Exact WNG and KWNG flows side by side; losses per iteration (NaN once stopped)."""
+def run_variant_flow(
+    problem: Problem,
+    settings: dict,
+    iterations: int,
+    step: float,
+    divergence_factor: float = 1e6,
+    seed: int = 0,
+) -> dict:
+    """Exact WNG and KWNG flows side by side; losses per iteration (NaN once
+    stopped)."""
     if iterations < 1 or not step > 0:
-        raise ValueError(f"iterations must be >= 1 and step > 0, got {iterations}, {step}")
+        raise ValueError(
+            f"iterations must be >= 1 and step > 0, got {iterations}, {step}"
+        )
     loss0 = problem.loss_grad(problem.theta0)[0]
     out = {}
     for method in ("wng", "kwng"):
@@ -200,7 +258,9 @@ def run_variant_flow(problem: Problem, settings: dict, iterations: int, step: fl
                 ok = np.isfinite(loss) and loss < divergence_factor * loss0
             except (ValueError, RuntimeError, np.linalg.LinAlgError) as exc:
                 # a diverged iterate: Σ no longer positive definite, or samples unusable
-                log.warning("flow_study: %s stopped at iteration %d: %s", method, it, exc)
+                log.warning(
+                    "flow_study: %s stopped at iteration %d: %s", method, it, exc
+                )
                 ok = False
             if not ok:
                 stopped, loss = it + 1, float("nan")
@@ -215,17 +275,26 @@ def run_study(cfg: dict, variants: dict | None = None, progress: bool = True) ->
 
     variants = VARIANTS if variants is None else variants
     rows = {}
-    base = {k: cfg[k] for k in ("N", "M", "eps", "lam", "damping", "bandwidth", "sigma0")}
-    for name, (param, overrides) in tqdm(variants.items(), disable=not progress,
-                                         desc="flow_study"):
+    base = {
+        k: cfg[k] for k in ("N", "M", "eps", "lam", "damping", "bandwidth", "sigma0")
+    }
+    for name, (param, overrides) in tqdm(
+        variants.items(), disable=not progress, desc="flow_study"
+    ):
         settings = {**base, **overrides}
         problem = make_problem(param, cfg)
         errs = direction_error(problem, settings, cfg["draws"])
-        flows = run_variant_flow(problem, settings, cfg["iterations"], cfg["step"],
-                                 cfg["divergence_factor"])
-        rows[name] = {"parametrisation": param, "q": int(problem.theta0.numel()),
-                      "settings": settings, "direction_errors": errs,
-                      "median_error": float(np.median(errs)), **flows}
+        flows = run_variant_flow(
+            problem, settings, cfg["iterations"], cfg["step"], cfg["divergence_factor"]
+        )
+        rows[name] = {
+            "parametrisation": param,
+            "q": int(problem.theta0.numel()),
+            "settings": settings,
+            "direction_errors": errs,
+            "median_error": float(np.median(errs)),
+            **flows,
+        }
     return rows
 
 
@@ -242,12 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         if prev.get("provenance", {}).get("config") == cfg:
             print(f"{path} already holds this configuration; nothing to do")
             return 0
-        print(f"{path} holds another configuration; choose another --out", file=sys.stderr)
+        print(
+            f"{path} holds another configuration; choose another --out", file=sys.stderr
+        )
         return 1
     t0 = time.perf_counter()
     rows = run_study(cfg, progress=not args.no_progress)
-    prov = make_provenance(cfg, seeds={"flow": cfg["seed"], "draws": list(range(cfg["draws"]))},
-                           wall_time_s=time.perf_counter() - t0)
+    prov = make_provenance(
+        cfg,
+        seeds={"flow": cfg["seed"], "draws": list(range(cfg["draws"]))},
+        wall_time_s=time.perf_counter() - t0,
+    )
     atomic_write_json(path, {"rows": rows, "provenance": prov})
     print(f"wrote {path}")
     return 0
