@@ -59,7 +59,7 @@ __all__ = [
     "main",
 ]
 
-# name -> (parametrisation, overrides of the KWNG settings)
+#: The variants of the study, name -> (parametrisation, overrides of the settings).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "baseline (μ, vech L)": ("cholesky", {}),
     "diagonal Σ, q = 20": ("diagonal", {}),
