@@ -84,7 +84,7 @@ $(LAB): $(STAMP)
 	touch $@
 
 lab: $(LAB)
-	cd book && ../$(BIN)/jupyter lab
+	cd book && ../$(BIN)/jupyter lab $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 book: $(STAMP) $(MATHJAX)
 	$(BIN)/jupyter-book build . -W -n --keep-going
