@@ -123,6 +123,19 @@ def test_main_exit_status(tmp_path):
     assert (tmp_path / "s" / "report.json").exists()
 
 
+def test_allow_reports_but_does_not_fail(tmp_path, capsys):
+    root = _book(tmp_path, SEEDED["wide-code"])
+    shots = str(tmp_path / "s")
+    assert check_book.main([str(root), "--screenshots", shots,
+                            "--allow", "index.html:wide-code"]) == 0
+    assert "ALLOWED, NOT FIXED: 1 wide-code on index.html" in capsys.readouterr().out
+    # an allowance for another kind or page does not hide the defect
+    assert check_book.main([str(root), "--screenshots", shots,
+                            "--allow", "index.html:raw-tex"]) == 1
+    assert check_book.main([str(root), "--screenshots", shots,
+                            "--allow", "index.html:nonsense"]) == 2
+
+
 def test_rejects_a_folder_without_pages(tmp_path):
     with pytest.raises(ValueError, match="no HTML pages"):
         check_book.find_pages(tmp_path)

@@ -352,6 +352,14 @@ def main(argv: list[str] | None = None) -> int:
         "854 px, is reached at 1440: an 88-column code line fits)",
     )
     parser.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="PAGE:KIND",
+        help="report, but do not fail on, defects of KIND on PAGE (a known defect "
+        "that is being fixed elsewhere; listed loudly in the summary)",
+    )
+    parser.add_argument(
         "--page",
         action="append",
         default=[],
@@ -378,12 +386,29 @@ def main(argv: list[str] | None = None) -> int:
         "defects": [asdict(d) for d in defects],
     }
     (args.screenshots / "report.json").write_text(json.dumps(report, indent=1))
-    counts = {k: sum(d.kind == k for d in defects) for k in KINDS}
+    allowed = set()
+    for item in args.allow:
+        page, _, kind = item.rpartition(":")
+        if not page or kind not in KINDS:
+            print(
+                f"check_book: --allow takes PAGE:KIND, KIND in {KINDS}; got {item!r}",
+                file=sys.stderr,
+            )
+            return 2
+        allowed.add((page, kind))
+    failing = [d for d in defects if (d.page, d.kind) not in allowed]
+    tolerated = [d for d in defects if (d.page, d.kind) in allowed]
+    counts = {k: sum(d.kind == k for d in failing) for k in KINDS}
     summary = ", ".join(f"{k}: {v}" for k, v in counts.items() if v) or "no defects"
     print(
         f"check_book: {len(pages)} pages, {summary}; screenshots in {args.screenshots}"
     )
-    return 1 if defects else 0
+    if tolerated:
+        for page, kind in sorted(allowed):
+            n = sum(d.page == page and d.kind == kind for d in tolerated)
+            if n:
+                print(f"check_book: ALLOWED, NOT FIXED: {n} {kind} on {page} (--allow)")
+    return 1 if failing else 0
 
 
 if __name__ == "__main__":
