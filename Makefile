@@ -1,12 +1,24 @@
 # Two commands do everything on a fresh machine:
 #   make book   -> virtual environment, install, build the HTML book (every chapter executed, -W)
 #   make test   -> virtual environment, install, unit tests + nbval over every chapter
+# and three more serve the reader and CI:
+#   make check-book -> build the book, open every page in headless Chromium offline, fail on
+#                      raw TeX, broken images/links, pipe tables, console errors, wide blocks
+#   make notebooks  -> the chapters as paired .ipynb notebooks in notebooks/ (ignored by git)
+#   make lab        -> JupyterLab in which the book/*.md chapters open as notebooks
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test install lint clean bench
+.PHONY: book test install lint clean bench mathjax check-book lab notebooks chromium
+
+# MathJax is served from the built book (no CDN): a pinned release from the npm registry,
+# checked against its sha1 (the registry's own checksum), unpacked into .mathjax/ (ignored),
+# which _config.yml lists in html_static_path.
+MATHJAX_VERSION := 3.2.2
+MATHJAX_SHA1    := c754d7b46a679d7f3fa03543d6b8bf124ddf9f6b
+MATHJAX         := .mathjax/mathjax/tex-chtml.js
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,18 +30,80 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 
 install: $(STAMP)
 
-book: $(STAMP)
+$(MATHJAX):
+	@command -v npm >/dev/null || { echo "make mathjax needs npm (Debian: apt-get install npm)"; exit 1; }
+	rm -rf .mathjax && mkdir -p .mathjax/tmp
+	cd .mathjax/tmp && npm pack --silent mathjax@$(MATHJAX_VERSION) >/dev/null
+	echo "$(MATHJAX_SHA1)  .mathjax/tmp/mathjax-$(MATHJAX_VERSION).tgz" | sha1sum -c --quiet -
+	tar -xzf .mathjax/tmp/mathjax-$(MATHJAX_VERSION).tgz -C .mathjax/tmp
+	mv .mathjax/tmp/package/es5 .mathjax/mathjax && rm -rf .mathjax/tmp
+
+mathjax: $(MATHJAX)
+
+# The browser check: Playwright drives Debian's Chromium (no browser download).
+PLAYWRIGHT := $(VENV)/.playwright
+CHROMIUM   ?= $(shell command -v chromium || command -v chromium-browser)
+
+$(PLAYWRIGHT): $(STAMP)
+	$(BIN)/python -m pip install -q "playwright==1.65.2"
+	touch $@
+
+chromium:
+	@if [ -z "$(CHROMIUM)" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian's chromium"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "make check-book needs Chromium: apt-get install chromium, or CHROMIUM=/path/to/chrome"; \
+	    exit 1; \
+	  fi; \
+	fi
+
+# Known defects owned by other work in progress: reported as "ALLOWED, NOT FIXED" but not
+# failing. Empty this list once the CIFAR chapter and the step-cost benchmark cells of the
+# deep-learning chapter are wrapped at 88 columns.
+CHECK_BOOK_ALLOW ?= book/experiments_cifar.html:wide-code book/deep_learning.html:wide-code
+
+check-book: $(STAMP) $(MATHJAX) $(PLAYWRIGHT) chromium
+	KWNG_REQUIRE_BROWSER=1 $(BIN)/python -m pytest tests/test_book_check.py -q -p no:cacheprovider
+	$(BIN)/jupyter-book build . -W -n --keep-going
+	$(BIN)/python tools/check_book.py _build/html --screenshots _build/screenshots \
+	  $(foreach a,$(CHECK_BOOK_ALLOW),--allow $(a))
+
+# Chapters as notebooks. jupytext pairs book/X.md with notebooks/X.ipynb (outputs are not
+# stored in the .md files: run the notebook to see them).
+CHAPTERS := $(filter-out book/references.md book/notation.md book/api.md,$(wildcard book/*.md))
+
+notebooks: $(STAMP)
+	mkdir -p notebooks
+	for f in $(CHAPTERS); do \
+	  $(BIN)/jupytext --quiet --to ipynb -o notebooks/$$(basename $$f .md).ipynb $$f || exit 1; \
+	done
+	@echo "notebooks in notebooks/ (open with: make lab, or $(BIN)/jupyter lab notebooks)"
+
+LAB := $(VENV)/.lab
+$(LAB): $(STAMP)
+	$(BIN)/python -m pip install -q "jupyterlab>=4,<5"
+	mkdir -p $(VENV)/share/jupyter/lab/settings
+	printf '%s\n' '{"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"markdown": "Jupytext Notebook", "myst": "Jupytext Notebook"}}}' \
+	  > $(VENV)/share/jupyter/lab/settings/overrides.json
+	touch $@
+
+lab: $(LAB)
+	cd book && ../$(BIN)/jupyter lab $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+
+book: $(STAMP) $(MATHJAX)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 
 test: $(STAMP)
-	$(BIN)/ruff check kwng tests benchmarks
+	$(BIN)/ruff check kwng tests benchmarks tools book/_ext
 	$(BIN)/python -m pytest tests book -p no:cacheprovider -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check kwng tests benchmarks
+	$(BIN)/ruff check kwng tests benchmarks tools book/_ext
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/estimator_time.py
 
 clean:
-	rm -rf _build
+	rm -rf _build notebooks

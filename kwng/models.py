@@ -157,6 +157,19 @@ class NormalModel(ImplicitModel):
         rows, cols = torch.tril_indices(self.d, self.d)
         return torch.cat([mu.reshape(-1), L[rows, cols]])
 
+    def params_near_identity(self, generator: torch.Generator | None = None,
+                             variance: float = 0.1,
+                             dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``θ = (μ, vech(I + E))`` with ``μ`` and ``E`` drawn as in :meth:`random_params`.
+
+        The paper's draw ``θ ~ N(0, variance · I_q)`` puts ``L`` near zero, where ``Σ = LLᵀ``
+        is close to singular and finite differences or Lyapunov solves lose accuracy; adding
+        the identity to ``L`` keeps ``Σ`` well conditioned (the recipe the chapters and tests
+        use for a "generic" normal model).
+        """
+        mu, L = self.split(self.random_params(generator, variance, dtype))
+        return self.join(mu, L + torch.eye(self.d, dtype=L.dtype))
+
     def covariance(self, theta: torch.Tensor) -> np.ndarray:
         _, L = self.split(theta)
         L = _np(L)
@@ -166,8 +179,9 @@ class NormalModel(ImplicitModel):
         mu, L = self.split(theta)
         return mu + Z.to(theta.dtype) @ L.T
 
-    def _jacobian_s_l(self, L: np.ndarray) -> np.ndarray:
-        """``J = ∂ tril(LLᵀ) / ∂ vech(L)``, square of size ``d(d+1)/2``."""
+    def jacobian_s_l(self, L: np.ndarray) -> np.ndarray:
+        """``J = ∂ tril(LLᵀ) / ∂ vech(L)``, square of size ``d(d+1)/2``: carries gradients
+        between our coordinates ``(μ, vech L)`` and the paper's ``(μ, tril Σ)``."""
         il = self._il
         n = len(il[0])
         J = np.zeros((n, n))
@@ -202,7 +216,7 @@ class NormalModel(ImplicitModel):
         L = _np(L)
         g = _np(grad)
         d = self.d
-        J = self._jacobian_s_l(L)
+        J = self.jacobian_s_l(L)
         g_s = np.linalg.solve(J.T, g[d:])  # ∇_s L from ∇_L L by the chain rule
         nat_mu, nat_s = normal_wng_sigma_coords(L @ L.T, g[:d], g_s)
         nat_l = np.linalg.solve(J, nat_s)
