@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-__all__ = ["MAIN_METHODS", "ABLATION_METHODS", "CLAIM_METHODS", "curves", "final_accuracy_table", "format_table",
+__all__ = ["at_epoch", "MAIN_METHODS", "ABLATION_METHODS", "CLAIM_METHODS", "curves", "final_accuracy_table", "format_table",
            "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps", "fig_per_class_vs_U",
            "fig_kwng_diagnostics", "claim_verdict", "selection_table", "class_scalings", "final_per_class",
            "SMALL_U"]
@@ -49,6 +49,14 @@ _STYLES = {"kwng_samples_before_U": "--", "kwng_lm_same_batch": "-.",
            "kwng_m20": "--", "kwng_momentum": "-.", "kwng_bigbatch": ":", "sgd_momentum": "--",
            "sgd_momentum_wd": ":", "ekfac": "--", "diag_T": "--", "diag_Ttilde": ":", "kwng_rq": "-.",
            "kwng_scaled_logits": "--"}
+
+
+def at_epoch(results: dict, epoch: int) -> dict:
+    """The records cut after ``epoch`` epochs (runs with fewer are left out): a comparison of runs
+    that stopped at different epochs, all at the same point of their schedule."""
+    if not isinstance(epoch, int) or epoch < 1:
+        raise ValueError(f"epoch must be an integer >= 1, got {epoch!r}")
+    return {k: {**r, "epochs": r["epochs"][:epoch]} for k, r in results.items() if len(r["epochs"]) >= epoch}
 
 
 def curves(results: dict, conditioning: str, method: str, key: str) -> tuple[np.ndarray, np.ndarray]:
