@@ -1,6 +1,7 @@
 """torch.profiler table of one KWNG step configuration (top CUDA kernels), for tuning.
 
-    python benchmarks/profile_step.py [--config bf16_channels_last] [--mode kwng_fast] [--num-basis 5]
+python benchmarks/profile_step.py [--config bf16_channels_last] [--mode kwng_fast]
+    [--num-basis 5]
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def main() -> None:
     model = copy.deepcopy(resnet18(10)).to(dev).to(memory_format=fmt)
     z = torch.randn(a.batch, 3, 32, 32, device=dev).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (a.batch,), device=dev)
-    step, _ = _make_step(a.mode, model, z, y, a.num_basis, None if prec == torch.float32 else prec)
+    step, _ = _make_step(
+        a.mode, model, z, y, a.num_basis, None if prec == torch.float32 else prec
+    )
     for _ in range(5):
         step()
     torch.cuda.synchronize()

@@ -1,34 +1,38 @@
 """The kernel estimator of the Fisher–Rao natural gradient, next to the Wasserstein one.
 
-Beyond the paper. Arbel, Gretton, Li & Montúfar (ICLR 2020) give Legendre duals for both the
-Fisher–Rao (Prop. 2) and the Wasserstein (Prop. 3) information matrices, and build their kernel
-estimator only on the Wasserstein dual. Restricting the Fisher dual to the Nyström subspace
-``H_M = span{k(Y_m, ·)}`` and handling its zero-mean constraint by centring (the book's chapter
-"The Fisher–Rao natural gradient, estimated the same way" derives this) gives the *same* closed
-form as Props. 5/6 with other matrices:
+Beyond the paper. Arbel, Gretton, Li & Montúfar (ICLR 2020) give Legendre duals for both
+the Fisher–Rao (Prop. 2) and the Wasserstein (Prop. 3) information matrices, and build
+their kernel estimator only on the Wasserstein dual. Restricting the Fisher dual to the
+Nyström subspace ``H_M = span{k(Y_m, ·)}`` and handling its zero-mean constraint by
+centring (the book's chapter "The Fisher–Rao natural gradient, estimated the same way"
+derives this) gives the *same* closed form as Props. 5/6 with other matrices:
 
-=====================  ============================================================================
+=====================  =================================================================
 paper / book           here
-=====================  ============================================================================
+=====================  =================================================================
 ``M``                  ``num_basis`` (basis points ``Y_m = X_{basis_idx[m]}``, drawn by
-                       :func:`kwng.draw_basis`; its coordinates are not used: no derivative)
+                       :func:`kwng.draw_basis`; its coordinates are not used: no
+                       derivative)
 ``C`` (``M × N``)      centred kernel values ``k(Y_m, X_n) - (1/N) Σ_n' k(Y_m, X_n')``
 ``K`` (``M × M``)      Gram ``k(Y_m, Y_m')`` (RKHS norm of ``Σ α_m k(Y_m, ·)``)
-``T`` (``M × q``)      ``∇_θ (1/N) Σ_n k(Y_m, h_θ(Z_n))`` (``jacobian="reparam"``, any sampler) or
-                       ``C S / N`` with ``S`` the scores ``∇_θ log ρ_θ(X_n)`` (``jacobian="score"``)
-``ε, λ, D(θ)``         ``eps``, ``lam``, ``damping`` exactly as in :func:`kwng.kwng_gradient`
-=====================  ============================================================================
+``T`` (``M × q``)      ``∇_θ (1/N) Σ_n k(Y_m, h_θ(Z_n))`` (``jacobian="reparam"``, any
+                       sampler) or ``C S / N`` with ``S`` the scores
+                       ``∇_θ log ρ_θ(X_n)`` (``jacobian="score"``)
+``ε, λ, D(θ)``         ``eps``, ``lam``, ``damping`` exactly as in
+                       :func:`kwng.kwng_gradient`
+=====================  =================================================================
 
 Plain form::
 
     ĝ_F = (1/ε) [D⁻¹ - D⁻¹Tᵀ (T D⁻¹ Tᵀ + λεK + (ε/N) CCᵀ)† T D⁻¹] ∇L
 
 and its stable form with ``CCᵀ = U S Uᵀ``, ``W = S^{-1/2} Uᵀ``, ``T̃ = W T``. The linear
-algebra is :func:`kwng.nystrom_solve`, imported unchanged: only ``C``, ``K`` and ``T`` differ from
-the Wasserstein estimator. The exact Fisher natural gradients of the normal (full covariance)
-and log-normal models, a Monte Carlo Fisher matrix from scores, and an independent brute-force
-solve of the restricted dual (for tests) complete the module. The hyper-sphere has no density:
-:func:`fisher_matrix` refuses it, the estimator still returns a number (see the chapter).
+algebra is :func:`kwng.nystrom_solve`, imported unchanged: only ``C``, ``K`` and ``T``
+differ from the Wasserstein estimator. The exact Fisher natural gradients of the normal
+(full covariance) and log-normal models, a Monte Carlo Fisher matrix from scores, and an
+independent brute-force solve of the restricted dual (for tests) complete the module.
+The hyper-sphere has no density: :func:`fisher_matrix` refuses it, the estimator still
+returns a number (see the chapter).
 """
 
 from __future__ import annotations
@@ -66,16 +70,18 @@ FISHER_JACOBIANS = ("reparam", "score")
 Sampler = Callable[[torch.Tensor], torch.Tensor]
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # The estimator
-# --------------------------------------------------------------------------------------------
-def fisher_kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, kernel: Kernel
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+# --------------------------------------------------------------------------------------
+def fisher_kernel_matrices(
+    X: torch.Tensor, basis_idx: torch.Tensor, kernel: Kernel
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The matrices of the kernel Fisher estimator at the samples ``X`` (``N × d``).
 
-    Returns ``C`` (``M × N``, centred kernel values ``k(Y_m, X_n) - mean_n k(Y_m, X_n)``), ``K``
-    (``M × M`` Gram ``k(Y_m, Y_m')``), ``CCᵀ`` (without the ``1/N``) and ``Gx`` (``M × N × d``,
-    ``∂_{x_j} k(Y_m, X_n)``, the ingredient of the reparametrised ``T``). ``X`` is detached.
+    Returns ``C`` (``M × N``, centred kernel values
+    ``k(Y_m, X_n) - mean_n k(Y_m, X_n)``), ``K`` (``M × M`` Gram ``k(Y_m, Y_m')``),
+    ``CCᵀ`` (without the ``1/N``) and ``Gx`` (``M × N × d``, ``∂_{x_j} k(Y_m, X_n)``,
+    the ingredient of the reparametrised ``T``). ``X`` is detached.
     """
     X = check_points(X, "X").detach()
     idx = torch.as_tensor(basis_idx).to(X.device)
@@ -84,65 +90,97 @@ def fisher_kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, kernel: Ker
     C = values - values.mean(1, keepdim=True)
     K = kernel(Y, Y)
     K = 0.5 * (K + K.T)
-    Gx = -kernel.grad(Y, X)  # kernel.grad differentiates in the first argument; r = y - x
+    Gx = -kernel.grad(
+        Y, X
+    )  # kernel.grad differentiates in the first argument; r = y - x
     return C, K, C @ C.T, Gx
 
 
 def fisher_jacobian_from_scores(C: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """``T = C S / N`` from the centred kernel values ``C`` (``M × N``) and the scores ``S``
-    (``N × q``, ``S[n] = ∇_θ log ρ_θ(X_n)``): the score-function form of ``∇_θ E k(Y_m, X)``.
+    """``T = C S / N`` from the centred kernel values ``C`` (``M × N``) and the scores
+    ``S`` (``N × q``, ``S[n] = ∇_θ log ρ_θ(X_n)``): the score-function form of
+    ``∇_θ E k(Y_m, X)``.
 
-    With this ``T`` the range of ``T`` lies in the range of ``C`` exactly, which makes the stable
-    form equal to the plain one even when ``CCᵀ`` is singular (the chapter's Proposition)."""
+    With this ``T`` the range of ``T`` lies in the range of ``C`` exactly, which makes
+    the stable form equal to the plain one even when ``CCᵀ`` is singular (the chapter's
+    Proposition)."""
     if C.dim() != 2 or S.dim() != 2 or C.shape[1] != S.shape[0]:
-        raise ValueError(f"C must be (M, N) and S (N, q) with the same N, got {tuple(C.shape)} "
-                         f"and {tuple(S.shape)}")
+        raise ValueError(
+            f"C must be (M, N) and S (N, q) with the same N, got {tuple(C.shape)} "
+            f"and {tuple(S.shape)}"
+        )
     return C @ S.to(C.dtype) / C.shape[1]
 
 
-def _bandwidth_for(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor,
-                   bandwidth: float | str | None, sigma0: float) -> Kernel:
-    """A copy of ``kernel`` with the bandwidth rule of :func:`kwng.kwng_gradient` applied."""
+def _bandwidth_for(
+    kernel: Kernel,
+    X: torch.Tensor,
+    basis_idx: torch.Tensor,
+    bandwidth: float | str | None,
+    sigma0: float,
+) -> Kernel:
+    """A copy of ``kernel`` with the bandwidth rule of :func:`kwng.kwng_gradient`
+    applied."""
     if bandwidth is None:
         return kernel
     kernel = copy.copy(kernel)
     if isinstance(bandwidth, str):
         check_choice(bandwidth, "bandwidth", ("mean_sq", "median"))
         Y = X.detach()[basis_idx.to(X.device)]
-        kernel.bandwidth = (mean_sq_bandwidth(X.detach(), Y, sigma0) if bandwidth == "mean_sq"
-                            else sigma0 * median_bandwidth(X.detach(), Y))
+        kernel.bandwidth = (
+            mean_sq_bandwidth(X.detach(), Y, sigma0)
+            if bandwidth == "mean_sq"
+            else sigma0 * median_bandwidth(X.detach(), Y)
+        )
     else:
         kernel.bandwidth = check_positive(bandwidth, "bandwidth")
     return kernel
 
 
-def kfng_gradient(sampler: Sampler, theta: torch.Tensor, grad: torch.Tensor, *, num_basis: int,
-                  eps: float, lam: float = 0.0, kernel: Kernel, damping: str = "T_tilde",
-                  method: str = "stable", jacobian: str = "reparam",
-                  score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                  generator: torch.Generator | None = None, basis_idx: torch.Tensor | None = None,
-                  rcond: float | None = None, bandwidth: float | str | None = None,
-                  sigma0: float = 1.0) -> KWNGResult:
-    """Kernel estimate of the Fisher–Rao natural gradient ``G_F(θ)⁻¹ ∇L(θ)`` (beyond the paper).
+def kfng_gradient(
+    sampler: Sampler,
+    theta: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    num_basis: int,
+    eps: float,
+    lam: float = 0.0,
+    kernel: Kernel,
+    damping: str = "T_tilde",
+    method: str = "stable",
+    jacobian: str = "reparam",
+    score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    generator: torch.Generator | None = None,
+    basis_idx: torch.Tensor | None = None,
+    rcond: float | None = None,
+    bandwidth: float | str | None = None,
+    sigma0: float = 1.0,
+) -> KWNGResult:
+    """Kernel estimate of the Fisher–Rao natural gradient ``G_F(θ)⁻¹ ∇L(θ)`` (beyond the
+    paper).
 
-    Same call as :func:`kwng.kwng_gradient`: ``sampler`` maps ``theta`` (``(q,)``) to samples
-    ``X = h_θ(Z)`` (``N × d``), ``grad`` is the Euclidean gradient, ``num_basis`` = ``M``,
-    ``eps`` = ``ε > 0``, ``lam`` = ``λ >= 0``, ``damping`` = ``D(θ)``, ``method`` plain or stable,
-    ``bandwidth``/``sigma0`` the bandwidth rule. The basis points come from
-    :func:`kwng.draw_basis` with the same ``generator`` stream as the Wasserstein estimator (so
-    both use the same ``Y_m``), or from ``basis_idx``.
+    Same call as :func:`kwng.kwng_gradient`: ``sampler`` maps ``theta`` (``(q,)``) to
+    samples ``X = h_θ(Z)`` (``N × d``), ``grad`` is the Euclidean gradient,
+    ``num_basis`` = ``M``, ``eps`` = ``ε > 0``, ``lam`` = ``λ >= 0``, ``damping`` =
+    ``D(θ)``, ``method`` plain or stable, ``bandwidth``/``sigma0`` the bandwidth rule.
+    The basis points come from :func:`kwng.draw_basis` with the same ``generator``
+    stream as the Wasserstein estimator (so both use the same ``Y_m``), or from
+    ``basis_idx``.
 
-    ``jacobian`` picks how ``T = ∇_θ τ(θ)``, ``τ_m = (1/N) Σ_n k(Y_m, X_n)``, is computed:
-    ``"reparam"`` differentiates through the sampler (any implicit model, as in the paper's
-    eq. (14)); ``"score"`` uses ``T = C S / N`` with ``S = score_fn(theta, X)`` (``N × q``), which
-    needs a density. ``diagnostics`` holds what :func:`kwng.nystrom_solve` reports plus
-    ``range_residual``: ``‖(I - P_C) T‖_F / ‖T‖_F``, the part of ``T`` outside the range of
-    ``C`` (0 for ``"score"``; small for a model with a density; large where there is none).
+    ``jacobian`` picks how ``T = ∇_θ τ(θ)``, ``τ_m = (1/N) Σ_n k(Y_m, X_n)``, is
+    computed: ``"reparam"`` differentiates through the sampler (any implicit model, as
+    in the paper's eq. (14)); ``"score"`` uses ``T = C S / N`` with
+    ``S = score_fn(theta, X)`` (``N × q``), which needs a density. ``diagnostics`` holds
+    what :func:`kwng.nystrom_solve` reports plus ``range_residual``:
+    ``‖(I - P_C) T‖_F / ‖T‖_F``, the part of ``T`` outside the range of ``C`` (0 for
+    ``"score"``; small for a model with a density; large where there is none).
     """
     if not isinstance(theta, torch.Tensor) or theta.dim() != 1:
         raise ValueError("theta must be a 1-d torch.Tensor (the flat parameter vector)")
     if not isinstance(grad, torch.Tensor) or grad.shape != theta.shape:
-        raise ValueError(f"grad must be a tensor of the shape of theta {tuple(theta.shape)}")
+        raise ValueError(
+            f"grad must be a tensor of the shape of theta {tuple(theta.shape)}"
+        )
     check_finite(grad, "grad")
     check_positive(eps, "eps")
     check_positive(lam, "lam", allow_zero=True)
@@ -161,7 +199,10 @@ def kfng_gradient(sampler: Sampler, theta: torch.Tensor, grad: torch.Tensor, *, 
         basis_idx, _ = draw_basis(N, d, num_basis, generator)
     basis_idx = torch.as_tensor(basis_idx)
     if basis_idx.shape != (num_basis,):
-        raise ValueError(f"basis_idx must have shape ({num_basis},) = (num_basis,), got {tuple(basis_idx.shape)}")
+        raise ValueError(
+            f"basis_idx must have shape ({num_basis},) = (num_basis,), "
+            f"got {tuple(basis_idx.shape)}"
+        )
     if int(basis_idx.min()) < 0 or int(basis_idx.max()) >= N:
         raise ValueError(f"basis_idx must lie in [0, {N - 1}]")
     kernel = _bandwidth_for(kernel, X, basis_idx, bandwidth, sigma0)
@@ -171,19 +212,37 @@ def kfng_gradient(sampler: Sampler, theta: torch.Tensor, grad: torch.Tensor, *, 
     else:
         S = score_fn(theta.detach(), X.detach())
         if not isinstance(S, torch.Tensor) or S.shape != (N, theta.numel()):
-            raise ValueError(f"score_fn must return a tensor of shape ({N}, {theta.numel()})")
+            raise ValueError(
+                f"score_fn must return a tensor of shape ({N}, {theta.numel()})"
+            )
         T = fisher_jacobian_from_scores(C, S)
-    res = nystrom_solve(T, CCt, K, grad.to(T.dtype), N, eps=eps, lam=lam, damping=damping,
-                        method=method, rcond=rcond)
+    res = nystrom_solve(
+        T,
+        CCt,
+        K,
+        grad.to(T.dtype),
+        N,
+        eps=eps,
+        lam=lam,
+        damping=damping,
+        method=method,
+        rcond=rcond,
+    )
     res.direction = res.direction.to(grad.dtype)
-    res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel), basis_idx=basis_idx,
-                           jacobian=jacobian, range_residual=_range_residual(T, CCt, rcond))
+    res.diagnostics.update(
+        d=d,
+        bandwidth=kernel.bandwidth,
+        kernel=repr(kernel),
+        basis_idx=basis_idx,
+        jacobian=jacobian,
+        range_residual=_range_residual(T, CCt, rcond),
+    )
     return res
 
 
 def _range_residual(T: torch.Tensor, CCt: torch.Tensor, rcond: float | None) -> float:
-    """``‖(I - P)T‖_F / ‖T‖_F`` with ``P`` the projector on the eigenvectors of ``CCᵀ`` kept by the
-    stable solve (eigenvalues above ``rcond · max``)."""
+    """``‖(I - P)T‖_F / ‖T‖_F`` with ``P`` the projector on the eigenvectors of ``CCᵀ``
+    kept by the stable solve (eigenvalues above ``rcond · max``)."""
     M = CCt.shape[0]
     rcond = M * torch.finfo(CCt.dtype).eps if rcond is None else rcond
     S, U = torch.linalg.eigh(CCt.to(torch.float64))
@@ -195,8 +254,9 @@ def _range_residual(T: torch.Tensor, CCt: torch.Tensor, rcond: float | None) -> 
     return float(torch.linalg.matrix_norm(T64 - Ur @ (Ur.T @ T64))) / nT
 
 
-def kernel_fisher_metric(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, N: int, *,
-                         lam: float = 0.0) -> torch.Tensor:
+def kernel_fisher_metric(
+    T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, N: int, *, lam: float = 0.0
+) -> torch.Tensor:
     """The kernel Fisher information ``Ĝ_F = Tᵀ (CCᵀ/N + λK)† T`` (``q × q``).
 
     The value of the restricted dual with the sup over ``f`` taken first: ``½ uᵀĜ_F u =
@@ -209,21 +269,32 @@ def kernel_fisher_metric(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, N:
     return T64.T @ torch.linalg.pinv(A, hermitian=True) @ T64
 
 
-def fisher_brute_force(sampler: Sampler, theta: torch.Tensor, grad: torch.Tensor, basis_idx: torch.Tensor, *,
-                       eps: float, lam: float, kernel: Kernel, damping: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The restricted Fisher dual solved by brute force, independently of :func:`kfng_gradient`.
+def fisher_brute_force(
+    sampler: Sampler,
+    theta: torch.Tensor,
+    grad: torch.Tensor,
+    basis_idx: torch.Tensor,
+    *,
+    eps: float,
+    lam: float,
+    kernel: Kernel,
+    damping: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The restricted Fisher dual solved by brute force, independently of
+    :func:`kfng_gradient`.
 
-    The function ``f_α = Σ_m α_m k(Y_m, ·)`` is evaluated explicitly (``exp(-‖y - x‖²/(2σ))`` for
-    a :class:`kwng.GaussianKernel`, else the kernel's own values), ``τ(θ) = mean_n f_α(h_θ(Z_n))``
-    is differentiated with ``torch.func.jacfwd``, the empirical objective
+    The function ``f_α = Σ_m α_m k(Y_m, ·)`` is evaluated explicitly
+    (``exp(-‖y - x‖²/(2σ))`` for a :class:`kwng.GaussianKernel`, else the kernel's own
+    values), ``τ(θ) = mean_n f_α(h_θ(Z_n))`` is differentiated with
+    ``torch.func.jacfwd``, the empirical objective
 
         ``Ĵ(α) = Var_N f_α + λ‖f_α‖²_H + (1/ε)(∇L + Tᵀα)ᵀD⁻¹(∇L + Tᵀα)``
 
     is minimised by a least-squares solve of its normal equations, and the direction is
-    ``(1/ε) D⁻¹(∇L + Tᵀα*)`` (the minimax exchange). A second route solves the saddle problem in
-    the other order: ``(εD + Ĝ_F)⁻¹ ∇L`` with ``Ĝ_F`` from :func:`kernel_fisher_metric`.
-    Returns both directions. ``damping`` is the diagonal of ``D`` (default ``1``).
+    ``(1/ε) D⁻¹(∇L + Tᵀα*)`` (the minimax exchange). A second route solves the saddle
+    problem in the other order: ``(εD + Ĝ_F)⁻¹ ∇L`` with ``Ĝ_F`` from
+    :func:`kernel_fisher_metric`. Returns both directions. ``damping`` is the diagonal
+    of ``D`` (default ``1``).
     """
     from .kernels import GaussianKernel
 
@@ -232,7 +303,11 @@ def fisher_brute_force(sampler: Sampler, theta: torch.Tensor, grad: torch.Tensor
     theta = theta.detach().to(torch.float64)
     g = grad.detach().to(torch.float64)
     q = theta.numel()
-    Dv = torch.ones(q, dtype=torch.float64) if damping is None else damping.to(torch.float64)
+    Dv = (
+        torch.ones(q, dtype=torch.float64)
+        if damping is None
+        else damping.to(torch.float64)
+    )
     with torch.no_grad():
         X = sampler(theta).to(torch.float64)
     N = X.shape[0]
@@ -260,23 +335,30 @@ def fisher_brute_force(sampler: Sampler, theta: torch.Tensor, grad: torch.Tensor
     return direction_dual, direction_metric
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Exact Fisher information and natural gradient (Def. 1), Monte Carlo Fisher from scores
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def _check_density_model(model: ImplicitModel) -> None:
     if isinstance(model, HyperSphereModel):
-        raise ValueError("the hyper-sphere model has no density: its Fisher information is not defined "
-                         "(use a NormalModel or a LogNormalModel)")
+        raise ValueError(
+            "the hyper-sphere model has no density: its Fisher information is not "
+            "defined (use a NormalModel or a LogNormalModel)"
+        )
     if not isinstance(model, (NormalModel, LogNormalModel)):
-        raise ValueError(f"model must be a kwng.NormalModel or kwng.LogNormalModel, got {type(model).__name__}")
+        raise ValueError(
+            "model must be a kwng.NormalModel or kwng.LogNormalModel, "
+            f"got {type(model).__name__}"
+        )
 
 
-def log_density(model: ImplicitModel, theta: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+def log_density(
+    model: ImplicitModel, theta: torch.Tensor, X: torch.Tensor
+) -> torch.Tensor:
     """``log ρ_θ(X_n)`` for each row of ``X`` (``(N,)``), differentiable in ``theta``.
 
-    Normal ``N(μ, LLᵀ)``: the Gaussian log-density. Log-normal ``X = exp(μ + s ⊙ Z)``: the
-    log-density of ``Y = log X`` under ``N(μ, diag s²)`` minus ``Σ_k log X_k`` (Jacobian of
-    ``exp``). Rejects the hyper-sphere (no density)."""
+    Normal ``N(μ, LLᵀ)``: the Gaussian log-density. Log-normal ``X = exp(μ + s ⊙ Z)``:
+    the log-density of ``Y = log X`` under ``N(μ, diag s²)`` minus ``Σ_k log X_k``
+    (Jacobian of ``exp``). Rejects the hyper-sphere (no density)."""
     _check_density_model(model)
     theta = model.check_theta(theta)
     X = check_points(X, "X").to(theta.dtype)
@@ -293,11 +375,14 @@ def log_density(model: ImplicitModel, theta: torch.Tensor, X: torch.Tensor) -> t
     mu, s = theta[:d], theta[d:]
     Ylog = torch.log(X)
     z = (Ylog - mu) / s
-    return (-0.5 * z * z - torch.log(torch.abs(s)) - 0.5 * math.log(2 * math.pi) - Ylog).sum(1)
+    return (
+        -0.5 * z * z - torch.log(torch.abs(s)) - 0.5 * math.log(2 * math.pi) - Ylog
+    ).sum(1)
 
 
 def scores(model: ImplicitModel, theta: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """Scores ``∇_θ log ρ_θ(X_n)`` (``N × q``) by automatic differentiation of :func:`log_density`."""
+    """Scores ``∇_θ log ρ_θ(X_n)`` (``N × q``) by automatic differentiation of
+    :func:`log_density`."""
     _check_density_model(model)
     theta = model.check_theta(theta).detach()
     return torch.func.jacfwd(lambda t: log_density(model, t, X))(theta)
@@ -306,22 +391,29 @@ def scores(model: ImplicitModel, theta: torch.Tensor, X: torch.Tensor) -> torch.
 def fisher_matrix(model: ImplicitModel, theta: torch.Tensor) -> torch.Tensor:
     """Exact Fisher information ``G_F(θ)`` (Def. 1) of the normal or log-normal model.
 
-    Normal: :func:`kwng.theory.normal_fisher_matrix` (``θ = (μ, vech L)``, full covariance).
-    Log-normal (``θ = (μ, s)``, ``X = exp(μ + s ⊙ Z)``): the Fisher information is invariant
-    under the diffeomorphism ``exp``, so it is that of ``N(μ, diag s²)``:
-    ``diag(1/s², 2/s²)``. The hyper-sphere is rejected: it has no density."""
+    Normal: :func:`kwng.theory.normal_fisher_matrix` (``θ = (μ, vech L)``, full
+    covariance). Log-normal (``θ = (μ, s)``, ``X = exp(μ + s ⊙ Z)``): the Fisher
+    information is invariant under the diffeomorphism ``exp``, so it is that of
+    ``N(μ, diag s²)``: ``diag(1/s², 2/s²)``. The hyper-sphere is rejected: it has no
+    density."""
     _check_density_model(model)
     theta = model.check_theta(theta).detach().to(torch.float64)
     if isinstance(model, NormalModel):
         return normal_fisher_matrix(model, theta)
-    s2 = theta[model.d:] ** 2
+    s2 = theta[model.d :] ** 2
     if bool((s2 == 0).any()):
-        raise ValueError("the log-normal scales s must be non-zero (the Fisher information is singular)")
+        raise ValueError(
+            "the log-normal scales s must be non-zero "
+            "(the Fisher information is singular)"
+        )
     return torch.diag(torch.cat([1.0 / s2, 2.0 / s2]))
 
 
-def fisher_natural_gradient(model: ImplicitModel, theta: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The exact Fisher–Rao natural gradient ``G_F(θ)⁻¹ ∇L(θ)`` of the normal or log-normal model."""
+def fisher_natural_gradient(
+    model: ImplicitModel, theta: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """The exact Fisher–Rao natural gradient ``G_F(θ)⁻¹ ∇L(θ)`` of the normal or
+    log-normal model."""
     G = fisher_matrix(model, theta)
     if not isinstance(grad, torch.Tensor) or grad.shape != (G.shape[0],):
         raise ValueError(f"grad must be a tensor of shape ({G.shape[0]},)")
@@ -329,13 +421,18 @@ def fisher_natural_gradient(model: ImplicitModel, theta: torch.Tensor, grad: tor
     return torch.linalg.solve(G, grad.to(torch.float64))
 
 
-def fisher_matrix_mc(model: ImplicitModel, theta: torch.Tensor, N: int,
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Monte Carlo Fisher information ``(1/N) Σ_n s_n s_nᵀ`` from ``N`` samples and the scores
-    ``s_n`` of :func:`scores`, assembled entry by entry, with the standard error of each entry.
+def fisher_matrix_mc(
+    model: ImplicitModel,
+    theta: torch.Tensor,
+    N: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Monte Carlo Fisher information ``(1/N) Σ_n s_n s_nᵀ`` from ``N`` samples and the
+    scores ``s_n`` of :func:`scores`, assembled entry by entry, with the standard error
+    of each entry.
 
-    Returns ``(G_mc, stderr)``, both ``q × q``. Independent of :func:`fisher_matrix`: it uses only
-    the log-density and automatic differentiation."""
+    Returns ``(G_mc, stderr)``, both ``q × q``. Independent of :func:`fisher_matrix`: it
+    uses only the log-density and automatic differentiation."""
     N = check_int(N, "N", 2)
     Z = model.sample_latent(N, generator)
     theta = model.check_theta(theta).detach().to(torch.float64)

@@ -1,8 +1,10 @@
-"""The Levenberg–Marquardt rule for ``ε`` (paper App. E), as a small object with its own state.
+"""The Levenberg–Marquardt rule for ``ε`` (paper App. E), as a small object with its own
+state.
 
-The rule compares the decrease of the loss that the step achieved with the decrease that the
-linear model predicted, ``r = (L_before − L_after) / (½ · lr · ⟨g, ĝ⟩)``, and adapts the damping
-``ε`` every ``interval`` steps from the largest ``r`` seen since the last update::
+The rule compares the decrease of the loss that the step achieved with the decrease that
+the linear model predicted, ``r = (L_before − L_after) / (½ · lr · ⟨g, ĝ⟩)``, and adapts
+the damping ``ε`` every ``interval`` steps from the largest ``r`` seen since the last
+update::
 
     ε ← ε / ω  if r < low   (the step was too optimistic: more damping)
     ε ← ε · ω  if r > high  (the linear model was good: less damping)
@@ -10,12 +12,13 @@ linear model predicted, ``r = (L_before − L_after) / (½ · lr · ⟨g, ĝ⟩)
 
 Two ways of getting ``L_after`` (``rule``):
 
-* ``"authors"`` — as the authors' code: ``L_after`` is the loss of the *next* mini-batch, read at
-  the start of the next step (:meth:`update`). The two losses are of different batches, so ``r``
-  mixes the progress of the step with the difference between the batches.
-* ``"same_batch"`` — ``L_after`` is the loss of the *same* mini-batch after the step, which the
-  training loop computes (one extra forward pass without gradients) and hands to
-  :meth:`observe`. This is the comparison the rule intends.
+* ``"authors"`` — as the authors' code: ``L_after`` is the loss of the *next*
+  mini-batch, read at the start of the next step (:meth:`update`). The two losses are of
+  different batches, so ``r`` mixes the progress of the step with the difference between
+  the batches.
+* ``"same_batch"`` — ``L_after`` is the loss of the *same* mini-batch after the step,
+  which the training loop computes (one extra forward pass without gradients) and hands
+  to :meth:`observe`. This is the comparison the rule intends.
 
 All quantities are 0-dim tensors on the device: no host synchronisation.
 """
@@ -34,16 +37,30 @@ LM_RULES = ("authors", "same_batch")
 
 
 class LevenbergMarquardt:
-    """ε schedule of App. E (``omega`` = ω, ``low``/``high`` the thresholds of ``r``)."""
+    """ε schedule of App. E (``omega`` = ω, ``low``/``high`` the thresholds of
+    ``r``)."""
 
-    def __init__(self, eps: float, *, eps_min: float = 1e-10, eps_max: float = 1e5, omega: float = 0.85,
-                 low: float = 0.25, high: float = 0.75, interval: int = 5, rule: str = "authors",
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        eps: float,
+        *,
+        eps_min: float = 1e-10,
+        eps_max: float = 1e5,
+        omega: float = 0.85,
+        low: float = 0.25,
+        high: float = 0.75,
+        interval: int = 5,
+        rule: str = "authors",
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.eps_min = check_positive(eps_min, "eps_min")
         self.eps_max = check_positive(eps_max, "eps_max")
         self.eps_init = check_positive(eps, "eps")
         if not self.eps_min <= self.eps_init <= self.eps_max:
-            raise ValueError(f"eps must lie in [eps_min, eps_max] = [{eps_min}, {eps_max}], got {eps}")
+            raise ValueError(
+                f"eps must lie in [eps_min, eps_max] = [{eps_min}, {eps_max}], "
+                f"got {eps}"
+            )
         self.omega = check_positive(omega, "omega")
         if not self.omega < 1:
             raise ValueError(f"omega must lie in (0, 1), got {omega}")
@@ -55,40 +72,84 @@ class LevenbergMarquardt:
         self.rule = check_choice(rule, "rule", LM_RULES)
         self.to(torch.device(device), reset=True)
 
-    # --- state ---------------------------------------------------------------------------------
+    # --- state ------------------------------------------------------------------------
     def to(self, device: torch.device, reset: bool = False) -> LevenbergMarquardt:
         """Move the state to ``device`` (``reset``: start afresh)."""
         f64 = torch.float64
         if reset:
             self.eps = torch.tensor(self.eps_init, dtype=f64, device=device)
-            self.ratio = torch.zeros((), dtype=f64, device=device)      # latest r
+            self.ratio = torch.zeros((), dtype=f64, device=device)  # latest r
             self._r_max = torch.full((), -torch.inf, dtype=f64, device=device)
-            self._loss = torch.zeros((), dtype=f64, device=device)      # L_before of the last step
-            self._pred = torch.zeros((), dtype=f64, device=device)      # ½·lr·⟨g, ĝ⟩ of the last step
+            self._loss = torch.zeros(
+                (), dtype=f64, device=device
+            )  # L_before of the last step
+            self._pred = torch.zeros(
+                (), dtype=f64, device=device
+            )  # ½·lr·⟨g, ĝ⟩ of the last step
             self.has_prev = False
             self.steps = 0
             self.ups = torch.zeros((), dtype=torch.long, device=device)
             self.downs = torch.zeros((), dtype=torch.long, device=device)
             self._count = torch.zeros((), dtype=torch.long, device=device)
         else:
-            for k in ("eps", "ratio", "_r_max", "_loss", "_pred", "ups", "downs", "_count"):
+            for k in (
+                "eps",
+                "ratio",
+                "_r_max",
+                "_loss",
+                "_pred",
+                "ups",
+                "downs",
+                "_count",
+            ):
                 setattr(self, k, getattr(self, k).to(device))
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        return {"eps": float(self.eps), "ratio": float(self.ratio), "r_max": float(self._r_max),
-                "loss": float(self._loss), "pred": float(self._pred), "has_prev": self.has_prev,
-                "steps": self.steps, "ups": int(self.ups), "downs": int(self.downs), "rule": self.rule}
+        return {
+            "eps": float(self.eps),
+            "ratio": float(self.ratio),
+            "r_max": float(self._r_max),
+            "loss": float(self._loss),
+            "pred": float(self._pred),
+            "has_prev": self.has_prev,
+            "steps": self.steps,
+            "ups": int(self.ups),
+            "downs": int(self.downs),
+            "rule": self.rule,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"eps", "ratio", "r_max", "loss", "pred", "has_prev", "steps", "ups", "downs"} - set(state)
+        missing = {
+            "eps",
+            "ratio",
+            "r_max",
+            "loss",
+            "pred",
+            "has_prev",
+            "steps",
+            "ups",
+            "downs",
+        } - set(state)
         if missing:
-            raise ValueError(f"LevenbergMarquardt state_dict is missing {sorted(missing)}")
+            raise ValueError(
+                f"LevenbergMarquardt state_dict is missing {sorted(missing)}"
+            )
         if state.get("rule", self.rule) != self.rule:
-            raise ValueError(f"state_dict was saved with rule={state['rule']!r}, this schedule has {self.rule!r}")
+            raise ValueError(
+                f"state_dict was saved with rule={state['rule']!r}, "
+                f"this schedule has {self.rule!r}"
+            )
         dev, f64 = self.eps.device, torch.float64
-        self.eps = torch.tensor(check_positive(state["eps"], "eps"), dtype=f64, device=dev)
-        for k, key in (("ratio", "ratio"), ("_r_max", "r_max"), ("_loss", "loss"), ("_pred", "pred")):
+        self.eps = torch.tensor(
+            check_positive(state["eps"], "eps"), dtype=f64, device=dev
+        )
+        for k, key in (
+            ("ratio", "ratio"),
+            ("_r_max", "r_max"),
+            ("_loss", "loss"),
+            ("_pred", "pred"),
+        ):
             setattr(self, k, torch.tensor(float(state[key]), dtype=f64, device=dev))
         self.has_prev = bool(state["has_prev"])
         self.steps = check_int(state["steps"], "steps", 0)
@@ -96,28 +157,38 @@ class LevenbergMarquardt:
         self.ups = torch.tensor(int(state["ups"]), device=dev)
         self.downs = torch.tensor(int(state["downs"]), device=dev)
 
-    # --- the rule ------------------------------------------------------------------------------
+    # --- the rule ---------------------------------------------------------------------
     def _ratio(self, loss_after: torch.Tensor) -> None:
         after = loss_after.detach().to(self.eps.device, torch.float64)
         pred = self._pred
-        self.ratio = torch.where(pred > 0, (self._loss - after) / pred.clamp(min=1e-300), torch.zeros_like(pred))
+        self.ratio = torch.where(
+            pred > 0,
+            (self._loss - after) / pred.clamp(min=1e-300),
+            torch.zeros_like(pred),
+        )
         self._r_max = torch.maximum(self._r_max, self.ratio)
 
     def _adapt(self) -> None:
-        """Every ``interval`` steps (counted on the device, so a CUDA-graph replay counts too)."""
+        """Every ``interval`` steps (counted on the device, so a CUDA-graph replay
+        counts too)."""
         due = (self._count + 1) % self.interval == 0
         r = self._r_max
         seen = due & torch.isfinite(r)
         up = seen & (r < self.low) & (self.eps < self.eps_max)
         down = seen & (r > self.high) & (self.eps > self.eps_min)
-        new = torch.where(up, self.eps / self.omega, torch.where(down, self.eps * self.omega, self.eps))
+        new = torch.where(
+            up,
+            self.eps / self.omega,
+            torch.where(down, self.eps * self.omega, self.eps),
+        )
         self.eps = new.clamp(self.eps_min, self.eps_max)
         self.ups += up.long()
         self.downs += down.long()
         self._r_max = torch.where(due, torch.full_like(r, -torch.inf), r)
 
     def update(self, loss: torch.Tensor) -> torch.Tensor:
-        """Start of a step with mini-batch loss ``loss``; returns the ``ε`` to use in this step.
+        """Start of a step with mini-batch loss ``loss``; returns the ``ε`` to use in
+        this step.
 
         Rule ``"authors"``: ``loss`` is the ``L_after`` of the previous step.
         """
@@ -136,14 +207,22 @@ class LevenbergMarquardt:
         self._count += 1
 
     def observe(self, loss_after: torch.Tensor) -> None:
-        """Rule ``"same_batch"``: the loss of the same mini-batch after the optimizer's step."""
+        """Rule ``"same_batch"``: the loss of the same mini-batch after the optimizer's
+        step."""
         if self.rule != "same_batch":
-            raise ValueError(f"observe() is for rule='same_batch'; this schedule has rule={self.rule!r}")
+            raise ValueError(
+                "observe() is for rule='same_batch'; "
+                f"this schedule has rule={self.rule!r}"
+            )
         if not self.has_prev:
-            raise ValueError("observe() before any step: call it after optimizer.step()")
+            raise ValueError(
+                "observe() before any step: call it after optimizer.step()"
+            )
         self._ratio(loss_after)
 
     def __repr__(self) -> str:
-        return (f"LevenbergMarquardt(eps={self.eps_init}, eps_min={self.eps_min}, eps_max={self.eps_max}, "
-                f"omega={self.omega}, low={self.low}, high={self.high}, interval={self.interval}, "
-                f"rule={self.rule!r})")
+        return (
+            f"LevenbergMarquardt(eps={self.eps_init}, eps_min={self.eps_min}, "
+            f"eps_max={self.eps_max}, omega={self.omega}, low={self.low}, "
+            f"high={self.high}, interval={self.interval}, rule={self.rule!r})"
+        )

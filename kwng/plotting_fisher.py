@@ -1,7 +1,9 @@
-"""Figures and tables of the Fisher–Rao vs Wasserstein comparison (chapter "fisher_rao").
+"""Figures and tables of the Fisher–Rao vs Wasserstein comparison (chapter
+"fisher_rao").
 
-Every function takes what :mod:`kwng.experiments.fisher` writes (:func:`~kwng.experiments.fisher.load_sweep`
-rows, :func:`~kwng.experiments.fisher.load_flow` curves) and returns a figure or a table.
+Every function takes what :mod:`kwng.experiments.fisher` writes
+(:func:`~kwng.experiments.fisher.load_sweep` rows,
+:func:`~kwng.experiments.fisher.load_flow` curves) and returns a figure or a table.
 """
 
 from __future__ import annotations
@@ -11,8 +13,14 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ESTIMATORS", "median_by", "plot_fisher_relerr", "plot_fisher_sphere", "plot_fisher_flow",
-           "comparison_table"]
+__all__ = [
+    "ESTIMATORS",
+    "median_by",
+    "plot_fisher_relerr",
+    "plot_fisher_sphere",
+    "plot_fisher_flow",
+    "comparison_table",
+]
 
 # column -> (label, line style)
 ESTIMATORS = {
@@ -21,14 +29,20 @@ ESTIMATORS = {
     "err_fng_lam": ("kernel Fisher, λ = 1e-4", "-."),
     "err_fng_score": ("kernel Fisher, score T", ":"),
 }
-_METHOD_STYLE = {"wng": ("exact WNG", "C0", "-"), "kwng": ("KWNG", "C0", "--"),
-                 "fng": ("exact Fisher NG", "C3", "-"), "kfng": ("kernel Fisher NG", "C3", "--"),
-                 "eg": ("Euclidean", "0.4", ":")}
+_METHOD_STYLE = {
+    "wng": ("exact WNG", "C0", "-"),
+    "kwng": ("KWNG", "C0", "--"),
+    "fng": ("exact Fisher NG", "C3", "-"),
+    "kfng": ("kernel Fisher NG", "C3", "--"),
+    "eg": ("Euclidean", "0.4", ":"),
+}
 
 
-def median_by(rows: Sequence[dict], column: str, keys: Sequence[str]) -> dict[tuple, tuple[float, float, float]]:
-    """``{key: (median, 25%, 75%)}`` of ``column`` over the rows grouped by the columns ``keys``
-    (NaN values are left out; a group with only NaN gives NaN)."""
+def median_by(
+    rows: Sequence[dict], column: str, keys: Sequence[str]
+) -> dict[tuple, tuple[float, float, float]]:
+    """``{key: (median, 25%, 75%)}`` of ``column`` over the rows grouped by the columns
+    ``keys`` (NaN values are left out; a group with only NaN gives NaN)."""
     if not rows:
         raise ValueError("rows must be a non-empty list of sweep rows")
     if column not in rows[0]:
@@ -40,8 +54,15 @@ def median_by(rows: Sequence[dict], column: str, keys: Sequence[str]) -> dict[tu
     for k, v in groups.items():
         v = np.array(v)
         v = v[np.isfinite(v)]
-        out[k] = (float(np.median(v)), float(np.quantile(v, 0.25)), float(np.quantile(v, 0.75))) if len(v) \
+        out[k] = (
+            (
+                float(np.median(v)),
+                float(np.quantile(v, 0.25)),
+                float(np.quantile(v, 0.75)),
+            )
+            if len(v)
             else (np.nan, np.nan, np.nan)
+        )
     return out
 
 
@@ -49,15 +70,20 @@ def _dims(rows):
     return sorted({int(r["d"]) for r in rows})
 
 
-def plot_fisher_relerr(rows: Sequence[dict], models: Sequence[str] = ("normal", "lognormal")):
-    """Median relative error (band: quartiles of KWNG and of the regularised Fisher estimate)
-    against ``N`` (top, ``M = ⌊d√N⌋``) and ``M`` (bottom, fixed ``N``), one column per model,
-    one colour per dimension, one line style per estimator (:data:`ESTIMATORS`)."""
+def plot_fisher_relerr(
+    rows: Sequence[dict], models: Sequence[str] = ("normal", "lognormal")
+):
+    """Median relative error (band: quartiles of KWNG and of the regularised Fisher
+    estimate) against ``N`` (top, ``M = ⌊d√N⌋``) and ``M`` (bottom, fixed ``N``), one
+    column per model, one colour per dimension, one line style per estimator
+    (:data:`ESTIMATORS`)."""
     import matplotlib.pyplot as plt
 
     dims = _dims(rows)
     colors = {d: f"C{i}" for i, d in enumerate(dims)}
-    fig, axes = plt.subplots(2, len(models), figsize=(5.2 * len(models), 7.5), squeeze=False)
+    fig, axes = plt.subplots(
+        2, len(models), figsize=(5.2 * len(models), 7.5), squeeze=False
+    )
     for j, model in enumerate(models):
         sub = [r for r in rows if r["model"] == model]
         if not sub:
@@ -69,13 +95,28 @@ def plot_fisher_relerr(rows: Sequence[dict], models: Sequence[str] = ("normal", 
                 for d in dims:
                     xs = sorted(k[1] for k in med if k[0] == d)
                     ys = [med[(d, v)] for v in xs]
-                    ax.plot(xs, [y[0] for y in ys], ls, color=colors[d], marker="o", ms=3,
-                            label=f"{label}, d={d}")
+                    ax.plot(
+                        xs,
+                        [y[0] for y in ys],
+                        ls,
+                        color=colors[d],
+                        marker="o",
+                        ms=3,
+                        label=f"{label}, d={d}",
+                    )
                     if col in ("err_wng", "err_fng_lam"):
-                        ax.fill_between(xs, [y[1] for y in ys], [y[2] for y in ys], color=colors[d], alpha=0.08)
+                        ax.fill_between(
+                            xs,
+                            [y[1] for y in ys],
+                            [y[2] for y in ys],
+                            color=colors[d],
+                            alpha=0.08,
+                        )
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.set_xlabel("N (M = ⌊d√N⌋)" if panel == "N" else f"M (N = {_fixed_N(sub)})")
+            ax.set_xlabel(
+                "N (M = ⌊d√N⌋)" if panel == "N" else f"M (N = {_fixed_N(sub)})"
+            )
             ax.set_ylabel("relative error")
             ax.set_title(f"{model}: error vs {x}")
             xs_all = sorted({r[x] for r in sub if r["panel"] == panel})
@@ -93,10 +134,11 @@ def _fixed_N(rows) -> int:
 
 
 def plot_fisher_sphere(rows: Sequence[dict]):
-    """Where the Fisher metric does not exist. Left: the largest eigenvalue of the kernel Fisher
-    metric ``Ĝ_F`` against ``N`` (``M = ⌊d√N⌋``) on the sphere and the normal model (with the
-    exact ``λ_max(G_F)`` of the normal as a reference). Middle: the part of ``T`` outside the
-    range of ``C``. Right: KWNG's relative error on the sphere (the Wasserstein side converges)."""
+    """Where the Fisher metric does not exist. Left: the largest eigenvalue of the
+    kernel Fisher metric ``Ĝ_F`` against ``N`` (``M = ⌊d√N⌋``) on the sphere and the
+    normal model (with the exact ``λ_max(G_F)`` of the normal as a reference). Middle:
+    the part of ``T`` outside the range of ``C``. Right: KWNG's relative error on the
+    sphere (the Wasserstein side converges)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -108,18 +150,39 @@ def plot_fisher_sphere(rows: Sequence[dict]):
             for ax, col in ((axes[0], "gf_max"), (axes[1], "range_residual")):
                 med = median_by([r for r in sub if r["d"] == d], col, ("N",))
                 xs = sorted(k2[0] for k2 in med)
-                ax.plot(xs, [med[(v,)][0] for v in xs], marker=marker, color=c,
-                        ls="-" if model == "sphere" else "--", label=f"{model}, d={d}")
+                ax.plot(
+                    xs,
+                    [med[(v,)][0] for v in xs],
+                    marker=marker,
+                    color=c,
+                    ls="-" if model == "sphere" else "--",
+                    label=f"{model}, d={d}",
+                )
             if model == "normal":
                 ex = median_by([r for r in sub if r["d"] == d], "gf_exact_max", ("N",))
                 xs = sorted(k2[0] for k2 in ex)
-                axes[0].plot(xs, [ex[(v,)][0] for v in xs], ":", color=c, label=f"exact λmax(G_F), normal d={d}")
+                axes[0].plot(
+                    xs,
+                    [ex[(v,)][0] for v in xs],
+                    ":",
+                    color=c,
+                    label=f"exact λmax(G_F), normal d={d}",
+                )
             if model == "sphere":
                 med = median_by([r for r in sub if r["d"] == d], "err_wng", ("N",))
                 xs = sorted(k2[0] for k2 in med)
-                axes[2].plot(xs, [med[(v,)][0] for v in xs], marker=marker, color=c, label=f"sphere, d={d}")
-    titles = ("largest eigenvalue of the kernel Fisher metric", "‖(I - P_C)T‖ / ‖T‖ (reparametrised T)",
-              "KWNG relative error on the sphere")
+                axes[2].plot(
+                    xs,
+                    [med[(v,)][0] for v in xs],
+                    marker=marker,
+                    color=c,
+                    label=f"sphere, d={d}",
+                )
+    titles = (
+        "largest eigenvalue of the kernel Fisher metric",
+        "‖(I - P_C)T‖ / ‖T‖ (reparametrised T)",
+        "KWNG relative error on the sphere",
+    )
     for ax, t in zip(axes, titles):
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -135,7 +198,8 @@ def plot_fisher_sphere(rows: Sequence[dict]):
 
 
 def plot_fisher_flow(flow: dict[str, dict[str, np.ndarray]]):
-    """Loss against iteration for each loss (``w2``, ``kl``) and method of the flow experiment."""
+    """Loss against iteration for each loss (``w2``, ``kl``) and method of the flow
+    experiment."""
     import matplotlib.pyplot as plt
 
     if not flow:
@@ -155,11 +219,14 @@ def plot_fisher_flow(flow: dict[str, dict[str, np.ndarray]]):
 
 
 def comparison_table(rows: Sequence[dict], N: int) -> list[dict]:
-    """One row per model: median relative errors of every estimator at ``N`` (panel ``N``, all
-    dimensions pooled), median seconds per estimate, and the median of ``λ_max(Ĝ_F)``."""
+    """One row per model: median relative errors of every estimator at ``N`` (panel
+    ``N``, all dimensions pooled), median seconds per estimate, and the median of
+    ``λ_max(Ĝ_F)``."""
     out = []
     for model in sorted({r["model"] for r in rows}):
-        sub = [r for r in rows if r["model"] == model and r["panel"] == "N" and r["N"] == N]
+        sub = [
+            r for r in rows if r["model"] == model and r["panel"] == "N" and r["N"] == N
+        ]
         if not sub:
             raise ValueError(f"no rows of panel N at N = {N} for model {model!r}")
         row = {"model": model, "N": N}

@@ -1,27 +1,30 @@
-"""Fisher–Rao next to Wasserstein: the same kernel estimator on both duals (beyond the paper).
+"""Fisher–Rao next to Wasserstein: the same kernel estimator on both duals (beyond the
+paper).
 
-One command, ``python -m kwng.experiments fisher [--part sweep|flow|all] [--scale small|full]
+One command,
+``python -m kwng.experiments fisher [--part sweep|flow|all] [--scale small|full]
 [--out DIR]``, with two parts:
 
-* ``sweep`` – for the normal, log-normal and hyper-sphere models, at every grid point ``(d, N, M)``
-  and for ``runs`` random ``(θ, ∇L)`` (the protocol of ``relerr``): the relative error of KWNG
-  against the exact WNG, of the kernel Fisher estimator against the exact Fisher natural gradient
-  (``reparam`` Jacobian with ``λ = 0`` and with ``λ = lam_fisher``, ``score`` Jacobian with
-  ``λ = 0``), the largest eigenvalue of the kernel Fisher metric
-  ``Ĝ_F``, the part of ``T`` outside the range of ``C`` and the time of each estimate. On the
-  sphere the Fisher natural gradient does not exist: its errors are NaN and the other columns
-  show what the estimator does there;
-* ``flow`` – natural-gradient descent of the normal model toward a target normal, for two losses
-  (``W2²`` and ``KL(ρ_θ ‖ ρ*)``), with the exact WNG, the exact Fisher NG, KWNG (``λ = 0``, the
-  paper's setting), the kernel Fisher estimate (``λ = lam_fisher``) and the Euclidean gradient.
+* ``sweep`` – for the normal, log-normal and hyper-sphere models, at every grid point
+  ``(d, N, M)`` and for ``runs`` random ``(θ, ∇L)`` (the protocol of ``relerr``): the
+  relative error of KWNG against the exact WNG, of the kernel Fisher estimator against
+  the exact Fisher natural gradient (``reparam`` Jacobian with ``λ = 0`` and with
+  ``λ = lam_fisher``, ``score`` Jacobian with ``λ = 0``), the largest eigenvalue of the
+  kernel Fisher metric ``Ĝ_F``, the part of ``T`` outside the range of ``C`` and the
+  time of each estimate. On the sphere the Fisher natural gradient does not exist: its
+  errors are NaN and the other columns show what the estimator does there;
+* ``flow`` – natural-gradient descent of the normal model toward a target normal, for
+  two losses (``W2²`` and ``KL(ρ_θ ‖ ρ*)``), with the exact WNG, the exact Fisher NG,
+  KWNG (``λ = 0``, the paper's setting), the kernel Fisher estimate (``λ = lam_fisher``)
+  and the Euclidean gradient.
 
 Results go to ``DIR`` (default ``_build/results/fisher-<scale>``, outside the committed
 results) with one provenance file per part (``fisher-sweep.provenance.json``,
-``fisher-flow.provenance.json``: command, configuration, git commit, device, date, seeds, wall
-time). The sweep CSV is rewritten atomically after each grid point and a rerun with the same
-configuration resumes; a directory holding results of *another* configuration is never touched
-(the command stops with an error). The committed results were made with
-``--scale full --out results/fisher``.
+``fisher-flow.provenance.json``: command, configuration, git commit, device, date,
+seeds, wall time). The sweep CSV is rewritten atomically after each grid point and a
+rerun with the same configuration resumes; a directory holding results of *another*
+configuration is never touched (the command stops with an error). The committed results
+were made with ``--scale full --out results/fisher``.
 """
 
 from __future__ import annotations
@@ -53,23 +56,58 @@ from ..fisher import (
 )
 from ..kernels import GaussianKernel
 from ..models import NormalModel, make_model
-from ..provenance import atomic_write_json, atomic_write_text, make_provenance, read_json
+from ..provenance import (
+    atomic_write_json,
+    atomic_write_text,
+    make_provenance,
+    read_json,
+)
 from .synthetic import draw_theta, normal_w2_and_grad
 
-__all__ = ["MODELS", "SWEEP_COLUMNS", "compare_once", "metric_vs_lambda", "FLOW_METHODS", "LOSSES",
-           "sweep_config", "flow_config", "run_sweep", "run_flow", "load_sweep", "load_flow",
-           "normal_kl_and_grad", "main"]
+__all__ = [
+    "MODELS",
+    "SWEEP_COLUMNS",
+    "compare_once",
+    "metric_vs_lambda",
+    "FLOW_METHODS",
+    "LOSSES",
+    "sweep_config",
+    "flow_config",
+    "run_sweep",
+    "run_flow",
+    "load_sweep",
+    "load_flow",
+    "normal_kl_and_grad",
+    "main",
+]
 
 log = logging.getLogger(__name__)
 
 MODELS = ("normal", "lognormal", "sphere")
-SWEEP_COLUMNS = ("model", "panel", "d", "N", "M", "run", "bandwidth", "err_wng", "err_fng", "err_fng_lam",
-                 "err_fng_score",
-                 "fng_norm", "gf_max", "gf_exact_max", "range_residual", "time_wng_s", "time_fng_s")
+SWEEP_COLUMNS = (
+    "model",
+    "panel",
+    "d",
+    "N",
+    "M",
+    "run",
+    "bandwidth",
+    "err_wng",
+    "err_fng",
+    "err_fng_lam",
+    "err_fng_score",
+    "fng_norm",
+    "gf_max",
+    "gf_exact_max",
+    "range_residual",
+    "time_wng_s",
+    "time_fng_s",
+)
 FLOW_METHODS = ("wng", "fng", "kwng", "kfng", "eg")
 LOSSES = ("w2", "kl")
-# Bandwidths as in the relerr study (kwng.experiments.synthetic.RELERR_BANDWIDTH): fixed σ = 1 on
-# the sphere (paper, Fig. 1), the heuristic σ = 0.5 · mean ‖X_n - Y_m‖² elsewhere.
+# Bandwidths as in the relerr study (kwng.experiments.synthetic.RELERR_BANDWIDTH): fixed
+# σ = 1 on the sphere (paper, Fig. 1), the heuristic σ = 0.5 · mean ‖X_n - Y_m‖²
+# elsewhere.
 BANDWIDTH = {"sphere": 1.0, "normal": "mean_sq:0.5", "lognormal": "mean_sq:0.5"}
 
 
@@ -81,37 +119,58 @@ def _scale(scale: str | None) -> str:
 
 
 def sweep_config(scale: str | None = None) -> dict:
-    """Grid of the sweep. ``full`` is sized for a 2-core CPU (a few minutes): ``d ∈ {2, 4}``,
-    ``N`` up to 4000 with ``M = ⌊d√N⌋`` (the paper's rule), an ``M`` panel at ``N = 2000``,
-    20 runs per point (enough for a median and quartiles; the paper's 100 runs change the
-    spread of the boxes, not their centres)."""
+    """Grid of the sweep. ``full`` is sized for a 2-core CPU (a few minutes):
+    ``d ∈ {2, 4}``, ``N`` up to 4000 with ``M = ⌊d√N⌋`` (the paper's rule), an ``M``
+    panel at ``N = 2000``, 20 runs per point (enough for a median and quartiles; the
+    paper's 100 runs change the spread of the boxes, not their centres)."""
     full = _scale(scale) == "full"
     return {
-        "experiment": "fisher-sweep", "scale": "full" if full else "small",
-        "models": list(MODELS), "dims": [2, 4] if full else [2],
+        "experiment": "fisher-sweep",
+        "scale": "full" if full else "small",
+        "models": list(MODELS),
+        "dims": [2, 4] if full else [2],
         "N_values": [250, 500, 1000, 2000, 4000] if full else [250, 500, 1000],
         "N_fixed": 2000 if full else 1000,
         "M_values": [10, 30, 100, 300] if full else [10, 30, 100],
         "runs": 20 if full else 3,
-        "eps": 1e-5, "lam": 0.0, "lam_fisher": 1e-4, "damping": "T_tilde", "theta_variance": 0.1,
-        "grad_variance": 0.1, "bandwidth": dict(BANDWIDTH), "seed": 14,
+        "eps": 1e-5,
+        "lam": 0.0,
+        "lam_fisher": 1e-4,
+        "damping": "T_tilde",
+        "theta_variance": 0.1,
+        "grad_variance": 0.1,
+        "bandwidth": dict(BANDWIDTH),
+        "seed": 14,
     }
 
 
 def flow_config(scale: str | None = None) -> dict:
-    """The flows: normal model, ``d = 4`` (``q = 14``; ``d = 2`` at small scale), step 0.1 for the
-    natural gradients and ``eg_step`` for the Euclidean one, estimators with ``N`` samples and
-    ``M = ⌊d√N⌋`` basis points redrawn at every step."""
+    """The flows: normal model, ``d = 4`` (``q = 14``; ``d = 2`` at small scale), step
+    0.1 for the natural gradients and ``eg_step`` for the Euclidean one, estimators with
+    ``N`` samples and ``M = ⌊d√N⌋`` basis points redrawn at every step."""
     full = _scale(scale) == "full"
     d = 4 if full else 2
     N = 1000 if full else 250
     return {
-        "experiment": "fisher-flow", "scale": "full" if full else "small",
-        "d": d, "iterations": 150 if full else 25, "losses": list(LOSSES), "methods": list(FLOW_METHODS),
-        "N": N, "M": int(d * N ** 0.5), "step": 0.1, "eg_step": 0.02, "eps": 1e-5, "lam": 0.0,
+        "experiment": "fisher-flow",
+        "scale": "full" if full else "small",
+        "d": d,
+        "iterations": 150 if full else 25,
+        "losses": list(LOSSES),
+        "methods": list(FLOW_METHODS),
+        "N": N,
+        "M": int(d * N**0.5),
+        "step": 0.1,
+        "eg_step": 0.02,
+        "eps": 1e-5,
+        "lam": 0.0,
         "lam_fisher": 1e-4,
-        "damping": "T_tilde", "bandwidth": BANDWIDTH["normal"], "theta_variance": 0.1,
-        "target_mean_std": 1.0, "divergence_factor": 1e6, "seed": 15,
+        "damping": "T_tilde",
+        "bandwidth": BANDWIDTH["normal"],
+        "theta_variance": 0.1,
+        "target_mean_std": 1.0,
+        "divergence_factor": 1e6,
+        "seed": 15,
     }
 
 
@@ -124,35 +183,41 @@ def _parse_bandwidth(spec: float | str) -> tuple[float | None, str | None, float
     if isinstance(spec, str):
         rule, _, s0 = spec.partition(":")
         if rule not in ("mean_sq", "median"):
-            raise ValueError(f"bandwidth spec must be a number or '<mean_sq|median>:<sigma0>', got {spec!r}")
+            raise ValueError(
+                "bandwidth spec must be a number or '<mean_sq|median>:<sigma0>', "
+                f"got {spec!r}"
+            )
         return None, rule, float(s0 or 1.0)
     return float(spec), None, 1.0
 
 
 def _prepare_dir(out: Path, cfg: dict) -> dict:
-    """Create ``out`` for ``cfg``; refuse a directory made with another configuration (nothing is
-    deleted or overwritten). Returns the previous provenance (resume) or ``{}``."""
+    """Create ``out`` for ``cfg``; refuse a directory made with another configuration
+    (nothing is deleted or overwritten). Returns the previous provenance (resume) or
+    ``{}``."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / f"{cfg['experiment']}.config.json"
     if cfg_path.exists():
         old = read_json(cfg_path)
         if old != json.loads(json.dumps(cfg)):
-            raise SystemExit(f"{cfg_path} holds another configuration ({old.get('scale')} scale); "
-                             f"choose another --out: results are never overwritten")
+            raise SystemExit(
+                f"{cfg_path} holds another configuration ({old.get('scale')} scale); "
+                f"choose another --out: results are never overwritten"
+            )
         prov = out / f"{cfg['experiment']}.provenance.json"
         return read_json(prov) if prov.exists() else {}
     atomic_write_json(cfg_path, cfg)
     return {}
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Sweep
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def _points(cfg: dict) -> list[dict]:
     pts = []
     for d in cfg["dims"]:
         for N in cfg["N_values"]:
-            pts.append({"panel": "N", "d": d, "N": N, "M": min(N, int(d * N ** 0.5))})
+            pts.append({"panel": "N", "d": d, "N": N, "M": min(N, int(d * N**0.5))})
         for M in cfg["M_values"]:
             if M <= cfg["N_fixed"]:
                 pts.append({"panel": "M", "d": d, "N": cfg["N_fixed"], "M": M})
@@ -164,66 +229,113 @@ def _key(model: str, p: dict) -> str:
 
 
 def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
-    """One run of the sweep at the grid point ``p`` (``{"panel", "d", "N", "M"}``), run index
-    ``r``: KWNG and the kernel Fisher estimates on the same samples and basis points, against the
-    exact natural gradients. Returns a row with the columns of :data:`SWEEP_COLUMNS`; the draws are
-    keyed by ``(cfg["seed"], model, point, r)`` so any run can be redone alone."""
+    """One run of the sweep at the grid point ``p`` (``{"panel", "d", "N", "M"}``), run
+    index ``r``: KWNG and the kernel Fisher estimates on the same samples and basis
+    points, against the exact natural gradients. Returns a row with the columns of
+    :data:`SWEEP_COLUMNS`; the draws are keyed by ``(cfg["seed"], model, point, r)`` so
+    any run can be redone alone."""
     if model_name not in MODELS:
-        raise ValueError(f"model_name must be one of {list(MODELS)}, got {model_name!r}")
+        raise ValueError(
+            f"model_name must be one of {list(MODELS)}, got {model_name!r}"
+        )
     d, N, M = p["d"], p["N"], p["M"]
     model = make_model(model_name, d)
     g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, r))
     theta = draw_theta(model_name, d, g, cfg["theta_variance"])
-    grad = cfg["grad_variance"] ** 0.5 * torch.randn(model.num_params, generator=g, dtype=torch.float64)
+    grad = cfg["grad_variance"] ** 0.5 * torch.randn(
+        model.num_params, generator=g, dtype=torch.float64
+    )
     gz = torch.Generator().manual_seed(_seed(cfg["seed"], _key(model_name, p), r))
     Z = model.sample_latent(N, gz)
     idx, coords = draw_basis(N, d, M, gz)
     sampler = lambda t: model.sample(t, Z)  # noqa: E731
     sigma, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"][model_name])
     kernel = GaussianKernel(1.0 if sigma is None else sigma)
-    common = dict(num_basis=M, eps=cfg["eps"], lam=cfg["lam"], kernel=kernel, damping=cfg["damping"],
-                  bandwidth=rule, sigma0=sigma0)
+    common = dict(
+        num_basis=M,
+        eps=cfg["eps"],
+        lam=cfg["lam"],
+        kernel=kernel,
+        damping=cfg["damping"],
+        bandwidth=rule,
+        sigma0=sigma0,
+    )
     t0 = time.perf_counter()
-    w = kwng_gradient(sampler, theta, grad, basis_idx=idx, basis_coords=coords, **common)
+    w = kwng_gradient(
+        sampler, theta, grad, basis_idx=idx, basis_coords=coords, **common
+    )
     t1 = time.perf_counter()
     f = kfng_gradient(sampler, theta, grad, basis_idx=idx, **common)
     t2 = time.perf_counter()
-    row = {"model": model_name, "panel": p["panel"], "d": d, "N": N, "M": M, "run": r,
-           "bandwidth": float(f.diagnostics["bandwidth"]),
-           "err_wng": _relerr(w.direction, model.wng(theta, grad)),
-           "fng_norm": float(f.direction.norm() / grad.norm()),
-           "range_residual": float(f.diagnostics["range_residual"]),
-           "time_wng_s": t1 - t0, "time_fng_s": t2 - t1}
+    row = {
+        "model": model_name,
+        "panel": p["panel"],
+        "d": d,
+        "N": N,
+        "M": M,
+        "run": r,
+        "bandwidth": float(f.diagnostics["bandwidth"]),
+        "err_wng": _relerr(w.direction, model.wng(theta, grad)),
+        "fng_norm": float(f.direction.norm() / grad.norm()),
+        "range_residual": float(f.diagnostics["range_residual"]),
+        "time_wng_s": t1 - t0,
+        "time_fng_s": t2 - t1,
+    }
     # the kernel Fisher metric Ĝ_F = Tᵀ(CCᵀ/N)†T with the same basis and bandwidth
     X = sampler(theta).detach()
-    C, K, CCt, Gx = fisher_kernel_matrices(X, idx, _bandwidth_for(kernel, X, idx, rule, sigma0))
-    G = kernel_fisher_metric(jacobian_from_sampler(sampler, theta, Gx), CCt, K, N, lam=cfg["lam"])
+    C, K, CCt, Gx = fisher_kernel_matrices(
+        X, idx, _bandwidth_for(kernel, X, idx, rule, sigma0)
+    )
+    G = kernel_fisher_metric(
+        jacobian_from_sampler(sampler, theta, Gx), CCt, K, N, lam=cfg["lam"]
+    )
     row["gf_max"] = float(torch.linalg.eigvalsh(G).max())
     if model_name == "sphere":  # no density: no Fisher natural gradient to compare with
-        row.update(err_fng=math.nan, err_fng_lam=math.nan, err_fng_score=math.nan, gf_exact_max=math.nan)
+        row.update(
+            err_fng=math.nan,
+            err_fng_lam=math.nan,
+            err_fng_score=math.nan,
+            gf_exact_max=math.nan,
+        )
         return row
     exact = fisher_natural_gradient(model, theta, grad)
-    fs = kfng_gradient(sampler, theta, grad, basis_idx=idx, jacobian="score",
-                       score_fn=lambda t, Xs: scores(model, t, Xs), **common)
+    fs = kfng_gradient(
+        sampler,
+        theta,
+        grad,
+        basis_idx=idx,
+        jacobian="score",
+        score_fn=lambda t, Xs: scores(model, t, Xs),
+        **common,
+    )
     common["lam"] = cfg["lam_fisher"]
     fl = kfng_gradient(sampler, theta, grad, basis_idx=idx, **common)
-    row.update(err_fng=_relerr(f.direction, exact), err_fng_score=_relerr(fs.direction, exact),
-               err_fng_lam=_relerr(fl.direction, exact),
-               gf_exact_max=float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max()))
+    row.update(
+        err_fng=_relerr(f.direction, exact),
+        err_fng_score=_relerr(fs.direction, exact),
+        err_fng_lam=_relerr(fl.direction, exact),
+        gf_exact_max=float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max()),
+    )
     return row
 
 
-def metric_vs_lambda(model_name: str, d: int, N: int, M: int, lams: list[float], cfg: dict,
-                     run: int = 0) -> tuple[list[float], float]:
-    """Largest eigenvalue of the kernel Fisher metric ``Ĝ_F(λ) = Tᵀ(CCᵀ/N + λK)†T`` for each
-    ``λ`` in ``lams``, on the samples and basis of run ``run`` of the sweep point ``(d, N, M)``
-    (``T`` reparametrised), and the largest eigenvalue of the exact ``G_F`` (NaN on the sphere).
-    Where the Fisher metric exists ``Ĝ_F`` converges as ``λ → 0``; on the sphere it grows like
-    ``1/λ`` until the float64 truncation of the pseudo-inverse stops it."""
+def metric_vs_lambda(
+    model_name: str, d: int, N: int, M: int, lams: list[float], cfg: dict, run: int = 0
+) -> tuple[list[float], float]:
+    """Largest eigenvalue of the kernel Fisher metric ``Ĝ_F(λ) = Tᵀ(CCᵀ/N + λK)†T`` for
+    each ``λ`` in ``lams``, on the samples and basis of run ``run`` of the sweep point
+    ``(d, N, M)`` (``T`` reparametrised), and the largest eigenvalue of the exact
+    ``G_F`` (NaN on the sphere). Where the Fisher metric exists ``Ĝ_F`` converges as
+    ``λ → 0``; on the sphere it grows like ``1/λ`` until the float64 truncation of the
+    pseudo-inverse stops it."""
     if model_name not in MODELS:
-        raise ValueError(f"model_name must be one of {list(MODELS)}, got {model_name!r}")
+        raise ValueError(
+            f"model_name must be one of {list(MODELS)}, got {model_name!r}"
+        )
     if not lams or any(float(v) < 0 for v in lams):
-        raise ValueError(f"lams must be a non-empty list of numbers in [0, inf), got {lams!r}")
+        raise ValueError(
+            f"lams must be a non-empty list of numbers in [0, inf), got {lams!r}"
+        )
     p = {"panel": "N", "d": d, "N": N, "M": M}
     model = make_model(model_name, d)
     g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, run))
@@ -234,11 +346,24 @@ def metric_vs_lambda(model_name: str, d: int, N: int, M: int, lams: list[float],
     sampler = lambda t: model.sample(t, Z)  # noqa: E731
     sigma, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"][model_name])
     X = sampler(theta).detach()
-    kernel = _bandwidth_for(GaussianKernel(1.0 if sigma is None else sigma), X, idx, rule, sigma0)
+    kernel = _bandwidth_for(
+        GaussianKernel(1.0 if sigma is None else sigma), X, idx, rule, sigma0
+    )
     C, K, CCt, Gx = fisher_kernel_matrices(X, idx, kernel)
     T = jacobian_from_sampler(sampler, theta, Gx)
-    values = [float(torch.linalg.eigvalsh(kernel_fisher_metric(T, CCt, K, N, lam=float(v))).max()) for v in lams]
-    exact = math.nan if model_name == "sphere" else float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max())
+    values = [
+        float(
+            torch.linalg.eigvalsh(
+                kernel_fisher_metric(T, CCt, K, N, lam=float(v))
+            ).max()
+        )
+        for v in lams
+    ]
+    exact = (
+        math.nan
+        if model_name == "sphere"
+        else float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max())
+    )
     return values, exact
 
 
@@ -268,12 +393,15 @@ def _write_csv(path: Path, columns, rows: list[dict]) -> None:
     w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: (f"{r[k]:.10g}" if isinstance(r[k], float) else r[k]) for k in columns})
+        w.writerow(
+            {k: (f"{r[k]:.10g}" if isinstance(r[k], float) else r[k]) for k in columns}
+        )
     atomic_write_text(path, buf.getvalue())
 
 
 def run_sweep(cfg: dict, out: str | Path, progress: bool = True) -> dict:
-    """Run or resume the sweep of ``cfg`` (:func:`sweep_config`) into ``out/sweep.csv``."""
+    """Run or resume the sweep of ``cfg`` (:func:`sweep_config`) into
+    ``out/sweep.csv``."""
     from tqdm.auto import tqdm
 
     if cfg.get("experiment") != "fisher-sweep":
@@ -285,7 +413,12 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True) -> dict:
     done: dict[str, int] = {}
     for r in rows:
         done[_key(r["model"], r)] = done.get(_key(r["model"], r), 0) + 1
-    todo = [(m, p) for m in cfg["models"] for p in _points(cfg) if done.get(_key(m, p), 0) < cfg["runs"]]
+    todo = [
+        (m, p)
+        for m in cfg["models"]
+        for p in _points(cfg)
+        if done.get(_key(m, p), 0) < cfg["runs"]
+    ]
     partial = {_key(m, p) for m, p in todo}
     rows = [r for r in rows if _key(r["model"], r) not in partial]
     if not todo and prev:
@@ -296,20 +429,26 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True) -> dict:
         rows.extend(compare_once(m, p, r, cfg) for r in range(cfg["runs"]))
         _write_csv(path, SWEEP_COLUMNS, rows)
     wall = time.perf_counter() - t0
-    record = make_provenance(cfg, seeds={"base_seed": cfg["seed"], "rule": "crc32 of model, point, run"},
-                             device="cpu", wall_time_s=wall,
-                             wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall,
-                             threads=torch.get_num_threads())
+    record = make_provenance(
+        cfg,
+        seeds={"base_seed": cfg["seed"], "rule": "crc32 of model, point, run"},
+        device="cpu",
+        wall_time_s=wall,
+        wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall,
+        threads=torch.get_num_threads(),
+    )
     atomic_write_json(out / "fisher-sweep.provenance.json", record)
     return record
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Flow
-# --------------------------------------------------------------------------------------------
-def normal_kl_and_grad(model: NormalModel, theta: torch.Tensor, mu_t: np.ndarray, Sigma_t: np.ndarray
-                       ) -> tuple[float, torch.Tensor]:
-    """``L(θ) = KL(N(μ, LLᵀ) ‖ N(μ*, Σ*))`` and its gradient in ``θ = (μ, vech L)`` (autograd of
+# --------------------------------------------------------------------------------------
+def normal_kl_and_grad(
+    model: NormalModel, theta: torch.Tensor, mu_t: np.ndarray, Sigma_t: np.ndarray
+) -> tuple[float, torch.Tensor]:
+    """``L(θ) = KL(N(μ, LLᵀ) ‖ N(μ*, Σ*))`` and its gradient in ``θ = (μ, vech L)``
+    (autograd of
     ``½[tr(Σ*⁻¹Σ) + (μ* - μ)ᵀΣ*⁻¹(μ* - μ) - d + log det Σ* - log det Σ]``)."""
     if not isinstance(model, NormalModel):
         raise ValueError("model must be a NormalModel")
@@ -319,25 +458,41 @@ def normal_kl_and_grad(model: NormalModel, theta: torch.Tensor, mu_t: np.ndarray
     Sinv = torch.linalg.inv(St)
     dm = torch.as_tensor(mu_t, dtype=torch.float64) - mu
     Sigma = L @ L.T
-    kl = 0.5 * (torch.trace(Sinv @ Sigma) + dm @ Sinv @ dm - model.d + torch.logdet(St)
-                - 2.0 * torch.log(torch.abs(torch.diagonal(L))).sum())
+    kl = 0.5 * (
+        torch.trace(Sinv @ Sigma)
+        + dm @ Sinv @ dm
+        - model.d
+        + torch.logdet(St)
+        - 2.0 * torch.log(torch.abs(torch.diagonal(L))).sum()
+    )
     (g,) = torch.autograd.grad(kl, th)
     return float(kl.detach()), g.detach()
 
 
-def _flow_problem(cfg: dict) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.ndarray]:
+def _flow_problem(
+    cfg: dict,
+) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.ndarray]:
     d = cfg["d"]
     model = NormalModel(d)
     g = torch.Generator().manual_seed(cfg["seed"])
     theta0 = draw_theta("normal", d, g, cfg["theta_variance"])
     target = draw_theta("normal", d, g, cfg["theta_variance"])
-    target[:d] = cfg["target_mean_std"] * torch.randn(d, generator=g, dtype=torch.float64)
+    target[:d] = cfg["target_mean_std"] * torch.randn(
+        d, generator=g, dtype=torch.float64
+    )
     mu_t, L_t = model.split(target)
     return model, theta0, mu_t.numpy(), (L_t @ L_t.T).numpy()
 
 
-def _direction(method: str, model: NormalModel, theta: torch.Tensor, grad: torch.Tensor, cfg: dict,
-               it: int, loss: str) -> torch.Tensor:
+def _direction(
+    method: str,
+    model: NormalModel,
+    theta: torch.Tensor,
+    grad: torch.Tensor,
+    cfg: dict,
+    it: int,
+    loss: str,
+) -> torch.Tensor:
     if method == "eg":
         return grad
     if method == "wng":
@@ -348,19 +503,27 @@ def _direction(method: str, model: NormalModel, theta: torch.Tensor, grad: torch
     Z = model.sample_latent(cfg["N"], gen)
     _, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"])
     lam = cfg["lam"] if method == "kwng" else cfg["lam_fisher"]
-    kw = dict(num_basis=cfg["M"], eps=cfg["eps"], lam=lam, kernel=GaussianKernel(1.0),
-              damping=cfg["damping"], generator=gen, bandwidth=rule, sigma0=sigma0)
+    kw = dict(
+        num_basis=cfg["M"],
+        eps=cfg["eps"],
+        lam=lam,
+        kernel=GaussianKernel(1.0),
+        damping=cfg["damping"],
+        generator=gen,
+        bandwidth=rule,
+        sigma0=sigma0,
+    )
     est = kwng_gradient if method == "kwng" else kfng_gradient
     return est(lambda t: model.sample(t, Z), theta, grad, **kw).direction
 
 
 def run_flow(cfg: dict, out: str | Path, progress: bool = True) -> dict:
-    """Natural-gradient descent ``θ ← θ - γ · direction`` toward the target for every loss and
-    method of ``cfg`` (:func:`flow_config`); writes ``out/flow.csv`` (loss, method, iteration,
-    value) and the provenance. A method whose loss becomes non-finite or exceeds
-    ``divergence_factor`` times the initial loss is stopped and recorded as NaN from then on.
-    A complete flow in ``out`` is left as it is; an interrupted one (no ``flow.csv`` yet, about
-    20 s of work at full scale) is redone whole."""
+    """Natural-gradient descent ``θ ← θ - γ · direction`` toward the target for every
+    loss and method of ``cfg`` (:func:`flow_config`); writes ``out/flow.csv`` (loss,
+    method, iteration, value) and the provenance. A method whose loss becomes non-finite
+    or exceeds ``divergence_factor`` times the initial loss is stopped and recorded as
+    NaN from then on. A complete flow in ``out`` is left as it is; an interrupted one
+    (no ``flow.csv`` yet, about 20 s of work at full scale) is redone whole."""
     from tqdm.auto import tqdm
 
     if cfg.get("experiment") != "fisher-flow":
@@ -380,30 +543,70 @@ def run_flow(cfg: dict, out: str | Path, progress: bool = True) -> dict:
         for method in cfg["methods"]:
             theta, value = theta0.clone(), loss0
             step = cfg["eg_step"] if method == "eg" else cfg["step"]
-            rows.append({"loss": loss, "method": method, "iteration": 0, "value": value})
-            for it in tqdm(range(cfg["iterations"]), desc=f"flow {loss}/{method}", disable=not progress):
+            rows.append(
+                {"loss": loss, "method": method, "iteration": 0, "value": value}
+            )
+            for it in tqdm(
+                range(cfg["iterations"]),
+                desc=f"flow {loss}/{method}",
+                disable=not progress,
+            ):
                 if (loss, method) not in stopped:
                     try:
                         _, grad = fn(model, theta, mu_t, Sigma_t)
-                        theta = theta - step * _direction(method, model, theta, grad, cfg, it, loss)
+                        theta = theta - step * _direction(
+                            method, model, theta, grad, cfg, it, loss
+                        )
                         value = fn(model, theta, mu_t, Sigma_t)[0]
-                        ok = bool(torch.isfinite(theta).all()) and math.isfinite(value) \
+                        ok = (
+                            bool(torch.isfinite(theta).all())
+                            and math.isfinite(value)
                             and value < cfg["divergence_factor"] * loss0
-                    except (ValueError, np.linalg.LinAlgError, torch.linalg.LinAlgError) as exc:
-                        log.warning("flow %s/%s failed at iteration %d: %s", loss, method, it, exc)
+                        )
+                    except (
+                        ValueError,
+                        np.linalg.LinAlgError,
+                        torch.linalg.LinAlgError,
+                    ) as exc:
+                        log.warning(
+                            "flow %s/%s failed at iteration %d: %s",
+                            loss,
+                            method,
+                            it,
+                            exc,
+                        )
                         ok = False
                     if not ok:
-                        log.warning("flow %s/%s diverged at iteration %d: NaN from here", loss, method, it)
+                        log.warning(
+                            "flow %s/%s diverged at iteration %d: NaN from here",
+                            loss,
+                            method,
+                            it,
+                        )
                         stopped[(loss, method)] = it
                 if (loss, method) in stopped:
                     value = math.nan
-                rows.append({"loss": loss, "method": method, "iteration": it + 1, "value": value})
+                rows.append(
+                    {
+                        "loss": loss,
+                        "method": method,
+                        "iteration": it + 1,
+                        "value": value,
+                    }
+                )
     _write_csv(out / "flow.csv", ("loss", "method", "iteration", "value"), rows)
     wall = time.perf_counter() - t0
-    record = make_provenance(cfg, seeds={"base_seed": cfg["seed"]}, device="cpu", wall_time_s=wall,
-                             wall_time_total_s=wall, threads=torch.get_num_threads(),
-                             diverged_at={f"{k[0]}/{k[1]}": v for k, v in stopped.items()},
-                             target_mean=mu_t.tolist(), target_cov=Sigma_t.tolist())
+    record = make_provenance(
+        cfg,
+        seeds={"base_seed": cfg["seed"]},
+        device="cpu",
+        wall_time_s=wall,
+        wall_time_total_s=wall,
+        threads=torch.get_num_threads(),
+        diverged_at={f"{k[0]}/{k[1]}": v for k, v in stopped.items()},
+        target_mean=mu_t.tolist(),
+        target_cov=Sigma_t.tolist(),
+    )
     atomic_write_json(out / "fisher-flow.provenance.json", record)
     return record
 
@@ -413,33 +616,55 @@ def load_flow(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
     out: dict[str, dict[str, list]] = {}
     with open(path, encoding="utf-8", newline="") as fh:
         for r in csv.DictReader(fh):
-            out.setdefault(r["loss"], {}).setdefault(r["method"], []).append(float(r["value"]))
+            out.setdefault(r["loss"], {}).setdefault(r["method"], []).append(
+                float(r["value"])
+            )
     return {k: {m: np.array(v) for m, v in d.items()} for k, d in out.items()}
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Command line
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kwng.experiments fisher [--part sweep|flow|all] [--scale] [--out]``."""
-    ap = argparse.ArgumentParser(prog="python -m kwng.experiments fisher", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    """``python -m kwng.experiments fisher [--part sweep|flow|all] [--scale]
+    [--out]``."""
+    ap = argparse.ArgumentParser(
+        prog="python -m kwng.experiments fisher",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("name", choices=["fisher"])
     ap.add_argument("--part", choices=["sweep", "flow", "all"], default="all")
-    ap.add_argument("--scale", choices=list(_config.SCALES), default=None,
-                    help="grid size (default: $KWNG_SCALE, else small)")
-    ap.add_argument("--out", default=None, help="output directory (default _build/results/fisher-<scale>)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: the estimates are small; more threads only "
-                         "contend on a shared 2-core machine)")
+    ap.add_argument(
+        "--scale",
+        choices=list(_config.SCALES),
+        default=None,
+        help="grid size (default: $KWNG_SCALE, else small)",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default _build/results/fisher-<scale>)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: the estimates are small; more threads only "
+        "contend on a shared 2-core machine)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.threads < 1:
-        raise SystemExit(f"--threads must be an integer in [1, inf), got {args.threads}")
+        raise SystemExit(
+            f"--threads must be an integer in [1, inf), got {args.threads}"
+        )
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     scale = _scale(args.scale)
     out = Path(args.out or Path("_build") / "results" / f"fisher-{scale}")
     if args.part in ("sweep", "all"):

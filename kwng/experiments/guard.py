@@ -1,14 +1,16 @@
-"""Guards shared by the experiment commands: results are never destroyed, bad files never read silently.
+"""Guards shared by the experiment commands: results are never destroyed, bad files
+never read silently.
 
-* A result directory records the configuration that produced it (``config.json`` for the synthetic
-  sweeps, the ``identity`` of ``metrics.json`` for a CIFAR run). A rerun compares its configuration
-  with the record: equal -> resume or skip; different -> :class:`ConfigMismatchError` naming the
-  directory and the differing keys. With ``force`` the old results are moved to a dated backup
-  (:func:`backup`), never deleted.
+* A result directory records the configuration that produced it (``config.json`` for the
+  synthetic sweeps, the ``identity`` of ``metrics.json`` for a CIFAR run). A rerun
+  compares its configuration with the record: equal -> resume or skip; different ->
+  :class:`ConfigMismatchError` naming the directory and the differing keys. With
+  ``force`` the old results are moved to a dated backup (:func:`backup`), never deleted.
 * Every read of a JSON file, a CSV and a checkpoint names the file when it fails
   (:class:`kwng.provenance.ResultFileError`).
-* :func:`read_csv_checked` validates every row of a result CSV (parseable, finite, unique key) and
-  reports the bad ones, so that a resume recomputes them instead of trusting them.
+* :func:`read_csv_checked` validates every row of a result CSV (parseable, finite,
+  unique key) and reports the bad ones, so that a resume recomputes them instead of
+  trusting them.
 """
 
 from __future__ import annotations
@@ -25,13 +27,29 @@ from typing import Any
 
 from ..provenance import ResultFileError, atomic_write_json, read_json
 
-__all__ = ["ConfigMismatchError", "ResultFileError", "diff_keys", "backup", "prepare_result_dir",
-           "write_json_guarded", "read_csv_checked", "load_checkpoint", "check_run_record", "check_existing_run",
-           "resume_checkpoint", "run_identity", "record_identity", "RUN_IDENTITY_KEYS"]
+__all__ = [
+    "ConfigMismatchError",
+    "ResultFileError",
+    "diff_keys",
+    "backup",
+    "prepare_result_dir",
+    "write_json_guarded",
+    "read_csv_checked",
+    "load_checkpoint",
+    "check_run_record",
+    "check_existing_run",
+    "resume_checkpoint",
+    "run_identity",
+    "record_identity",
+    "RUN_IDENTITY_KEYS",
+]
 
 log = logging.getLogger(__name__)
 
-FORCE_HINT = "use another --out, or --force to move the old results to a dated backup (nothing is deleted)"
+FORCE_HINT = (
+    "use another --out, or --force to move the old results to a dated backup "
+    "(nothing is deleted)"
+)
 
 
 class ConfigMismatchError(ValueError):
@@ -39,15 +57,16 @@ class ConfigMismatchError(ValueError):
 
 
 def _normal(obj: Any) -> Any:
-    """``obj`` as it reads back from JSON (tuples -> lists, non-string keys -> strings)."""
+    """``obj`` as it reads back from JSON (tuples -> lists, non-string keys ->
+    strings)."""
     return json.loads(json.dumps(obj, sort_keys=True, default=str))
 
 
 def diff_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted names of the keys whose values differ between two (nested) configurations.
 
-    Values are compared as they read back from JSON; a key present on one side only differs.
-    Non-dict values that differ give ``prefix`` (``"<root>"`` at the top)."""
+    Values are compared as they read back from JSON; a key present on one side only
+    differs. Non-dict values that differ give ``prefix`` (``"<root>"`` at the top)."""
     old, new = _normal(old), _normal(new)
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
@@ -81,8 +100,9 @@ def _describe(keys: Sequence[str], old: Any, new: Any, limit: int = 8) -> str:
 
 
 def backup(path: str | os.PathLike) -> Path:
-    """Move ``path`` (file or folder) to ``<name>.backup-<UTC date and time>`` next to it and return
-    the new path. Nothing is deleted; an existing backup name gets a counter."""
+    """Move ``path`` (file or folder) to ``<name>.backup-<UTC date and time>`` next to
+    it and return the new path. Nothing is deleted; an existing backup name gets a
+    counter."""
     path = Path(path)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     target = path.with_name(f"{path.name}.backup-{stamp}")
@@ -95,14 +115,17 @@ def backup(path: str | os.PathLike) -> Path:
     return target
 
 
-def prepare_result_dir(out: str | os.PathLike, cfg: dict, force: bool = False,
-                       record: str = "config.json") -> dict:
+def prepare_result_dir(
+    out: str | os.PathLike, cfg: dict, force: bool = False, record: str = "config.json"
+) -> dict:
     """Make ``out`` ready for results of ``cfg`` without destroying anything.
 
     * ``out`` absent or empty: created, ``cfg`` recorded in ``out/record``;
-    * ``out/record`` equal to ``cfg``: kept (resume); returns the previous ``provenance.json`` or ``{}``;
-    * ``out/record`` different, or files but no record: :class:`ConfigMismatchError` naming ``out``
-      and the differing keys, unless ``force``, which moves ``out`` to a dated backup and starts afresh.
+    * ``out/record`` equal to ``cfg``: kept (resume); returns the previous
+      ``provenance.json`` or ``{}``;
+    * ``out/record`` different, or files but no record: :class:`ConfigMismatchError`
+      naming ``out`` and the differing keys, unless ``force``, which moves ``out`` to a
+      dated backup and starts afresh.
     """
     out = Path(out)
     cfg_path = out / record
@@ -111,8 +134,10 @@ def prepare_result_dir(out: str | os.PathLike, cfg: dict, force: bool = False,
         old = read_json(cfg_path)
         keys = diff_keys(old, cfg)
         if keys:
-            problem = (f"{out} holds results of another configuration (differing keys: {', '.join(keys)}; "
-                       f"{_describe(keys, old, cfg)})")
+            problem = (
+                f"{out} holds results of another configuration "
+                f"(differing keys: {', '.join(keys)}; {_describe(keys, old, cfg)})"
+            )
     elif out.is_dir() and any(out.iterdir()):
         problem = f"{out} holds files but no {record} recording their configuration"
     if problem is not None:
@@ -122,7 +147,9 @@ def prepare_result_dir(out: str | os.PathLike, cfg: dict, force: bool = False,
         backup(out)
     out.mkdir(parents=True, exist_ok=True)
     prev = {}
-    if cfg_path.exists():  # same configuration: left as it is (a finished rerun changes no file)
+    if (
+        cfg_path.exists()
+    ):  # same configuration: left as it is (a finished rerun changes no file)
         if (out / "provenance.json").exists():
             prev = read_json(out / "provenance.json")
     else:
@@ -130,13 +157,16 @@ def prepare_result_dir(out: str | os.PathLike, cfg: dict, force: bool = False,
     return prev
 
 
-def write_json_guarded(path: str | os.PathLike, obj: Any, force: bool = False,
-                       ignore: Iterable[str] = ()) -> bool:
-    """Write ``obj`` to the JSON file ``path`` unless it would replace different content.
+def write_json_guarded(
+    path: str | os.PathLike, obj: Any, force: bool = False, ignore: Iterable[str] = ()
+) -> bool:
+    """Write ``obj`` to the JSON file ``path`` unless it would replace different
+    content.
 
-    Same content (up to the keys in ``ignore``): nothing written, returns ``False``. Different
-    content: :class:`ConfigMismatchError` naming the file and keys, unless ``force`` (the old file
-    goes to a dated backup). Returns ``True`` when the file was written."""
+    Same content (up to the keys in ``ignore``): nothing written, returns ``False``.
+    Different content: :class:`ConfigMismatchError` naming the file and keys, unless
+    ``force`` (the old file goes to a dated backup). Returns ``True`` when the file was
+    written."""
     path = Path(path)
     if path.exists():
         old = read_json(path)
@@ -145,22 +175,30 @@ def write_json_guarded(path: str | os.PathLike, obj: Any, force: bool = False,
         if not keys:
             return False
         if not force:
-            raise ConfigMismatchError(f"{path} exists with other content (differing keys: {', '.join(keys)}); "
-                                      f"{FORCE_HINT}")
+            raise ConfigMismatchError(
+                f"{path} exists with other content "
+                f"(differing keys: {', '.join(keys)}); {FORCE_HINT}"
+            )
         backup(path)
     atomic_write_json(path, obj)
     return True
 
 
-def read_csv_checked(path: str | os.PathLike, columns: Sequence[str], converters: dict[str, Callable],
-                     key: Callable[[dict], Any], finite: Sequence[str] = ()) -> tuple[list[dict], list[str]]:
-    """Rows of the CSV ``path`` that are whole, parseable, finite in ``finite`` and unique by ``key``.
+def read_csv_checked(
+    path: str | os.PathLike,
+    columns: Sequence[str],
+    converters: dict[str, Callable],
+    key: Callable[[dict], Any],
+    finite: Sequence[str] = (),
+) -> tuple[list[dict], list[str]]:
+    """Rows of the CSV ``path`` that are whole, parseable, finite in ``finite`` and
+    unique by ``key``.
 
-    Returns ``(good_rows, problems)``; each problem names the file, the line and what is wrong (a
-    field that does not parse, a missing field, a last row without its line end, a non-finite value,
-    a repeated key). Of rows with a
-    repeated key only the first is kept. A header other than ``columns`` raises
-    :class:`ResultFileError`. A missing file gives ``([], [])``."""
+    Returns ``(good_rows, problems)``; each problem names the file, the line and what is
+    wrong (a field that does not parse, a missing field, a last row without its line
+    end, a non-finite value, a repeated key). Of rows with a repeated key only the first
+    is kept. A header other than ``columns`` raises :class:`ResultFileError`. A missing
+    file gives ``([], [])``."""
     path = Path(path)
     if not path.exists():
         return [], []
@@ -172,13 +210,15 @@ def read_csv_checked(path: str | os.PathLike, columns: Sequence[str], converters
         lines = list(reader)
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ResultFileError(f"{path}: not a readable CSV file ({exc})") from exc
-    # files are written whole, each row ending in a newline: a last row without one was cut short
-    # (possibly in the middle of a number that still parses)
+    # files are written whole, each row ending in a newline: a last row without one was
+    # cut short (possibly in the middle of a number that still parses)
     cut_tail = bool(lines) and not text.endswith("\n")
     if header is None:
         return [], [f"{path}: empty file (no header)"]
     if list(header) != list(columns):
-        raise ResultFileError(f"{path}: header {header} differs from the expected columns {list(columns)}")
+        raise ResultFileError(
+            f"{path}: header {header} differs from the expected columns {list(columns)}"
+        )
     good, problems, seen = [], [], set()
     for lineno, fields in enumerate(lines, start=2):
         where = f"{path}:{lineno}"
@@ -186,7 +226,10 @@ def read_csv_checked(path: str | os.PathLike, columns: Sequence[str], converters
             problems.append(f"{where}: last row has no line end (file truncated)")
             continue
         if len(fields) != len(columns):
-            problems.append(f"{where}: {len(fields)} fields, expected {len(columns)} (truncated row?)")
+            problems.append(
+                f"{where}: {len(fields)} fields, expected {len(columns)} "
+                "(truncated row?)"
+            )
             continue
         row: dict[str, Any] = dict(zip(columns, fields))
         try:
@@ -197,7 +240,9 @@ def read_csv_checked(path: str | os.PathLike, columns: Sequence[str], converters
             continue
         bad = [k for k in finite if not math.isfinite(row[k])]
         if bad:
-            problems.append(f"{where}: non-finite {', '.join(f'{k}={row[k]}' for k in bad)}")
+            problems.append(
+                f"{where}: non-finite {', '.join(f'{k}={row[k]}' for k in bad)}"
+            )
             continue
         kk = key(row)
         if kk in seen:
@@ -209,8 +254,8 @@ def read_csv_checked(path: str | os.PathLike, columns: Sequence[str], converters
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict:
-    """``torch.load`` of a checkpoint written by this package; a truncated or corrupt file raises
-    :class:`ResultFileError` naming it."""
+    """``torch.load`` of a checkpoint written by this package; a truncated or corrupt
+    file raises :class:`ResultFileError` naming it."""
     import pickle
 
     import torch
@@ -220,45 +265,69 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict:
     except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as exc:
         if isinstance(exc, FileNotFoundError):
             raise
-        raise ResultFileError(f"{path}: checkpoint cannot be read ({type(exc).__name__}: {exc}); it may be "
-                              "truncated: move it away to restart the run from scratch") from exc
+        raise ResultFileError(
+            f"{path}: checkpoint cannot be read ({type(exc).__name__}: {exc}); "
+            "it may be truncated: move it away to restart the run from scratch"
+        ) from exc
     if not isinstance(ck, dict):
-        raise ResultFileError(f"{path}: checkpoint holds a {type(ck).__name__}, expected a dict")
+        raise ResultFileError(
+            f"{path}: checkpoint holds a {type(ck).__name__}, expected a dict"
+        )
     return ck
 
 
-def check_run_record(where: str | os.PathLike, old: dict, new: dict, force: bool = False) -> list[str]:
+def check_run_record(
+    where: str | os.PathLike, old: dict, new: dict, force: bool = False
+) -> list[str]:
     """Compare the identity ``old`` recorded for a run (at ``where``) with ``new``.
 
-    Keys absent from ``old`` (records older than the key) are not compared. Returns the differing
-    keys; raises :class:`ConfigMismatchError` naming ``where`` and them unless ``force``."""
+    Keys absent from ``old`` (records older than the key) are not compared. Returns the
+    differing keys; raises :class:`ConfigMismatchError` naming ``where`` and them unless
+    ``force``."""
     common = {k: new[k] for k in new if k in old}
     keys = diff_keys({k: old[k] for k in common}, common)
     if keys and not force:
-        raise ConfigMismatchError(f"{where} was produced with another configuration (differing keys: "
-                                  f"{', '.join(keys)}; {_describe(keys, old, new)}); {FORCE_HINT}")
+        raise ConfigMismatchError(
+            f"{where} was produced with another configuration (differing keys: "
+            f"{', '.join(keys)}; {_describe(keys, old, new)}); {FORCE_HINT}"
+        )
     return keys
 
 
-# ------------------------------------------------------------------------------- CIFAR run records
-#: Settings of a CIFAR run that change its result; with the resolved step size, the batch size, the
-#: method's spec and the data's fingerprint they form the run's identity, recorded in metrics.json.
-RUN_IDENTITY_KEYS = ("dataset", "conditioning", "method", "seed", "epochs", "model", "train_subset", "val_size",
-                     "max_steps")
+# -------------------------------------------------------------------- CIFAR run records
+#: Settings of a CIFAR run that change its result; with the resolved step size, the
+#: batch size, the method's spec and the data's fingerprint they form the run's
+#: identity, recorded in metrics.json.
+RUN_IDENTITY_KEYS = (
+    "dataset",
+    "conditioning",
+    "method",
+    "seed",
+    "epochs",
+    "model",
+    "train_subset",
+    "val_size",
+    "max_steps",
+)
 
 
-def run_identity(cfg: dict, lr: float, batch_size: int, method_spec: dict, data: str | None) -> dict:
+def run_identity(
+    cfg: dict, lr: float, batch_size: int, method_spec: dict, data: str | None
+) -> dict:
     """What must be equal for a CIFAR run directory to be resumed or skipped."""
     ident = {k: cfg.get(k) for k in RUN_IDENTITY_KEYS}
-    ident.update(lr=float(lr), batch_size=int(batch_size), method_spec=dict(method_spec))
+    ident.update(
+        lr=float(lr), batch_size=int(batch_size), method_spec=dict(method_spec)
+    )
     if data is not None:
         ident["data"] = data
     return _normal(ident)
 
 
 def record_identity(rec: dict) -> dict:
-    """The identity stored in a metrics record, or the one rebuilt from its fields for records written
-    before identities were stored (without the data fingerprint, which is then not compared)."""
+    """The identity stored in a metrics record, or the one rebuilt from its fields for
+    records written before identities were stored (without the data fingerprint, which
+    is then not compared)."""
     if "identity" in rec:
         return rec["identity"]
     c = rec.get("config", {})
@@ -269,16 +338,22 @@ def record_identity(rec: dict) -> dict:
     return _normal(ident)
 
 
-def check_existing_run(rdir: str | os.PathLike, ckpt_path: str | os.PathLike, identity: dict,
-                       force: bool = False) -> dict | None:
-    """Decide what a CIFAR run may do with what is already in ``rdir`` (and its checkpoint).
+def check_existing_run(
+    rdir: str | os.PathLike,
+    ckpt_path: str | os.PathLike,
+    identity: dict,
+    force: bool = False,
+) -> dict | None:
+    """Decide what a CIFAR run may do with what is already in ``rdir`` (and its
+    checkpoint).
 
-    Returns the finished record when the run is complete with this identity (skip), ``None`` when the
-    run may start or resume. Raises :class:`ConfigMismatchError` (naming the directory and the
-    differing keys) when ``rdir/metrics.json`` was written with another identity, and when it records
-    epochs of an unfinished run whose checkpoint is gone (starting over would overwrite them: the
-    budget-cut records are such runs). With ``force`` the old directory and checkpoint are moved to a
-    dated backup instead. An unreadable ``metrics.json`` raises
+    Returns the finished record when the run is complete with this identity (skip),
+    ``None`` when the run may start or resume. Raises :class:`ConfigMismatchError`
+    (naming the directory and the differing keys) when ``rdir/metrics.json`` was written
+    with another identity, and when it records epochs of an unfinished run whose
+    checkpoint is gone (starting over would overwrite them: the budget-cut records are
+    such runs). With ``force`` the old directory and checkpoint are moved to a dated
+    backup instead. An unreadable ``metrics.json`` raises
     :class:`~kwng.provenance.ResultFileError` naming it (backed up with ``force``)."""
     rdir, ckpt_path = Path(rdir), Path(ckpt_path)
     mp = rdir / "metrics.json"
@@ -300,32 +375,47 @@ def check_existing_run(rdir: str | os.PathLike, ckpt_path: str | os.PathLike, id
         return None
     keys = check_run_record(rdir, record_identity(rec), identity, force)
     if keys:
-        move_away(f"{rdir} was produced with another configuration (differing keys: {', '.join(keys)})")
+        move_away(
+            f"{rdir} was produced with another configuration "
+            f"(differing keys: {', '.join(keys)})"
+        )
         return None
     if rec.get("complete"):
         return rec
     if rec.get("epochs") and not ckpt_path.is_file():
-        msg = (f"{mp} records {len(rec['epochs'])} epoch(s) of an unfinished run whose checkpoint {ckpt_path} "
-               "is missing: starting over would overwrite them")
+        msg = (
+            f"{mp} records {len(rec['epochs'])} epoch(s) of an unfinished run "
+            f"whose checkpoint {ckpt_path} is missing: starting over would "
+            "overwrite them"
+        )
         if not force:
             raise ConfigMismatchError(f"{msg}; {FORCE_HINT}")
         move_away(msg)
     return None
 
 
-def resume_checkpoint(ckpt_path: str | os.PathLike, identity: dict, map_location: Any = None,
-                      force: bool = False, rdir: str | os.PathLike | None = None) -> dict | None:
-    """The checkpoint of a CIFAR run to resume from, or ``None`` (no checkpoint: start afresh).
+def resume_checkpoint(
+    ckpt_path: str | os.PathLike,
+    identity: dict,
+    map_location: Any = None,
+    force: bool = False,
+    rdir: str | os.PathLike | None = None,
+) -> dict | None:
+    """The checkpoint of a CIFAR run to resume from, or ``None`` (no checkpoint: start
+    afresh).
 
-    A checkpoint that cannot be read, or that was written with another identity, raises (naming the
-    file and the differing keys) unless ``force``, which moves it (and the run directory ``rdir``, whose
-    record the fresh start would overwrite) to a dated backup and returns ``None``."""
+    A checkpoint that cannot be read, or that was written with another identity, raises
+    (naming the file and the differing keys) unless ``force``, which moves it (and the
+    run directory ``rdir``, whose record the fresh start would overwrite) to a dated
+    backup and returns ``None``."""
     ckpt_path = Path(ckpt_path)
     if not ckpt_path.is_file():
         return None
     try:
         ck = load_checkpoint(ckpt_path, map_location)
-        check_run_record(ckpt_path, record_identity(ck.get("record", {})), identity, force=False)
+        check_run_record(
+            ckpt_path, record_identity(ck.get("record", {})), identity, force=False
+        )
     except (ResultFileError, ConfigMismatchError) as exc:
         if not force:
             raise
