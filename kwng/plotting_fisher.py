@@ -76,7 +76,7 @@ def plot_fisher_relerr(
     """Median relative error (band: quartiles of KWNG and of the regularised Fisher
     estimate) against ``N`` (top, ``M = ⌊d√N⌋``) and ``M`` (bottom, fixed ``N``), one
     column per model, one colour per dimension, one line style per estimator
-    (:data:`ESTIMATORS`)."""
+    (``ESTIMATORS``)."""
     import matplotlib.pyplot as plt
 
     dims = _dims(rows)

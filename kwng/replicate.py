@@ -391,7 +391,7 @@ class ReplicatedEngine:
     Use: ``engine = ReplicatedEngine(model, copies)``; while ``engine.enabled``, a
     forward call of ``model`` in train mode with grad enabled runs replicated and
     returns the first copy's output ``X`` (a view of the ``(R·N, d)`` output
-    :attr:`outputs`). :meth:`backward` then takes the ``(R·N, d)`` stacked cotangent and
+    ``outputs``). :meth:`backward` then takes the ``(R·N, d)`` stacked cotangent and
     returns ``{id(p): (R, *p.shape)}``. :meth:`remove` restores the model's own forward
     methods.
     """

@@ -232,7 +232,7 @@ def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
     """One run of the sweep at the grid point ``p`` (``{"panel", "d", "N", "M"}``), run
     index ``r``: KWNG and the kernel Fisher estimates on the same samples and basis
     points, against the exact natural gradients. Returns a row with the columns of
-    :data:`SWEEP_COLUMNS`; the draws are keyed by ``(cfg["seed"], model, point, r)`` so
+    ``SWEEP_COLUMNS``; the draws are keyed by ``(cfg["seed"], model, point, r)`` so
     any run can be redone alone."""
     if model_name not in MODELS:
         raise ValueError(
