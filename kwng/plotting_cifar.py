@@ -37,7 +37,7 @@ ABLATION_METHODS = ("kwng", "kwng_damping_identity", "kwng_damping_T", "diag_T",
                     "kwng_scaled_logits")
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U", "diag_Ttilde",
                  "kwng_lm_same_batch")
-#: The threshold of the decision rule: its small-scaling classes have U_k at most this.
+#: Threshold of the decision rule (its small-scaling classes have U_k at most this).
 SMALL_U = 1e-3
 _COLORS = {"kwng_samples_before_U": "tab:orange", "kwng_lm_same_batch": "tab:pink",
            "sgd": "tab:blue", "sgd_momentum": "tab:cyan", "sgd_momentum_wd": "tab:olive", "adam": "tab:green",
