@@ -448,11 +448,12 @@ def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
     and the record has the claim suite's per-epoch metrics."""
     import itertools
 
-    from kwng.experiments import cifar
+    from kwng.experiments import cifar, cifar_train
 
     full = cifar.run(_run_cfg(tmp_path / "a", method="kwng", batch_size=50), progress=False)
     calls = itertools.count()
-    monkeypatch.setattr(cifar, "_past", lambda deadline: deadline is not None and next(calls) >= 6)
+    # the deadline test of the training loop lives in cifar_train (cifar.run is its run)
+    monkeypatch.setattr(cifar_train, "_past", lambda deadline: deadline is not None and next(calls) >= 6)
     part = cifar.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50, deadline=1.0), progress=False)
     monkeypatch.undo()
     assert len(part["epochs"]) == 1 and part["stopped"] == "deadline"
@@ -492,14 +493,16 @@ class _SameBatchProbe:
 def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     from kwng.baselines import bn_state
     from kwng.experiments import cifar
+    from kwng.experiments.cifar_methods import KWNGStep
+    from kwng.experiments.cifar_metrics import EpochStats
 
     cfg = cifar.RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
     torch.manual_seed(0)
-    model = cifar._build_model(cfg)
+    model = cifar.build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = _SameBatchProbe()
     z, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    loss, out, info, _ = cifar._train_step(cfg, model, opt, probe, z, y)
+    loss, out, info, _ = cifar.train_step(KWNGStep(model, opt, probe), model, z, y)
     stats_after_step = bn_state(model)
     assert len(probe.seen) == 1
     for k, v in bn_state(model).items():
@@ -507,7 +510,7 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     with torch.no_grad():
         ref = torch.nn.functional.cross_entropy(model(z), y)  # train mode: batch statistics, as the step
     assert torch.allclose(probe.seen[0], ref)
-    s = cifar._EpochStats(torch.device("cpu"))
+    s = EpochStats(torch.device("cpu"))
     s.add_info(info)
     s.add_info({"eps": torch.tensor(3.0), "reduction_ratio": torch.tensor(0.5)})
     r = s.row()
