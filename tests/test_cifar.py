@@ -567,3 +567,51 @@ def test_claim_verdict_rule():
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+@pytest.mark.parametrize("method,family", [("sgd", "MethodStep"), ("adam", "MethodStep"),
+                                           ("kfac", "KFACStep"), ("ekfac", "KFACStep"),
+                                           ("kwng", "KWNGStep"),
+                                           ("kwng_samples_before_U", "KWNGStep")])
+def test_every_method_behind_one_step(method, family):
+    """``make_step`` picks the family's adapter; its direction leaves the parameters alone
+    (so the last-layer share may be measured around the whole step); a few steps on one
+    batch lower that batch's loss."""
+    from kwng.experiments import cifar
+    from kwng.experiments.cifar_metrics import UpdateShare
+
+    if family == "KFACStep":
+        pytest.importorskip("nngeometry")
+    lr = 0.01 if method == "adam" else 0.05
+    cfg = cifar.RunConfig(method=method, model="tiny", lr=lr, device="cpu")
+    torch.manual_seed(0)
+    model = cifar.build_model(cfg)
+    step = cifar.make_step(cfg, model, cifar.build_optimizer(cfg, model, lr), torch.device("cpu"))
+    assert type(step).__name__ == family
+    z, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    before = [p.detach().clone() for p in model.parameters()]
+    h, out = model.forward_both(z)
+    step.direction(torch.nn.functional.cross_entropy(out, y), out, h, (z, y))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    share = UpdateShare(model)
+    losses = [float(cifar.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
+    assert losses[-1] < losses[0]
+
+
+def test_scale_selects_the_small_run_settings(monkeypatch):
+    """``KWNG_SCALE=small`` fills the single run's unset settings with ``SMALL_RUN``;
+    ``full`` keeps the study's; explicit values always win."""
+    from kwng.experiments import cifar
+
+    def cfg(*argv):
+        return cifar.run_config_from_args(cifar._run_parser().parse_args(list(argv)))
+
+    monkeypatch.setenv("KWNG_SCALE", "small")
+    small = cfg()
+    assert {k: small[k] for k in cifar.SMALL_RUN} == cifar.SMALL_RUN
+    assert cfg("--data-root", "/x")["source"] == "auto"
+    assert cfg("--model", "resnet18", "--epochs", "5")["model"] == "resnet18"
+    monkeypatch.setenv("KWNG_SCALE", "full")
+    full = cfg()
+    assert (full["model"], full["source"], full["epochs"], full["out"]) == (
+        "resnet18", "auto", 30, str(cifar.RESULTS))

@@ -5,9 +5,9 @@ Two studies share this runner:
 
 * the **claim suite** (plans ``claim_select`` and ``claim``, results under
   ``results/cifar/claim/``): the methods of ``CLAIM_METHODS`` with the network
-  ``z ↦ U h_θ(z)`` (:class:`kwng.nets.ConditionedNetwork`, ``U`` inside the network as in
-  the authors' code, so the KWNG samples are ``U h_θ(z)``; ``kwng_samples_before_U`` is
-  the ablation on ``h_θ(z)``), the authors' ε convention
+  ``z ↦ U h_θ(z)`` (:class:`kwng.nets.ConditionedNetwork`, ``U`` inside the network as
+  in the authors' code, so the KWNG samples are ``U h_θ(z)``; ``kwng_samples_before_U``
+  is the ablation on ``h_θ(z)``), the authors' ε convention
   (:func:`~kwng.experiments.cifar_methods.authors_eps`), step sizes chosen from
   :data:`LR_GRID` by 2-epoch runs scored on a validation split of the training set, and
   one schedule for every method: constant step, ×0.1 for the last ~15 % of the epochs
@@ -16,20 +16,21 @@ Two studies share this runner:
   ``results/cifar/cifar10``), kept readable: its methods keep their definitions (samples
   before ``U``, our ε convention).
 
-The study is split by job: :mod:`kwng.experiments.cifar_methods` (method table, run
-configuration, model/optimizer/preconditioner construction and the one step protocol
-:class:`~kwng.experiments.cifar_methods.MethodStep`), :mod:`kwng.experiments.cifar_train`
-(one run), :mod:`kwng.experiments.cifar_sweep` (plans, workers, selection, timing,
-schedule) and :mod:`kwng.experiments.cifar_results` (loading and checks). This module
-holds the command line and re-exports their names (``cifar.run``, ``cifar.METHODS``, ...).
+Split by job: :mod:`kwng.experiments.cifar_methods` (method table, run configuration,
+construction of model, optimizer and preconditioner, the one step protocol
+:class:`~kwng.experiments.cifar_methods.MethodStep`),
+:mod:`~kwng.experiments.cifar_train` (one run), :mod:`~kwng.experiments.cifar_metrics`
+(per-epoch measurements), :mod:`~kwng.experiments.cifar_sweep` (plans, workers, timing,
+schedule) and :mod:`~kwng.experiments.cifar_results` (loading, checks, selection rule).
+This module is the command line; it re-exports their names (``cifar.run``, ...).
 
 Commands (``python -m kwng.experiments cifar ...``):
 
-* ``cifar --conditioning ill --method kwng --seed 0 --epochs 30 --lr 1 --schedule claim``
-  — one run: batch 128, the paper's augmentation, the update clipped to norm 1 for every
-  method. After every epoch (and at a deadline, mid-epoch) a checkpoint
-  (``checkpoints/``: model, optimizer, preconditioner, every RNG state, the position in
-  the epoch: exact resume) and the per-epoch record, written atomically to
+* ``cifar --conditioning ill --method kwng --seed 0 --epochs 30 --lr 1`` — one run:
+  batch 128, the paper's augmentation, the update clipped to norm 1 for every method.
+  After every epoch (and at a deadline, mid-epoch) a checkpoint (``checkpoints/``:
+  model, optimizer, preconditioner, every RNG state, the position in the epoch: exact
+  resume) and the per-epoch record, written atomically to
   ``<out>/<dataset>/<conditioning>/<method>/seed<k>/metrics.json`` with
   ``provenance.json``. Per epoch: training loss/accuracy, test loss/accuracy, per-class
   test accuracy, last-layer row norms, the mean share of each update's squared norm on
@@ -92,6 +93,7 @@ from .cifar_methods import (  # noqa: F401  (re-exported: cifar.X)
     RunConfig,
     authors_eps,
     build_model,
+    build_optimizer,
     lm_same_batch_available,
     make_step,
     milestones_for,
@@ -150,7 +152,7 @@ def _run_parser() -> argparse.ArgumentParser:
     add("--method", default="kwng", choices=list(METHODS))
     add("--seed", type=int, default=0)
     add("--epochs", type=int, default=None, help="default: 30 (full scale), 2 (small)")
-    add("--lr", default="selected", help="a step size or 'selected' (from `cifar select`)")
+    add("--lr", default="selected", help="a step size or 'selected' (`cifar select`)")
     add("--schedule", default="claim", choices=SCHEDULES)
     add("--data-root", default=None)
     add("--source", default=None, choices=("auto", "official", "jpeg", "sample"),
@@ -241,7 +243,7 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--select-val", type=int, default=5_000, help="claim_select: held-out images")
     add("--timing", default=None, help="a timing file (`cifar timing`) to balance the "
         "GPUs")
-    add("--methods", default=None, help="comma list: only these methods' runs of the plan")
+    add("--methods", default=None, help="comma list: only these methods' runs")
     add("--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a run setting in every run of the plan (e.g. model=tiny for a "
              "CPU smoke test); VALUE is read as JSON if it parses, else as a string")
@@ -255,7 +257,7 @@ def _main_worker(a: argparse.Namespace) -> int:
         jobs = ([j for j in jobs if j.get("slot") == a.offset]
                 + [j for j in jobs if "slot" not in j])
     else:
-        jobs = jobs[a.offset:] + jobs[:a.offset]  # spread the first claims over the plan
+        jobs = jobs[a.offset:] + jobs[:a.offset]  # spread the first claims
     stem = Path(a.plan).stem
     ff = Path(a.plan).with_name(f"{stem}.failures-{a.session}-{os.getpid()}.json")
     return 1 if worker(jobs, a.session, a.deadline, ff) else 0
@@ -264,7 +266,7 @@ def _main_worker(a: argparse.Namespace) -> int:
 def _main_sweep(a: argparse.Namespace) -> int:
     epochs = a.epochs
     if epochs == "auto":
-        sched = CLAIM / "schedule.json" if a.plan == "claim" else RESULTS / "schedule.json"
+        sched = (CLAIM if a.plan == "claim" else RESULTS) / "schedule.json"
         epochs = int(read_json(sched)["epochs"])
     only = a.methods.split(",") if a.methods else None
     if a.plan == "claim_select":
@@ -339,7 +341,7 @@ def _main_schedule(p: argparse.ArgumentParser, rest: list[str]) -> int:
         guard.write_json_guarded(a.out, {
             "epochs": e, "budget_s": a.budget_s, "concurrency_gain": a.concurrency_gain,
             "gpus": a.gpus, "timing": a.timing, "plan": a.plan, "runs": len(plan),
-            "milestones": milestones_for(e, "claim" if a.plan == "claim" else "study6")},
+            "milestones": milestones_for(e, a.plan if a.plan == "claim" else "study6")},
             a.force)
     log.info("schedule: %d epochs fit %.0f s for plan %s (%d runs)", e, a.budget_s,
              a.plan, len(plan))
@@ -372,7 +374,7 @@ _WRITERS = {"select": _main_select, "timing": _main_timing, "schedule": _main_sc
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kwng.experiments cifar [subcommand] ...`` (see the module docstring)."""
+    """``python -m kwng.experiments cifar [subcommand] ...`` (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "cifar":
         argv = argv[1:]
@@ -388,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         a = p.parse_args(rest)
         return _main_worker(a) if sub == "worker" else _main_sweep(a)
     if sub not in _WRITERS:
-        raise ValueError(f"unknown cifar subcommand {sub!r}; use sweep, worker, select, "
-                         "timing, schedule or check")
+        raise ValueError(f"unknown cifar subcommand {sub!r}; use sweep, worker, "
+                         "select, timing, schedule or check")
     p.add_argument("--force", action="store_true", help="replace a different existing "
-                   "output file (select, timing, schedule), moving it to a dated backup "
-                   "first")
+                   "output file (select, timing, schedule), moving it to a dated "
+                   "backup first")
     return _WRITERS[sub](p, rest)

@@ -14,13 +14,16 @@ from .cifar_methods import INFO_KEYS
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: GPUAugmentedData, U: nn.Module | None = None,
-             batch_size: int = 1000, num_classes: int | None = None
+def evaluate(model: nn.Module, data: GPUAugmentedData, batch_size: int = 1000,
+             num_classes: int | None = None
              ) -> tuple[float, float] | tuple[float, float, list[float]]:
-    """Mean cross-entropy of the outputs (``U`` applied after ``model`` if given) and
-    accuracy of their arg-max on ``data`` (eval mode, no augmentation). With
+    """Mean cross-entropy of ``model``'s outputs and accuracy of their arg-max on
+    ``data`` (eval mode, no augmentation; ``U`` is inside the model). With
     ``num_classes``, also the accuracy on the examples of each class (NaN for a class
     without examples)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
+            or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     was = model.training
     model.eval()
     loss_sum = torch.zeros((), device=data.device, dtype=torch.float64)
@@ -29,7 +32,6 @@ def evaluate(model: nn.Module, data: GPUAugmentedData, U: nn.Module | None = Non
     count = torch.zeros(k, device=data.device, dtype=torch.long)
     for z, y in data.eval_batches(batch_size):
         out = model(z)
-        out = U(out) if U is not None else out
         loss_sum += F.cross_entropy(out, y, reduction="sum").double()
         ok = (out.argmax(1) == y).long()
         cls = y if num_classes else torch.zeros_like(y)

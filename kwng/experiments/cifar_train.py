@@ -294,8 +294,7 @@ class _Run:
         self.scheduler.step()
         te = time.perf_counter()
         test_loss, test_acc, per_class = evaluate(
-            self.model, self.test, None, cfg["eval_batch_size"],
-            NUM_CLASSES[cfg["dataset"]])
+            self.model, self.test, cfg["eval_batch_size"], NUM_CLASSES[cfg["dataset"]])
         w = last_linear(self.model).weight.detach()
         row = {"epoch": epoch + 1, "steps": self.steps,
                "lr": self.optimizer.param_groups[0]["lr"], **self.stats.row(),
