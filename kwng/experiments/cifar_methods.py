@@ -25,6 +25,7 @@ from ..data import DATASETS, NUM_CLASSES
 CONDITIONINGS = ("well", "ill")
 LR_GRID = (10.0, 1.0, 0.1, 0.01, 0.001, 0.0001)
 CONDITION_NUMBER = 1e7
+#: every method's update is clipped to this norm
 CLIP_NORM = 1.0
 BATCH_SIZE = 128
 
@@ -65,6 +66,7 @@ _KWNG = {"precond": "kwng", "num_basis": 5, "damping": "T_tilde", "kernel": "gau
 _KWNG6 = {k: v for k, v in {**_KWNG, "estimator_input": "logits"}.items()
           if k != "eps_convention"}
 _SGD = {"optimizer": "sgd"}
+#: the training methods, name -> settings (keys explained above)
 METHODS: dict[str, dict[str, Any]] = {
     # the claim suite
     "sgd": {**_SGD},
@@ -91,9 +93,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "kwng_scaled_logits": {**_SGD, **_KWNG6, "estimator_input": "scaled",
                            "lr_from": "kwng"},
 }
-#: the claim suite (issue 10): every method × {well, ill}; two seeds for the first two
+#: the methods of the claim suite (issue 10), each in both conditionings
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U",
                  "diag_Ttilde")
+#: the methods of the claim suite run with a second seed
 CLAIM_TWO_SEEDS = ("sgd", "kwng")
 #: run after the suite when the preconditioner supports them (not required by
 #: :func:`kwng.experiments.cifar_results.check_claim`)
@@ -108,12 +111,12 @@ ONE_SEED_BOTH = ("sgd_momentum", "sgd_momentum_wd", "kfac", "ekfac", "kwng_m20",
                  "kwng_momentum", "kwng_bigbatch")
 ABLATIONS = ("kwng_damping_identity", "kwng_damping_T", "diag_T", "diag_Ttilde",
              "kwng_rq", "kwng_scaled_logits")
-#: step-size schedules: "study6" ×0.1 after 50 % and 75 % of the epochs (the earlier
-#: study); "claim" ×0.1 for the last ~15 % (one milestone, like the paper's first);
-#: "constant" (selection runs)
+#: the step-size schedules, "study6" ×0.1 after 50 % and 75 % of the epochs (the
+#: earlier study), "claim" ×0.1 for the last ~15 % (one milestone, like the paper's
+#: first), "constant" (selection runs)
 SCHEDULES = ("claim", "constant", "study6")
-#: diagnostics read from the KWNG step's ``info`` (when present): epoch mean and last
-#: value are recorded
+#: the diagnostics read from the KWNG step's ``info`` (when present), recorded as
+#: epoch mean and last value
 INFO_KEYS = ("eps", "reduction_ratio", "clipped", "fallback", "floored_columns",
              "floored_share")
 MODELS = ("resnet18", "tiny")

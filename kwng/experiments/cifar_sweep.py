@@ -147,7 +147,8 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       then :data:`CLAIM_ABLATIONS` (seed 0, both conditionings) when ``with_ablations``
       (default: when the preconditioner supports them).
     * ``select`` and ``main``: the plans of the earlier 6-epoch study. ``select``: every
-      method of :data:`SELECT_METHODS` × {ill, well} × :data:`LR_GRID` for
+      method of :data:`~kwng.experiments.cifar_methods.SELECT_METHODS` ×
+      {ill, well} × :data:`LR_GRID` for
       ``select_steps`` steps on ``select_subset`` training images, evaluated on
       ``select_val`` held-out training images. ``main``: seed 0 of sgd/adam/kwng in both
       conditionings, seeds 1–2 of those, seed 0 of the other methods in both
