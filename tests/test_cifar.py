@@ -448,11 +448,12 @@ def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
     and the record has the claim suite's per-epoch metrics."""
     import itertools
 
-    from kwng.experiments import cifar
+    from kwng.experiments import cifar, cifar_train
 
     full = cifar.run(_run_cfg(tmp_path / "a", method="kwng", batch_size=50), progress=False)
     calls = itertools.count()
-    monkeypatch.setattr(cifar, "_past", lambda deadline: deadline is not None and next(calls) >= 6)
+    # the deadline test of the training loop lives in cifar_train (cifar.run is its run)
+    monkeypatch.setattr(cifar_train, "_past", lambda deadline: deadline is not None and next(calls) >= 6)
     part = cifar.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50, deadline=1.0), progress=False)
     monkeypatch.undo()
     assert len(part["epochs"]) == 1 and part["stopped"] == "deadline"
@@ -492,14 +493,16 @@ class _SameBatchProbe:
 def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     from kwng.baselines import bn_state
     from kwng.experiments import cifar
+    from kwng.experiments.cifar_methods import KWNGStep
+    from kwng.experiments.cifar_metrics import EpochStats
 
     cfg = cifar.RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
     torch.manual_seed(0)
-    model = cifar._build_model(cfg)
+    model = cifar.build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = _SameBatchProbe()
     z, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    loss, out, info, _ = cifar._train_step(cfg, model, opt, probe, z, y)
+    loss, out, info, _ = cifar.train_step(KWNGStep(model, opt, probe), model, z, y)
     stats_after_step = bn_state(model)
     assert len(probe.seen) == 1
     for k, v in bn_state(model).items():
@@ -507,7 +510,7 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     with torch.no_grad():
         ref = torch.nn.functional.cross_entropy(model(z), y)  # train mode: batch statistics, as the step
     assert torch.allclose(probe.seen[0], ref)
-    s = cifar._EpochStats(torch.device("cpu"))
+    s = EpochStats(torch.device("cpu"))
     s.add_info(info)
     s.add_info({"eps": torch.tensor(3.0), "reduction_ratio": torch.tensor(0.5)})
     r = s.row()
@@ -564,3 +567,51 @@ def test_claim_verdict_rule():
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+@pytest.mark.parametrize("method,family", [("sgd", "MethodStep"), ("adam", "MethodStep"),
+                                           ("kfac", "KFACStep"), ("ekfac", "KFACStep"),
+                                           ("kwng", "KWNGStep"),
+                                           ("kwng_samples_before_U", "KWNGStep")])
+def test_every_method_behind_one_step(method, family):
+    """``make_step`` picks the family's adapter; its direction leaves the parameters alone
+    (so the last-layer share may be measured around the whole step); a few steps on one
+    batch lower that batch's loss."""
+    from kwng.experiments import cifar
+    from kwng.experiments.cifar_metrics import UpdateShare
+
+    if family == "KFACStep":
+        pytest.importorskip("nngeometry")
+    lr = 0.01 if method == "adam" else 0.05
+    cfg = cifar.RunConfig(method=method, model="tiny", lr=lr, device="cpu")
+    torch.manual_seed(0)
+    model = cifar.build_model(cfg)
+    step = cifar.make_step(cfg, model, cifar.build_optimizer(cfg, model, lr), torch.device("cpu"))
+    assert type(step).__name__ == family
+    z, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    before = [p.detach().clone() for p in model.parameters()]
+    h, out = model.forward_both(z)
+    step.direction(torch.nn.functional.cross_entropy(out, y), out, h, (z, y))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    share = UpdateShare(model)
+    losses = [float(cifar.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
+    assert losses[-1] < losses[0]
+
+
+def test_scale_selects_the_small_run_settings(monkeypatch):
+    """``KWNG_SCALE=small`` fills the single run's unset settings with ``SMALL_RUN``;
+    ``full`` keeps the study's; explicit values always win."""
+    from kwng.experiments import cifar
+
+    def cfg(*argv):
+        return cifar.run_config_from_args(cifar._run_parser().parse_args(list(argv)))
+
+    monkeypatch.setenv("KWNG_SCALE", "small")
+    small = cfg()
+    assert {k: small[k] for k in cifar.SMALL_RUN} == cifar.SMALL_RUN
+    assert cfg("--data-root", "/x")["source"] == "auto"
+    assert cfg("--model", "resnet18", "--epochs", "5")["model"] == "resnet18"
+    monkeypatch.setenv("KWNG_SCALE", "full")
+    full = cfg()
+    assert (full["model"], full["source"], full["epochs"], full["out"]) == (
+        "resnet18", "auto", 30, str(cifar.RESULTS))

@@ -1,0 +1,166 @@
+"""The CIFAR study's result records: loading, completeness checks and the step-size
+selection rule (book chapter
+:ref:`experiments-cifar`)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from ..data import NUM_CLASSES
+from ..provenance import ResultFileError, read_json
+from . import guard
+from .cifar_methods import CLAIM, LR_GRID, METHODS, RESULTS, SELECTION, milestones_for
+from .cifar_sweep import build_plan
+
+
+def load_results(root: str | os.PathLike = RESULTS,
+                 dataset: str = "cifar10") -> dict[tuple, dict]:
+    """``{(conditioning, method, seed): metrics record}`` for the runs under
+    ``root/dataset``."""
+    out = {}
+    for mp in sorted(Path(root, dataset).glob("*/*/seed*/metrics.json")):
+        rec = read_json(mp)  # names the file if it is not JSON
+        try:
+            c = rec["config"]
+            out[(c["conditioning"], c["method"], int(c["seed"]))] = rec
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ResultFileError(f"{mp}: not a metrics record "
+                                  f"({type(exc).__name__}: {exc})") from exc
+    return out
+
+
+#: Runs of the committed ``main`` plan that the GPU budget cut short, with the number of
+#: epochs each reached (of 6). The sweep's deadline stopped them; their last checkpoint
+#: was not kept. They are reported as ``"cut"`` by :func:`check_results` (not
+#: ``"incomplete"``) only while their record has exactly this many finite epochs,
+#: ``complete = false`` and a provenance file.
+BUDGET_CUT = {"ill/kwng_m20/seed0": 3, "well/kwng_m20/seed0": 3}
+
+
+def _records(plan: list[dict], root: str | os.PathLike, dataset: str, res: dict):
+    """``(name, record)`` for each run of ``plan`` with both files; the others go to
+    ``res["missing"]``."""
+    for job in plan:
+        name = f"{job['conditioning']}/{job['method']}/seed{job['seed']}"
+        d = (Path(root) / dataset / job["conditioning"] / job["method"]
+             / f"seed{job['seed']}")
+        if not (d / "metrics.json").is_file() or not (d / "provenance.json").is_file():
+            res["missing"].append(name)
+            continue
+        yield name, read_json(d / "metrics.json")
+
+
+def check_results(root: str | os.PathLike = RESULTS, dataset: str = "cifar10",
+                  epochs: int | None = None,
+                  allow_cut: dict[str, int] | None = None) -> dict:
+    """Completeness of the committed results: for every run of the ``main`` plan,
+    whether its ``metrics.json`` and ``provenance.json`` exist, it is complete (or
+    diverged, recorded as such), and has one row per epoch with finite test accuracy.
+
+    ``allow_cut`` (default :data:`BUDGET_CUT` for CIFAR-10, none otherwise) maps run
+    names to the number of epochs they are documented to have reached; such a run goes
+    to ``"cut"`` if its record matches that exactly, to ``"incomplete"`` otherwise (a
+    complete run on the list is ``"ok"``). Returns
+    ``{"missing": [...], "incomplete": [...], "cut": [...], "ok": [...]}`` with run
+    names ``cond/method/seedk``."""
+    if allow_cut is None:
+        allow_cut = BUDGET_CUT if dataset == "cifar10" else {}
+    res: dict[str, list[str]] = {"missing": [], "incomplete": [], "cut": [], "ok": []}
+    plan = build_plan("main", dataset=dataset, epochs=epochs or 1)
+    for name, rec in _records(plan, root, dataset, res):
+        e = len(rec["epochs"])
+        want = epochs or rec["config"]["epochs"]
+        finite = all(math.isfinite(r["test_acc"]) for r in rec["epochs"])
+        good = rec.get("diverged") or (rec.get("complete") and e == want and finite)
+        cut = (name in allow_cut and not rec.get("complete") and e == allow_cut[name]
+               and e < want and finite)
+        res["ok" if good else "cut" if cut else "incomplete"].append(name)
+    return res
+
+
+def _claim_row_ok(rec: dict, k: int) -> bool:
+    """Every epoch recorded, in order, with finite test accuracy and ``k`` finite
+    per-class accuracies."""
+    rows, want = rec["epochs"], int(rec["config"]["epochs"])
+    per_class_ok = all(len(r.get("test_acc_per_class", [])) == k
+                       and all(math.isfinite(a) for a in r["test_acc_per_class"])
+                       for r in rows)
+    return bool(rec.get("complete") and len(rows) == want and per_class_ok
+                and [r["epoch"] for r in rows] == list(range(1, want + 1))
+                and all(math.isfinite(r["test_acc"]) for r in rows))
+
+
+def check_claim(root: str | os.PathLike = CLAIM, dataset: str = "cifar10",
+                min_epochs: int = 30) -> dict:
+    """Completeness of the claim suite (the ``claim`` plan without ablations), with no
+    exceptions: every run has ``metrics.json`` and ``provenance.json``,
+    ``schedule == "claim"`` with its milestone, at least ``min_epochs`` planned epochs,
+    all of them recorded (``complete``), finite test accuracy and a per-class test
+    accuracy (one finite number per class) in every epoch. A run that diverged
+    (non-finite training loss; it stops early) is listed under ``"diverged"`` instead of
+    ``"ok"``. Returns ``{"missing", "incomplete", "diverged", "ok"}`` with run names
+    ``cond/method/seedk``."""
+    if isinstance(min_epochs, bool) or not isinstance(min_epochs, int) \
+            or min_epochs < 1:
+        raise ValueError(f"min_epochs must be an integer >= 1, got {min_epochs!r}")
+    res: dict[str, list[str]] = {"missing": [], "incomplete": [], "diverged": [],
+                                 "ok": []}
+    plan = build_plan("claim", dataset=dataset, epochs=min_epochs, with_ablations=False)
+    for name, rec in _records(plan, root, dataset, res):
+        want = int(rec["config"]["epochs"])
+        proto = (rec["config"].get("schedule") == "claim"
+                 and rec.get("milestones") == milestones_for(want, "claim")
+                 and want >= min_epochs)
+        if proto and rec.get("diverged") and rec["epochs"]:
+            res["diverged"].append(name)
+        elif proto and _claim_row_ok(rec, NUM_CLASSES[dataset]):
+            res["ok"].append(name)
+        else:
+            res["incomplete"].append(name)
+    return res
+
+
+# -------------------------------------------------------------------------- selection
+#: the rule as written into ``selected.json`` (the text of the committed selections)
+SELECTION_RULE = (
+    "Apply the selection rule to the short runs under ``root``.\n\n    Rule: for each "
+    "(dataset, conditioning, method), the step size of :data:`LR_GRID` with the highest"
+    "\n    held-out accuracy at the end of the short run; runs that diverged "
+    "(non-finite loss) are excluded;\n    ties go to the lower final training loss.")
+
+
+def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True,
+               force: bool = False) -> dict:
+    """Apply the selection rule (:data:`SELECTION_RULE`) to the short runs under
+    ``root``: for each (dataset, conditioning, method), the step size of
+    :data:`LR_GRID` with the highest held-out accuracy at the end of the short run; runs
+    that diverged (non-finite loss) are excluded; ties go to the lower final training
+    loss. Writes ``root/selected.json``.
+    """
+    rows: dict[str, list] = {}
+    for mp in sorted(Path(root).glob("lr*/*/*/*/seed*/metrics.json")):
+        rec = read_json(mp)
+        c = rec["config"]
+        last = rec["epochs"][-1] if rec["epochs"] else None
+        ok = (last is not None and rec.get("complete") and not rec.get("diverged")
+              and math.isfinite(last["train_loss"]))
+        rows.setdefault(f"{c['dataset']}/{c['conditioning']}/{c['method']}", []).append(
+            {"lr": rec["lr"], "val_acc": last["test_acc"] if last else None,
+             "train_loss": last["train_loss"] if last else None, "ok": bool(ok),
+             "steps": last["steps"] if last else 0})
+    selected = {}
+    for key, rs in rows.items():
+        good = [r for r in rs if r["ok"]]
+        if not good:
+            continue
+        best = max(good, key=lambda r: (r["val_acc"], -r["train_loss"]))
+        selected[key] = {"lr": best["lr"], "val_acc": best["val_acc"],
+                         "candidates": sorted(rs, key=lambda r: -r["lr"])}
+    out = {"rule": SELECTION_RULE, "grid": list(LR_GRID),
+           "selected": selected,
+           "inherit": {m: s["lr_from"] for m, s in METHODS.items() if "lr_from" in s}}
+    if write:  # a different existing selection is refused unless force (then backed up)
+        guard.write_json_guarded(Path(root) / "selected.json", out, force)
+    return out
