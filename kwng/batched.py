@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_choice, check_int, check_positive
-from .estimator import DAMPINGS
 from .models import HyperSphereModel, ImplicitModel, LogNormalModel, NormalModel
+from .solve import DAMPING_FLOOR, DAMPINGS, default_rcond, kwng_direction
 
 __all__ = ["sample_and_jacobian", "batched_kernel_matrices", "batched_nystrom_solve",
            "batched_kwng", "runs_per_chunk", "batched_mean_sq_bandwidth"]
@@ -125,50 +125,26 @@ def batched_kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, basis_coor
 
 def batched_nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor | None, grad: torch.Tensor,
                           N: int, *, eps: float, lam: float = 0.0, damping: str = "T_tilde",
-                          rcond: float | None = None, damping_floor: float = 1e-8
+                          rcond: float | None = None, damping_floor: float = DAMPING_FLOOR
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable form (Prop. 6) for a batch: ``T`` is ``R × M × q``, ``CCt`` and ``K`` are
     ``R × M × M``, ``grad`` is ``R × q``. Returns the directions (``R × q``) and the rank of each
-    ``CCᵀ`` (``R``). Same conventions as :func:`kwng.nystrom_solve` (float64 algebra)."""
+    ``CCᵀ`` (``R``). This is :func:`kwng.solve.kwng_direction` in float64 with the eigen
+    whitening whose dropped eigenvalues are zero rows (so every run keeps the shape ``M``), the
+    relative damping floor and the degenerate-column rule of :func:`kwng.nystrom_solve`."""
     eps = check_positive(eps, "eps")
     lam = check_positive(lam, "lam", allow_zero=True)
     check_choice(damping, "damping", DAMPINGS)
     if lam > 0 and K is None:
         raise ValueError("K is required when lam > 0")
-    R, M, q = T.shape
-    f64 = torch.float64
-    if rcond is None:
-        rcond = M * torch.finfo(CCt.dtype).eps
-    rcond = check_positive(rcond, "rcond")
-    S, U = torch.linalg.eigh(CCt.to(f64))
-    keep = S > rcond * S.max(dim=1, keepdim=True).values.clamp(min=0)
-    if not bool(keep.any(dim=1).all()):
+    M = T.shape[1]
+    rcond = check_positive(default_rcond(M, CCt.dtype) if rcond is None else rcond, "rcond")
+    out = kwng_direction(T.to(torch.float64), CCt, K, grad.to(torch.float64), N, eps=eps, lam=lam,
+                         damping=damping, whitening="eig", rcond=rcond,
+                         damping_floor=check_positive(damping_floor, "damping_floor"))
+    if not bool((out.rank > 0).all()):
         raise ValueError("C Cᵀ is numerically zero in some run: bandwidth far too small or too large")
-    inv_sqrt = torch.where(keep, S.clamp(min=torch.finfo(f64).tiny).rsqrt(), torch.zeros_like(S))
-    W = (U * inv_sqrt[:, None, :]).transpose(1, 2)  # R × M × M, zero rows where dropped
-    T64 = T.to(f64)
-    Tt = W @ T64
-    if damping == "identity":
-        Dvec = torch.ones(R, q, dtype=f64, device=T.device)
-    else:
-        src = T64 if damping == "T" else Tt
-        Dvec = torch.linalg.vector_norm(src, dim=1).clamp(min=damping_floor)
-    Dinv = 1.0 / Dvec
-    g = grad.to(f64)
-    Dg = Dinv * g
-    A = (Tt * Dinv[:, None, :]) @ Tt.transpose(1, 2)
-    A = A + (eps / N) * torch.eye(M, dtype=f64, device=T.device)
-    if lam > 0:
-        A = A + lam * eps * (W @ K.to(f64) @ W.transpose(1, 2))
-    v = (Tt @ Dg[:, :, None])
-    L, info = torch.linalg.cholesky_ex(A)
-    if bool((info == 0).all()):
-        w = torch.cholesky_solve(v, L)
-    else:  # round-off only: A is SPD in exact arithmetic
-        w = torch.linalg.lstsq(A, v).solution
-    correction = (Tt.transpose(1, 2) @ w)[..., 0]
-    direction = (Dg - Dinv * correction) / eps
-    return direction, keep.sum(1)
+    return out.direction, out.rank
 
 
 def runs_per_chunk(M: int, N: int, d: int, q: int, mem_bytes: float = 4e9, itemsize: int = 8) -> int:
