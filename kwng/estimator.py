@@ -43,7 +43,14 @@ import torch
 
 from . import solve
 from ._checks import check_choice, check_finite, check_int, check_points, check_positive
-from .kernels import Kernel, mean_sq_bandwidth, median_bandwidth
+from .kernels import (
+    BANDWIDTH_RULES,
+    Kernel,
+    bandwidth_from_rule,
+    coord_matrices,
+    mean_sq_bandwidth,
+    median_bandwidth,
+)
 from .solve import DAMPING_FLOOR, DAMPINGS, METHODS
 
 __all__ = [
@@ -84,18 +91,22 @@ class KWNGResult:
     diagnostics: dict = field(default_factory=dict)
 
 
-def draw_basis(N: int, d: int, num_basis: int, generator: torch.Generator | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_basis(N: int, d: int, num_basis: int, generator: torch.Generator | None = None,
+               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw ``M = num_basis`` distinct sample indices and one coordinate in ``[0, d)`` for each.
 
-    This is the random Nyström subspace ``H_M = span{∂_{i_m} k(Y_m, ·)}`` of §3.2. Both tensors
-    live on the CPU (the generator's device); pass the same ``generator`` seed to reproduce a draw.
+    This is the random Nyström subspace ``H_M = span{∂_{i_m} k(Y_m, ·)}`` of §3.2. With a
+    ``generator`` both tensors live on its device (pass the same seed to reproduce a draw);
+    without one they are drawn on ``device`` (default CPU) from the global stream, so a
+    training step on a GPU draws there without a host-to-device copy or a sync.
     """
     N = check_int(N, "N", 1)
     d = check_int(d, "d", 1)
     check_int(num_basis, "num_basis", 1, N)
-    idx = torch.randperm(N, generator=generator)[:num_basis]
-    coords = torch.randint(0, d, (num_basis,), generator=generator)
+    if generator is not None:
+        device = generator.device
+    idx = torch.randperm(N, generator=generator, device=device)[:num_basis]
+    coords = torch.randint(0, d, (num_basis,), generator=generator, device=device)
     return idx, coords
 
 
@@ -111,11 +122,7 @@ def kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, basis_coords: torc
     """
     X = check_points(X, "X").detach()
     X = X.to(torch.promote_types(X.dtype, torch.float64))
-    Y = X[basis_idx.to(X.device)]
-    coords = basis_coords.to(X.device)
-    C = kernel.mixed_coord(Y, coords, X)
-    KY = kernel.mixed_coord(Y, coords, Y)  # (M, M, d): ∂_{i_m}∂_{j+d} k(Y_m, Y_m')
-    K = torch.gather(KY, 2, coords[None, :, None].expand(KY.shape[0], -1, 1))[..., 0]
+    C, K, _ = coord_matrices(kernel, X, basis_idx.to(X.device), basis_coords.to(X.device))
     Cf = C.reshape(C.shape[0], -1)
     return C, K, Cf @ Cf.T
 
@@ -257,7 +264,6 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
     return KWNGResult(direction, diag)
 
 
-BANDWIDTH_RULES = ("mean_sq", "median")
 
 
 def _with_bandwidth(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor, bandwidth, sigma0: float) -> Kernel:
@@ -428,17 +434,13 @@ def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], 
 # the same quantities with tensors only, so a training step can be queued without a host sync.
 
 
-def bandwidth_tensor(sq_dists: torch.Tensor, bandwidth: float | str, sigma0: float = 1.0) -> torch.Tensor:
-    """The kernel bandwidth as a 0-dim tensor (no host sync) from the ``M × N`` squared distances.
-
-    ``"mean_sq"``: ``σ0 · mean ‖X_n - Y_m‖²`` (the paper's heuristic, as :func:`mean_sq_bandwidth`);
-    ``"median"``: ``σ0 ·`` median of the same distances (as :func:`median_bandwidth` with ``Y``);
-    a number: that bandwidth.
-    """
+def bandwidth_tensor(sq_dists: torch.Tensor, bandwidth: float | str, sigma0: float = 1.0
+                     ) -> torch.Tensor:
+    """The kernel bandwidth as a 0-dim tensor (no host sync) from the ``M × N`` squared
+    distances: a rule of :func:`kwng.kernels.bandwidth_from_rule` or a number."""
     if isinstance(bandwidth, str):
         check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
-        stat = sq_dists.mean() if bandwidth == "mean_sq" else sq_dists.flatten().median()
-        return sigma0 * stat
+        return bandwidth_from_rule(sq_dists, bandwidth, sigma0)
     return torch.as_tensor(float(bandwidth), dtype=sq_dists.dtype, device=sq_dists.device)
 
 
@@ -456,14 +458,9 @@ def kernel_matrices_nosync(X: torch.Tensor, basis_idx: torch.Tensor, basis_coord
     X = X.detach()
     idx = basis_idx.to(X.device, non_blocking=True)
     coords = basis_coords.to(X.device, non_blocking=True)
-    r = X[idx][:, None, :] - X[None, :, :]  # (M, N, d)
-    if bandwidth is None:
-        sigma = torch.as_tensor(kernel.bandwidth, dtype=X.dtype, device=X.device)
-    else:
-        sigma = bandwidth_tensor((r * r).sum(-1), bandwidth, sigma0)
-    E = torch.nn.functional.one_hot(coords, X.shape[1]).to(X.dtype)  # (M, d)
-    C = kernel.mixed_coord_from_differences(r, E, sigma)
-    K = (C[:, idx, :] * E[None, :, :]).sum(-1)  # K[m, m'] = C[m, idx[m'], i_{m'}]
+    if not isinstance(bandwidth, str) and bandwidth is not None:
+        bandwidth = float(bandwidth)
+    C, K, sigma = coord_matrices(kernel, X, idx, coords, bandwidth, sigma0)
     Cf = C.reshape(C.shape[0], -1)
     return C, K, Cf @ Cf.T, sigma
 

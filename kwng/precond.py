@@ -303,12 +303,8 @@ class KWNGPreconditioner:
         self.lm.observe(loss_after)
 
     def _draw_basis(self, N: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.generator is not None:
-            return draw_basis(N, d, self.num_basis, self.generator)
-        # drawn on the outputs' device: no host-to-device copy, no sync
-        idx = torch.randperm(N, device=device)[: self.num_basis]
-        coords = torch.randint(0, d, (self.num_basis,), device=device)
-        return idx, coords
+        # without a generator: drawn on the outputs' device (no host-to-device copy, no sync)
+        return draw_basis(N, d, self.num_basis, self.generator, device)
 
     def _direct_params(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor]) -> list:
         """Parameters that ``loss`` reaches without passing through ``X`` (e.g. an L2 term)."""
