@@ -61,16 +61,13 @@ In fast mode fallbacks are counted on the device and logged by :meth:`counters` 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._checks import check_choice, check_int, check_positive
+from ._checks import check_int
 from .estimator import (
-    BANDWIDTH_RULES,
-    DAMPINGS,
     _with_bandwidth,
     draw_basis,
     jacobian_from_outputs,
@@ -79,70 +76,45 @@ from .estimator import (
     nystrom_solve,
     nystrom_solve_nosync,
 )
-from .kernels import Kernel, make_kernel
-from .lm import LM_RULES, LevenbergMarquardt
+from .lm import LevenbergMarquardt
+from .precond_config import MODES, KWNGConfig, eps_from_authors
 from .replicate import ReplicatedEngine, unsupported_reason
 
-__all__ = ["KWNGPreconditioner", "MODES", "eps_from_authors"]
+__all__ = ["KWNGPreconditioner", "KWNGConfig", "MODES", "eps_from_authors"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("fast", "reference")
 _COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped", "serial_steps",
              "loss_only")
-
-
-def eps_from_authors(eps: float, batch_size: int) -> float:
-    """``ε`` in this package's convention for the authors' ``ε_a``: ``ε = √N · ε_a`` (``N`` = batch).
-
-    The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε_a I``; :func:`kwng.nystrom_solve`
-    whitens with ``(CCᵀ)^{-1/2}`` and adds ``(ε/N) I``, so the two regularisers coincide for
-    ``ε = √N ε_a`` (the same factor converts the bounds ``[1e-10, 1e5]`` of App. E).
-    """
-    return check_positive(eps, "eps") * math.sqrt(check_int(batch_size, "batch_size", 1))
 
 
 class KWNGPreconditioner:
     """Replace the gradients of ``model``'s parameters by the KWNG direction (Prop. 6).
 
-    Arguments (paper symbol in brackets):
-
-    * ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q`` numbers). A
-      parameter frozen later (``requires_grad=False``) is left alone from then on. In fast mode
-      the replicated forward runs when ``model`` itself is called (``model(z)``); attach the
-      preconditioner to the network that the training loop calls.
-    * ``optimizer`` — the ``torch.optim`` optimizer that takes the step; its
-      ``param_groups[0]['lr']`` is the step size in the reduction ratio ``r``. Required when
-      ``adapt_eps`` is on.
-    * ``num_basis`` [``M``] ≥ 1; ``eps`` [``ε``] > 0, the initial damping (this package's
-      convention; :func:`eps_from_authors` converts the authors'); ``lam`` [``λ``] ≥ 0, the RKHS
-      regularisation (``0`` in the paper's experiments; ``λ > 0`` adds ``λε W K Wᵀ`` to the stable
-      system, which keeps it equal to Prop. 5).
-    * ``kernel`` — ``"gaussian"``, ``"rq"`` or a :class:`kwng.Kernel`; ``bandwidth`` —
-      ``"mean_sq"`` (``σ = σ0 · mean ‖X_n − Y_m‖²``), ``"median"`` or a positive number;
-      ``sigma0`` [``σ0``] > 0.
-    * ``damping`` [``D``] — ``"identity"``, ``"T"`` (``‖T_{·,i}‖``) or ``"T_tilde"`` (``‖T̃_{·,i}‖``).
-    * Levenberg-Marquardt (App. E, :class:`kwng.lm.LevenbergMarquardt`): ``lm_interval`` ≥ 1
-      steps between updates, ``lm_omega`` [``ω``] in (0, 1), thresholds ``0 ≤ lm_low < lm_high``;
-      ``adapt_eps`` switches it on; ``eps_min ≤ ε ≤ eps_max``; ``lm_rule`` ``"authors"`` (next
-      batch's loss) or ``"same_batch"`` (the loop calls :meth:`observe_loss_after_step`).
-    * ``clip_norm`` > 0 or ``None`` — clip the final direction to this norm.
-    * ``mode`` — ``"fast"`` or ``"reference"`` (module docstring).
-    * ``generator`` — a ``torch.Generator`` for the basis draw (reproducible runs and tests).
-    * ``diagonal_only`` — use ``D⁻¹ g`` (no kernel correction; needs ``damping`` ``"T"`` or
-      ``"T_tilde"``).
-    * ``rcond`` — relative eigenvalue (pivot) threshold of the stable solve (default
-      ``M · float-eps``).
+    Arguments: ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q``
+    numbers). A parameter frozen later (``requires_grad=False``) is left alone from then on. In
+    fast mode the replicated forward runs when ``model`` itself is called (``model(z)``); attach
+    the preconditioner to the network that the training loop calls. ``optimizer`` — the
+    ``torch.optim`` optimizer that takes the step; its ``param_groups[0]['lr']`` is the step
+    size in the reduction ratio ``r``; required when ``adapt_eps`` is on. ``config`` — a
+    :class:`kwng.KWNGConfig` with the hyperparameters (``num_basis``, ``eps``, ``lam``,
+    ``kernel``, ``bandwidth``, ``sigma0``, ``damping``, the ``lm_*`` rule, ``clip_norm``,
+    ``mode``, ``diagonal_only``, ``rcond``; see there); keyword arguments of the same names
+    build it (or override fields of ``config``). ``generator`` — a ``torch.Generator`` for the
+    basis draw (reproducible runs and tests).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, num_basis: int = 5,
-                 eps: float = 1e-5, lam: float = 0.0, kernel: str | Kernel = "gaussian",
-                 bandwidth: str | float = "mean_sq", sigma0: float = 1.0, damping: str = "T_tilde",
-                 lm_interval: int = 5, lm_omega: float = 0.85, lm_low: float = 0.25, lm_high: float = 0.75,
-                 adapt_eps: bool = True, clip_norm: float | None = 1.0, mode: str = "fast",
-                 generator: torch.Generator | None = None, diagonal_only: bool = False,
-                 eps_min: float = 1e-10, eps_max: float = 1e5, rcond: float | None = None,
-                 lm_rule: str = "authors") -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 config: KWNGConfig | None = None, *, generator: torch.Generator | None = None,
+                 **hyperparameters: Any) -> None:
+        unknown = set(hyperparameters) - set(KWNGConfig.fields())
+        if unknown:
+            raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; accepted: "
+                             f"{', '.join(KWNGConfig.fields())}")
+        if config is not None and not isinstance(config, KWNGConfig):
+            raise ValueError(f"config must be a kwng.KWNGConfig or None, got {type(config).__name__}")
+        cfg = (config or KWNGConfig()).replace(**hyperparameters)
+        self.config = cfg
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -154,46 +126,20 @@ class KWNGPreconditioner:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         self.optimizer = optimizer
-        self.num_basis = check_int(num_basis, "num_basis", 1)
-        self.lam = check_positive(lam, "lam", allow_zero=True)
-        if isinstance(kernel, str):
-            kernel = make_kernel(kernel)  # raises on an unknown name
-        elif not isinstance(kernel, Kernel):
-            raise ValueError(f"kernel must be 'gaussian', 'rq' or a kwng.Kernel, got {type(kernel).__name__}")
-        self.kernel = kernel
-        if isinstance(bandwidth, str):
-            check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
-        else:
-            bandwidth = check_positive(bandwidth, "bandwidth")
-        self.bandwidth = bandwidth
-        self.sigma0 = check_positive(sigma0, "sigma0")
-        self.damping = check_choice(damping, "damping", DAMPINGS)
-        if not isinstance(adapt_eps, bool):
-            raise ValueError(f"adapt_eps must be a bool, got {type(adapt_eps).__name__}")
-        self.adapt_eps = adapt_eps
-        if adapt_eps and optimizer is None:
+        if cfg.adapt_eps and optimizer is None:
             raise ValueError("optimizer is required when adapt_eps=True (its lr enters the reduction ratio)")
-        check_int(lm_interval, "lm_interval", 1)
-        if not 0 < check_positive(lm_omega, "lm_omega") < 1:
-            raise ValueError(f"lm_omega must lie in (0, 1), got {lm_omega}")
-        if not check_positive(lm_low, "lm_low", allow_zero=True) < check_positive(lm_high, "lm_high",
-                                                                                  allow_zero=True):
-            raise ValueError(f"lm_low must be < lm_high, got lm_low={lm_low}, lm_high={lm_high}")
-        self.lm = LevenbergMarquardt(eps, eps_min=eps_min, eps_max=eps_max, omega=lm_omega, low=lm_low,
-                                     high=lm_high, interval=lm_interval, rule=check_choice(lm_rule, "lm_rule",
-                                                                                            LM_RULES),
-                                     device=self.params[0].device)
-        self.clip_norm = None if clip_norm is None else check_positive(clip_norm, "clip_norm")
-        self.mode = check_choice(mode, "mode", MODES)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         self.generator = generator
-        if not isinstance(diagonal_only, bool):
-            raise ValueError(f"diagonal_only must be a bool, got {type(diagonal_only).__name__}")
-        if diagonal_only and damping == "identity":
-            raise ValueError("diagonal_only=True needs damping 'T' or 'T_tilde' (with 'identity' it is plain SGD)")
-        self.diagonal_only = diagonal_only
-        self.rcond = None if rcond is None else check_positive(rcond, "rcond")
+        # the hyperparameters read by the step, as attributes (the config is their one source)
+        self.num_basis, self.lam, self.kernel = cfg.num_basis, cfg.lam, cfg.kernel
+        self.bandwidth, self.sigma0, self.damping = cfg.bandwidth, cfg.sigma0, cfg.damping
+        self.adapt_eps, self.clip_norm, self.mode = cfg.adapt_eps, cfg.clip_norm, cfg.mode
+        self.diagonal_only, self.rcond = cfg.diagonal_only, cfg.rcond
+        self.lm = LevenbergMarquardt(cfg.eps, eps_min=cfg.eps_min, eps_max=cfg.eps_max,
+                                     omega=cfg.lm_omega, low=cfg.lm_low, high=cfg.lm_high,
+                                     interval=cfg.lm_interval, rule=cfg.lm_rule,
+                                     device=self.params[0].device)
         self.num_steps = 0
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
