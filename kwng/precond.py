@@ -349,7 +349,7 @@ class KWNGPreconditioner:
         latest ``r`` of the ε rule), ``fallback`` (the Euclidean gradient was used), ``clipped``,
         ``rank``, ``floored_columns`` (entries of ``D`` raised to the relative floor),
         ``floored_share`` (their share of ``‖ĝ‖²``), ``loss_only`` (components of parameters the
-        samples do not depend on, :func:`kwng.estimator.loss_only_columns`), ``dot``
+        samples do not depend on, :func:`kwng.solve.loss_only_columns`), ``dot``
         (``⟨g, ĝ⟩`` after clipping), ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim
         tensors in ``"fast"`` mode (no host sync), Python numbers in ``"reference"`` mode.
         """
