@@ -76,6 +76,7 @@ from .estimator import (
     nystrom_solve,
     nystrom_solve_nosync,
 )
+from .graph import derived_from, direct_params
 from .lm import LevenbergMarquardt
 from .precond_config import MODES, KWNGConfig, eps_from_authors
 from .replicate import ReplicatedEngine, unsupported_reason
@@ -252,48 +253,14 @@ class KWNGPreconditioner:
         # without a generator: drawn on the outputs' device (no host-to-device copy, no sync)
         return draw_basis(N, d, self.num_basis, self.generator, device)
 
-    def _direct_params(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor]) -> list:
-        """Parameters that ``loss`` reaches without passing through ``X`` (e.g. an L2 term)."""
-        wanted = {id(p): p for p in params}
-        found, seen, stack = {}, set(), [loss.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn is X.grad_fn or id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            var = getattr(fn, "variable", None)
-            if var is not None and id(var) in wanted:
-                found[id(var)] = var
-            stack.extend(nxt for nxt, _ in fn.next_functions)
-        return list(found.values())
-
-    def _derived(self, X: torch.Tensor, X0: torch.Tensor, params: list[torch.Tensor]) -> bool:
-        """Whether ``X`` is computed from ``X0`` without touching any of ``params`` on the way
-        (e.g. ``X = U·X0`` with a fixed ``U``): then its cotangents map to ``X0`` exactly."""
-        wanted = {id(p) for p in params}
-        found, seen, stack = False, set(), [X.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            if fn is X0.grad_fn:
-                found = True
-                continue
-            var = getattr(fn, "variable", None)
-            if var is not None and id(var) in wanted:
-                return False
-            stack.extend(nxt for nxt, _ in fn.next_functions)
-        return found
-
     def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``g`` (``q``) and ``T`` (``M × q``) of the active parameters, from the graph of ``loss``, ``X``."""
         N, M = X.shape[0], C.shape[0]
         eng = self._engine
         X0 = None if eng is None else eng.first
-        if X0 is not None and (X is X0 or (X.shape == X0.shape and self._derived(X, X0, params))):
-            direct = self._direct_params(loss, X0, params)
+        if X0 is not None and (X is X0 or (X.shape == X0.shape and derived_from(X, X0, params))):
+            direct = direct_params(loss, X0, params)
             g_direct = {}
             if direct:  # the loss also depends on parameters directly: one extra backward pass
                 self._warn_once("direct", "KWNG: the loss depends on %d parameter tensor(s) directly (not "
@@ -357,6 +324,43 @@ class KWNGPreconditioner:
         with torch.autocast(outputs.device.type, enabled=False):  # the kernel algebra in ≥ float32
             return self._step(loss, outputs)
 
+    def _solve(self, T, CCt, K, g, N, eps, reference):
+        """Prop. 6 through the reference (host diagnostics) or the sync-free path."""
+        if reference and not self.diagonal_only:
+            res = nystrom_solve(T, CCt, K, g, N, eps=float(eps), lam=self.lam,
+                                damping=self.damping, method="stable", rcond=self.rcond)
+            dg, dev = res.diagnostics, T.device
+            rank = dg["rank"]
+            return (res.direction, torch.tensor(rank, device=dev),
+                    torch.tensor(rank < self.num_basis, device=dev),
+                    torch.tensor(dg["damping_floored"], device=dev),
+                    torch.tensor(dg["loss_only"], device=dev),
+                    torch.tensor(dg["floored_share"], device=dev))
+        direction, dg = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=self.lam,
+                                             damping=self.damping, rcond=self.rcond,
+                                             diagonal_only=self.diagonal_only)
+        return (direction, dg["rank"], dg["ill_conditioned"], dg["damping_floored"],
+                dg["loss_only"], dg["floored_share"])
+
+    def _safeguard(self, g, direction):
+        """The Euclidean gradient where ``⟨g, ĝ⟩ ≤ 0`` or ``ĝ`` is not finite, then the
+        clipping to ``clip_norm``; no host sync."""
+        dot = torch.dot(g.to(torch.float64), direction.to(torch.float64))
+        bad = ~(dot > 0) | ~torch.isfinite(direction).all()
+        direction = torch.where(bad, g, direction)
+        dot = torch.where(bad, torch.dot(g.to(torch.float64), g.to(torch.float64)), dot)
+        grad_norm = torch.linalg.vector_norm(g)
+        norm = torch.linalg.vector_norm(direction)
+        clipped = torch.zeros((), dtype=torch.bool, device=g.device)
+        if self.clip_norm is not None:
+            clipped = norm > self.clip_norm
+            scale = torch.where(clipped, self.clip_norm / norm.clamp(min=1e-30),
+                                torch.ones_like(norm))
+            direction = direction * scale
+            dot = dot * scale.to(dot.dtype)
+            norm = norm * scale
+        return direction, dot, bad, clipped, grad_norm, norm
+
     def _step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
         X = outputs
         N, d = X.shape
@@ -385,34 +389,9 @@ class KWNGPreconditioner:
         g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
         T = T.to(g.dtype)
 
-        if reference and not self.diagonal_only:
-            res = nystrom_solve(T, CCt, K, g, N, eps=float(eps), lam=self.lam,
-                                damping=self.damping, method="stable", rcond=self.rcond)
-            direction, rank = res.direction, res.diagnostics["rank"]
-            rank_t = torch.tensor(rank, device=X.device)
-            ill_t = torch.tensor(rank < self.num_basis, device=X.device)
-            n_floor_t = torch.tensor(res.diagnostics["damping_floored"], device=X.device)
-            loss_only_t = torch.tensor(res.diagnostics["loss_only"], device=X.device)
-            share_t = torch.tensor(res.diagnostics["floored_share"], device=X.device)
-        else:
-            direction, diag = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=self.lam, damping=self.damping,
-                                                   rcond=self.rcond, diagonal_only=self.diagonal_only)
-            rank_t, ill_t, n_floor_t = diag["rank"], diag["ill_conditioned"], diag["damping_floored"]
-            loss_only_t, share_t = diag["loss_only"], diag["floored_share"]
-
-        dot = torch.dot(g.to(torch.float64), direction.to(torch.float64))
-        bad = ~(dot > 0) | ~torch.isfinite(direction).all()
-        direction = torch.where(bad, g, direction)
-        dot = torch.where(bad, torch.dot(g.to(torch.float64), g.to(torch.float64)), dot)
-        grad_norm = torch.linalg.vector_norm(g)
-        norm = torch.linalg.vector_norm(direction)
-        clipped = torch.zeros((), dtype=torch.bool, device=X.device)
-        if self.clip_norm is not None:
-            clipped = norm > self.clip_norm
-            scale = torch.where(clipped, self.clip_norm / norm.clamp(min=1e-30), torch.ones_like(norm))
-            direction = direction * scale
-            dot = dot * scale.to(dot.dtype)
-            norm = norm * scale
+        direction, rank_t, ill_t, n_floor_t, loss_only_t, share_t = self._solve(
+            T, CCt, K, g, N, eps, reference)
+        direction, dot, bad, clipped, grad_norm, norm = self._safeguard(g, direction)
         self._write_grads(direction, params)
         self.lm.record(self._lr(), dot)
         c = self._counters

@@ -336,17 +336,8 @@ def kwng_direction(
         direction = combine(Dg, Dinv, corr.to(Dg.dtype), eps)
     direction, _ = loss_only_columns(direction, grad, low)
     sq = direction * direction
-    share = torch.where(low, sq, 0).sum(-1, dtype=_F64) / sq.sum(-1, dtype=_F64).clamp(
-        min=torch.finfo(_F64).tiny
-    )
-    return Direction(
-        direction,
-        rank,
-        A,
-        failed,
-        low.sum(-1),
-        share,
-        (zero & (grad != 0)).sum(-1),
-        ok,
-        S,
-    )
+    tiny = torch.finfo(_F64).tiny
+    share = torch.where(low, sq, 0).sum(-1, dtype=_F64)
+    share = share / sq.sum(-1, dtype=_F64).clamp(min=tiny)
+    n_loss_only = (zero & (grad != 0)).sum(-1)
+    return Direction(direction, rank, A, failed, low.sum(-1), share, n_loss_only, ok, S)
