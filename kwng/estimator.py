@@ -314,6 +314,20 @@ def _prepare(X, grad, num_basis, eps, lam, kernel, generator, basis_idx, basis_c
     return X, N, d, basis_idx, basis_coords
 
 
+def _estimate(X, basis_idx, basis_coords, kernel, bandwidth, sigma0, grad, jacobian,
+              **solve_kw) -> KWNGResult:
+    """The common tail of the two estimators: bandwidth, ``C, K, CCᵀ``, ``T`` (from
+    ``jacobian(C)``), the solve and the diagnostics."""
+    resolution = check_sample_resolution(X)
+    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
+    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)  # float64
+    res = nystrom_solve(jacobian(C), CCt, K, grad, X.shape[0], **solve_kw)
+    res.diagnostics["sample_resolution"] = resolution
+    res.diagnostics.update(d=X.shape[1], bandwidth=kernel.bandwidth, kernel=repr(kernel),
+                           basis_idx=basis_idx, basis_coords=basis_coords)
+    return res
+
+
 def kwng_gradient(sampler: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tensor,
                   grad: torch.Tensor, *, num_basis: int, eps: float, lam: float = 0.0,
                   kernel: Kernel, damping: str = "T_tilde", method: str = "stable",
@@ -351,15 +365,9 @@ def kwng_gradient(sampler: Callable[[torch.Tensor], torch.Tensor], theta: torch.
         X = sampler(theta)
     X, N, d, basis_idx, basis_coords = _prepare(X, grad, num_basis, eps, lam, kernel, generator,
                                                 basis_idx, basis_coords)
-    resolution = check_sample_resolution(X)
-    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
-    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)  # float64
-    T = jacobian_from_sampler(sampler, theta.detach(), C)
-    res = nystrom_solve(T, CCt, K, grad, N, eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
-    res.diagnostics["sample_resolution"] = resolution
-    res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel),
-                           basis_idx=basis_idx, basis_coords=basis_coords)
-    return res
+    return _estimate(X, basis_idx, basis_coords, kernel, bandwidth, sigma0, grad,
+                     lambda C: jacobian_from_sampler(sampler, theta.detach(), C),
+                     eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
 
 
 def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], grad: torch.Tensor, *,
@@ -382,15 +390,9 @@ def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], 
     q = sum(p.numel() for p in params)
     if grad.shape != (q,):
         raise ValueError(f"grad must have shape ({q},) = total size of params, got {tuple(grad.shape)}")
-    resolution = check_sample_resolution(X)
-    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
-    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)  # float64
-    T = jacobian_from_outputs(X, params, C, retain_graph=retain_graph)
-    res = nystrom_solve(T, CCt, K, grad, N, eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
-    res.diagnostics["sample_resolution"] = resolution
-    res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel),
-                           basis_idx=basis_idx, basis_coords=basis_coords)
-    return res
+    return _estimate(X, basis_idx, basis_coords, kernel, bandwidth, sigma0, grad,
+                     lambda C: jacobian_from_outputs(X, params, C, retain_graph=retain_graph),
+                     eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
 
 
 # The sync-free variants live in kwng.nosync; importable from here as before.

@@ -49,10 +49,8 @@ def _check_finite_points(t: torch.Tensor, name: str) -> None:
 
 def squared_distances(Y: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """Matrix of ``‖Y_m - X_n‖²`` of shape ``(M, N)``, computed exactly (no cancellation)."""
-    Y, X = check_points(Y, "Y"), check_points(X, "X")
-    if Y.shape[1] != X.shape[1]:
-        raise ValueError(f"Y and X must have the same dimension d, got {Y.shape[1]} and {X.shape[1]}")
-    return ((Y[:, None, :] - X[None, :, :]) ** 2).sum(-1)
+    r = Kernel._pair(Y, X)  # validated differences Y_m - X_n
+    return (r * r).sum(-1)
 
 
 def mean_sq_bandwidth(X: torch.Tensor, Y: torch.Tensor, sigma0: float = 1.0) -> float:

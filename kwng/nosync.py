@@ -61,20 +61,13 @@ def kernel_matrices_nosync(
     return C, K, Cf @ Cf.T, sigma
 
 
-def nystrom_solve_nosync(
-    T: torch.Tensor,
-    CCt: torch.Tensor,
-    K: torch.Tensor,
-    grad: torch.Tensor,
-    N: int,
-    *,
-    eps: float | torch.Tensor,
-    lam: float = 0.0,
-    damping: str = "T_tilde",
-    rcond: float | None = None,
-    damping_floor: float = DAMPING_FLOOR,
-    diagonal_only: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def nystrom_solve_nosync(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor,
+                         grad: torch.Tensor, N: int, *, eps: float | torch.Tensor,
+                         lam: float = 0.0, damping: str = "T_tilde",
+                         rcond: float | None = None,
+                         damping_floor: float = DAMPING_FLOOR,
+                         diagonal_only: bool = False
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The stable estimator of Prop. 6 with tensors only (no host sync, no
     data-dependent branch): :func:`kwng.solve.kwng_direction` with the Cholesky
     whitening.
@@ -103,21 +96,10 @@ def nystrom_solve_nosync(
     if not isinstance(eps, torch.Tensor):
         eps = torch.as_tensor(check_positive(eps, "eps"), dtype=torch.float64)
     eps = eps.to(torch.float64).to(T.device)
-    out = solve.kwng_direction(
-        T,
-        CCt,
-        K,
-        grad.to(T.dtype),
-        N,
-        eps=eps,
-        lam=lam,
-        damping=damping,
-        whitening="cholesky",
-        rcond=rcond,
-        damping_floor=damping_floor,
-        diagonal_only=diagonal_only,
-        fallback=False,
-    )
+    out = solve.kwng_direction(T, CCt, K, grad.to(T.dtype), N, eps=eps, lam=lam,
+                               damping=damping, whitening="cholesky", rcond=rcond,
+                               damping_floor=damping_floor, diagonal_only=diagonal_only,
+                               fallback=False)
     return out.direction.to(grad.dtype), {
         "rank": out.rank,
         "ill_conditioned": ~out.whitening_ok,

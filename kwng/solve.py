@@ -32,21 +32,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = [
-    "DAMPINGS",
-    "METHODS",
-    "WHITENINGS",
-    "DAMPING_FLOOR",
-    "default_rcond",
-    "eig_whitening",
-    "cholesky_whitening",
-    "damping_vector",
-    "stable_solve",
-    "plain_solve",
-    "combine",
-    "loss_only_columns",
-    "kwng_direction",
-]
+__all__ = ["DAMPINGS", "METHODS", "WHITENINGS", "DAMPING_FLOOR", "default_rcond",
+           "eig_whitening", "cholesky_whitening", "damping_vector", "stable_solve",
+           "plain_solve", "combine", "loss_only_columns", "kwng_direction", "Direction"]
 
 log = logging.getLogger(__name__)
 
