@@ -36,26 +36,25 @@ def eps_from_authors(eps: float, batch_size: int) -> float:
 
 @dataclass(frozen=True)
 class KWNGConfig:
-    """Hyperparameters of the preconditioner, validated on construction (paper symbol in
-    brackets).
+    """Hyperparameters of the preconditioner, validated on construction (paper
+    symbol in brackets).
 
     * ``num_basis`` [``M``] ≥ 1; ``eps`` [``ε``] > 0, the initial damping (this
-    package's
-      convention; :func:`eps_from_authors` converts the authors'); ``lam`` [``λ``] ≥ 0,
-      the RKHS regularisation (``0`` in the paper's experiments).
-    * ``kernel`` — ``"gaussian"``, ``"rq"`` or a :class:`kwng.Kernel` (a name is turned
-    into
-      the kernel); ``bandwidth`` — ``"mean_sq"`` (``σ = σ0 · mean ‖X_n − Y_m‖²``),
-      ``"median"`` or a positive number; ``sigma0`` [``σ0``] > 0.
+      package's convention; :func:`eps_from_authors` converts the authors'); ``lam``
+      [``λ``] ≥ 0, the RKHS regularisation (``0`` in the paper's experiments).
+    * ``kernel`` — ``"gaussian"``, ``"rq"`` or a :class:`kwng.Kernel` (a name is
+      turned into the kernel); ``bandwidth`` — ``"mean_sq"``
+      (``σ = σ0 · mean ‖X_n − Y_m‖²``), ``"median"`` or a positive number;
+      ``sigma0`` [``σ0``] > 0.
     * ``damping`` [``D``] — ``"identity"``, ``"T"`` or ``"T_tilde"``.
-    * Levenberg-Marquardt (App. E, :class:`kwng.lm.LevenbergMarquardt`): ``lm_interval``
-    ≥ 1,
-      ``lm_omega`` [``ω``] in (0, 1), ``0 ≤ lm_low < lm_high``; ``adapt_eps`` switches
-      it on; ``eps_min ≤ ε ≤ eps_max``; ``lm_rule`` ``"authors"`` or ``"same_batch"``.
+    * Levenberg-Marquardt (App. E, :class:`kwng.lm.LevenbergMarquardt`):
+      ``lm_interval`` ≥ 1, ``lm_omega`` [``ω``] in (0, 1), ``0 ≤ lm_low < lm_high``;
+      ``adapt_eps`` switches it on; ``eps_min ≤ ε ≤ eps_max``; ``lm_rule``
+      ``"authors"`` or ``"same_batch"``.
     * ``clip_norm`` > 0 or ``None``; ``mode`` ``"fast"`` or ``"reference"``;
-      ``diagonal_only`` — ``D⁻¹ g`` only (needs ``damping`` ``"T"`` or ``"T_tilde"``);
-      ``rcond`` — relative pivot threshold of the stable solve (default ``M ·
-      float-eps``).
+      ``diagonal_only`` — ``D⁻¹ g`` only (needs ``damping`` ``"T"`` or
+      ``"T_tilde"``); ``rcond`` — relative pivot threshold of the stable solve
+      (default ``M · float-eps``).
     """
 
     num_basis: int = 5

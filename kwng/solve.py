@@ -5,7 +5,7 @@ Arbel, Gretton, Li & Montúfar (ICLR 2020), §3.2–3.3. Every caller of the est
 through this module: the validated :func:`kwng.nystrom_solve` (host-side diagnostics),
 the sync-free :func:`kwng.estimator.nystrom_solve_nosync` of the preconditioner, the
 batched synthetic sweeps of :mod:`kwng.batched` and the Fisher–Rao estimator of
-:mod:`kwng.fisher`. The functions here do not validate their inputs (the callers do) and
+``kwng.fisher``. The functions here do not validate their inputs (the callers do) and
 never wait for the device, except where a function says so.
 
 Shapes: ``T`` is ``(..., M, q)``, ``CCt`` and ``K`` are ``(..., M, M)``, ``grad`` is
@@ -14,15 +14,14 @@ Shapes: ``T`` is ``(..., M, q)``, ``CCt`` and ``K`` are ``(..., M, M)``, ``grad`
 
 The steps of :func:`kwng_direction`:
 
-1. whitening ``W`` with ``W CCᵀ Wᵀ = I`` on the kept subspace (:func:`eig_whitening`,
-the
-   form of Prop. 6, or :func:`cholesky_whitening`, equal up to an orthogonal factor);
+1. whitening ``W`` with ``W CCᵀ Wᵀ = I`` on the kept subspace
+   (:func:`eig_whitening`, the form of Prop. 6, or :func:`cholesky_whitening`, equal up
+   to an orthogonal factor);
 2. the damping vector ``D`` with a relative floor (:func:`damping_vector`);
 3. the plain (Prop. 5, :func:`plain_solve`) or stable (Prop. 6, :func:`stable_solve`)
    system, whose solution gives the correction ``T̃ᵀ w``;
-4. the combination ``ĝ = (D⁻¹∇L - D⁻¹ T̃ᵀ w) / ε`` (:func:`combine`) and the treatment
-of
-   degenerate columns (:func:`loss_only_columns`).
+4. the combination ``ĝ = (D⁻¹∇L - D⁻¹ T̃ᵀ w) / ε`` (:func:`combine`) and the
+   treatment of degenerate columns (:func:`loss_only_columns`).
 """
 
 from __future__ import annotations
@@ -128,7 +127,7 @@ def damping_vector(
     """Diagonal ``D(θ)`` of §3.3: ``1``, ``‖T_{·,i}‖`` or ``‖T̃_{·,i}‖`` (no host sync).
 
     Each norm is raised to at least ``floor`` times the largest one of its problem (a
-    relative floor, :data:`DAMPING_FLOOR`); if every column is zero, ``D = 1``. Returns
+    relative floor, ``DAMPING_FLOOR``); if every column is zero, ``D = 1``. Returns
     ``(D, low, zero)``: ``low`` marks the floored (degenerate) columns, treated by
     :func:`loss_only_columns` so the floor value never sets a component of the
     direction, and ``zero`` the exactly-zero columns (parameters the samples do not
@@ -233,7 +232,7 @@ def loss_only_columns(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Treatment of the columns where the estimated metric is degenerate: parameters
     that move the loss but not the samples (a zero column of ``T``), and columns whose
-    norm is below the relative floor (:data:`DAMPING_FLOOR` of the largest).
+    norm is below the relative floor (``DAMPING_FLOOR`` of the largest).
 
     There the natural-gradient component is unbounded, and ``(D⁻¹ g)_i / ε`` with a
     floored ``D_i`` would be set by the floor constant, not by the data. The component
