@@ -5,10 +5,11 @@ The package behind the kwng book. Public API:
 * kernels: :class:`GaussianKernel`, :class:`RationalQuadraticKernel`, :func:`make_kernel`,
   bandwidth heuristics :func:`mean_sq_bandwidth`, :func:`median_bandwidth`;
 * the estimator (Props. 5 and 6): :func:`kwng_gradient`, :func:`kwng_gradient_from_outputs`,
-  :func:`nystrom_solve` and its building blocks;
+  :func:`nystrom_solve` and its building blocks (the linear algebra itself, batched, in
+  :mod:`kwng.solve`);
 * models with closed-form WNG: :class:`NormalModel`, :class:`LogNormalModel`,
   :class:`HyperSphereModel`;
-* deep networks: :class:`KWNGPreconditioner` (drop-in between ``loss.backward`` and
+* deep networks: :class:`KWNGPreconditioner` with its :class:`KWNGConfig` (drop-in between ``loss.backward`` and
   ``optimizer.step``; see :mod:`kwng.precond`), the networks of the CIFAR study in
   :mod:`kwng.nets`, data in :mod:`kwng.data`, KFAC/EKFAC baselines in :mod:`kwng.baselines`;
 * the scale switch :func:`scale` (``$KWNG_SCALE`` = ``small`` | ``full``).
@@ -16,21 +17,16 @@ The package behind the kwng book. Public API:
 
 from .config import is_full, pick, scale
 from .estimator import (
-    BANDWIDTH_RULES,
-    DAMPINGS,
-    METHODS,
     KWNGResult,
-    bandwidth_tensor,
     damping_vector,
     draw_basis,
     jacobian_from_outputs,
     jacobian_from_sampler,
     kernel_matrices,
-    kernel_matrices_nosync,
     kwng_gradient,
     kwng_gradient_from_outputs,
     nystrom_solve,
-    nystrom_solve_nosync,
+    nystrom_solve_nosync,  # kept at the top level: the deep-learning chapter names it
 )
 from .kernels import (
     GaussianKernel,
@@ -39,7 +35,6 @@ from .kernels import (
     make_kernel,
     mean_sq_bandwidth,
     median_bandwidth,
-    squared_distances,
 )
 from .lm import LevenbergMarquardt
 from .models import (
@@ -52,22 +47,24 @@ from .models import (
     make_model,
     normal_wng_sigma_coords,
 )
-from .precond import MODES as PRECOND_MODES
-from .precond import KWNGPreconditioner, eps_from_authors
+from .precond import KWNGPreconditioner
+from .precond_config import KWNGConfig, eps_from_authors
+from .solve import DAMPINGS, METHODS
 
 __version__ = "0.1.0"
 
+# What a reader uses. Internals (the sync-free kernel matrices, the bandwidth tensor, the
+# batched sweeps, the building blocks of kwng.solve) stay importable from their modules.
 __all__ = [
     "scale", "is_full", "pick",
-    "Kernel", "GaussianKernel", "RationalQuadraticKernel", "make_kernel", "squared_distances",
+    "Kernel", "GaussianKernel", "RationalQuadraticKernel", "make_kernel",
     "mean_sq_bandwidth", "median_bandwidth",
-    "KWNGResult", "BANDWIDTH_RULES", "DAMPINGS", "METHODS", "draw_basis", "kernel_matrices", "jacobian_from_sampler",
-    "jacobian_from_outputs", "damping_vector", "nystrom_solve", "kwng_gradient",
-    "kwng_gradient_from_outputs",
+    "KWNGResult", "DAMPINGS", "METHODS", "draw_basis", "kernel_matrices",
+    "jacobian_from_sampler", "jacobian_from_outputs", "damping_vector", "nystrom_solve",
+    "nystrom_solve_nosync", "kwng_gradient", "kwng_gradient_from_outputs",
     "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
     "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
-    "bandwidth_tensor", "kernel_matrices_nosync", "nystrom_solve_nosync",
-    "KWNGPreconditioner", "PRECOND_MODES", "LevenbergMarquardt", "eps_from_authors",
+    "KWNGPreconditioner", "KWNGConfig", "LevenbergMarquardt", "eps_from_authors",
     "relative_error",
 ]
 
@@ -87,7 +84,6 @@ def relative_error(estimate, exact) -> float:
 
 # Beyond the paper: the same kernel estimator on the Fisher–Rao dual (kwng.fisher).
 from .fisher import (  # noqa: E402
-    FISHER_JACOBIANS,
     fisher_matrix,
     fisher_matrix_mc,
     fisher_natural_gradient,
@@ -95,5 +91,5 @@ from .fisher import (  # noqa: E402
     kfng_gradient,
 )
 
-__all__ += ["FISHER_JACOBIANS", "kfng_gradient", "kernel_fisher_metric", "fisher_matrix",
+__all__ += ["kfng_gradient", "kernel_fisher_metric", "fisher_matrix",
             "fisher_natural_gradient", "fisher_matrix_mc"]

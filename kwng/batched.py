@@ -10,9 +10,12 @@ Two simplifications keep it short and fast, both specific to the synthetic model
 * the sampler Jacobian ``B = ∂X/∂θ`` (``N × d × q``) is written in closed form for the three
   models of :mod:`kwng.models` (:func:`sample_and_jacobian`) instead of forward-mode autograd;
 * eigenvalues of ``CCᵀ`` below the relative threshold ``rcond`` are not removed from the system
-  but have their row of ``W = S^{-1/2}Uᵀ`` set to zero. The reduced system of Prop. 6 then sits in a
-  block of the ``M × M`` system whose other block is ``(ε/N) I`` with a zero right-hand side, so
-  the solution is the same and every run in the batch keeps the shape ``M``.
+  but have their row of ``W = S^{-1/2}Uᵀ`` set to zero (:func:`kwng.solve.eig_whitening`), so
+  every run in the batch keeps the shape ``M``.
+
+``C``, ``K`` and the bandwidth come from :func:`kwng.kernels.coord_matrices` and the solve from
+:func:`kwng.solve.kwng_direction`: the formulas of the single-run estimator, with a batch
+dimension.
 
 The tests check the result against :func:`kwng.kwng_gradient` on identical samples and basis.
 """
@@ -22,11 +25,13 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_choice, check_int, check_positive
-from .estimator import DAMPINGS
+from .kernels import BANDWIDTH_RULES, GaussianKernel, Kernel, coord_matrices
 from .models import HyperSphereModel, ImplicitModel, LogNormalModel, NormalModel
+from .solve import DAMPING_FLOOR, DAMPINGS, default_rcond, kwng_direction
 
-__all__ = ["sample_and_jacobian", "batched_kernel_matrices", "batched_nystrom_solve",
-           "batched_kwng", "runs_per_chunk", "batched_mean_sq_bandwidth"]
+__all__ = ["sample_and_jacobian", "batched_nystrom_solve", "batched_kwng", "runs_per_chunk"]
+
+_GAUSSIAN = GaussianKernel(1.0)  # the bandwidth is passed per run
 
 
 def _check_batch(Theta: torch.Tensor, Z: torch.Tensor, model: ImplicitModel) -> tuple[int, int]:
@@ -75,100 +80,28 @@ def sample_and_jacobian(model: ImplicitModel, Theta: torch.Tensor, Z: torch.Tens
     return X, B
 
 
-def batched_mean_sq_bandwidth(X: torch.Tensor, basis_idx: torch.Tensor, sigma0: float) -> torch.Tensor:
-    """Per-run heuristic ``σ = σ0 · mean_{n,m} ‖X_n - Y_m‖²`` (§3.3), shape ``(R,)``.
-
-    Uses ``mean‖X_n - Y_m‖² = mean‖X_n‖² + mean‖Y_m‖² - 2 X̄·Ȳ`` (exact up to round-off)."""
-    sigma0 = check_positive(sigma0, "sigma0")
-    Y = torch.gather(X, 1, basis_idx[..., None].expand(-1, -1, X.shape[2]))
-    mx, my = X.mean(1), Y.mean(1)
-    val = (X * X).sum(-1).mean(1) + (Y * Y).sum(-1).mean(1) - 2.0 * (mx * my).sum(-1)
-    return sigma0 * val
-
-
-def batched_kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, basis_coords: torch.Tensor,
-                            sigma: torch.Tensor | float, need_K: bool = True
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``C`` (``R × M × N × d``) and ``K`` (``R × M × M``) of Prop. 5 for the Gaussian kernel.
-
-    ``k(y, x) = exp(-‖y - x‖²/(2σ))`` with one bandwidth per run (``sigma`` of shape ``(R,)``
-    or a number). ``C[r, m, n, j] = ∂_{i_m}∂_{j+d} k(Y_m, X_n) = (δ_{i_m j}/σ - r_{i_m} r_j/σ²) k``
-    with ``r = Y_m - X_n``; ``K`` is ``C`` evaluated at the basis points, column ``i_{m'}``.
-    """
-    R, N, d = X.shape
-    sig = torch.as_tensor(sigma, dtype=X.dtype, device=X.device).reshape(-1)
-    if sig.numel() == 1:
-        sig = sig.expand(R)
-    if sig.shape != (R,) or not bool((sig > 0).all()):
-        raise ValueError(f"sigma must be positive, a number or a tensor of shape ({R},)")
-    idx = basis_idx.to(X.device)
-    coords = basis_coords.to(X.device)
-    Y = torch.gather(X, 1, idx[..., None].expand(-1, -1, d))  # R, M, d
-    s3 = sig[:, None, None]
-
-    def mixed(P: torch.Tensor) -> torch.Tensor:  # P: R × P × d, returns R × M × P × d
-        r = Y[:, :, None, :] - P[:, None, :, :]
-        k = torch.exp(-(r * r).sum(-1) / (2.0 * s3))  # R, M, P
-        r_i = torch.gather(r, 3, coords[:, :, None, None].expand(-1, -1, r.shape[2], 1))  # R, M, P, 1
-        out = r.mul_(r_i).mul_(-(k / (s3 * s3))[..., None])
-        diag = (k / s3)[..., None]
-        out.scatter_add_(3, coords[:, :, None, None].expand(-1, -1, r.shape[2], 1), diag)
-        return out
-
-    C = mixed(X)
-    K = None
-    if need_K:
-        CY = mixed(Y)  # R, M, M, d
-        K = torch.gather(CY, 3, coords[:, None, :, None].expand(-1, CY.shape[1], -1, 1))[..., 0]
-    return C, K
-
-
 def batched_nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor | None, grad: torch.Tensor,
                           N: int, *, eps: float, lam: float = 0.0, damping: str = "T_tilde",
-                          rcond: float | None = None, damping_floor: float = 1e-8
+                          rcond: float | None = None, damping_floor: float = DAMPING_FLOOR
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable form (Prop. 6) for a batch: ``T`` is ``R × M × q``, ``CCt`` and ``K`` are
     ``R × M × M``, ``grad`` is ``R × q``. Returns the directions (``R × q``) and the rank of each
-    ``CCᵀ`` (``R``). Same conventions as :func:`kwng.nystrom_solve` (float64 algebra)."""
+    ``CCᵀ`` (``R``). This is :func:`kwng.solve.kwng_direction` in float64 with the eigen
+    whitening whose dropped eigenvalues are zero rows (so every run keeps the shape ``M``), the
+    relative damping floor and the degenerate-column rule of :func:`kwng.nystrom_solve`."""
     eps = check_positive(eps, "eps")
     lam = check_positive(lam, "lam", allow_zero=True)
     check_choice(damping, "damping", DAMPINGS)
     if lam > 0 and K is None:
         raise ValueError("K is required when lam > 0")
-    R, M, q = T.shape
-    f64 = torch.float64
-    if rcond is None:
-        rcond = M * torch.finfo(CCt.dtype).eps
-    rcond = check_positive(rcond, "rcond")
-    S, U = torch.linalg.eigh(CCt.to(f64))
-    keep = S > rcond * S.max(dim=1, keepdim=True).values.clamp(min=0)
-    if not bool(keep.any(dim=1).all()):
+    M = T.shape[1]
+    rcond = check_positive(default_rcond(M, CCt.dtype) if rcond is None else rcond, "rcond")
+    out = kwng_direction(T.to(torch.float64), CCt, K, grad.to(torch.float64), N, eps=eps, lam=lam,
+                         damping=damping, whitening="eig", rcond=rcond,
+                         damping_floor=check_positive(damping_floor, "damping_floor"))
+    if not bool((out.rank > 0).all()):
         raise ValueError("C Cᵀ is numerically zero in some run: bandwidth far too small or too large")
-    inv_sqrt = torch.where(keep, S.clamp(min=torch.finfo(f64).tiny).rsqrt(), torch.zeros_like(S))
-    W = (U * inv_sqrt[:, None, :]).transpose(1, 2)  # R × M × M, zero rows where dropped
-    T64 = T.to(f64)
-    Tt = W @ T64
-    if damping == "identity":
-        Dvec = torch.ones(R, q, dtype=f64, device=T.device)
-    else:
-        src = T64 if damping == "T" else Tt
-        Dvec = torch.linalg.vector_norm(src, dim=1).clamp(min=damping_floor)
-    Dinv = 1.0 / Dvec
-    g = grad.to(f64)
-    Dg = Dinv * g
-    A = (Tt * Dinv[:, None, :]) @ Tt.transpose(1, 2)
-    A = A + (eps / N) * torch.eye(M, dtype=f64, device=T.device)
-    if lam > 0:
-        A = A + lam * eps * (W @ K.to(f64) @ W.transpose(1, 2))
-    v = (Tt @ Dg[:, :, None])
-    L, info = torch.linalg.cholesky_ex(A)
-    if bool((info == 0).all()):
-        w = torch.cholesky_solve(v, L)
-    else:  # round-off only: A is SPD in exact arithmetic
-        w = torch.linalg.lstsq(A, v).solution
-    correction = (Tt.transpose(1, 2) @ w)[..., 0]
-    direction = (Dg - Dinv * correction) / eps
-    return direction, keep.sum(1)
+    return out.direction, out.rank
 
 
 def runs_per_chunk(M: int, N: int, d: int, q: int, mem_bytes: float = 4e9, itemsize: int = 8) -> int:
@@ -182,16 +115,17 @@ def runs_per_chunk(M: int, N: int, d: int, q: int, mem_bytes: float = 4e9, items
 def batched_kwng(model: ImplicitModel, Theta: torch.Tensor, grads: torch.Tensor, Z: torch.Tensor,
                  basis_idx: torch.Tensor, basis_coords: torch.Tensor, *, eps: float, lam: float = 0.0,
                  bandwidth: float | str = 1.0, sigma0: float = 1.0, damping: str = "T_tilde",
-                 rcond: float | None = None, mem_bytes: float = 4e9
+                 rcond: float | None = None, mem_bytes: float = 4e9, kernel: Kernel | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KWNG (Prop. 6, Gaussian kernel) for ``R`` runs of a synthetic model at once.
 
     ``Theta`` (``R × q``), ``grads`` (``R × q``), ``Z`` (``R × N × d``), ``basis_idx`` and
     ``basis_coords`` (``R × M``) must share a device; the computation runs there in float64 and in
-    chunks of runs bounded by ``mem_bytes``. ``bandwidth`` is a fixed ``σ > 0`` or ``"mean_sq"``
+    chunks of runs bounded by ``mem_bytes``. ``bandwidth`` is a fixed ``σ > 0``, ``"mean_sq"`` or ``"median"``
     (``σ = sigma0 · mean ‖X_n - Y_m‖²`` per run). Returns ``(directions R × q, bandwidths R,
-    ranks R)``. Matches :func:`kwng.kwng_gradient` with ``kernel=GaussianKernel``,
-    ``method="stable"`` and the same samples and basis.
+    ranks R)``. ``kernel`` (default Gaussian) supplies the formula; its own bandwidth is not
+    used. Matches :func:`kwng.kwng_gradient` with that kernel, ``method="stable"`` and the
+    same samples and basis.
     """
     R, N = _check_batch(Theta, Z, model)
     if grads.shape != Theta.shape:
@@ -205,7 +139,7 @@ def batched_kwng(model: ImplicitModel, Theta: torch.Tensor, grads: torch.Tensor,
     if int(basis_coords.min()) < 0 or int(basis_coords.max()) >= model.d:
         raise ValueError(f"basis_coords must lie in [0, {model.d - 1}]")
     if isinstance(bandwidth, str):
-        check_choice(bandwidth, "bandwidth", ("mean_sq",))
+        check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
     else:
         check_positive(bandwidth, "bandwidth")
     d, q = model.d, model.num_params
@@ -216,11 +150,9 @@ def batched_kwng(model: ImplicitModel, Theta: torch.Tensor, grads: torch.Tensor,
         Th = Theta[sl].to(torch.float64)
         X, B = sample_and_jacobian(model, Th, Z[sl].to(torch.float64))
         idx, crd = basis_idx[sl].long(), basis_coords[sl].long()
-        if isinstance(bandwidth, str):
-            sig = batched_mean_sq_bandwidth(X, idx, sigma0)
-        else:
-            sig = torch.full((X.shape[0],), float(bandwidth), dtype=torch.float64, device=X.device)
-        C, K = batched_kernel_matrices(X, idx, crd, sig, need_K=lam > 0)
+        bw = bandwidth if isinstance(bandwidth, str) else \
+            torch.full((X.shape[0],), float(bandwidth), dtype=torch.float64, device=X.device)
+        C, K, sig = coord_matrices(kernel or _GAUSSIAN, X, idx, crd, bw, sigma0, need_K=lam > 0)
         Cf = C.reshape(C.shape[0], M, N * d)
         CCt = Cf @ Cf.transpose(1, 2)
         T = (Cf @ B.reshape(B.shape[0], N * d, q)) / N
@@ -232,7 +164,3 @@ def batched_kwng(model: ImplicitModel, Theta: torch.Tensor, grads: torch.Tensor,
         ranks.append(rank)
     return torch.cat(dirs), torch.cat(sigmas), torch.cat(ranks)
 
-
-def _flops_one(M: int, N: int, d: int, q: int) -> float:
-    """Rough floating-point operation count of one estimate (for the GPU time estimate)."""
-    return 2.0 * M * M * N * d + 2.0 * M * N * d * q + 15.0 * M * N * d + 10.0 * M ** 3

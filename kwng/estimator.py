@@ -41,8 +41,17 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import solve
 from ._checks import check_choice, check_finite, check_int, check_points, check_positive
-from .kernels import Kernel, mean_sq_bandwidth, median_bandwidth
+from .kernels import (
+    BANDWIDTH_RULES,
+    Kernel,
+    coord_matrices,
+    mean_sq_bandwidth,
+    median_bandwidth,
+)
+from .samples import RESOLUTION_WARN, _check_finite_counted, check_sample_resolution  # noqa: F401
+from .solve import DAMPING_FLOOR, DAMPINGS, METHODS
 
 __all__ = [
     "KWNGResult",
@@ -65,8 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DAMPINGS = ("identity", "T", "T_tilde")
-METHODS = ("stable", "plain")
 
 
 @dataclass
@@ -84,18 +91,22 @@ class KWNGResult:
     diagnostics: dict = field(default_factory=dict)
 
 
-def draw_basis(N: int, d: int, num_basis: int, generator: torch.Generator | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_basis(N: int, d: int, num_basis: int, generator: torch.Generator | None = None,
+               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw ``M = num_basis`` distinct sample indices and one coordinate in ``[0, d)`` for each.
 
-    This is the random Nyström subspace ``H_M = span{∂_{i_m} k(Y_m, ·)}`` of §3.2. Both tensors
-    live on the CPU (the generator's device); pass the same ``generator`` seed to reproduce a draw.
+    This is the random Nyström subspace ``H_M = span{∂_{i_m} k(Y_m, ·)}`` of §3.2. With a
+    ``generator`` both tensors live on its device (pass the same seed to reproduce a draw);
+    without one they are drawn on ``device`` (default CPU) from the global stream, so a
+    training step on a GPU draws there without a host-to-device copy or a sync.
     """
     N = check_int(N, "N", 1)
     d = check_int(d, "d", 1)
     check_int(num_basis, "num_basis", 1, N)
-    idx = torch.randperm(N, generator=generator)[:num_basis]
-    coords = torch.randint(0, d, (num_basis,), generator=generator)
+    if generator is not None:
+        device = generator.device
+    idx = torch.randperm(N, generator=generator, device=device)[:num_basis]
+    coords = torch.randint(0, d, (num_basis,), generator=generator, device=device)
     return idx, coords
 
 
@@ -111,11 +122,7 @@ def kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, basis_coords: torc
     """
     X = check_points(X, "X").detach()
     X = X.to(torch.promote_types(X.dtype, torch.float64))
-    Y = X[basis_idx.to(X.device)]
-    coords = basis_coords.to(X.device)
-    C = kernel.mixed_coord(Y, coords, X)
-    KY = kernel.mixed_coord(Y, coords, Y)  # (M, M, d): ∂_{i_m}∂_{j+d} k(Y_m, Y_m')
-    K = torch.gather(KY, 2, coords[None, :, None].expand(KY.shape[0], -1, 1))[..., 0]
+    C, K, _ = coord_matrices(kernel, X, basis_idx.to(X.device), basis_coords.to(X.device))
     Cf = C.reshape(C.shape[0], -1)
     return C, K, Cf @ Cf.T
 
@@ -152,58 +159,25 @@ def jacobian_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], C: to
     return torch.stack(rows)
 
 
-DAMPING_FLOOR = 1e-12  # relative: columns below this fraction of the largest are degenerate
-
-
-def _floored_norms(src: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Column norms of ``src`` raised to ``floor · max`` (no host sync): ``(D, floored, zero)``.
-
-    The floor is *relative* (a fraction of the largest norm), and the columns below it are
-    treated by :func:`loss_only_columns`, so the floor value never sets a component of the
-    direction. ``zero`` marks exactly-zero columns: parameters the samples do not depend on.
-    """
-    norms = (src * src).sum(0).sqrt()  # an einsum here becomes q tiny gemv calls
-    low = floor * norms.max()
-    low = torch.where(low > 0, low, torch.ones_like(low))  # all columns zero: D = 1
-    return torch.maximum(norms, low), norms < low, norms == 0
-
-
 def damping_vector(kind: str, T: torch.Tensor, T_tilde: torch.Tensor | None = None,
                    floor: float = DAMPING_FLOOR) -> tuple[torch.Tensor, int]:
-    """Diagonal ``D(θ)`` of §3.3: ``1``, ``‖T_{·,i}‖`` or ``‖T̃_{·,i}‖``, each at least ``floor``
-    times the largest entry (a relative floor, :data:`DAMPING_FLOOR`).
+    """Diagonal ``D(θ)`` of §3.3: ``1``, ``‖T_{·,i}‖`` or ``‖T̃_{·,i}‖``, each at least
+    ``floor`` times the largest entry (a relative floor, :data:`DAMPING_FLOOR`).
 
-    Returns the vector and how many entries were raised to the floor (parameters the samples do
-    not depend on have a zero column).
+    Validated form of :func:`kwng.solve.damping_vector`. Returns the vector and how many
+    entries were raised to the floor (parameters the samples do not depend on have a zero
+    column).
     """
     check_choice(kind, "damping", DAMPINGS)
     floor = check_positive(floor, "floor")
-    if kind == "identity":
-        return torch.ones(T.shape[1], dtype=T.dtype, device=T.device), 0
-    D, low, _ = _floored_norms(T if kind == "T" else T_tilde, floor)
+    if kind == "T_tilde" and T_tilde is None:
+        raise ValueError("damping 'T_tilde' needs T_tilde (the whitened T)")
+    D, low, _ = solve.damping_vector(kind, T, T_tilde, floor)
     n_low = int(low.sum())
     if n_low:
-        log.debug("damping %s: %d of %d entries raised to %.1e of the largest", kind, n_low, D.numel(), floor)
+        log.debug("damping %s: %d of %d entries raised to %.1e of the largest", kind, n_low,
+                  D.numel(), floor)
     return D.to(T.dtype), n_low
-
-
-def loss_only_columns(direction: torch.Tensor, grad: torch.Tensor, degenerate: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Treatment of the columns where the estimated metric is degenerate: parameters that move the
-    loss but not the samples (a zero column of ``T``), and columns whose norm is below the relative
-    floor (:data:`DAMPING_FLOOR` of the largest).
-
-    There the natural-gradient component is unbounded, and ``(D⁻¹ g)_i / ε`` with a floored ``D_i``
-    would be set by the floor constant, not by the data. The component is instead the Euclidean
-    gradient scaled like the rest of the direction, ``ĝ_i = g_i · ‖ĝ_rest‖ / ‖g_rest‖``, so no
-    constant can dominate the update. Returns the direction and how many components were replaced
-    (0-dim tensor; components with a zero gradient are left at zero).
-    """
-    hit = degenerate & (grad != 0)
-    rest = ~degenerate
-    ratio = torch.linalg.vector_norm(torch.where(rest, direction, 0)) / \
-        torch.linalg.vector_norm(torch.where(rest, grad, 0)).clamp(min=torch.finfo(grad.dtype).tiny)
-    return torch.where(hit, grad * ratio, direction), hit.sum()
 
 
 def _cond(A: torch.Tensor) -> float:
@@ -212,18 +186,42 @@ def _cond(A: torch.Tensor) -> float:
     return float("inf") if lo == 0 else hi / lo
 
 
-def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: torch.Tensor, N: int, *,
-                  eps: float, lam: float = 0.0, damping: str = "T_tilde", method: str = "stable",
-                  rcond: float | None = None, damping_floor: float = DAMPING_FLOOR,
-                  diagnostics: bool = True) -> KWNGResult:
-    """The linear algebra of Props. 5 and 6 given ``T`` (``M × q``), ``CCᵀ`` and ``K`` (``M × M``).
+def _check_solve_inputs(T, CCt, K, grad) -> tuple[int, int]:
+    if T.dim() != 2:
+        raise ValueError(f"T must be a matrix (M, q), got shape {tuple(T.shape)}")
+    M, q = T.shape
+    if grad.shape != (q,):
+        raise ValueError(f"grad must have shape ({q},) to match the parameters, "
+                         f"got {tuple(grad.shape)}")
+    check_finite(grad, "grad")
+    if not bool(torch.isfinite(T).all()):
+        raise ValueError("T must contain only finite values: the Jacobian of the samples with "
+                         f"respect to the parameters has {int(torch.isnan(T).sum())} NaN and "
+                         f"{int(torch.isinf(T).sum())} inf entries")
+    if not bool(torch.isfinite(CCt).all()) or not bool(torch.isfinite(K).all()):
+        raise ValueError("CCt and K must contain only finite values (NaN or inf found: "
+                         "non-finite samples, or a kernel that overflows in the input dtype)")
+    if CCt.shape != (M, M) or K.shape != (M, M):
+        raise ValueError(f"CCt and K must be ({M}, {M}), got {tuple(CCt.shape)} and "
+                         f"{tuple(K.shape)}")
+    return M, q
 
-    ``eps`` is ``ε > 0``, ``lam`` is ``λ >= 0``, ``grad`` the estimated Euclidean gradient (``q``).
-    The algebra *and the final combination* ``(D⁻¹∇L - D⁻¹ T̃ᵀ w) / ε`` run in float64 whatever the
-    inputs' dtype: the two terms nearly cancel (their difference is ``ε`` times smaller than each),
-    so a subtraction in float32 or lower would return rounding noise. ``rcond`` is the relative
-    threshold below which eigenvalues of ``CCᵀ`` are dropped by the stable form (default
-    ``M · float-eps`` of ``CCᵀ``'s dtype). Returns the direction in ``grad``'s dtype.
+
+def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: torch.Tensor,
+                  N: int, *, eps: float, lam: float = 0.0, damping: str = "T_tilde",
+                  method: str = "stable", rcond: float | None = None,
+                  damping_floor: float = DAMPING_FLOOR, diagnostics: bool = True
+                  ) -> KWNGResult:
+    """The linear algebra of Props. 5 and 6 given ``T`` (``M × q``), ``CCᵀ`` and ``K``.
+
+    ``eps`` is ``ε > 0``, ``lam`` is ``λ >= 0``, ``grad`` the estimated Euclidean gradient
+    (``q``). Validates its inputs, runs :func:`kwng.solve.kwng_direction` in float64 (the
+    eigen whitening of Prop. 6 with the dropped eigenvalues removed) and reports host-side
+    diagnostics. The algebra *and the final combination* ``(D⁻¹∇L - D⁻¹ T̃ᵀ w) / ε`` run in
+    float64 whatever the inputs' dtype: the two terms nearly cancel, so a subtraction in
+    float32 or lower would return rounding noise. ``rcond`` is the relative threshold below
+    which eigenvalues of ``CCᵀ`` are dropped (default ``M · float-eps`` of ``CCᵀ``'s dtype).
+    Returns the direction in ``grad``'s dtype.
 
     The precision of the samples themselves is checked by :func:`kwng_gradient` and
     :func:`kwng_gradient_from_outputs` (:func:`check_sample_resolution`).
@@ -232,96 +230,40 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
     lam = check_positive(lam, "lam", allow_zero=True)
     check_choice(damping, "damping", DAMPINGS)
     check_choice(method, "method", METHODS)
-    if T.dim() != 2:
-        raise ValueError(f"T must be a matrix (M, q), got shape {tuple(T.shape)}")
-    M, q = T.shape
-    if grad.shape != (q,):
-        raise ValueError(f"grad must have shape ({q},) to match the parameters, got {tuple(grad.shape)}")
-    check_finite(grad, "grad")
-    if not bool(torch.isfinite(T).all()):
-        raise ValueError("T must contain only finite values: the Jacobian of the samples with respect to the "
-                         f"parameters has {int(torch.isnan(T).sum())} NaN and {int(torch.isinf(T).sum())} inf entries")
-    if not bool(torch.isfinite(CCt).all()) or not bool(torch.isfinite(K).all()):
-        raise ValueError("CCt and K must contain only finite values (NaN or inf found: non-finite samples, "
-                         "or a kernel that overflows in the input dtype)")
-    if CCt.shape != (M, M) or K.shape != (M, M):
-        raise ValueError(f"CCt and K must be ({M}, {M}), got {tuple(CCt.shape)} and {tuple(K.shape)}")
-    f64 = torch.float64
-    if rcond is None:
-        rcond = M * torch.finfo(CCt.dtype).eps
-    rcond = check_positive(rcond, "rcond")
-
-    # Eigendecomposition of CCᵀ: needed by the stable form and by the T̃ damping.
-    S, U = torch.linalg.eigh(CCt.to(f64))
-    keep = S > rcond * S.max().clamp(min=0)
-    rank = int(keep.sum())
+    M, q = _check_solve_inputs(T, CCt, K, grad)
+    rcond = check_positive(solve.default_rcond(M, CCt.dtype) if rcond is None else rcond,
+                           "rcond")
+    damping_floor = check_positive(damping_floor, "damping_floor")
+    out = solve.kwng_direction(T.to(torch.float64), CCt, K, grad.to(torch.float64), N, eps=eps,
+                               lam=lam, damping=damping, method=method, rcond=rcond,
+                               whitening="eig_truncate", damping_floor=damping_floor)
+    rank = int(out.rank)
     if rank == 0:
         raise ValueError("C Cᵀ is numerically zero: the kernel derivatives vanish at every sample "
                          "(bandwidth far too small or too large for the data)")
-    W = (U[:, keep] / S[keep].sqrt()).T  # r × M, W CCᵀ Wᵀ = I_r
-    T64 = T.to(f64)
-    Tt = None
-    if method == "stable" or damping == "T_tilde":
-        Tt = W @ T64  # r × q, in float64: T̃ D⁻¹ T̃ᵀ must stay positive semi-definite
-    if damping == "identity":
-        Dvec, low, zero = torch.ones(q, dtype=f64, device=T.device), None, None
-    else:
-        Dvec, low, zero = _floored_norms(T64 if damping == "T" else Tt, check_positive(damping_floor,
-                                                                                       "damping_floor"))
-    n_floor = 0 if low is None else int(low.sum())
-    Dinv = 1.0 / Dvec
-    Dg = Dinv * grad.to(f64)
-
-    if method == "stable":
-        A = (Tt * Dinv) @ Tt.T + (eps / N) * torch.eye(rank, dtype=f64, device=T.device)
-        if lam > 0:
-            A = A + lam * eps * (W @ K.to(f64) @ W.T)
-        v = Tt @ Dg
-        L, info = torch.linalg.cholesky_ex(A)
-        if int(info) == 0:
-            w = torch.cholesky_solve(v[:, None], L)[:, 0]
-            solver = "cholesky"
-        else:  # A is SPD in exact arithmetic (ε > 0); only round-off can get here.
-            log.warning("stable KWNG system not positive definite in float64; using lstsq")
-            w = torch.linalg.lstsq(A, v[:, None]).solution[:, 0]
-            solver = "lstsq"
-        correction = Tt.T @ w
-    else:
-        A = (T64 * Dinv) @ T64.T + lam * eps * K.to(f64) + (eps / N) * CCt.to(f64)
-        v = T64 @ Dg
-        w = torch.linalg.pinv(A, hermitian=True) @ v
-        solver = "pinv"
-        correction = T64.T @ w
-    residual = Dg - Dinv * correction  # float64: the two terms nearly cancel
-    direction = residual / eps
-    n_loss_only, share = 0, 0.0
-    if zero is not None:
-        direction, _ = loss_only_columns(direction, grad.to(f64), low)
-        n_loss_only = int((zero & (grad != 0)).sum())
-        share = float(torch.where(low, direction ** 2, 0).sum() / (direction ** 2).sum().clamp(min=1e-300))
-        if n_loss_only:
-            log.info("%d parameter(s) move the loss but not the samples (zero column of T): their "
-                     "components are the Euclidean gradient scaled like the rest", n_loss_only)
-    out = direction.to(grad.dtype)
-    if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(direction).all()):
-        warnings.warn(f"KWNG direction overflows {grad.dtype}: pass grad in a wider dtype", RuntimeWarning,
-                      stacklevel=2)
-
+    n_loss_only = int(out.loss_only)
+    if n_loss_only:
+        log.info("%d parameter(s) move the loss but not the samples (zero column of T): their "
+                 "components are the Euclidean gradient scaled like the rest", n_loss_only)
+    direction = out.direction.to(grad.dtype)
+    if not bool(torch.isfinite(direction).all()) and bool(torch.isfinite(out.direction).all()):
+        warnings.warn(f"KWNG direction overflows {grad.dtype}: pass grad in a wider dtype",
+                      RuntimeWarning, stacklevel=2)
     diag = {}
     if diagnostics:
-        Spos = S[keep]
+        Spos = out.eigenvalues[out.eigenvalues > 0]
+        solver = "pinv" if method == "plain" else ("lstsq" if bool(out.failed) else "cholesky")
         diag = {
             "M": M, "q": q, "N": N, "rank": rank, "method": method, "damping": damping,
-            "eps": eps, "lam": lam, "damping_floored": n_floor, "floored_share": share, "loss_only": n_loss_only,
-            "solver": solver,
-            "fallbacks": int(solver == "lstsq"),
+            "eps": eps, "lam": lam, "damping_floored": int(out.floored),
+            "floored_share": float(out.floored_share), "loss_only": n_loss_only,
+            "solver": solver, "fallbacks": int(solver == "lstsq"),
             "cond_CCt": float("inf") if rank < M else float(Spos.max() / Spos.min()),
-            "cond_system": _cond(A),
+            "cond_system": _cond(out.system),
         }
-    return KWNGResult(out, diag)
+    return KWNGResult(direction, diag)
 
 
-BANDWIDTH_RULES = ("mean_sq", "median")
 
 
 def _with_bandwidth(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor, bandwidth, sigma0: float) -> Kernel:
@@ -342,40 +284,6 @@ def _with_bandwidth(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor, ba
     else:
         kernel.bandwidth = bandwidth
     return kernel
-
-
-#: Relative resolution of the samples (``u · max|X| / spread``) above which the estimate is flagged.
-RESOLUTION_WARN = 0.01
-
-
-def check_sample_resolution(X: torch.Tensor) -> float:
-    """How coarsely the samples ``X`` are resolved by their dtype, relative to their spread.
-
-    With ``u`` the unit round-off of ``X.dtype``, ``max|X|`` the largest magnitude and ``s`` the RMS
-    distance of the samples to their mean, returns ``r = u · max|X| / s``: the rounding of each sample
-    as a fraction of the distances the kernel sees. ``r > RESOLUTION_WARN`` (1 %) gives a
-    ``RuntimeWarning`` (the estimate is dominated by rounding: compute the samples in a wider dtype);
-    ``s = 0`` (every sample equal in this dtype) raises ``ValueError``. float16 and bfloat16 outputs of
-    magnitude ~100 with unit spread, or float32 ones of magnitude ~1e5, are flagged."""
-    Xd = X.detach().to(torch.float64)
-    u = torch.finfo(X.dtype).eps
-    big = float(Xd.abs().max())
-    spread = float(((Xd - Xd.mean(0)) ** 2).sum(1).mean().sqrt())
-    if spread == 0.0:
-        raise ValueError(f"all {X.shape[0]} samples X are equal in {X.dtype} (magnitude {big:.3g}, resolution "
-                         f"{u * big:.2g}): if they should differ, compute them in a wider dtype")
-    r = u * big / spread
-    if r > RESOLUTION_WARN and X.dtype != torch.float64:
-        warnings.warn(f"KWNG inputs in {X.dtype} are rounded to {100 * r:.2g} % of their spread (magnitude {big:.3g}, "
-                      f"spread {spread:.3g}): the estimate is dominated by rounding; compute the samples in float32 "
-                      "or float64, or centre them", RuntimeWarning, stacklevel=3)
-    return r
-
-
-def _check_finite_counted(t: torch.Tensor, name: str) -> None:
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} must contain only finite values: found {int(torch.isnan(t).sum())} NaN and "
-                         f"{int(torch.isinf(t).sum())} inf entries")
 
 
 def _prepare(X, grad, num_basis, eps, lam, kernel, generator, basis_idx, basis_coords):
@@ -404,6 +312,20 @@ def _prepare(X, grad, num_basis, eps, lam, kernel, generator, basis_idx, basis_c
     if int(basis_coords.min()) < 0 or int(basis_coords.max()) >= d:
         raise ValueError(f"basis_coords must lie in [0, {d - 1}]")
     return X, N, d, basis_idx, basis_coords
+
+
+def _estimate(X, basis_idx, basis_coords, kernel, bandwidth, sigma0, grad, jacobian,
+              **solve_kw) -> KWNGResult:
+    """The common tail of the two estimators: bandwidth, ``C, K, CCᵀ``, ``T`` (from
+    ``jacobian(C)``), the solve and the diagnostics."""
+    resolution = check_sample_resolution(X)
+    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
+    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)  # float64
+    res = nystrom_solve(jacobian(C), CCt, K, grad, X.shape[0], **solve_kw)
+    res.diagnostics["sample_resolution"] = resolution
+    res.diagnostics.update(d=X.shape[1], bandwidth=kernel.bandwidth, kernel=repr(kernel),
+                           basis_idx=basis_idx, basis_coords=basis_coords)
+    return res
 
 
 def kwng_gradient(sampler: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tensor,
@@ -443,15 +365,9 @@ def kwng_gradient(sampler: Callable[[torch.Tensor], torch.Tensor], theta: torch.
         X = sampler(theta)
     X, N, d, basis_idx, basis_coords = _prepare(X, grad, num_basis, eps, lam, kernel, generator,
                                                 basis_idx, basis_coords)
-    resolution = check_sample_resolution(X)
-    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
-    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)  # float64
-    T = jacobian_from_sampler(sampler, theta.detach(), C)
-    res = nystrom_solve(T, CCt, K, grad, N, eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
-    res.diagnostics["sample_resolution"] = resolution
-    res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel),
-                           basis_idx=basis_idx, basis_coords=basis_coords)
-    return res
+    return _estimate(X, basis_idx, basis_coords, kernel, bandwidth, sigma0, grad,
+                     lambda C: jacobian_from_sampler(sampler, theta.detach(), C),
+                     eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
 
 
 def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], grad: torch.Tensor, *,
@@ -474,133 +390,10 @@ def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], 
     q = sum(p.numel() for p in params)
     if grad.shape != (q,):
         raise ValueError(f"grad must have shape ({q},) = total size of params, got {tuple(grad.shape)}")
-    resolution = check_sample_resolution(X)
-    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
-    C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)  # float64
-    T = jacobian_from_outputs(X, params, C, retain_graph=retain_graph)
-    res = nystrom_solve(T, CCt, K, grad, N, eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
-    res.diagnostics["sample_resolution"] = resolution
-    res.diagnostics.update(d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel),
-                           basis_idx=basis_idx, basis_coords=basis_coords)
-    return res
+    return _estimate(X, basis_idx, basis_coords, kernel, bandwidth, sigma0, grad,
+                     lambda C: jacobian_from_outputs(X, params, C, retain_graph=retain_graph),
+                     eps=eps, lam=lam, damping=damping, method=method, rcond=rcond)
 
 
-# --- sync-free variants for training loops on GPU (used by kwng.precond, mode="fast") -------------
-#
-# ``kernel_matrices`` and ``nystrom_solve`` validate their inputs and return Python numbers (rank,
-# condition numbers), which forces the host to wait for the GPU. The two functions below compute
-# the same quantities with tensors only, so a training step can be queued without a host sync.
-
-
-def bandwidth_tensor(sq_dists: torch.Tensor, bandwidth: float | str, sigma0: float = 1.0) -> torch.Tensor:
-    """The kernel bandwidth as a 0-dim tensor (no host sync) from the ``M × N`` squared distances.
-
-    ``"mean_sq"``: ``σ0 · mean ‖X_n - Y_m‖²`` (the paper's heuristic, as :func:`mean_sq_bandwidth`);
-    ``"median"``: ``σ0 ·`` median of the same distances (as :func:`median_bandwidth` with ``Y``);
-    a number: that bandwidth.
-    """
-    if isinstance(bandwidth, str):
-        check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
-        stat = sq_dists.mean() if bandwidth == "mean_sq" else sq_dists.flatten().median()
-        return sigma0 * stat
-    return torch.as_tensor(float(bandwidth), dtype=sq_dists.dtype, device=sq_dists.device)
-
-
-def kernel_matrices_nosync(X: torch.Tensor, basis_idx: torch.Tensor, basis_coords: torch.Tensor,
-                           kernel: Kernel, bandwidth: float | str | None = None, sigma0: float = 1.0
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``C``, ``K``, ``CCᵀ`` of Prop. 5 exactly as :func:`kernel_matrices`, without host syncs.
-
-    ``basis_idx`` and ``basis_coords`` must already be valid (no range checks here) and may live on
-    the device. ``bandwidth`` as in :func:`bandwidth_tensor` (``None`` keeps the kernel's own).
-    Returns ``(C, K, CCt, sigma)`` with ``sigma`` the bandwidth used, a 0-dim tensor; ``C`` comes
-    from :meth:`Kernel.mixed_coord_from_differences` (the formula of :meth:`Kernel.mixed_coord`)
-    with that tensor bandwidth.
-    """
-    X = X.detach()
-    idx = basis_idx.to(X.device, non_blocking=True)
-    coords = basis_coords.to(X.device, non_blocking=True)
-    r = X[idx][:, None, :] - X[None, :, :]  # (M, N, d)
-    if bandwidth is None:
-        sigma = torch.as_tensor(kernel.bandwidth, dtype=X.dtype, device=X.device)
-    else:
-        sigma = bandwidth_tensor((r * r).sum(-1), bandwidth, sigma0)
-    E = torch.nn.functional.one_hot(coords, X.shape[1]).to(X.dtype)  # (M, d)
-    C = kernel.mixed_coord_from_differences(r, E, sigma)
-    K = (C[:, idx, :] * E[None, :, :]).sum(-1)  # K[m, m'] = C[m, idx[m'], i_{m'}]
-    Cf = C.reshape(C.shape[0], -1)
-    return C, K, Cf @ Cf.T, sigma
-
-
-def nystrom_solve_nosync(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: torch.Tensor, N: int, *,
-                         eps: float | torch.Tensor, lam: float = 0.0, damping: str = "T_tilde",
-                         rcond: float | None = None, damping_floor: float = DAMPING_FLOOR,
-                         diagonal_only: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The stable estimator of Prop. 6 with tensors only (no host sync, no data-dependent branch).
-
-    Same estimator as :func:`nystrom_solve` with ``method="stable"``; two differences in *how*:
-
-    * the whitening ``W`` with ``W CCᵀ Wᵀ = I`` is ``L⁻¹`` from the Cholesky factor
-      ``CCᵀ = L Lᵀ`` instead of ``S^{-1/2} Uᵀ`` from the eigendecomposition. Both differ by an
-      orthogonal ``Q`` (``L⁻¹ = Q S^{-1/2} Uᵀ``), and the estimator and the column norms
-      ``‖T̃_{·,i}‖`` of the ``T_tilde`` damping are invariant under ``T̃ → Q T̃``;
-    * a nearly singular ``CCᵀ`` (a Cholesky pivot below ``rcond`` times the largest, or a failed
-      factorisation) is regularised to ``CCᵀ + μ I`` with ``μ = rcond · max diag CCᵀ`` instead of
-      truncated; ``info["ill_conditioned"]`` flags it and ``info["rank"]`` counts the pivots above
-      the threshold. The ``M × M`` algebra runs in float64.
-
-    ``eps`` may be a 0-dim tensor (the Levenberg-Marquardt ``ε`` kept on the device).
-    ``diagonal_only=True`` returns ``D⁻¹ ∇L`` (the paper's "diagonal conditioning" ablation).
-    Returns the direction (dtype of ``grad``) and a dict of 0-dim tensors: ``rank``,
-    ``ill_conditioned``, ``solve_failed`` (the ``r × r`` Cholesky failed: the direction is not
-    finite and the caller must fall back), ``damping_floored`` (entries of ``D`` at the relative
-    floor), ``floored_share`` (their share of ``‖ĝ‖²``) and ``loss_only`` (components treated by
-    :func:`loss_only_columns`).
-    """
-    check_choice(damping, "damping", DAMPINGS)
-    lam = check_positive(lam, "lam", allow_zero=True)
-    M, q = T.shape
-    f64, dev = torch.float64, T.device
-    if rcond is None:
-        rcond = M * torch.finfo(CCt.dtype).eps
-    eye = torch.eye(M, dtype=f64, device=dev)
-    A0 = CCt.to(f64)
-    L, info = torch.linalg.cholesky_ex(A0)
-    mu = rcond * A0.diagonal().max().clamp(min=torch.finfo(f64).tiny)
-    Lj, _ = torch.linalg.cholesky_ex(A0 + mu * eye)
-    piv = L.diagonal() ** 2
-    ok = (info == 0) & torch.isfinite(piv).all() & (piv.min() > rcond * piv.max())
-    L = torch.where(ok, L, Lj)
-    piv_used = L.diagonal() ** 2
-    rank = (piv_used > rcond * piv_used.max()).sum()
-    W = torch.linalg.solve_triangular(L, eye, upper=False)  # L⁻¹
-    Tt = W.to(T.dtype) @ T
-    if damping == "identity":
-        Dvec = torch.ones(q, dtype=T.dtype, device=dev)
-        low = zero = torch.zeros(q, dtype=torch.bool, device=dev)
-    else:
-        Dvec, low, zero = _floored_norms(T if damping == "T" else Tt, damping_floor)  # zero: T·,i = 0
-    n_floor = low.sum()
-    Dinv = 1.0 / Dvec
-    g = grad.to(T.dtype)
-    Dg = Dinv * g
-    eps64 = torch.as_tensor(eps, dtype=f64, device=dev)
-    if diagonal_only:
-        failed = torch.zeros((), dtype=torch.bool, device=dev)
-        direction = Dg
-    else:
-        A = ((Tt * Dinv) @ Tt.T).to(f64) + (eps64 / N) * eye
-        if lam > 0:
-            A = A + lam * eps64 * (W @ K.to(f64) @ W.T)
-        v = (Tt @ Dg).to(f64)
-        LA, infoA = torch.linalg.cholesky_ex(A)
-        w = torch.cholesky_solve(v[:, None], LA)[:, 0]
-        failed = infoA != 0
-        direction = (Dg - Dinv * (Tt.T @ w.to(T.dtype))) / eps64.to(T.dtype)
-    direction, _ = loss_only_columns(direction, g, low)
-    n_loss_only = (zero & (g != 0)).sum()
-    sq = direction * direction
-    share = torch.where(low, sq, 0).sum(dtype=f64) / sq.sum(dtype=f64).clamp(min=torch.finfo(f64).tiny)
-    return direction.to(grad.dtype), {"rank": rank, "ill_conditioned": ~ok, "solve_failed": failed,
-                                      "damping_floored": n_floor, "floored_share": share,
-                                      "loss_only": n_loss_only}
+# The sync-free variants live in kwng.nosync; importable from here as before.
+from .nosync import bandwidth_tensor, kernel_matrices_nosync, nystrom_solve_nosync  # noqa: E402

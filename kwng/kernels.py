@@ -32,7 +32,12 @@ __all__ = [
     "squared_distances",
     "mean_sq_bandwidth",
     "median_bandwidth",
+    "BANDWIDTH_RULES",
+    "bandwidth_from_rule",
+    "coord_matrices",
 ]
+
+BANDWIDTH_RULES = ("mean_sq", "median")
 
 
 def _check_finite_points(t: torch.Tensor, name: str) -> None:
@@ -44,10 +49,8 @@ def _check_finite_points(t: torch.Tensor, name: str) -> None:
 
 def squared_distances(Y: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """Matrix of ``‖Y_m - X_n‖²`` of shape ``(M, N)``, computed exactly (no cancellation)."""
-    Y, X = check_points(Y, "Y"), check_points(X, "X")
-    if Y.shape[1] != X.shape[1]:
-        raise ValueError(f"Y and X must have the same dimension d, got {Y.shape[1]} and {X.shape[1]}")
-    return ((Y[:, None, :] - X[None, :, :]) ** 2).sum(-1)
+    r = Kernel._pair(Y, X)  # validated differences Y_m - X_n
+    return (r * r).sum(-1)
 
 
 def mean_sq_bandwidth(X: torch.Tensor, Y: torch.Tensor, sigma0: float = 1.0) -> float:
@@ -59,7 +62,8 @@ def mean_sq_bandwidth(X: torch.Tensor, Y: torch.Tensor, sigma0: float = 1.0) -> 
     check_positive(sigma0, "sigma0")
     _check_finite_points(X.detach(), "X")
     _check_finite_points(Y.detach(), "Y")
-    sigma = float(squared_distances(Y.detach(), X.detach()).mean()) * sigma0
+    sq = squared_distances(Y.detach(), X.detach())
+    sigma = float(bandwidth_from_rule(sq, "mean_sq", sigma0))
     if not sigma > 0:
         raise ValueError("mean_sq_bandwidth: all samples coincide with the basis points, the "
                          "heuristic bandwidth is 0; pass a fixed bandwidth instead")
@@ -177,13 +181,16 @@ class Kernel:
                                      sigma: torch.Tensor | float | None = None) -> torch.Tensor:
         """The formula behind :meth:`mixed_coord`, without validation or host syncs.
 
-        ``r[m, n] = Y_m - X_n`` (shape ``(M, N, d)``), ``onehot[m]`` the indicator of ``i_m``
-        (``(M, d)``), ``sigma`` an optional bandwidth override (e.g. a 0-dim tensor on the
-        device). ``C[m, n, j] = -2 φ'(s) δ_{i_m j} - 4 φ''(s) r_{i_m} r_j`` with ``s = ‖r‖²``.
+        ``r[m, n] = Y_m - X_n`` (shape ``(..., M, N, d)``), ``onehot[m]`` the indicator of
+        ``i_m`` (``(..., M, d)``), ``sigma`` an optional bandwidth override (a number, a 0-dim
+        tensor on the device, or one bandwidth per problem, shape ``(...)``). ``C[m, n, j] = -2 φ'(s) δ_{i_m j} - 4 φ''(s) r_{i_m} r_j`` with ``s = ‖r‖²``.
         """
+        if isinstance(sigma, torch.Tensor) and sigma.dim() > 0:
+            sigma = sigma[..., None, None]  # one bandwidth per problem of a batch
         _, d1, d2 = self._profile((r * r).sum(-1), sigma)
-        r_i = (r * onehot[:, None, :]).sum(-1, keepdim=True)  # (M, N, 1)
-        return -2.0 * d1[..., None] * onehot[:, None, :] - 4.0 * d2[..., None] * r_i * r
+        E = onehot.unsqueeze(-2)  # (..., M, 1, d)
+        r_i = (r * E).sum(-1, keepdim=True)  # (..., M, N, 1)
+        return -2.0 * d1[..., None] * E - 4.0 * d2[..., None] * r_i * r
 
 
 class GaussianKernel(Kernel):
@@ -246,3 +253,53 @@ def _check_coords(coords: torch.Tensor, M: int, d: int) -> torch.Tensor:
                          f"[{int(coords.min())}, {int(coords.max())}]")
     return coords.long()
 
+
+
+def bandwidth_from_rule(sq_dists: torch.Tensor, rule: str, sigma0: float = 1.0
+                        ) -> torch.Tensor:
+    """The bandwidth heuristics of §3.3 from the squared distances ``‖X_n - Y_m‖²``
+    (shape ``(..., M, N)``), one per problem (shape ``(...)``), without host sync.
+
+    ``"mean_sq"``: ``σ0 · mean ‖X_n - Y_m‖²`` (the paper's heuristic); ``"median"``:
+    ``σ0 ·`` the median of the same distances. The one home of both rules:
+    :func:`mean_sq_bandwidth`, the estimator, the preconditioner and the sweeps use it.
+    """
+    if rule == "mean_sq":
+        stat = sq_dists.mean((-2, -1))
+    elif rule == "median":
+        stat = sq_dists.flatten(-2).median(-1).values
+    else:
+        raise ValueError(f"bandwidth rule must be one of {BANDWIDTH_RULES}, got {rule!r}")
+    return sigma0 * stat
+
+
+def coord_matrices(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor,
+                   basis_coords: torch.Tensor, bandwidth: float | str | torch.Tensor | None = None,
+                   sigma0: float = 1.0, need_K: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``C`` and ``K`` of Prop. 5 (eq. matrices) for any kernel, over batch dimensions.
+
+    ``X`` is ``(..., N, d)``, ``basis_idx`` and ``basis_coords`` are ``(..., M)`` (valid, on
+    ``X``'s device: no checks, no host sync). ``C[..., m, n, j] = ∂_{i_m}∂_{j+d} k(Y_m, X_n)``
+    (``(..., M, N, d)``) and ``K[..., m, m'] = C[..., m, idx[m'], i_{m'}]`` (``(..., M, M)``).
+    ``bandwidth``: ``None`` (the kernel's own), a number, a tensor (one per problem) or a rule
+    of :func:`bandwidth_from_rule` with ``sigma0``. Returns ``(C, K, sigma)``, ``K = None``
+    unless ``need_K``. The one home of the ``C``/``K`` formula.
+    """
+    d = X.shape[-1]
+    Y = torch.gather(X, -2, basis_idx[..., None].expand(*basis_idx.shape, d))
+    r = Y[..., :, None, :] - X[..., None, :, :]  # (..., M, N, d)
+    if bandwidth is None:
+        sigma = torch.as_tensor(kernel.bandwidth, dtype=X.dtype, device=X.device)
+    elif isinstance(bandwidth, str):
+        sigma = bandwidth_from_rule((r * r).sum(-1), bandwidth, sigma0)
+    else:
+        sigma = torch.as_tensor(bandwidth, dtype=X.dtype, device=X.device)
+    E = torch.nn.functional.one_hot(basis_coords, d).to(X.dtype)  # (..., M, d)
+    C = kernel.mixed_coord_from_differences(r, E, sigma)
+    K = None
+    if need_K:
+        M = basis_idx.shape[-1]
+        at_basis = torch.gather(C, -2, basis_idx[..., None, :, None].expand(*C.shape[:-3], M, M, d))
+        K = (at_basis * E[..., None, :, :]).sum(-1)  # K[m, m'] = C[m, idx[m'], i_{m'}]
+    return C, K, sigma

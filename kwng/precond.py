@@ -61,16 +61,13 @@ In fast mode fallbacks are counted on the device and logged by :meth:`counters` 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._checks import check_choice, check_int, check_positive
+from ._checks import check_int
 from .estimator import (
-    BANDWIDTH_RULES,
-    DAMPINGS,
     _with_bandwidth,
     draw_basis,
     jacobian_from_outputs,
@@ -79,70 +76,46 @@ from .estimator import (
     nystrom_solve,
     nystrom_solve_nosync,
 )
-from .kernels import Kernel, make_kernel
-from .lm import LM_RULES, LevenbergMarquardt
+from .graph import derived_from, direct_params
+from .lm import LevenbergMarquardt
+from .precond_config import MODES, KWNGConfig, eps_from_authors
 from .replicate import ReplicatedEngine, unsupported_reason
 
-__all__ = ["KWNGPreconditioner", "MODES", "eps_from_authors"]
+__all__ = ["KWNGPreconditioner", "KWNGConfig", "MODES", "eps_from_authors"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("fast", "reference")
 _COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped", "serial_steps",
              "loss_only")
-
-
-def eps_from_authors(eps: float, batch_size: int) -> float:
-    """``ε`` in this package's convention for the authors' ``ε_a``: ``ε = √N · ε_a`` (``N`` = batch).
-
-    The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε_a I``; :func:`kwng.nystrom_solve`
-    whitens with ``(CCᵀ)^{-1/2}`` and adds ``(ε/N) I``, so the two regularisers coincide for
-    ``ε = √N ε_a`` (the same factor converts the bounds ``[1e-10, 1e5]`` of App. E).
-    """
-    return check_positive(eps, "eps") * math.sqrt(check_int(batch_size, "batch_size", 1))
 
 
 class KWNGPreconditioner:
     """Replace the gradients of ``model``'s parameters by the KWNG direction (Prop. 6).
 
-    Arguments (paper symbol in brackets):
-
-    * ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q`` numbers). A
-      parameter frozen later (``requires_grad=False``) is left alone from then on. In fast mode
-      the replicated forward runs when ``model`` itself is called (``model(z)``); attach the
-      preconditioner to the network that the training loop calls.
-    * ``optimizer`` — the ``torch.optim`` optimizer that takes the step; its
-      ``param_groups[0]['lr']`` is the step size in the reduction ratio ``r``. Required when
-      ``adapt_eps`` is on.
-    * ``num_basis`` [``M``] ≥ 1; ``eps`` [``ε``] > 0, the initial damping (this package's
-      convention; :func:`eps_from_authors` converts the authors'); ``lam`` [``λ``] ≥ 0, the RKHS
-      regularisation (``0`` in the paper's experiments; ``λ > 0`` adds ``λε W K Wᵀ`` to the stable
-      system, which keeps it equal to Prop. 5).
-    * ``kernel`` — ``"gaussian"``, ``"rq"`` or a :class:`kwng.Kernel`; ``bandwidth`` —
-      ``"mean_sq"`` (``σ = σ0 · mean ‖X_n − Y_m‖²``), ``"median"`` or a positive number;
-      ``sigma0`` [``σ0``] > 0.
-    * ``damping`` [``D``] — ``"identity"``, ``"T"`` (``‖T_{·,i}‖``) or ``"T_tilde"`` (``‖T̃_{·,i}‖``).
-    * Levenberg-Marquardt (App. E, :class:`kwng.lm.LevenbergMarquardt`): ``lm_interval`` ≥ 1
-      steps between updates, ``lm_omega`` [``ω``] in (0, 1), thresholds ``0 ≤ lm_low < lm_high``;
-      ``adapt_eps`` switches it on; ``eps_min ≤ ε ≤ eps_max``; ``lm_rule`` ``"authors"`` (next
-      batch's loss) or ``"same_batch"`` (the loop calls :meth:`observe_loss_after_step`).
-    * ``clip_norm`` > 0 or ``None`` — clip the final direction to this norm.
-    * ``mode`` — ``"fast"`` or ``"reference"`` (module docstring).
-    * ``generator`` — a ``torch.Generator`` for the basis draw (reproducible runs and tests).
-    * ``diagonal_only`` — use ``D⁻¹ g`` (no kernel correction; needs ``damping`` ``"T"`` or
-      ``"T_tilde"``).
-    * ``rcond`` — relative eigenvalue (pivot) threshold of the stable solve (default
-      ``M · float-eps``).
+    Arguments: ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q``
+    numbers). A parameter frozen later (``requires_grad=False``) is left alone from then on. In
+    fast mode the replicated forward runs when ``model`` itself is called (``model(z)``); attach
+    the preconditioner to the network that the training loop calls. ``optimizer`` — the
+    ``torch.optim`` optimizer that takes the step; its ``param_groups[0]['lr']`` is the step
+    size in the reduction ratio ``r``; required when ``adapt_eps`` is on. ``config`` — a
+    :class:`kwng.KWNGConfig` with the hyperparameters (``num_basis``, ``eps``, ``lam``,
+    ``kernel``, ``bandwidth``, ``sigma0``, ``damping``, the ``lm_*`` rule, ``clip_norm``,
+    ``mode``, ``diagonal_only``, ``rcond``; see there); keyword arguments of the same names
+    build it (or override fields of ``config``). ``generator`` — a ``torch.Generator`` for the
+    basis draw (reproducible runs and tests).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, num_basis: int = 5,
-                 eps: float = 1e-5, lam: float = 0.0, kernel: str | Kernel = "gaussian",
-                 bandwidth: str | float = "mean_sq", sigma0: float = 1.0, damping: str = "T_tilde",
-                 lm_interval: int = 5, lm_omega: float = 0.85, lm_low: float = 0.25, lm_high: float = 0.75,
-                 adapt_eps: bool = True, clip_norm: float | None = 1.0, mode: str = "fast",
-                 generator: torch.Generator | None = None, diagonal_only: bool = False,
-                 eps_min: float = 1e-10, eps_max: float = 1e5, rcond: float | None = None,
-                 lm_rule: str = "authors") -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 config: KWNGConfig | None = None, *, generator: torch.Generator | None = None,
+                 **hyperparameters: Any) -> None:
+        unknown = set(hyperparameters) - set(KWNGConfig.fields())
+        if unknown:
+            raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; accepted: "
+                             f"{', '.join(KWNGConfig.fields())}")
+        if config is not None and not isinstance(config, KWNGConfig):
+            raise ValueError(f"config must be a kwng.KWNGConfig or None, got {type(config).__name__}")
+        cfg = (config or KWNGConfig()).replace(**hyperparameters)
+        self.config = cfg
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -154,46 +127,20 @@ class KWNGPreconditioner:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         self.optimizer = optimizer
-        self.num_basis = check_int(num_basis, "num_basis", 1)
-        self.lam = check_positive(lam, "lam", allow_zero=True)
-        if isinstance(kernel, str):
-            kernel = make_kernel(kernel)  # raises on an unknown name
-        elif not isinstance(kernel, Kernel):
-            raise ValueError(f"kernel must be 'gaussian', 'rq' or a kwng.Kernel, got {type(kernel).__name__}")
-        self.kernel = kernel
-        if isinstance(bandwidth, str):
-            check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
-        else:
-            bandwidth = check_positive(bandwidth, "bandwidth")
-        self.bandwidth = bandwidth
-        self.sigma0 = check_positive(sigma0, "sigma0")
-        self.damping = check_choice(damping, "damping", DAMPINGS)
-        if not isinstance(adapt_eps, bool):
-            raise ValueError(f"adapt_eps must be a bool, got {type(adapt_eps).__name__}")
-        self.adapt_eps = adapt_eps
-        if adapt_eps and optimizer is None:
+        if cfg.adapt_eps and optimizer is None:
             raise ValueError("optimizer is required when adapt_eps=True (its lr enters the reduction ratio)")
-        check_int(lm_interval, "lm_interval", 1)
-        if not 0 < check_positive(lm_omega, "lm_omega") < 1:
-            raise ValueError(f"lm_omega must lie in (0, 1), got {lm_omega}")
-        if not check_positive(lm_low, "lm_low", allow_zero=True) < check_positive(lm_high, "lm_high",
-                                                                                  allow_zero=True):
-            raise ValueError(f"lm_low must be < lm_high, got lm_low={lm_low}, lm_high={lm_high}")
-        self.lm = LevenbergMarquardt(eps, eps_min=eps_min, eps_max=eps_max, omega=lm_omega, low=lm_low,
-                                     high=lm_high, interval=lm_interval, rule=check_choice(lm_rule, "lm_rule",
-                                                                                            LM_RULES),
-                                     device=self.params[0].device)
-        self.clip_norm = None if clip_norm is None else check_positive(clip_norm, "clip_norm")
-        self.mode = check_choice(mode, "mode", MODES)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         self.generator = generator
-        if not isinstance(diagonal_only, bool):
-            raise ValueError(f"diagonal_only must be a bool, got {type(diagonal_only).__name__}")
-        if diagonal_only and damping == "identity":
-            raise ValueError("diagonal_only=True needs damping 'T' or 'T_tilde' (with 'identity' it is plain SGD)")
-        self.diagonal_only = diagonal_only
-        self.rcond = None if rcond is None else check_positive(rcond, "rcond")
+        # the hyperparameters read by the step, as attributes (the config is their one source)
+        self.num_basis, self.lam, self.kernel = cfg.num_basis, cfg.lam, cfg.kernel
+        self.bandwidth, self.sigma0, self.damping = cfg.bandwidth, cfg.sigma0, cfg.damping
+        self.adapt_eps, self.clip_norm, self.mode = cfg.adapt_eps, cfg.clip_norm, cfg.mode
+        self.diagonal_only, self.rcond = cfg.diagonal_only, cfg.rcond
+        self.lm = LevenbergMarquardt(cfg.eps, eps_min=cfg.eps_min, eps_max=cfg.eps_max,
+                                     omega=cfg.lm_omega, low=cfg.lm_low, high=cfg.lm_high,
+                                     interval=cfg.lm_interval, rule=cfg.lm_rule,
+                                     device=self.params[0].device)
         self.num_steps = 0
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
@@ -303,46 +250,8 @@ class KWNGPreconditioner:
         self.lm.observe(loss_after)
 
     def _draw_basis(self, N: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.generator is not None:
-            return draw_basis(N, d, self.num_basis, self.generator)
-        # drawn on the outputs' device: no host-to-device copy, no sync
-        idx = torch.randperm(N, device=device)[: self.num_basis]
-        coords = torch.randint(0, d, (self.num_basis,), device=device)
-        return idx, coords
-
-    def _direct_params(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor]) -> list:
-        """Parameters that ``loss`` reaches without passing through ``X`` (e.g. an L2 term)."""
-        wanted = {id(p): p for p in params}
-        found, seen, stack = {}, set(), [loss.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn is X.grad_fn or id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            var = getattr(fn, "variable", None)
-            if var is not None and id(var) in wanted:
-                found[id(var)] = var
-            stack.extend(nxt for nxt, _ in fn.next_functions)
-        return list(found.values())
-
-    def _derived(self, X: torch.Tensor, X0: torch.Tensor, params: list[torch.Tensor]) -> bool:
-        """Whether ``X`` is computed from ``X0`` without touching any of ``params`` on the way
-        (e.g. ``X = U·X0`` with a fixed ``U``): then its cotangents map to ``X0`` exactly."""
-        wanted = {id(p) for p in params}
-        found, seen, stack = False, set(), [X.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            if fn is X0.grad_fn:
-                found = True
-                continue
-            var = getattr(fn, "variable", None)
-            if var is not None and id(var) in wanted:
-                return False
-            stack.extend(nxt for nxt, _ in fn.next_functions)
-        return found
+        # without a generator: drawn on the outputs' device (no host-to-device copy, no sync)
+        return draw_basis(N, d, self.num_basis, self.generator, device)
 
     def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,8 +259,8 @@ class KWNGPreconditioner:
         N, M = X.shape[0], C.shape[0]
         eng = self._engine
         X0 = None if eng is None else eng.first
-        if X0 is not None and (X is X0 or (X.shape == X0.shape and self._derived(X, X0, params))):
-            direct = self._direct_params(loss, X0, params)
+        if X0 is not None and (X is X0 or (X.shape == X0.shape and derived_from(X, X0, params))):
+            direct = direct_params(loss, X0, params)
             g_direct = {}
             if direct:  # the loss also depends on parameters directly: one extra backward pass
                 self._warn_once("direct", "KWNG: the loss depends on %d parameter tensor(s) directly (not "
@@ -407,13 +316,50 @@ class KWNGPreconditioner:
         latest ``r`` of the ε rule), ``fallback`` (the Euclidean gradient was used), ``clipped``,
         ``rank``, ``floored_columns`` (entries of ``D`` raised to the relative floor),
         ``floored_share`` (their share of ``‖ĝ‖²``), ``loss_only`` (components of parameters the
-        samples do not depend on, :func:`kwng.estimator.loss_only_columns`), ``dot``
+        samples do not depend on, :func:`kwng.solve.loss_only_columns`), ``dot``
         (``⟨g, ĝ⟩`` after clipping), ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim
         tensors in ``"fast"`` mode (no host sync), Python numbers in ``"reference"`` mode.
         """
         self._check_inputs(loss, outputs)
         with torch.autocast(outputs.device.type, enabled=False):  # the kernel algebra in ≥ float32
             return self._step(loss, outputs)
+
+    def _solve(self, T, CCt, K, g, N, eps, reference):
+        """Prop. 6 through the reference (host diagnostics) or the sync-free path."""
+        if reference and not self.diagonal_only:
+            res = nystrom_solve(T, CCt, K, g, N, eps=float(eps), lam=self.lam,
+                                damping=self.damping, method="stable", rcond=self.rcond)
+            dg, dev = res.diagnostics, T.device
+            rank = dg["rank"]
+            return (res.direction, torch.tensor(rank, device=dev),
+                    torch.tensor(rank < self.num_basis, device=dev),
+                    torch.tensor(dg["damping_floored"], device=dev),
+                    torch.tensor(dg["loss_only"], device=dev),
+                    torch.tensor(dg["floored_share"], device=dev))
+        direction, dg = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=self.lam,
+                                             damping=self.damping, rcond=self.rcond,
+                                             diagonal_only=self.diagonal_only)
+        return (direction, dg["rank"], dg["ill_conditioned"], dg["damping_floored"],
+                dg["loss_only"], dg["floored_share"])
+
+    def _safeguard(self, g, direction):
+        """The Euclidean gradient where ``⟨g, ĝ⟩ ≤ 0`` or ``ĝ`` is not finite, then the
+        clipping to ``clip_norm``; no host sync."""
+        dot = torch.dot(g.to(torch.float64), direction.to(torch.float64))
+        bad = ~(dot > 0) | ~torch.isfinite(direction).all()
+        direction = torch.where(bad, g, direction)
+        dot = torch.where(bad, torch.dot(g.to(torch.float64), g.to(torch.float64)), dot)
+        grad_norm = torch.linalg.vector_norm(g)
+        norm = torch.linalg.vector_norm(direction)
+        clipped = torch.zeros((), dtype=torch.bool, device=g.device)
+        if self.clip_norm is not None:
+            clipped = norm > self.clip_norm
+            scale = torch.where(clipped, self.clip_norm / norm.clamp(min=1e-30),
+                                torch.ones_like(norm))
+            direction = direction * scale
+            dot = dot * scale.to(dot.dtype)
+            norm = norm * scale
+        return direction, dot, bad, clipped, grad_norm, norm
 
     def _step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
         X = outputs
@@ -443,34 +389,9 @@ class KWNGPreconditioner:
         g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
         T = T.to(g.dtype)
 
-        if reference and not self.diagonal_only:
-            res = nystrom_solve(T, CCt, K, g, N, eps=float(eps), lam=self.lam,
-                                damping=self.damping, method="stable", rcond=self.rcond)
-            direction, rank = res.direction, res.diagnostics["rank"]
-            rank_t = torch.tensor(rank, device=X.device)
-            ill_t = torch.tensor(rank < self.num_basis, device=X.device)
-            n_floor_t = torch.tensor(res.diagnostics["damping_floored"], device=X.device)
-            loss_only_t = torch.tensor(res.diagnostics["loss_only"], device=X.device)
-            share_t = torch.tensor(res.diagnostics["floored_share"], device=X.device)
-        else:
-            direction, diag = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=self.lam, damping=self.damping,
-                                                   rcond=self.rcond, diagonal_only=self.diagonal_only)
-            rank_t, ill_t, n_floor_t = diag["rank"], diag["ill_conditioned"], diag["damping_floored"]
-            loss_only_t, share_t = diag["loss_only"], diag["floored_share"]
-
-        dot = torch.dot(g.to(torch.float64), direction.to(torch.float64))
-        bad = ~(dot > 0) | ~torch.isfinite(direction).all()
-        direction = torch.where(bad, g, direction)
-        dot = torch.where(bad, torch.dot(g.to(torch.float64), g.to(torch.float64)), dot)
-        grad_norm = torch.linalg.vector_norm(g)
-        norm = torch.linalg.vector_norm(direction)
-        clipped = torch.zeros((), dtype=torch.bool, device=X.device)
-        if self.clip_norm is not None:
-            clipped = norm > self.clip_norm
-            scale = torch.where(clipped, self.clip_norm / norm.clamp(min=1e-30), torch.ones_like(norm))
-            direction = direction * scale
-            dot = dot * scale.to(dot.dtype)
-            norm = norm * scale
+        direction, rank_t, ill_t, n_floor_t, loss_only_t, share_t = self._solve(
+            T, CCt, K, g, N, eps, reference)
+        direction, dot, bad, clipped, grad_norm, norm = self._safeguard(g, direction)
         self._write_grads(direction, params)
         self.lm.record(self._lr(), dot)
         c = self._counters

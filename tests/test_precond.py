@@ -560,3 +560,25 @@ def test_loss_only_parameter_takes_a_scaled_euclidean_step(mode, caplog):
         pc.counters()
         pc.counters()
     assert caplog.text.count("move the loss but not the samples") == 1
+
+
+def test_config_object_and_keywords_build_the_same_preconditioner():
+    import dataclasses
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = kwng.KWNGConfig(num_basis=3, eps=1e-3, damping="T", lm_interval=2, mode="reference")
+    by_cfg = KWNGPreconditioner(model, optimizer=opt, config=cfg)
+    by_kw = KWNGPreconditioner(model, optimizer=opt, num_basis=3, eps=1e-3, damping="T",
+                               lm_interval=2, mode="reference")
+    assert by_cfg.hyperparameters() == by_kw.hyperparameters()
+    assert by_cfg.state_dict() == by_kw.state_dict()
+    assert by_cfg.config.num_basis == 3 and isinstance(by_cfg.config.kernel, kwng.Kernel)
+    # keywords override fields of a given config
+    assert KWNGPreconditioner(model, optimizer=opt, config=cfg, num_basis=2).num_basis == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.eps = 1.0
+    with pytest.raises(ValueError, match="lm_omega"):
+        kwng.KWNGConfig(lm_omega=1.5)
+    with pytest.raises(ValueError, match="unknown hyperparameter"):
+        KWNGPreconditioner(model, optimizer=opt, num_basiss=3)
