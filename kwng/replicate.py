@@ -503,8 +503,9 @@ class ReplicatedEngine:
 
 
 class _Swapped:
-    """Mixin of the swapped layer classes: a deep copy is a plain layer of the original
-    class."""
+    """Mixin of the swapped layer classes: the replicated computation while the engine's
+    forward is active, the layer's own otherwise; a deep copy is a plain layer of the
+    original class."""
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
         cls = _ORIGINAL[type(self)]
@@ -514,6 +515,10 @@ class _Swapped:
             if k != "_kwng_state":
                 new.__dict__[k] = copy.deepcopy(v, memo)
         return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        st = _active(self, x)
+        return super().forward(x) if st is None else self._replicated(x, st)
 
 
 def _active(mod: nn.Module, x: torch.Tensor) -> _State | None:
@@ -526,43 +531,22 @@ class _RConv2d(_Swapped, nn.Conv2d):
     same class otherwise: ``isinstance`` checks, ``state_dict`` and ``deepcopy`` see a
     ``Conv2d``)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        st = _active(self, x)
-        return (
-            super().forward(x)
-            if st is None
-            else _Conv.apply(x, self.weight, self.bias, self, st)
-        )
+    def _replicated(self, x: torch.Tensor, st: _State) -> torch.Tensor:
+        return _Conv.apply(x, self.weight, self.bias, self, st)
 
 
 class _RLinear(_Swapped, nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        st = _active(self, x)
-        return (
-            super().forward(x)
-            if st is None
-            else _Linear.apply(x, self.weight, self.bias, st)
-        )
+    def _replicated(self, x: torch.Tensor, st: _State) -> torch.Tensor:
+        return _Linear.apply(x, self.weight, self.bias, st)
 
 
 class _RBatchNorm1d(_Swapped, nn.BatchNorm1d):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        st = _active(self, x)
-        return (
-            super().forward(x)
-            if st is None
-            else _BatchNorm.apply(x, self.weight, self.bias, self, st)
-        )
+    def _replicated(self, x: torch.Tensor, st: _State) -> torch.Tensor:
+        return _BatchNorm.apply(x, self.weight, self.bias, self, st)
 
 
 class _RBatchNorm2d(_Swapped, nn.BatchNorm2d):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        st = _active(self, x)
-        return (
-            super().forward(x)
-            if st is None
-            else _BatchNorm.apply(x, self.weight, self.bias, self, st)
-        )
+    _replicated = _RBatchNorm1d._replicated
 
 
 _SWAP = {

@@ -178,34 +178,11 @@ def test_schedule_never_replaces_a_different_file(tmp_path):
     shutil.copy(RESULTS / "cifar" / "schedule.json", out)
     before = out.read_bytes()
     timing_file = str(RESULTS / "cifar" / "timing" / "timing.json")
+    args = ["schedule", "--budget-s", "123", "--timing", timing_file, "--out", str(out)]
     with pytest.raises(ValueError, match="differing keys: .*budget_s"):
-        cifar.main(
-            [
-                "schedule",
-                "--budget-s",
-                "123",
-                "--timing",
-                timing_file,
-                "--out",
-                str(out),
-            ]
-        )
+        cifar.main(args)
     assert out.read_bytes() == before
-    assert (
-        cifar.main(
-            [
-                "schedule",
-                "--budget-s",
-                "123",
-                "--timing",
-                timing_file,
-                "--out",
-                str(out),
-                "--force",
-            ]
-        )
-        == 0
-    )
+    assert cifar.main(args + ["--force"]) == 0
     assert json.loads(out.read_text())["budget_s"] == 123
     assert [b.read_bytes() for b in tmp_path.glob("schedule.json.backup-*")] == [before]
 
