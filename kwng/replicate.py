@@ -139,6 +139,14 @@ def _per_copy_channels(dy: torch.Tensor, R: int) -> torch.Tensor:
     return dy.reshape(R, N, C, H, W).transpose(0, 1).reshape(N, R * C, H, W)
 
 
+def _first_copy(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st: _State
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The first copy of the input and the parameters, in the dtype autocast would use."""
+    dt = _compute_dtype(x)
+    return x[: st.batch].to(dt), weight.to(dt), None if bias is None else bias.to(dt)
+
+
 class _Conv(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -149,11 +157,8 @@ class _Conv(torch.autograd.Function):
         mod: nn.Conv2d,
         st: _State,
     ) -> torch.Tensor:
-        R, N = st.copies, st.batch
-        dt = _compute_dtype(x)
-        x0 = x[:N].to(dt)
-        w = weight.to(dt)
-        b = None if bias is None else bias.to(dt)
+        R = st.copies
+        x0, w, b = _first_copy(x, weight, bias, st)
         with torch.autocast(x.device.type, enabled=False):
             y0 = F.conv2d(x0, w, b, mod.stride, mod.padding, mod.dilation, 1)
         ctx.save_for_backward(x0, w)
@@ -232,11 +237,8 @@ class _Linear(torch.autograd.Function):
         bias: torch.Tensor | None,
         st: _State,
     ) -> torch.Tensor:
-        R, N = st.copies, st.batch
-        dt = _compute_dtype(x)
-        x0 = x[:N].to(dt)
-        w = weight.to(dt)
-        b = None if bias is None else bias.to(dt)
+        R = st.copies
+        x0, w, b = _first_copy(x, weight, bias, st)
         with torch.autocast(x.device.type, enabled=False):
             y0 = F.linear(x0, w, b)
         ctx.save_for_backward(x0, w)
