@@ -142,7 +142,7 @@ def _per_copy_channels(dy: torch.Tensor, R: int) -> torch.Tensor:
 def _first_copy(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st: _State
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The first copy of the input and the parameters, in the dtype autocast would use."""
+    """The first copy of the input, and the parameters, in the autocast dtype."""
     dt = _compute_dtype(x)
     return x[: st.batch].to(dt), weight.to(dt), None if bias is None else bias.to(dt)
 
