@@ -318,7 +318,7 @@ class KWNGPreconditioner:
         ``floored_share`` (their share of ``‖ĝ‖²``), ``loss_only`` (components of parameters the
         samples do not depend on, :func:`kwng.solve.loss_only_columns`), ``dot``
         (``⟨g, ĝ⟩`` after clipping), ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim
-        tensors in ``"fast"`` mode (no host sync), Python numbers in ``"reference"`` mode.
+        tensors on the outputs' device in both modes (``"fast"`` never syncs with the host).
         """
         self._check_inputs(loss, outputs)
         with torch.autocast(outputs.device.type, enabled=False):  # the kernel algebra in ≥ float32
@@ -406,8 +406,7 @@ class KWNGPreconditioner:
                 "rank": rank_t, "floored_columns": n_floor_t, "floored_share": share_t,
                 "loss_only": loss_only_t, "dot": dot, "grad_norm": grad_norm, "direction_norm": norm,
                 "bandwidth": sigma}
-        if reference:
-            info = {k: v.item() for k, v in info.items()}
-            if info["fallback"]:
-                log.info("step %d: ⟨g, ĝ⟩ ≤ 0 or ĝ not finite: Euclidean gradient used", self.num_steps)
+        info = {k: torch.as_tensor(v, device=X.device) for k, v in info.items()}
+        if reference and bool(info["fallback"]):  # the reference mode syncs anyway
+            log.info("step %d: ⟨g, ĝ⟩ ≤ 0 or ĝ not finite: Euclidean gradient used", self.num_steps)
         return info
