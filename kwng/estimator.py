@@ -162,7 +162,7 @@ def jacobian_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], C: to
 def damping_vector(kind: str, T: torch.Tensor, T_tilde: torch.Tensor | None = None,
                    floor: float = DAMPING_FLOOR) -> tuple[torch.Tensor, int]:
     """Diagonal ``D(θ)`` of §3.3: ``1``, ``‖T_{·,i}‖`` or ``‖T̃_{·,i}‖``, each at least
-    ``floor`` times the largest entry (a relative floor, :data:`DAMPING_FLOOR`).
+    ``floor`` times the largest entry (a relative floor, ``kwng.solve.DAMPING_FLOOR``).
 
     Validated form of :func:`kwng.solve.damping_vector`. Returns the vector and how many
     entries were raised to the floor (parameters the samples do not depend on have a zero
