@@ -2,7 +2,7 @@
 "fisher_rao").
 
 Every function takes what :mod:`kwng.experiments.fisher` writes
-(:func:`~kwng.experiments.fisher.load_sweep` rows,
+(:func:`~kwng.experiments.fisher_sweep.load_sweep` rows,
 :func:`~kwng.experiments.fisher.load_flow` curves) and returns a figure or a table.
 """
 
