@@ -1,7 +1,7 @@
 """Figures of the synthetic experiments (Figs. 1, 2, 5, 6 of Arbel et al., 2020).
 
 Every function takes result rows as produced by :mod:`kwng.experiments.synthetic`
-(:func:`~kwng.experiments.synthetic.load_rows`,
+(:func:`~kwng.experiments.synthetic_setup.load_rows`,
 :func:`~kwng.experiments.synthetic.load_flow`) and returns a
 :class:`matplotlib.figure.Figure`. Colours run from yellow (``d = 1``) to dark red
 (``d = 10``) as in the paper.
