@@ -193,6 +193,25 @@ def _decode_jpegs(buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return out
 
 
+def _write_decode_cache(x: np.ndarray, key: dict, path: Path, split: str, candidates: list[Path]) -> None:
+    """Store the decoded images and their key in the first writable folder of ``candidates``
+    (see :func:`load_jpeg_npz`)."""
+    for c in candidates:
+        f = c / f"{path.stem}_{split}_x.npy"
+        try:
+            c.mkdir(parents=True, exist_ok=True)
+            tmp = c / f".{f.name}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as fh:
+                np.save(fh, x)
+            ktmp = c / f".{f.name}.key.{os.getpid()}.tmp"
+            ktmp.write_text(json.dumps(key), encoding="utf-8")
+            os.replace(tmp, f)  # images first, then the key: a crash in between leaves a stale key
+            os.replace(ktmp, c / f"{path.stem}_{split}_x.key.json")
+            break
+        except OSError as exc:
+            log.info("cannot cache decoded images in %s (%s)", c, exc)
+
+
 def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathLike | None = None,
                   official_order: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Decode one split of a JPEG npz (``{split}_jpeg``, ``{split}_offsets``, ``y_{split}``).
@@ -238,20 +257,7 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
     if x is None:
         log.info("decoding %d %s JPEGs from %s", len(y), split, path)
         x = _decode_jpegs(z[f"{split}_jpeg"], z[f"{split}_offsets"])
-        for c in candidates:
-            f = c / f"{path.stem}_{split}_x.npy"
-            try:
-                c.mkdir(parents=True, exist_ok=True)
-                tmp = c / f".{f.name}.{os.getpid()}.tmp"
-                with open(tmp, "wb") as fh:
-                    np.save(fh, x)
-                ktmp = c / f".{f.name}.key.{os.getpid()}.tmp"
-                ktmp.write_text(json.dumps(key), encoding="utf-8")
-                os.replace(tmp, f)  # images first, then the key: a crash in between leaves a stale key
-                os.replace(ktmp, c / f"{path.stem}_{split}_x.key.json")
-                break
-            except OSError as exc:
-                log.info("cannot cache decoded images in %s (%s)", c, exc)
+        _write_decode_cache(x, key, path, split, candidates)
     if split == "train" and official_order and "train_official_perm" in z.files:
         perm = np.asarray(z["train_official_perm"])
         x, y = x[perm], y[perm]

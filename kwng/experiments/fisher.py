@@ -232,6 +232,31 @@ def _direction(
     return est(lambda t: model.sample(t, Z), theta, grad, **kw).direction
 
 
+def _flow_step(
+    fn, model, theta, value, mu_t, Sigma_t, step, method, cfg, it, loss, loss0, stopped
+):
+    """One iteration of :func:`run_flow` for ``(loss, method)``: the new ``(θ, value)``;
+    a failure or a divergence is logged and recorded in ``stopped``."""
+    try:
+        _, grad = fn(model, theta, mu_t, Sigma_t)
+        theta = theta - step * _direction(method, model, theta, grad, cfg, it, loss)
+        value = fn(model, theta, mu_t, Sigma_t)[0]
+        ok = (
+            bool(torch.isfinite(theta).all())
+            and math.isfinite(value)
+            and value < cfg["divergence_factor"] * loss0
+        )
+    except (ValueError, np.linalg.LinAlgError, torch.linalg.LinAlgError) as exc:
+        log.warning("flow %s/%s failed at iteration %d: %s", loss, method, it, exc)
+        ok = False
+    if not ok:
+        log.warning(
+            "flow %s/%s diverged at iteration %d: NaN from here", loss, method, it
+        )
+        stopped[(loss, method)] = it
+    return theta, value
+
+
 def run_flow(cfg: dict, out: str | Path, progress: bool = True) -> dict:
     """Natural-gradient descent ``θ ← θ - γ · direction`` toward the target for every
     loss and method of ``cfg`` (:func:`flow_config`); writes ``out/flow.csv`` (loss,
@@ -267,47 +292,15 @@ def run_flow(cfg: dict, out: str | Path, progress: bool = True) -> dict:
                 disable=not progress,
             ):
                 if (loss, method) not in stopped:
-                    try:
-                        _, grad = fn(model, theta, mu_t, Sigma_t)
-                        theta = theta - step * _direction(
-                            method, model, theta, grad, cfg, it, loss
-                        )
-                        value = fn(model, theta, mu_t, Sigma_t)[0]
-                        ok = (
-                            bool(torch.isfinite(theta).all())
-                            and math.isfinite(value)
-                            and value < cfg["divergence_factor"] * loss0
-                        )
-                    except (
-                        ValueError,
-                        np.linalg.LinAlgError,
-                        torch.linalg.LinAlgError,
-                    ) as exc:
-                        log.warning(
-                            "flow %s/%s failed at iteration %d: %s",
-                            loss,
-                            method,
-                            it,
-                            exc,
-                        )
-                        ok = False
-                    if not ok:
-                        log.warning(
-                            "flow %s/%s diverged at iteration %d: NaN from here",
-                            loss,
-                            method,
-                            it,
-                        )
-                        stopped[(loss, method)] = it
+                    theta, value = _flow_step(
+                        fn, model, theta, value, mu_t, Sigma_t, step, method, cfg, it,
+                        loss, loss0, stopped,
+                    )
                 if (loss, method) in stopped:
                     value = math.nan
                 rows.append(
-                    {
-                        "loss": loss,
-                        "method": method,
-                        "iteration": it + 1,
-                        "value": value,
-                    }
+                    {"loss": loss, "method": method, "iteration": it + 1,
+                     "value": value}
                 )
     _write_csv(out / "flow.csv", ("loss", "method", "iteration", "value"), rows)
     wall = time.perf_counter() - t0

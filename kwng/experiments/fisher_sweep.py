@@ -127,6 +127,42 @@ def _key(model: str, p: dict) -> str:
     return f"{model}|{p['panel']}|{p['d']}|{p['N']}|{p['M']}"
 
 
+def _kernel_fisher_max(sampler, theta, idx, kernel, rule, sigma0, N, cfg) -> float:
+    """Largest eigenvalue of the kernel Fisher metric ``Ĝ_F = Tᵀ(CCᵀ/N)†T`` with the
+    basis and bandwidth of :func:`compare_once`."""
+    X = sampler(theta).detach()
+    C, K, CCt, Gx = fisher_kernel_matrices(
+        X, idx, _bandwidth_for(kernel, X, idx, rule, sigma0)
+    )
+    G = kernel_fisher_metric(
+        jacobian_from_sampler(sampler, theta, Gx), CCt, K, N, lam=cfg["lam"]
+    )
+    return float(torch.linalg.eigvalsh(G).max())
+
+
+def _fisher_errors(row, model, sampler, theta, grad, idx, f, common, cfg) -> None:
+    """The Fisher columns of a :func:`compare_once` row (models with a density): the
+    errors of the kernel Fisher estimates against the exact Fisher natural gradient."""
+    exact = fisher_natural_gradient(model, theta, grad)
+    fs = kfng_gradient(
+        sampler,
+        theta,
+        grad,
+        basis_idx=idx,
+        jacobian="score",
+        score_fn=lambda t, Xs: scores(model, t, Xs),
+        **common,
+    )
+    common["lam"] = cfg["lam_fisher"]
+    fl = kfng_gradient(sampler, theta, grad, basis_idx=idx, **common)
+    row.update(
+        err_fng=_relerr(f.direction, exact),
+        err_fng_score=_relerr(fs.direction, exact),
+        err_fng_lam=_relerr(fl.direction, exact),
+        gf_exact_max=float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max()),
+    )
+
+
 def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
     """One run of the sweep at the grid point ``p`` (``{"panel", "d", "N", "M"}``), run
     index ``r``: KWNG and the kernel Fisher estimates on the same samples and basis
@@ -151,13 +187,8 @@ def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
     sigma, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"][model_name])
     kernel = GaussianKernel(1.0 if sigma is None else sigma)
     common = dict(
-        num_basis=M,
-        eps=cfg["eps"],
-        lam=cfg["lam"],
-        kernel=kernel,
-        damping=cfg["damping"],
-        bandwidth=rule,
-        sigma0=sigma0,
+        num_basis=M, eps=cfg["eps"], lam=cfg["lam"], kernel=kernel,
+        damping=cfg["damping"], bandwidth=rule, sigma0=sigma0,
     )
     t0 = time.perf_counter()
     w = kwng_gradient(
@@ -181,40 +212,16 @@ def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
         "time_fng_s": t2 - t1,
     }
     # the kernel Fisher metric Ĝ_F = Tᵀ(CCᵀ/N)†T with the same basis and bandwidth
-    X = sampler(theta).detach()
-    C, K, CCt, Gx = fisher_kernel_matrices(
-        X, idx, _bandwidth_for(kernel, X, idx, rule, sigma0)
+    row["gf_max"] = _kernel_fisher_max(
+        sampler, theta, idx, kernel, rule, sigma0, N, cfg
     )
-    G = kernel_fisher_metric(
-        jacobian_from_sampler(sampler, theta, Gx), CCt, K, N, lam=cfg["lam"]
-    )
-    row["gf_max"] = float(torch.linalg.eigvalsh(G).max())
     if model_name == "sphere":  # no density: no Fisher natural gradient to compare with
         row.update(
-            err_fng=math.nan,
-            err_fng_lam=math.nan,
-            err_fng_score=math.nan,
+            err_fng=math.nan, err_fng_lam=math.nan, err_fng_score=math.nan,
             gf_exact_max=math.nan,
         )
         return row
-    exact = fisher_natural_gradient(model, theta, grad)
-    fs = kfng_gradient(
-        sampler,
-        theta,
-        grad,
-        basis_idx=idx,
-        jacobian="score",
-        score_fn=lambda t, Xs: scores(model, t, Xs),
-        **common,
-    )
-    common["lam"] = cfg["lam_fisher"]
-    fl = kfng_gradient(sampler, theta, grad, basis_idx=idx, **common)
-    row.update(
-        err_fng=_relerr(f.direction, exact),
-        err_fng_score=_relerr(fs.direction, exact),
-        err_fng_lam=_relerr(fl.direction, exact),
-        gf_exact_max=float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max()),
-    )
+    _fisher_errors(row, model, sampler, theta, grad, idx, f, common, cfg)
     return row
 
 

@@ -22,7 +22,6 @@ replaced by a small run.
 from __future__ import annotations
 
 import argparse
-import io
 import logging
 import sys
 import time
@@ -37,14 +36,14 @@ from ..batched import batched_kwng
 from ..estimator import kwng_gradient
 from ..kernels import GaussianKernel
 from ..models import NormalModel, gaussian_w2_squared, make_model
-from ..provenance import ResultFileError, atomic_write_text, read_json, write_provenance
+from ..provenance import ResultFileError, read_json, write_provenance
 from .guard import ConfigMismatchError, read_csv_checked
 # moved to kwng.experiments.synthetic_setup; re-exported under the old path
 from .synthetic_setup import (  # noqa: F401
     MODELS, SWEEP_COLUMNS, RELERR_BANDWIDTH, _scale, relerr_config,
     bandwidth_config, flow_config, _seed, draw_theta, _parse_bandwidth,
     _sweep_points, _point_key, _CONVERTERS, _row_key, load_rows, checked_rows,
-    _write_rows, _prepare_dir,
+    _write_rows, _prepare_dir, _write_flow_csvs, _write_pca_csv,
 )
 
 __all__ = ["MODELS", "SWEEP_COLUMNS", "relerr_config", "bandwidth_config", "flow_config", "draw_theta",
@@ -189,6 +188,25 @@ def flow_problem(cfg: dict) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.n
     return model, theta0, mu_t.numpy(), (L_t @ L_t.T).numpy()
 
 
+def _flow_direction(method, model, th, grad, cfg, it, dev, kernel, bw, sigma0) -> torch.Tensor:
+    """The direction of ``method`` at ``th`` in :func:`run_flow` (EG, exact WNG or a KWNG variant)."""
+    variants = cfg["kwng_variants"]
+    if method == "eg":
+        direction = grad
+    elif method == "wng":
+        direction = model.wng(th, grad)
+    else:
+        N, M = variants[method]["N"], variants[method]["M"]
+        g = torch.Generator().manual_seed(_seed(cfg["seed"], method, it))
+        Z = model.sample_latent(N, g).to(dev)
+        res = kwng_gradient(lambda t, Z=Z: model.sample(t, Z), th.to(dev), grad.to(dev), num_basis=M,
+                            eps=cfg["eps"], lam=cfg["lam"], kernel=kernel, generator=g,
+                            damping=cfg["damping"], bandwidth=bw if isinstance(bw, str) else None,
+                            sigma0=sigma0)
+        direction = res.direction.cpu()
+    return direction
+
+
 def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = True, force: bool = False) -> dict:
     """Fig. 2: iterate ``θ ← θ - γ · direction`` for exact WNG, KWNG and EG on the W2² loss.
 
@@ -224,19 +242,7 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
                 continue
             _, grad = normal_w2_and_grad(model, th, mu_t, Sigma_t)
             try:
-                if method == "eg":
-                    direction = grad
-                elif method == "wng":
-                    direction = model.wng(th, grad)
-                else:
-                    N, M = variants[method]["N"], variants[method]["M"]
-                    g = torch.Generator().manual_seed(_seed(cfg["seed"], method, it))
-                    Z = model.sample_latent(N, g).to(dev)
-                    res = kwng_gradient(lambda t, Z=Z: model.sample(t, Z), th.to(dev), grad.to(dev), num_basis=M,
-                                        eps=cfg["eps"], lam=cfg["lam"], kernel=kernel, generator=g,
-                                        damping=cfg["damping"], bandwidth=bw if isinstance(bw, str) else None,
-                                        sigma0=sigma0)
-                    direction = res.direction.cpu()
+                direction = _flow_direction(method, model, th, grad, cfg, it, dev, kernel, bw, sigma0)
                 new = th - cfg["steps"][method] * direction
                 loss = normal_w2_and_grad(model, new, mu_t, Sigma_t)[0]
                 ok = bool(torch.isfinite(new).all()) and np.isfinite(loss) and loss < cfg["divergence_factor"] * loss0
@@ -249,29 +255,8 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
                 new, loss = torch.full_like(th, float("nan")), float("nan")
             traj[method].append(new)
             losses[method].append(loss)
-    buf = io.StringIO()
-    buf.write("iteration,method,loss\n")
-    for m, ls in losses.items():
-        for i, v in enumerate(ls):
-            buf.write(f"{i},{m},{v:.12g}\n")
-    atomic_write_text(out / "loss.csv", buf.getvalue())
-    buf = io.StringIO()
-    buf.write("iteration,method," + ",".join(f"theta_{k}" for k in range(model.num_params)) + "\n")
-    for m, ts in traj.items():
-        for i, t in enumerate(ts):
-            buf.write(f"{i},{m}," + ",".join(f"{x:.10g}" for x in t.tolist()) + "\n")
-    atomic_write_text(out / "trajectories.csv", buf.getvalue())
-    W = torch.stack(traj["wng"]).numpy()
-    W = W[np.isfinite(W).all(1)]
-    centre = W.mean(0)
-    _, svals, Vt = np.linalg.svd(W - centre, full_matrices=False)
-    buf = io.StringIO()
-    buf.write("iteration,method,pc1,pc2\n")
-    for m, ts in traj.items():
-        P = (torch.stack(ts).numpy() - centre) @ Vt[:2].T
-        for i, (a, b) in enumerate(P):
-            buf.write(f"{i},{m},{a:.10g},{b:.10g}\n")
-    atomic_write_text(out / "pca.csv", buf.getvalue())
+    _write_flow_csvs(out, losses, traj, model)
+    svals = _write_pca_csv(out, traj)
     wall = time.perf_counter() - t0
     explained = (svals[:2] ** 2 / (svals ** 2).sum()).tolist()
     return write_provenance(out, cfg, seeds={"base_seed": cfg["seed"]}, device=device, wall_time_s=wall,

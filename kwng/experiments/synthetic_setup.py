@@ -1,7 +1,7 @@
 """Set-up of the synthetic experiments (:mod:`kwng.experiments.synthetic`).
 
 The configurations of the three commands, the random draws (keyed by grid point), the grid
-points of the sweeps and the sweep result files (reading, checking, atomic writing). Moved
+points of the sweeps and the result files (reading, checking, atomic writing). Moved
 out of :mod:`kwng.experiments.synthetic`, which re-exports every name; see its docstring for
 the protocol.
 """
@@ -14,10 +14,11 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import config as _config
-from ..models import make_model
+from ..models import NormalModel, make_model
 from ..provenance import ResultFileError, atomic_write_text
 from .guard import prepare_result_dir, read_csv_checked
 
@@ -190,3 +191,36 @@ def _prepare_dir(out: Path, cfg: dict, force: bool = False) -> dict:
     :func:`kwng.experiments.guard.prepare_result_dir`: another configuration is refused unless
     ``force``, which moves it to a backup). Returns the previous provenance or ``{}``."""
     return prepare_result_dir(out, cfg, force)
+
+
+def _write_flow_csvs(out: Path, losses: dict, traj: dict, model: NormalModel) -> None:
+    """``loss.csv`` and ``trajectories.csv`` of :func:`~kwng.experiments.synthetic.run_flow`."""
+    buf = io.StringIO()
+    buf.write("iteration,method,loss\n")
+    for m, ls in losses.items():
+        for i, v in enumerate(ls):
+            buf.write(f"{i},{m},{v:.12g}\n")
+    atomic_write_text(out / "loss.csv", buf.getvalue())
+    buf = io.StringIO()
+    buf.write("iteration,method," + ",".join(f"theta_{k}" for k in range(model.num_params)) + "\n")
+    for m, ts in traj.items():
+        for i, t in enumerate(ts):
+            buf.write(f"{i},{m}," + ",".join(f"{x:.10g}" for x in t.tolist()) + "\n")
+    atomic_write_text(out / "trajectories.csv", buf.getvalue())
+
+
+def _write_pca_csv(out: Path, traj: dict) -> np.ndarray:
+    """``pca.csv`` of :func:`~kwng.experiments.synthetic.run_flow`: the trajectories on the two leading principal directions
+    of the (finite part of the) WNG trajectory. Returns the singular values."""
+    W = torch.stack(traj["wng"]).numpy()
+    W = W[np.isfinite(W).all(1)]
+    centre = W.mean(0)
+    _, svals, Vt = np.linalg.svd(W - centre, full_matrices=False)
+    buf = io.StringIO()
+    buf.write("iteration,method,pc1,pc2\n")
+    for m, ts in traj.items():
+        P = (torch.stack(ts).numpy() - centre) @ Vt[:2].T
+        for i, (a, b) in enumerate(P):
+            buf.write(f"{i},{m},{a:.10g},{b:.10g}\n")
+    atomic_write_text(out / "pca.csv", buf.getvalue())
+    return svals
