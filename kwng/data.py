@@ -33,6 +33,10 @@ import numpy as np
 import torch
 
 from ._checks import check_choice, check_int
+from .data_augment import (  # noqa: F401  (moved; re-exported under the old path)
+    augment_batch,
+    normalize,
+)
 
 __all__ = ["DATASETS", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH", "read_official_cifar",
            "write_official_cifar", "load_jpeg_npz", "load_sample", "download_official", "find_source",
@@ -189,6 +193,25 @@ def _decode_jpegs(buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return out
 
 
+def _write_decode_cache(x: np.ndarray, key: dict, path: Path, split: str, candidates: list[Path]) -> None:
+    """Store the decoded images and their key in the first writable folder of ``candidates``
+    (see :func:`load_jpeg_npz`)."""
+    for c in candidates:
+        f = c / f"{path.stem}_{split}_x.npy"
+        try:
+            c.mkdir(parents=True, exist_ok=True)
+            tmp = c / f".{f.name}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as fh:
+                np.save(fh, x)
+            ktmp = c / f".{f.name}.key.{os.getpid()}.tmp"
+            ktmp.write_text(json.dumps(key), encoding="utf-8")
+            os.replace(tmp, f)  # images first, then the key: a crash in between leaves a stale key
+            os.replace(ktmp, c / f"{path.stem}_{split}_x.key.json")
+            break
+        except OSError as exc:
+            log.info("cannot cache decoded images in %s (%s)", c, exc)
+
+
 def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathLike | None = None,
                   official_order: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Decode one split of a JPEG npz (``{split}_jpeg``, ``{split}_offsets``, ``y_{split}``).
@@ -234,20 +257,7 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
     if x is None:
         log.info("decoding %d %s JPEGs from %s", len(y), split, path)
         x = _decode_jpegs(z[f"{split}_jpeg"], z[f"{split}_offsets"])
-        for c in candidates:
-            f = c / f"{path.stem}_{split}_x.npy"
-            try:
-                c.mkdir(parents=True, exist_ok=True)
-                tmp = c / f".{f.name}.{os.getpid()}.tmp"
-                with open(tmp, "wb") as fh:
-                    np.save(fh, x)
-                ktmp = c / f".{f.name}.key.{os.getpid()}.tmp"
-                ktmp.write_text(json.dumps(key), encoding="utf-8")
-                os.replace(tmp, f)  # images first, then the key: a crash in between leaves a stale key
-                os.replace(ktmp, c / f"{path.stem}_{split}_x.key.json")
-                break
-            except OSError as exc:
-                log.info("cannot cache decoded images in %s (%s)", c, exc)
+        _write_decode_cache(x, key, path, split, candidates)
     if split == "train" and official_order and "train_official_perm" in z.files:
         perm = np.asarray(z["train_official_perm"])
         x, y = x[perm], y[perm]
@@ -324,34 +334,6 @@ def load_cifar(dataset: str, split: str, data_root: str | os.PathLike | None = N
     if kind == "official":
         return read_official_cifar(where, dataset, split)
     return load_jpeg_npz(where, split)
-
-
-# ------------------------------------------------------------------------------------- augmentation
-def normalize(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """``uint8 (B, 3, H, W)`` → float, ``(x / 255 - mean) / std`` per channel."""
-    return (x.float().div_(255.0) - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
-
-
-def augment_batch(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Random crop of the ``pad``-zero-padded images and random horizontal flip, all on ``x.device``.
-
-    ``x`` is ``(B, C, H, W)`` (any dtype). The draws (crop offsets in ``[0, 2 pad]``, flips) come from
-    the CPU ``generator``, so they do not depend on the device and are reproducible after a resume.
-    """
-    b, c, h, w = x.shape
-    ox = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
-    oy = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
-    flip = torch.rand(b, generator=generator) < 0.5
-    dev = x.device
-    ox, oy, flip = ox.to(dev, non_blocking=True), oy.to(dev, non_blocking=True), flip.to(dev, non_blocking=True)
-    xp = torch.nn.functional.pad(x, (pad, pad, pad, pad))
-    ar_h = torch.arange(h, device=dev)
-    ar_w = torch.arange(w, device=dev)
-    cols = ox[:, None] + torch.where(flip[:, None], w - 1 - ar_w[None, :], ar_w[None, :])  # flip folded in
-    rows = oy[:, None] + ar_h[None, :]
-    bi = torch.arange(b, device=dev)[:, None, None, None]
-    ci = torch.arange(c, device=dev)[None, :, None, None]
-    return xp[bi, ci, rows[:, None, :, None], cols[:, None, None, :]]
 
 
 class GPUAugmentedData:

@@ -31,14 +31,13 @@ algebra is :func:`kwng.nystrom_solve`, imported unchanged: only ``C``, ``K`` and
 differ from the Wasserstein estimator. The exact Fisher natural gradients of the normal
 (full covariance) and log-normal models, a Monte Carlo Fisher matrix from scores, and an
 independent brute-force solve of the restricted dual (for tests) complete the module.
-The hyper-sphere has no density: :func:`fisher_matrix` refuses it, the estimator still
-returns a number (see the chapter).
+The hyper-sphere has no density: :func:`~kwng.fisher_exact.fisher_matrix` refuses it,
+the estimator still returns a number (see the chapter).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Callable
 
 import torch
@@ -51,10 +50,16 @@ from .estimator import (
     jacobian_from_sampler,
     nystrom_solve,
 )
+from .fisher_exact import (  # noqa: F401  (moved; re-exported under the old path)
+    _check_density_model,
+    fisher_matrix,
+    fisher_matrix_mc,
+    fisher_natural_gradient,
+    log_density,
+    scores,
+)
 from .kernels import Kernel
-from .models import HyperSphereModel, ImplicitModel, LogNormalModel, NormalModel
 from .solve import default_rcond
-from .theory import normal_fisher_matrix
 
 __all__ = [
     "FISHER_JACOBIANS",
@@ -123,6 +128,54 @@ def fisher_jacobian_from_scores(C: torch.Tensor, S: torch.Tensor) -> torch.Tenso
 _bandwidth_for = _with_bandwidth
 
 
+def _check_kfng_args(theta, grad, eps, lam, jacobian, kernel, score_fn) -> None:
+    """The argument checks of :func:`kfng_gradient` that need no samples."""
+    if not isinstance(theta, torch.Tensor) or theta.dim() != 1:
+        raise ValueError("theta must be a 1-d torch.Tensor (the flat parameter vector)")
+    if not isinstance(grad, torch.Tensor) or grad.shape != theta.shape:
+        raise ValueError(
+            f"grad must be a tensor of the shape of theta {tuple(theta.shape)}"
+        )
+    check_finite(grad, "grad")
+    check_positive(eps, "eps")
+    check_positive(lam, "lam", allow_zero=True)
+    check_choice(jacobian, "jacobian", FISHER_JACOBIANS)
+    if not isinstance(kernel, Kernel):
+        raise ValueError(f"kernel must be a kwng.Kernel, got {type(kernel).__name__}")
+    if jacobian == "score" and score_fn is None:
+        raise ValueError("jacobian='score' needs score_fn(theta, X) -> (N, q) scores")
+
+
+def _basis_indices(basis_idx, N: int, d: int, num_basis: int, generator):
+    """``basis_idx`` checked, or drawn by :func:`kwng.draw_basis` when ``None``."""
+    if basis_idx is None:
+        basis_idx, _ = draw_basis(N, d, num_basis, generator)
+    basis_idx = torch.as_tensor(basis_idx)
+    if basis_idx.shape != (num_basis,):
+        raise ValueError(
+            f"basis_idx must have shape ({num_basis},) = (num_basis,), "
+            f"got {tuple(basis_idx.shape)}"
+        )
+    if int(basis_idx.min()) < 0 or int(basis_idx.max()) >= N:
+        raise ValueError(f"basis_idx must lie in [0, {N - 1}]")
+    return basis_idx
+
+
+def _fisher_jacobian(jacobian, sampler, score_fn, theta, X, C, Gx) -> torch.Tensor:
+    """``T = ∇_θ τ(θ)`` of :func:`kfng_gradient`, by ``jacobian`` (reparam or score)."""
+    N = X.shape[0]
+    if jacobian == "reparam":
+        T = jacobian_from_sampler(sampler, theta.detach(), Gx)
+    else:
+        S = score_fn(theta.detach(), X.detach())
+        if not isinstance(S, torch.Tensor) or S.shape != (N, theta.numel()):
+            raise ValueError(
+                f"score_fn must return a tensor of shape ({N}, {theta.numel()})"
+            )
+        T = fisher_jacobian_from_scores(C, S)
+    return T
+
+
 def kfng_gradient(
     sampler: Sampler,
     theta: torch.Tensor,
@@ -161,67 +214,25 @@ def kfng_gradient(
     ``‖(I - P_C) T‖_F / ‖T‖_F``, the part of ``T`` outside the range of ``C`` (0 for
     ``"score"``; small for a model with a density; large where there is none).
     """
-    if not isinstance(theta, torch.Tensor) or theta.dim() != 1:
-        raise ValueError("theta must be a 1-d torch.Tensor (the flat parameter vector)")
-    if not isinstance(grad, torch.Tensor) or grad.shape != theta.shape:
-        raise ValueError(
-            f"grad must be a tensor of the shape of theta {tuple(theta.shape)}"
-        )
-    check_finite(grad, "grad")
-    check_positive(eps, "eps")
-    check_positive(lam, "lam", allow_zero=True)
-    check_choice(jacobian, "jacobian", FISHER_JACOBIANS)
-    if not isinstance(kernel, Kernel):
-        raise ValueError(f"kernel must be a kwng.Kernel, got {type(kernel).__name__}")
-    if jacobian == "score" and score_fn is None:
-        raise ValueError("jacobian='score' needs score_fn(theta, X) -> (N, q) scores")
+    _check_kfng_args(theta, grad, eps, lam, jacobian, kernel, score_fn)
     with torch.no_grad():
         X = sampler(theta.detach())
     X = check_points(X, "X")
     check_finite(X, "X")
     N, d = X.shape
     check_int(num_basis, "num_basis", 1, N)
-    if basis_idx is None:
-        basis_idx, _ = draw_basis(N, d, num_basis, generator)
-    basis_idx = torch.as_tensor(basis_idx)
-    if basis_idx.shape != (num_basis,):
-        raise ValueError(
-            f"basis_idx must have shape ({num_basis},) = (num_basis,), "
-            f"got {tuple(basis_idx.shape)}"
-        )
-    if int(basis_idx.min()) < 0 or int(basis_idx.max()) >= N:
-        raise ValueError(f"basis_idx must lie in [0, {N - 1}]")
+    basis_idx = _basis_indices(basis_idx, N, d, num_basis, generator)
     kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
     C, K, CCt, Gx = fisher_kernel_matrices(X, basis_idx, kernel)
-    if jacobian == "reparam":
-        T = jacobian_from_sampler(sampler, theta.detach(), Gx)
-    else:
-        S = score_fn(theta.detach(), X.detach())
-        if not isinstance(S, torch.Tensor) or S.shape != (N, theta.numel()):
-            raise ValueError(
-                f"score_fn must return a tensor of shape ({N}, {theta.numel()})"
-            )
-        T = fisher_jacobian_from_scores(C, S)
+    T = _fisher_jacobian(jacobian, sampler, score_fn, theta, X, C, Gx)
     res = nystrom_solve(
-        T,
-        CCt,
-        K,
-        grad.to(T.dtype),
-        N,
-        eps=eps,
-        lam=lam,
-        damping=damping,
-        method=method,
-        rcond=rcond,
+        T, CCt, K, grad.to(T.dtype), N,
+        eps=eps, lam=lam, damping=damping, method=method, rcond=rcond,
     )
     res.direction = res.direction.to(grad.dtype)
     res.diagnostics.update(
-        d=d,
-        bandwidth=kernel.bandwidth,
-        kernel=repr(kernel),
-        basis_idx=basis_idx,
-        jacobian=jacobian,
-        range_residual=_range_residual(T, CCt, rcond),
+        d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel), basis_idx=basis_idx,
+        jacobian=jacobian, range_residual=_range_residual(T, CCt, rcond),
     )
     return res
 
@@ -255,6 +266,19 @@ def kernel_fisher_metric(
     return T64.T @ torch.linalg.pinv(A, hermitian=True) @ T64
 
 
+def _basis_features(Y: torch.Tensor, kernel: Kernel):
+    """The feature map of :func:`fisher_brute_force`: row ``x`` to ``(k(Y_m, x))_m``."""
+    from .kernels import GaussianKernel
+
+    def features(Xs: torch.Tensor) -> torch.Tensor:  # (n, M): k(Y_m, x) for each row x
+        sq = ((Xs[:, None, :] - Y[None, :, :]) ** 2).sum(-1)
+        if isinstance(kernel, GaussianKernel):
+            return torch.exp(-sq / (2.0 * kernel.bandwidth))
+        return kernel(Y, Xs).T
+
+    return features
+
+
 def fisher_brute_force(
     sampler: Sampler,
     theta: torch.Tensor,
@@ -282,8 +306,6 @@ def fisher_brute_force(
     :func:`kernel_fisher_metric`. Returns both directions. ``damping`` is the diagonal
     of ``D`` (default ``1``).
     """
-    from .kernels import GaussianKernel
-
     eps = check_positive(eps, "eps")
     lam = check_positive(lam, "lam", allow_zero=True)
     theta = theta.detach().to(torch.float64)
@@ -298,13 +320,7 @@ def fisher_brute_force(
         X = sampler(theta).to(torch.float64)
     N = X.shape[0]
     Y = X[torch.as_tensor(basis_idx)]
-
-    def features(Xs: torch.Tensor) -> torch.Tensor:  # (n, M): k(Y_m, x) for each row x
-        sq = ((Xs[:, None, :] - Y[None, :, :]) ** 2).sum(-1)
-        if isinstance(kernel, GaussianKernel):
-            return torch.exp(-sq / (2.0 * kernel.bandwidth))
-        return kernel(Y, Xs).T
-
+    features = _basis_features(Y, kernel)
     tau = lambda t: features(sampler(t).to(torch.float64)).mean(0)  # noqa: E731
     T = torch.func.jacfwd(tau)(theta)  # (M, q)
     F = features(X)  # (N, M)
@@ -321,109 +337,3 @@ def fisher_brute_force(
     return direction_dual, direction_metric
 
 
-# --------------------------------------------------------------------------------------
-# Exact Fisher information and natural gradient (Def. 1), Monte Carlo Fisher from scores
-# --------------------------------------------------------------------------------------
-def _check_density_model(model: ImplicitModel) -> None:
-    if isinstance(model, HyperSphereModel):
-        raise ValueError(
-            "the hyper-sphere model has no density: its Fisher information is not "
-            "defined (use a NormalModel or a LogNormalModel)"
-        )
-    if not isinstance(model, (NormalModel, LogNormalModel)):
-        raise ValueError(
-            "model must be a kwng.NormalModel or kwng.LogNormalModel, "
-            f"got {type(model).__name__}"
-        )
-
-
-def log_density(
-    model: ImplicitModel, theta: torch.Tensor, X: torch.Tensor
-) -> torch.Tensor:
-    """``log ρ_θ(X_n)`` for each row of ``X`` (``(N,)``), differentiable in ``theta``.
-
-    Normal ``N(μ, LLᵀ)``: the Gaussian log-density. Log-normal ``X = exp(μ + s ⊙ Z)``:
-    the log-density of ``Y = log X`` under ``N(μ, diag s²)`` minus ``Σ_k log X_k``
-    (Jacobian of ``exp``). Rejects the hyper-sphere (no density)."""
-    _check_density_model(model)
-    theta = model.check_theta(theta)
-    X = check_points(X, "X").to(theta.dtype)
-    if X.shape[1] != model.d:
-        raise ValueError(f"X must have d = {model.d} columns, got {X.shape[1]}")
-    d = model.d
-    if isinstance(model, NormalModel):
-        mu, L = model.split(theta)
-        R = torch.linalg.solve_triangular(L, (X - mu).T, upper=False)  # L⁻¹(x - μ)
-        logdet = torch.log(torch.abs(torch.diagonal(L))).sum()
-        return -0.5 * (R * R).sum(0) - logdet - 0.5 * d * math.log(2 * math.pi)
-    if bool((X <= 0).any()):
-        raise ValueError("X must be positive for the log-normal model")
-    mu, s = theta[:d], theta[d:]
-    Ylog = torch.log(X)
-    z = (Ylog - mu) / s
-    return (
-        -0.5 * z * z - torch.log(torch.abs(s)) - 0.5 * math.log(2 * math.pi) - Ylog
-    ).sum(1)
-
-
-def scores(model: ImplicitModel, theta: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """Scores ``∇_θ log ρ_θ(X_n)`` (``N × q``) by automatic differentiation of
-    :func:`log_density`."""
-    _check_density_model(model)
-    theta = model.check_theta(theta).detach()
-    return torch.func.jacfwd(lambda t: log_density(model, t, X))(theta)
-
-
-def fisher_matrix(model: ImplicitModel, theta: torch.Tensor) -> torch.Tensor:
-    """Exact Fisher information ``G_F(θ)`` (Def. 1) of the normal or log-normal model.
-
-    Normal: :func:`kwng.theory.normal_fisher_matrix` (``θ = (μ, vech L)``, full
-    covariance). Log-normal (``θ = (μ, s)``, ``X = exp(μ + s ⊙ Z)``): the Fisher
-    information is invariant under the diffeomorphism ``exp``, so it is that of
-    ``N(μ, diag s²)``: ``diag(1/s², 2/s²)``. The hyper-sphere is rejected: it has no
-    density."""
-    _check_density_model(model)
-    theta = model.check_theta(theta).detach().to(torch.float64)
-    if isinstance(model, NormalModel):
-        return normal_fisher_matrix(model, theta)
-    s2 = theta[model.d :] ** 2
-    if bool((s2 == 0).any()):
-        raise ValueError(
-            "the log-normal scales s must be non-zero "
-            "(the Fisher information is singular)"
-        )
-    return torch.diag(torch.cat([1.0 / s2, 2.0 / s2]))
-
-
-def fisher_natural_gradient(
-    model: ImplicitModel, theta: torch.Tensor, grad: torch.Tensor
-) -> torch.Tensor:
-    """The exact Fisher–Rao natural gradient ``G_F(θ)⁻¹ ∇L(θ)`` of the normal or
-    log-normal model."""
-    G = fisher_matrix(model, theta)
-    if not isinstance(grad, torch.Tensor) or grad.shape != (G.shape[0],):
-        raise ValueError(f"grad must be a tensor of shape ({G.shape[0]},)")
-    check_finite(grad, "grad")
-    return torch.linalg.solve(G, grad.to(torch.float64))
-
-
-def fisher_matrix_mc(
-    model: ImplicitModel,
-    theta: torch.Tensor,
-    N: int,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Monte Carlo Fisher information ``(1/N) Σ_n s_n s_nᵀ`` from ``N`` samples and the
-    scores ``s_n`` of :func:`scores`, assembled entry by entry, with the standard error
-    of each entry.
-
-    Returns ``(G_mc, stderr)``, both ``q × q``. Independent of :func:`fisher_matrix`: it
-    uses only the log-density and automatic differentiation."""
-    N = check_int(N, "N", 2)
-    Z = model.sample_latent(N, generator)
-    theta = model.check_theta(theta).detach().to(torch.float64)
-    with torch.no_grad():
-        X = model.sample(theta, Z)
-    S = scores(model, theta, X)
-    prod = S[:, :, None] * S[:, None, :]  # (N, q, q)
-    return prod.mean(0), prod.std(0) / math.sqrt(N)

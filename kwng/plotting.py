@@ -1,7 +1,7 @@
 """Figures of the synthetic experiments (Figs. 1, 2, 5, 6 of Arbel et al., 2020).
 
 Every function takes result rows as produced by :mod:`kwng.experiments.synthetic`
-(:func:`~kwng.experiments.synthetic.load_rows`,
+(:func:`~kwng.experiments.synthetic_setup.load_rows`,
 :func:`~kwng.experiments.synthetic.load_flow`) and returns a
 :class:`matplotlib.figure.Figure`. Colours run from yellow (``d = 1``) to dark red
 (``d = 10``) as in the paper.
@@ -201,6 +201,38 @@ def flow_styles(methods: Sequence[str]) -> dict[str, dict]:
 
 
 @_book_style
+def _check_flow_args(flow: dict, floor: float, markevery: int) -> None:
+    """The argument checks of :func:`plot_flow`."""
+    if "loss" not in flow or "pca" not in flow:
+        raise ValueError("flow must hold 'loss' and 'pca' (see load_flow)")
+    if not floor > 0:
+        raise ValueError(f"floor must be > 0, got {floor}")
+    if markevery < 1:
+        raise ValueError(f"markevery must be >= 1, got {markevery}")
+
+
+def _frame_finite_runs(ax_p, box: list) -> None:
+    """Limits of panel (b) of :func:`plot_flow` from the runs that stayed finite."""
+    if box:
+        allP = np.concatenate(box)
+        lo, hi = allP.min(axis=0), allP.max(axis=0)
+        pad = 0.08 * np.maximum(hi - lo, 1e-12)
+        ax_p.set_xlim(lo[0] - pad[0], hi[0] + pad[0])
+        ax_p.set_ylim(lo[1] - pad[1], hi[1] + pad[1])
+
+
+def _label_flow_axes(ax_l, ax_p) -> None:
+    """Axis labels, titles and legends of :func:`plot_flow`."""
+    ax_l.set_xlabel("iteration")
+    ax_l.set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
+    ax_l.set_title("(a) loss")
+    ax_l.legend()
+    ax_p.set_xlabel("PC 1 of the WNG trajectory")
+    ax_p.set_ylabel("PC 2")
+    ax_p.set_title("(b) projected trajectories")
+    ax_p.legend()
+
+
 def plot_flow(flow: dict, floor: float = 1e-12, markevery: int = 20):
     """Fig. 2: (a) W2² loss per iteration, (b) trajectories on the two leading PCA
     directions of the WNG trajectory. ``flow`` is the output of
@@ -214,12 +246,7 @@ def plot_flow(flow: dict, floor: float = 1e-12, markevery: int = 20):
     """
     import matplotlib.pyplot as plt
 
-    if "loss" not in flow or "pca" not in flow:
-        raise ValueError("flow must hold 'loss' and 'pca' (see load_flow)")
-    if not floor > 0:
-        raise ValueError(f"floor must be > 0, got {floor}")
-    if markevery < 1:
-        raise ValueError(f"markevery must be >= 1, got {markevery}")
+    _check_flow_args(flow, floor, markevery)
     styles = flow_styles(list(flow["loss"]))
     fig, (ax_l, ax_p) = plt.subplots(1, 2, figsize=(MAX_WIDTH_IN, 3.8))
     box = []
@@ -255,20 +282,8 @@ def plot_flow(flow: dict, floor: float = 1e-12, markevery: int = 20):
         fontsize=9,
         color="0.4",
     )
-    if box:
-        allP = np.concatenate(box)
-        lo, hi = allP.min(axis=0), allP.max(axis=0)
-        pad = 0.08 * np.maximum(hi - lo, 1e-12)
-        ax_p.set_xlim(lo[0] - pad[0], hi[0] + pad[0])
-        ax_p.set_ylim(lo[1] - pad[1], hi[1] + pad[1])
-    ax_l.set_xlabel("iteration")
-    ax_l.set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
-    ax_l.set_title("(a) loss")
-    ax_l.legend()
-    ax_p.set_xlabel("PC 1 of the WNG trajectory")
-    ax_p.set_ylabel("PC 2")
-    ax_p.set_title("(b) projected trajectories")
-    ax_p.legend()
+    _frame_finite_runs(ax_p, box)
+    _label_flow_axes(ax_l, ax_p)
     fig.tight_layout()
     return fig
 

@@ -2,7 +2,7 @@
 "fisher_rao").
 
 Every function takes what :mod:`kwng.experiments.fisher` writes
-(:func:`~kwng.experiments.fisher.load_sweep` rows,
+(:func:`~kwng.experiments.fisher_sweep.load_sweep` rows,
 :func:`~kwng.experiments.fisher.load_flow` curves) and returns a figure or a table.
 """
 
@@ -133,6 +133,21 @@ def _fixed_N(rows) -> int:
     return int(next(iter(Ns))) if Ns else 0
 
 
+def _style_sphere_axes(axes, titles, rows: Sequence[dict]) -> None:
+    """Log–log axes against ``N`` with the sweep's ``N`` values as ticks (one per panel
+    of :func:`plot_fisher_sphere`)."""
+    for ax, t in zip(axes, titles):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("N (M = ⌊d√N⌋)")
+        ax.set_title(t, fontsize=10)
+        ax.legend(fontsize=7)
+        xs_all = sorted({r["N"] for r in rows if r["panel"] == "N"})
+        ax.set_xticks(xs_all)
+        ax.set_xticklabels([str(v) for v in xs_all])
+        ax.minorticks_off()
+
+
 def plot_fisher_sphere(rows: Sequence[dict]):
     """Where the Fisher metric does not exist. Left: the largest eigenvalue of the
     kernel Fisher metric ``Ĝ_F`` against ``N`` (``M = ⌊d√N⌋``) on the sphere and the
@@ -183,16 +198,7 @@ def plot_fisher_sphere(rows: Sequence[dict]):
         "‖(I - P_C)T‖ / ‖T‖ (reparametrised T)",
         "KWNG relative error on the sphere",
     )
-    for ax, t in zip(axes, titles):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("N (M = ⌊d√N⌋)")
-        ax.set_title(t, fontsize=10)
-        ax.legend(fontsize=7)
-        xs_all = sorted({r["N"] for r in rows if r["panel"] == "N"})
-        ax.set_xticks(xs_all)
-        ax.set_xticklabels([str(v) for v in xs_all])
-        ax.minorticks_off()
+    _style_sphere_axes(axes, titles, rows)
     fig.tight_layout()
     return fig
 

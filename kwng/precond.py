@@ -76,9 +76,10 @@ from .estimator import (
     nystrom_solve,
     nystrom_solve_nosync,
 )
-from .graph import derived_from, direct_params
+from .graph import derived_from
 from .lm import LevenbergMarquardt
 from .precond_config import MODES, KWNGConfig, eps_from_authors
+from .precond_grads import replicated_gradients
 from .replicate import ReplicatedEngine, unsupported_reason
 
 __all__ = ["KWNGPreconditioner", "KWNGConfig", "MODES", "eps_from_authors"]
@@ -256,33 +257,10 @@ class KWNGPreconditioner:
     def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``g`` (``q``) and ``T`` (``M × q``) of the active parameters, from the graph of ``loss``, ``X``."""
-        N, M = X.shape[0], C.shape[0]
         eng = self._engine
         X0 = None if eng is None else eng.first
         if X0 is not None and (X is X0 or (X.shape == X0.shape and derived_from(X, X0, params))):
-            direct = direct_params(loss, X0, params)
-            g_direct = {}
-            if direct:  # the loss also depends on parameters directly: one extra backward pass
-                self._warn_once("direct", "KWNG: the loss depends on %d parameter tensor(s) directly (not "
-                                "only through the outputs): one extra backward pass per step", len(direct))
-                grads = torch.autograd.grad(loss, direct, retain_graph=True)
-                g_direct = {id(p): gr for p, gr in zip(direct, grads)}
-            Vc = (C / N).to(X.dtype)
-            if X is not X0:  # samples computed from the model's output: pull the cotangents back to it
-                Vc = torch.autograd.grad(X, X0, Vc, is_grads_batched=True, retain_graph=True)[0]
-            (gX,) = torch.autograd.grad(loss, X0, retain_graph=bool(direct))
-            V = torch.cat([gX.detach()[None], Vc.to(gX.dtype)], 0).reshape(-1, X0.shape[1])
-            G = eng.backward(V, params)
-            rows = []
-            for p in params:
-                Gp = G.get(id(p))
-                if Gp is None:  # a parameter the forward did not use
-                    Gp = torch.zeros((M + 1,) + tuple(p.shape), dtype=p.dtype, device=p.device)
-                if id(p) in g_direct:
-                    Gp = torch.cat([g_direct[id(p)][None].to(Gp.dtype), Gp[1:]], 0)
-                rows.append(Gp.reshape(M + 1, -1))
-            Gall = torch.cat(rows, 1)
-            return Gall[0], Gall[1:]
+            return replicated_gradients(loss, X, X0, C, params, eng, self._warn_once)
         if self.mode == "fast":
             self._warn_once("serial", "KWNG fast mode: outputs are not the output of the model's last training "
                             "forward (or the model is unsupported): serial backward passes are used")

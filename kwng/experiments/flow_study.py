@@ -120,6 +120,38 @@ def _sym_from_tril(s: torch.Tensor, d: int) -> torch.Tensor:
     return A + A.T - torch.diag(torch.diag(A))
 
 
+def _sigma_coords_problem(parametrisation: str, model, theta0, mu_t, Sigma_t):
+    """The ``sigma_coords`` case of :func:`make_problem`: ``θ = (μ, vech Σ)``."""
+    d = model.d
+    rows, cols = torch.tril_indices(d, d)
+    mu0, L0 = model.split(theta0)
+    s0 = torch.cat([mu0, (L0 @ L0.T)[rows, cols]])
+
+    def to_cholesky(th):
+        L = torch.linalg.cholesky(_sym_from_tril(th[d:], d))
+        return model.join(th[:d], L), L
+
+    def sample(th, Z):
+        L = torch.linalg.cholesky(_sym_from_tril(th[d:], d))
+        return th[:d] + Z.to(th.dtype) @ L.T
+
+    def loss_grad(th):
+        th_l, L = to_cholesky(th)
+        loss, g_l = normal_w2_and_grad(model, th_l, mu_t, Sigma_t)
+        J = model.jacobian_s_l(L.numpy())
+        g_s = np.linalg.solve(J.T, g_l[d:].numpy())
+        return loss, torch.cat([g_l[:d], torch.from_numpy(g_s)])
+
+    def wng(th, grad):
+        Sigma = _sym_from_tril(th[d:], d).numpy()
+        nat_mu, nat_s = normal_wng_sigma_coords(
+            Sigma, grad[:d].numpy(), grad[d:].numpy()
+        )
+        return torch.from_numpy(np.concatenate([nat_mu, nat_s]))
+
+    return Problem(parametrisation, s0, sample, loss_grad, wng, d)
+
+
 def make_problem(parametrisation: str, cfg: dict) -> Problem:
     """The flow problem of Fig. 2 in one of the parametrisations ``cholesky`` (ours),
     ``sigma_coords`` (the paper's) or ``diagonal``."""
@@ -135,33 +167,7 @@ def make_problem(parametrisation: str, cfg: dict) -> Problem:
             d,
         )
     if parametrisation == "sigma_coords":
-        rows, cols = torch.tril_indices(d, d)
-        mu0, L0 = model.split(theta0)
-        s0 = torch.cat([mu0, (L0 @ L0.T)[rows, cols]])
-
-        def to_cholesky(th):
-            L = torch.linalg.cholesky(_sym_from_tril(th[d:], d))
-            return model.join(th[:d], L), L
-
-        def sample(th, Z):
-            L = torch.linalg.cholesky(_sym_from_tril(th[d:], d))
-            return th[:d] + Z.to(th.dtype) @ L.T
-
-        def loss_grad(th):
-            th_l, L = to_cholesky(th)
-            loss, g_l = normal_w2_and_grad(model, th_l, mu_t, Sigma_t)
-            J = model.jacobian_s_l(L.numpy())
-            g_s = np.linalg.solve(J.T, g_l[d:].numpy())
-            return loss, torch.cat([g_l[:d], torch.from_numpy(g_s)])
-
-        def wng(th, grad):
-            Sigma = _sym_from_tril(th[d:], d).numpy()
-            nat_mu, nat_s = normal_wng_sigma_coords(
-                Sigma, grad[:d].numpy(), grad[d:].numpy()
-            )
-            return torch.from_numpy(np.concatenate([nat_mu, nat_s]))
-
-        return Problem(parametrisation, s0, sample, loss_grad, wng, d)
+        return _sigma_coords_problem(parametrisation, model, theta0, mu_t, Sigma_t)
     if parametrisation == "diagonal":
         mu0, L0 = model.split(theta0)
         th0 = torch.cat([mu0, torch.diag(L0)])

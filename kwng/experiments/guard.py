@@ -8,24 +8,25 @@ never read silently.
   ``force`` the old results are moved to a dated backup (:func:`backup`), never deleted.
 * Every read of a JSON file, a CSV and a checkpoint names the file when it fails
   (:class:`kwng.provenance.ResultFileError`).
-* :func:`read_csv_checked` validates every row of a result CSV (parseable, finite,
-  unique key) and reports the bad ones, so that a resume recomputes them instead of
-  trusting them.
+* :func:`~kwng.experiments.guard_csv.read_csv_checked` validates every row of a result
+  CSV (parseable, finite, unique key) and reports the bad ones, so that a resume
+  recomputes them instead of trusting them.
 """
 
 from __future__ import annotations
 
-import csv
 import datetime as _dt
 import json
 import logging
-import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..provenance import ResultFileError, atomic_write_json, read_json
+from .guard_csv import (  # noqa: F401  (moved; re-exported under the old path)
+    read_csv_checked,
+)
 
 __all__ = [
     "ConfigMismatchError",
@@ -182,75 +183,6 @@ def write_json_guarded(
         backup(path)
     atomic_write_json(path, obj)
     return True
-
-
-def read_csv_checked(
-    path: str | os.PathLike,
-    columns: Sequence[str],
-    converters: dict[str, Callable],
-    key: Callable[[dict], Any],
-    finite: Sequence[str] = (),
-) -> tuple[list[dict], list[str]]:
-    """Rows of the CSV ``path`` that are whole, parseable, finite in ``finite`` and
-    unique by ``key``.
-
-    Returns ``(good_rows, problems)``; each problem names the file, the line and what is
-    wrong (a field that does not parse, a missing field, a last row without its line
-    end, a non-finite value, a repeated key). Of rows with a repeated key only the first
-    is kept. A header other than ``columns`` raises :class:`ResultFileError`. A missing
-    file gives ``([], [])``."""
-    path = Path(path)
-    if not path.exists():
-        return [], []
-    try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            text = fh.read()
-        reader = csv.reader(text.splitlines())
-        header = next(reader, None)
-        lines = list(reader)
-    except (UnicodeDecodeError, csv.Error) as exc:
-        raise ResultFileError(f"{path}: not a readable CSV file ({exc})") from exc
-    # files are written whole, each row ending in a newline: a last row without one was
-    # cut short (possibly in the middle of a number that still parses)
-    cut_tail = bool(lines) and not text.endswith("\n")
-    if header is None:
-        return [], [f"{path}: empty file (no header)"]
-    if list(header) != list(columns):
-        raise ResultFileError(
-            f"{path}: header {header} differs from the expected columns {list(columns)}"
-        )
-    good, problems, seen = [], [], set()
-    for lineno, fields in enumerate(lines, start=2):
-        where = f"{path}:{lineno}"
-        if cut_tail and lineno == len(lines) + 1:
-            problems.append(f"{where}: last row has no line end (file truncated)")
-            continue
-        if len(fields) != len(columns):
-            problems.append(
-                f"{where}: {len(fields)} fields, expected {len(columns)} "
-                "(truncated row?)"
-            )
-            continue
-        row: dict[str, Any] = dict(zip(columns, fields))
-        try:
-            for k, conv in converters.items():
-                row[k] = conv(row[k])
-        except ValueError as exc:
-            problems.append(f"{where}: field {k!r} = {row[k]!r} does not parse ({exc})")
-            continue
-        bad = [k for k in finite if not math.isfinite(row[k])]
-        if bad:
-            problems.append(
-                f"{where}: non-finite {', '.join(f'{k}={row[k]}' for k in bad)}"
-            )
-            continue
-        kk = key(row)
-        if kk in seen:
-            problems.append(f"{where}: duplicate of an earlier row with key {kk!r}")
-            continue
-        seen.add(kk)
-        good.append(row)
-    return good, problems
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = None) -> dict:

@@ -1,0 +1,347 @@
+"""The ``sweep`` part of the Fisher–Rao experiment (:mod:`kwng.experiments.fisher`).
+
+For every grid point and run: KWNG against the exact WNG and the kernel Fisher estimate
+against the exact Fisher natural gradient (:func:`compare_once`), and the resumable
+sweep writing ``sweep.csv`` (:func:`run_sweep`); also the run helpers shared with the
+``flow`` part (seeds, bandwidth specs, result directories, CSV writing). Moved out of
+:mod:`kwng.experiments.fisher`, which re-exports every name; see its docstring for the
+protocol.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..estimator import draw_basis, jacobian_from_sampler, kwng_gradient
+from ..fisher import (
+    _bandwidth_for,
+    fisher_kernel_matrices,
+    fisher_matrix,
+    fisher_natural_gradient,
+    kernel_fisher_metric,
+    kfng_gradient,
+    scores,
+)
+from ..kernels import GaussianKernel
+from ..models import make_model
+from ..provenance import (
+    atomic_write_json,
+    atomic_write_text,
+    make_provenance,
+    read_json,
+)
+from .synthetic import draw_theta
+
+# the logger of the experiment module this code came from (same records as before)
+log = logging.getLogger("kwng.experiments.fisher")
+
+MODELS = ("normal", "lognormal", "sphere")
+SWEEP_COLUMNS = (
+    "model",
+    "panel",
+    "d",
+    "N",
+    "M",
+    "run",
+    "bandwidth",
+    "err_wng",
+    "err_fng",
+    "err_fng_lam",
+    "err_fng_score",
+    "fng_norm",
+    "gf_max",
+    "gf_exact_max",
+    "range_residual",
+    "time_wng_s",
+    "time_fng_s",
+)
+
+
+# Bandwidths as in the relerr study (kwng.experiments.synthetic.RELERR_BANDWIDTH): fixed
+# σ = 1 on the sphere (paper, Fig. 1), the heuristic σ = 0.5 · mean ‖X_n - Y_m‖²
+# elsewhere.
+BANDWIDTH = {"sphere": 1.0, "normal": "mean_sq:0.5", "lognormal": "mean_sq:0.5"}
+
+
+def _seed(*parts: Any) -> int:
+    return zlib.crc32("|".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
+def _parse_bandwidth(spec: float | str) -> tuple[float | None, str | None, float]:
+    """``(fixed σ or None, rule or None, σ0)`` from ``1.0`` or ``"mean_sq:0.5"``."""
+    if isinstance(spec, str):
+        rule, _, s0 = spec.partition(":")
+        if rule not in ("mean_sq", "median"):
+            raise ValueError(
+                "bandwidth spec must be a number or '<mean_sq|median>:<sigma0>', "
+                f"got {spec!r}"
+            )
+        return None, rule, float(s0 or 1.0)
+    return float(spec), None, 1.0
+
+
+def _prepare_dir(out: Path, cfg: dict) -> dict:
+    """Create ``out`` for ``cfg``; refuse a directory made with another configuration
+    (nothing is deleted or overwritten). Returns the previous provenance (resume) or
+    ``{}``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / f"{cfg['experiment']}.config.json"
+    if cfg_path.exists():
+        old = read_json(cfg_path)
+        if old != json.loads(json.dumps(cfg)):
+            raise SystemExit(
+                f"{cfg_path} holds another configuration ({old.get('scale')} scale); "
+                f"choose another --out: results are never overwritten"
+            )
+        prov = out / f"{cfg['experiment']}.provenance.json"
+        return read_json(prov) if prov.exists() else {}
+    atomic_write_json(cfg_path, cfg)
+    return {}
+
+
+# --------------------------------------------------------------------------------------
+# Sweep
+# --------------------------------------------------------------------------------------
+def _points(cfg: dict) -> list[dict]:
+    pts = []
+    for d in cfg["dims"]:
+        for N in cfg["N_values"]:
+            pts.append({"panel": "N", "d": d, "N": N, "M": min(N, int(d * N**0.5))})
+        for M in cfg["M_values"]:
+            if M <= cfg["N_fixed"]:
+                pts.append({"panel": "M", "d": d, "N": cfg["N_fixed"], "M": M})
+    return pts
+
+
+def _key(model: str, p: dict) -> str:
+    return f"{model}|{p['panel']}|{p['d']}|{p['N']}|{p['M']}"
+
+
+def _kernel_fisher_max(sampler, theta, idx, kernel, rule, sigma0, N, cfg) -> float:
+    """Largest eigenvalue of the kernel Fisher metric ``Ĝ_F = Tᵀ(CCᵀ/N)†T`` with the
+    basis and bandwidth of :func:`compare_once`."""
+    X = sampler(theta).detach()
+    C, K, CCt, Gx = fisher_kernel_matrices(
+        X, idx, _bandwidth_for(kernel, X, idx, rule, sigma0)
+    )
+    G = kernel_fisher_metric(
+        jacobian_from_sampler(sampler, theta, Gx), CCt, K, N, lam=cfg["lam"]
+    )
+    return float(torch.linalg.eigvalsh(G).max())
+
+
+def _fisher_errors(row, model, sampler, theta, grad, idx, f, common, cfg) -> None:
+    """The Fisher columns of a :func:`compare_once` row (models with a density): the
+    errors of the kernel Fisher estimates against the exact Fisher natural gradient."""
+    exact = fisher_natural_gradient(model, theta, grad)
+    fs = kfng_gradient(
+        sampler,
+        theta,
+        grad,
+        basis_idx=idx,
+        jacobian="score",
+        score_fn=lambda t, Xs: scores(model, t, Xs),
+        **common,
+    )
+    common["lam"] = cfg["lam_fisher"]
+    fl = kfng_gradient(sampler, theta, grad, basis_idx=idx, **common)
+    row.update(
+        err_fng=_relerr(f.direction, exact),
+        err_fng_score=_relerr(fs.direction, exact),
+        err_fng_lam=_relerr(fl.direction, exact),
+        gf_exact_max=float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max()),
+    )
+
+
+def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
+    """One run of the sweep at the grid point ``p`` (``{"panel", "d", "N", "M"}``), run
+    index ``r``: KWNG and the kernel Fisher estimates on the same samples and basis
+    points, against the exact natural gradients. Returns a row with the columns of
+    ``SWEEP_COLUMNS``; the draws are keyed by ``(cfg["seed"], model, point, r)`` so
+    any run can be redone alone."""
+    if model_name not in MODELS:
+        raise ValueError(
+            f"model_name must be one of {list(MODELS)}, got {model_name!r}"
+        )
+    d, N, M = p["d"], p["N"], p["M"]
+    model = make_model(model_name, d)
+    g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, r))
+    theta = draw_theta(model_name, d, g, cfg["theta_variance"])
+    grad = cfg["grad_variance"] ** 0.5 * torch.randn(
+        model.num_params, generator=g, dtype=torch.float64
+    )
+    gz = torch.Generator().manual_seed(_seed(cfg["seed"], _key(model_name, p), r))
+    Z = model.sample_latent(N, gz)
+    idx, coords = draw_basis(N, d, M, gz)
+    sampler = lambda t: model.sample(t, Z)  # noqa: E731
+    sigma, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"][model_name])
+    kernel = GaussianKernel(1.0 if sigma is None else sigma)
+    common = dict(
+        num_basis=M, eps=cfg["eps"], lam=cfg["lam"], kernel=kernel,
+        damping=cfg["damping"], bandwidth=rule, sigma0=sigma0,
+    )
+    t0 = time.perf_counter()
+    w = kwng_gradient(
+        sampler, theta, grad, basis_idx=idx, basis_coords=coords, **common
+    )
+    t1 = time.perf_counter()
+    f = kfng_gradient(sampler, theta, grad, basis_idx=idx, **common)
+    t2 = time.perf_counter()
+    row = {
+        "model": model_name,
+        "panel": p["panel"],
+        "d": d,
+        "N": N,
+        "M": M,
+        "run": r,
+        "bandwidth": float(f.diagnostics["bandwidth"]),
+        "err_wng": _relerr(w.direction, model.wng(theta, grad)),
+        "fng_norm": float(f.direction.norm() / grad.norm()),
+        "range_residual": float(f.diagnostics["range_residual"]),
+        "time_wng_s": t1 - t0,
+        "time_fng_s": t2 - t1,
+    }
+    # the kernel Fisher metric Ĝ_F = Tᵀ(CCᵀ/N)†T with the same basis and bandwidth
+    row["gf_max"] = _kernel_fisher_max(
+        sampler, theta, idx, kernel, rule, sigma0, N, cfg
+    )
+    if model_name == "sphere":  # no density: no Fisher natural gradient to compare with
+        row.update(
+            err_fng=math.nan, err_fng_lam=math.nan, err_fng_score=math.nan,
+            gf_exact_max=math.nan,
+        )
+        return row
+    _fisher_errors(row, model, sampler, theta, grad, idx, f, common, cfg)
+    return row
+
+
+def metric_vs_lambda(
+    model_name: str, d: int, N: int, M: int, lams: list[float], cfg: dict, run: int = 0
+) -> tuple[list[float], float]:
+    """Largest eigenvalue of the kernel Fisher metric ``Ĝ_F(λ) = Tᵀ(CCᵀ/N + λK)†T`` for
+    each ``λ`` in ``lams``, on the samples and basis of run ``run`` of the sweep point
+    ``(d, N, M)`` (``T`` reparametrised), and the largest eigenvalue of the exact
+    ``G_F`` (NaN on the sphere). Where the Fisher metric exists ``Ĝ_F`` converges as
+    ``λ → 0``; on the sphere it grows like ``1/λ`` until the float64 truncation of the
+    pseudo-inverse stops it."""
+    if model_name not in MODELS:
+        raise ValueError(
+            f"model_name must be one of {list(MODELS)}, got {model_name!r}"
+        )
+    if not lams or any(float(v) < 0 for v in lams):
+        raise ValueError(
+            f"lams must be a non-empty list of numbers in [0, inf), got {lams!r}"
+        )
+    p = {"panel": "N", "d": d, "N": N, "M": M}
+    model = make_model(model_name, d)
+    g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, run))
+    theta = draw_theta(model_name, d, g, cfg["theta_variance"])
+    gz = torch.Generator().manual_seed(_seed(cfg["seed"], _key(model_name, p), run))
+    Z = model.sample_latent(N, gz)
+    idx, _ = draw_basis(N, d, M, gz)
+    sampler = lambda t: model.sample(t, Z)  # noqa: E731
+    sigma, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"][model_name])
+    X = sampler(theta).detach()
+    kernel = _bandwidth_for(
+        GaussianKernel(1.0 if sigma is None else sigma), X, idx, rule, sigma0
+    )
+    C, K, CCt, Gx = fisher_kernel_matrices(X, idx, kernel)
+    T = jacobian_from_sampler(sampler, theta, Gx)
+    values = [
+        float(
+            torch.linalg.eigvalsh(
+                kernel_fisher_metric(T, CCt, K, N, lam=float(v))
+            ).max()
+        )
+        for v in lams
+    ]
+    exact = (
+        math.nan
+        if model_name == "sphere"
+        else float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max())
+    )
+    return values, exact
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+def load_sweep(path: str | Path) -> list[dict]:
+    """Rows of ``sweep.csv`` with numbers converted (empty list if absent)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path, encoding="utf-8", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    for r in rows:
+        for k in SWEEP_COLUMNS:
+            if k in ("d", "N", "M", "run"):
+                r[k] = int(r[k])
+            elif k not in ("model", "panel"):
+                r[k] = float(r[k])
+    return rows
+
+
+def _write_csv(path: Path, columns, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow(
+            {k: (f"{r[k]:.10g}" if isinstance(r[k], float) else r[k]) for k in columns}
+        )
+    atomic_write_text(path, buf.getvalue())
+
+
+def run_sweep(cfg: dict, out: str | Path, progress: bool = True) -> dict:
+    """Run or resume the sweep of ``cfg`` (:func:`sweep_config`) into
+    ``out/sweep.csv``."""
+    from tqdm.auto import tqdm
+
+    if cfg.get("experiment") != "fisher-sweep":
+        raise ValueError("cfg must come from sweep_config()")
+    out = Path(out)
+    prev = _prepare_dir(out, cfg)
+    path = out / "sweep.csv"
+    rows = load_sweep(path)
+    done: dict[str, int] = {}
+    for r in rows:
+        done[_key(r["model"], r)] = done.get(_key(r["model"], r), 0) + 1
+    todo = [
+        (m, p)
+        for m in cfg["models"]
+        for p in _points(cfg)
+        if done.get(_key(m, p), 0) < cfg["runs"]
+    ]
+    partial = {_key(m, p) for m, p in todo}
+    rows = [r for r in rows if _key(r["model"], r) not in partial]
+    if not todo and prev:
+        log.info("sweep already complete in %s", out)
+        return prev
+    t0 = time.perf_counter()
+    for m, p in tqdm(todo, desc="fisher sweep", disable=not progress):
+        rows.extend(compare_once(m, p, r, cfg) for r in range(cfg["runs"]))
+        _write_csv(path, SWEEP_COLUMNS, rows)
+    wall = time.perf_counter() - t0
+    record = make_provenance(
+        cfg,
+        seeds={"base_seed": cfg["seed"], "rule": "crc32 of model, point, run"},
+        device="cpu",
+        wall_time_s=wall,
+        wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall,
+        threads=torch.get_num_threads(),
+    )
+    atomic_write_json(out / "fisher-sweep.provenance.json", record)
+    return record

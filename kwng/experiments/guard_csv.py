@@ -1,0 +1,95 @@
+"""Checked reading of result CSV files (:mod:`kwng.experiments.guard`, which re-exports
+every name): every row is parsed, checked and keyed, and each bad row is reported with
+its file and line. Moved out of :mod:`kwng.experiments.guard` to keep each module short.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..provenance import ResultFileError
+
+
+def _parse_row(
+    where: str,
+    fields: list[str],
+    columns: Sequence[str],
+    converters: dict[str, Callable],
+    finite: Sequence[str],
+) -> tuple[dict[str, Any] | None, str | None]:
+    """One CSV row of :func:`read_csv_checked`: ``(row, None)`` or ``(None, problem)``
+    naming ``where`` and what is wrong."""
+    if len(fields) != len(columns):
+        return None, (
+            f"{where}: {len(fields)} fields, expected {len(columns)} "
+            "(truncated row?)"
+        )
+    row: dict[str, Any] = dict(zip(columns, fields))
+    try:
+        for k, conv in converters.items():
+            row[k] = conv(row[k])
+    except ValueError as exc:
+        return None, f"{where}: field {k!r} = {row[k]!r} does not parse ({exc})"
+    bad = [k for k in finite if not math.isfinite(row[k])]
+    if bad:
+        return None, f"{where}: non-finite {', '.join(f'{k}={row[k]}' for k in bad)}"
+    return row, None
+
+
+def read_csv_checked(
+    path: str | os.PathLike,
+    columns: Sequence[str],
+    converters: dict[str, Callable],
+    key: Callable[[dict], Any],
+    finite: Sequence[str] = (),
+) -> tuple[list[dict], list[str]]:
+    """Rows of the CSV ``path`` that are whole, parseable, finite in ``finite`` and
+    unique by ``key``.
+
+    Returns ``(good_rows, problems)``; each problem names the file, the line and what is
+    wrong (a field that does not parse, a missing field, a last row without its line
+    end, a non-finite value, a repeated key). Of rows with a repeated key only the first
+    is kept. A header other than ``columns`` raises :class:`ResultFileError`. A missing
+    file gives ``([], [])``."""
+    path = Path(path)
+    if not path.exists():
+        return [], []
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            text = fh.read()
+        reader = csv.reader(text.splitlines())
+        header = next(reader, None)
+        lines = list(reader)
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ResultFileError(f"{path}: not a readable CSV file ({exc})") from exc
+    # files are written whole, each row ending in a newline: a last row without one was
+    # cut short (possibly in the middle of a number that still parses)
+    cut_tail = bool(lines) and not text.endswith("\n")
+    if header is None:
+        return [], [f"{path}: empty file (no header)"]
+    if list(header) != list(columns):
+        raise ResultFileError(
+            f"{path}: header {header} differs from the expected columns {list(columns)}"
+        )
+    good, problems, seen = [], [], set()
+    for lineno, fields in enumerate(lines, start=2):
+        where = f"{path}:{lineno}"
+        if cut_tail and lineno == len(lines) + 1:
+            problems.append(f"{where}: last row has no line end (file truncated)")
+            continue
+        row, problem = _parse_row(where, fields, columns, converters, finite)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        kk = key(row)
+        if kk in seen:
+            problems.append(f"{where}: duplicate of an earlier row with key {kk!r}")
+            continue
+        seen.add(kk)
+        good.append(row)
+    return good, problems

@@ -1,0 +1,319 @@
+"""The autograd functions of the replicated-batch engine (:mod:`kwng.replicate`).
+
+``_Conv``, ``_Linear`` and ``_BatchNorm`` run a layer's forward once on the first copy
+of the batch and its backward on all ``R`` stacked cotangents; ``_State`` is what they
+read during one replicated forward. Moved out of :mod:`kwng.replicate` (which
+re-exports every name) to keep each module short; see that module's docstring for the
+algorithm.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# "split" (default: measured faster on an H200, no relayout of dy) or "stacked" (one
+# call per layer)
+_WGRAD = os.environ.get("KWNG_WGRAD", "split")
+
+
+@dataclass
+class _State:
+    """What the patched layers need to know during one replicated forward."""
+
+    copies: int = 1
+    batch: int = 0
+    active: bool = False
+    grads: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # id(param) -> (R, *shape)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return x.dtype
+
+
+def _format(t: torch.Tensor) -> torch.memory_format:
+    return (
+        torch.channels_last
+        if t.dim() == 4
+        and t.is_contiguous(memory_format=torch.channels_last)
+        and not t.is_contiguous()
+        else torch.contiguous_format
+    )
+
+
+def _repeat(y0: torch.Tensor, R: int) -> torch.Tensor:
+    """``R`` copies of ``y0`` stacked along dim 0 (one batched copy kernel; memory
+    format kept)."""
+    return torch.cat([y0] * R)
+
+
+def _per_copy_channels(dy: torch.Tensor, R: int) -> torch.Tensor:
+    """``dy`` of shape ``(R·N, C, H, W)`` → ``(N, R·C, H, W)`` (copy ``r`` in channels
+    ``r·C…``)."""
+    RN, C, H, W = dy.shape
+    N = RN // R
+    if dy.is_contiguous(memory_format=torch.channels_last) and not dy.is_contiguous():
+        nhwc = dy.permute(0, 2, 3, 1).reshape(R, N, H, W, C).permute(1, 2, 3, 0, 4)
+        return nhwc.reshape(N, H, W, R * C).permute(
+            0, 3, 1, 2
+        )  # channels_last (N, R·C, H, W)
+    return dy.reshape(R, N, C, H, W).transpose(0, 1).reshape(N, R * C, H, W)
+
+
+def _first_copy(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st: _State
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The first copy of the input, and the parameters, in the autocast dtype."""
+    dt = _compute_dtype(x)
+    return x[: st.batch].to(dt), weight.to(dt), None if bias is None else bias.to(dt)
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        mod: nn.Conv2d,
+        st: _State,
+    ) -> torch.Tensor:
+        R = st.copies
+        x0, w, b = _first_copy(x, weight, bias, st)
+        with torch.autocast(x.device.type, enabled=False):
+            y0 = F.conv2d(x0, w, b, mod.stride, mod.padding, mod.dilation, 1)
+        ctx.save_for_backward(x0, w)
+        ctx.meta = (
+            mod.stride,
+            mod.padding,
+            mod.dilation,
+            x.shape,
+            x.dtype,
+            bias is not None,
+            st,
+            weight,
+            bias,
+        )
+        return _repeat(y0, R)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x0, w = ctx.saved_tensors
+        stride, padding, dilation, xshape, xdtype, has_bias, st, weight, bias = ctx.meta
+        R = st.copies
+        dy = dy.to(w.dtype)
+        fmt = _format(dy)
+        conv_bwd = torch.ops.aten.convolution_backward
+        args = (stride, padding, dilation, False, [0, 0], 1)
+        dx = gw = db = None
+        if ctx.needs_input_grad[0]:
+            shell = torch.empty(
+                xshape, dtype=w.dtype, device=w.device, memory_format=fmt
+            )  # shape only
+            dx = conv_bwd(dy, shell, w, None, *args, [True, False, False])[0].to(xdtype)
+        Co = w.shape[0]
+        if ctx.needs_input_grad[1]:
+            if _WGRAD == "split":  # R weight-gradient calls on contiguous slices of dy
+                G = torch.stack(
+                    [
+                        conv_bwd(d, x0, w, None, *args, [False, True, False])[1]
+                        for d in _split(dy, R)
+                    ]
+                ).to(weight.dtype)
+            else:  # one call, the copies stacked along the output channels
+                shell = torch.empty(
+                    (R * Co,) + tuple(w.shape[1:]),
+                    dtype=w.dtype,
+                    device=w.device,
+                    memory_format=_format(w),
+                )
+                dw = conv_bwd(
+                    _per_copy_channels(dy, R),
+                    x0,
+                    shell,
+                    None,
+                    *args,
+                    [False, True, False],
+                )[1]
+                G = dw.view((R,) + tuple(w.shape)).to(weight.dtype)
+            st.grads[id(weight)] = G
+            gw = G[0]
+        if has_bias and ctx.needs_input_grad[2]:
+            gb = (
+                _split(dy, R)
+                .sum([1, 3, 4], dtype=torch.promote_types(dy.dtype, torch.float32))
+                .to(bias.dtype)
+            )
+            st.grads[id(bias)] = gb
+            db = gb[0]
+        return dx, gw, db, None, None
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        st: _State,
+    ) -> torch.Tensor:
+        R = st.copies
+        x0, w, b = _first_copy(x, weight, bias, st)
+        with torch.autocast(x.device.type, enabled=False):
+            y0 = F.linear(x0, w, b)
+        ctx.save_for_backward(x0, w)
+        ctx.meta = (x.dtype, st, weight, bias)
+        return _repeat(y0, R)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x0, w = ctx.saved_tensors
+        xdtype, st, weight, bias = ctx.meta
+        R = st.copies
+        dy = dy.to(w.dtype)
+        dx = (dy @ w).to(xdtype) if ctx.needs_input_grad[0] else None
+        dyr = dy.reshape(R, -1, w.shape[0])  # (R, N·…, out)
+        gw = db = None
+        if ctx.needs_input_grad[1]:
+            G = torch.matmul(dyr.transpose(1, 2), x0.reshape(-1, w.shape[1])).to(
+                weight.dtype
+            )  # (R, out, in)
+            st.grads[id(weight)] = G
+            gw = G[0]
+        if bias is not None and ctx.needs_input_grad[2]:
+            gb = dyr.sum(1, dtype=torch.promote_types(dy.dtype, torch.float32)).to(
+                bias.dtype
+            )
+            st.grads[id(bias)] = gb
+            db = gb[0]
+        return dx, gw, db, None
+
+
+def _rows(t: torch.Tensor, R: int):
+    """``(R·N, C, …)`` as ``(R, S, C)`` (channels-last or 2-D: a view, channels
+    innermost) or ``(R, N, C, L)`` (NCHW: a view); and the function that maps such a
+    tensor back to ``t``'s shape."""
+    RN, C = t.shape[:2]
+    if t.dim() == 2:
+        return t.view(R, RN // R, C), lambda v: v.reshape(t.shape)
+    if _format(t) == torch.channels_last:
+        sp = tuple(t.shape[2:])
+        return t.permute(0, 2, 3, 1).view(R, -1, C), lambda v: v.view(
+            (RN,) + sp + (C,)
+        ).permute(0, 3, 1, 2)
+    return t.reshape(R, RN // R, C, -1), lambda v: v.reshape(t.shape)
+
+
+def _split(t: torch.Tensor, R: int) -> torch.Tensor:
+    """``(R·N, …)`` → ``(R, N, …)``: a view for any memory format (only dim 0 is
+    split)."""
+    return t.view((R, t.shape[0] // R) + tuple(t.shape[1:]))
+
+
+class _BatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        mod: nn.modules.batchnorm._BatchNorm,
+        st: _State,
+    ) -> torch.Tensor:
+        R, N = st.copies, st.batch
+        x0 = x[:N]
+        use_batch = mod.training or mod.running_mean is None
+        factor = 0.0 if mod.momentum is None else mod.momentum
+        if (
+            mod.training
+            and mod.track_running_stats
+            and mod.num_batches_tracked is not None
+        ):
+            mod.num_batches_tracked.add_(1)
+            factor = (
+                1.0 / float(mod.num_batches_tracked)
+                if mod.momentum is None
+                else mod.momentum
+            )
+        acc = (
+            torch.float64 if x.dtype == torch.float64 else torch.float32
+        )  # statistics in ≥ fp32
+        with torch.autocast(x.device.type, enabled=False):
+            x32 = x0.to(acc)
+            rm = (
+                mod.running_mean
+                if (not mod.training or mod.track_running_stats)
+                else None
+            )
+            rv = (
+                mod.running_var
+                if (not mod.training or mod.track_running_stats)
+                else None
+            )
+            w32 = None if weight is None else weight.to(acc)
+            b32 = None if bias is None else bias.to(acc)
+            if (
+                use_batch
+            ):  # the batch statistics of one copy = those the plain model sees
+                y0, mean, invstd = torch.native_batch_norm(
+                    x32, w32, b32, rm, rv, True, factor, mod.eps
+                )
+            else:
+                y0 = F.batch_norm(x32, rm, rv, w32, b32, False, factor, mod.eps)
+                mean = mod.running_mean.to(acc)
+                invstd = torch.rsqrt(mod.running_var.to(acc) + mod.eps)
+        ctx.save_for_backward(x0, mean, invstd)
+        ctx.meta = (use_batch, st, weight, bias, x.dtype)
+        return _repeat(y0.to(x.dtype), R)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x0, mean, invstd = ctx.saved_tensors
+        use_batch, st, weight, bias, xdtype = ctx.meta
+        R = st.copies
+        acc = mean.dtype  # float32 (float64 for float64 models)
+        dt = dy.dtype  # the big passes run in the activations' dtype
+        d, unview = _rows(dy, R)  # (R, S, C) or (R, N, C, L): channels in dim 2
+        x, _ = _rows(x0, 1)
+        cshape = (1, 1, -1) + (1,) * (d.dim() - 3)
+        red = [1] + list(range(3, d.dim()))
+        xh = ((x.to(acc) - mean.view(cshape)) * invstd.view(cshape)).to(
+            dt
+        )  # one copy's x̂
+        dbeta = d.sum(red, dtype=acc)  # (R, C) = Σ dy per copy
+        dgamma = (d * xh).sum(red, dtype=acc)  # (R, C) = Σ dy·x̂ per copy
+        dx = None
+        if ctx.needs_input_grad[0]:
+            scale = invstd if weight is None else invstd * weight.to(acc)  # γ / σ
+            rc = (R, 1, -1) + (1,) * (d.dim() - 3)
+            if (
+                use_batch
+            ):  # dx = γ/σ · (dy − mean(dy) − x̂ · mean(dy·x̂)), means over one copy
+                S = x0.numel() // x0.shape[1]
+                dx = torch.addcmul(
+                    (-(scale * dbeta) / S).to(dt).view(rc), d, scale.to(dt).view(cshape)
+                )
+                dx.addcmul_(xh, ((scale * dgamma) / S).to(dt).view(rc), value=-1)
+            else:
+                dx = d * scale.to(dt).view(cshape)
+            dx = unview(dx).to(xdtype)
+        gw = gb = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            st.grads[id(weight)] = dgamma.to(weight.dtype)
+            gw = st.grads[id(weight)][0]
+        if bias is not None and ctx.needs_input_grad[2]:
+            st.grads[id(bias)] = dbeta.to(bias.dtype)
+            gb = st.grads[id(bias)][0]
+        return dx, gw, gb, None, None
