@@ -292,3 +292,41 @@ def test_flow_all_methods_decrease_the_loss(tmp_path):
             v = flow[loss][method]
             assert len(v) == 9 and np.isfinite(v).all()
             assert v[-1] < 0.7 * v[0], (loss, method, v)
+
+
+def test_directory_provenance_gathers_the_parts(tmp_path):
+    """``provenance.json`` of a results directory holds both parts' records and the keys
+    every results directory has; it is derived from the part files, never recomputed."""
+    with pytest.raises(ValueError, match="no part provenance"):
+        E.write_directory_provenance(tmp_path)
+    cfg = E.flow_config("small")
+    cfg.update(iterations=2, N=100, M=20)
+    flow = E.run_flow(cfg, tmp_path, progress=False)
+    rec = E.write_directory_provenance(tmp_path)
+    assert set(rec["parts"]) == {"fisher-flow"}
+    on_disk = json.loads((tmp_path / "provenance.json").read_text())
+    for key in (
+        "command",
+        "config",
+        "git_commit",
+        "device",
+        "date",
+        "seeds",
+        "wall_time_s",
+    ):
+        assert key in on_disk
+    assert on_disk["wall_time_s"] == pytest.approx(flow["wall_time_s"])
+    assert E.main(["fisher", "--part", "provenance", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "provenance.json").read_text()) == on_disk
+
+
+def test_committed_results_have_a_directory_provenance():
+    root = (
+        __import__("pathlib").Path(__file__).resolve().parents[1] / "results" / "fisher"
+    )
+    rec = json.loads((root / "provenance.json").read_text())
+    assert set(rec["parts"]) == set(E.PARTS)
+    for name in E.PARTS:
+        assert rec["parts"][name] == json.loads(
+            (root / f"{name}.provenance.json").read_text()
+        )

@@ -51,6 +51,7 @@ from ..models import NormalModel
 from ..provenance import (
     atomic_write_json,
     make_provenance,
+    read_json,
 )
 from .fisher_sweep import (  # noqa: F401  (moved; re-exported under the old path)
     BANDWIDTH,
@@ -293,14 +294,29 @@ def run_flow(cfg: dict, out: str | Path, progress: bool = True) -> dict:
             ):
                 if (loss, method) not in stopped:
                     theta, value = _flow_step(
-                        fn, model, theta, value, mu_t, Sigma_t, step, method, cfg, it,
-                        loss, loss0, stopped,
+                        fn,
+                        model,
+                        theta,
+                        value,
+                        mu_t,
+                        Sigma_t,
+                        step,
+                        method,
+                        cfg,
+                        it,
+                        loss,
+                        loss0,
+                        stopped,
                     )
                 if (loss, method) in stopped:
                     value = math.nan
                 rows.append(
-                    {"loss": loss, "method": method, "iteration": it + 1,
-                     "value": value}
+                    {
+                        "loss": loss,
+                        "method": method,
+                        "iteration": it + 1,
+                        "value": value,
+                    }
                 )
     _write_csv(out / "flow.csv", ("loss", "method", "iteration", "value"), rows)
     wall = time.perf_counter() - t0
@@ -330,6 +346,41 @@ def load_flow(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
     return {k: {m: np.array(v) for m, v in d.items()} for k, d in out.items()}
 
 
+PARTS = ("fisher-sweep", "fisher-flow")
+
+
+def write_directory_provenance(out: str | Path) -> dict:
+    """``provenance.json`` of the results directory, made from its part records.
+
+    Each part (sweep, flow) keeps its own ``<part>.provenance.json``; the directory
+    record holds them under ``parts`` and, at the top, the keys every results directory
+    has (command, config, git commit, device, date, seeds, wall time) taken from the
+    parts: the latest part's command, commit, device and date, the summed wall time.
+    Nothing is recomputed; a missing part is left out.
+    """
+    out = Path(out)
+    parts = {}
+    for name in PARTS:
+        f = out / f"{name}.provenance.json"
+        if f.is_file():
+            parts[name] = read_json(f)
+    if not parts:
+        raise ValueError(f"no part provenance ({', '.join(PARTS)}) in {out}")
+    latest = max(parts.values(), key=lambda r: r["date"])
+    record = {
+        "command": latest["command"],
+        "config": {name: r["config"] for name, r in parts.items()},
+        "git_commit": latest["git_commit"],
+        "device": latest["device"],
+        "date": latest["date"],
+        "seeds": {name: r["seeds"] for name, r in parts.items()},
+        "wall_time_s": sum(r["wall_time_s"] for r in parts.values()),
+        "parts": parts,
+    }
+    atomic_write_json(out / "provenance.json", record)
+    return record
+
+
 # --------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------
@@ -342,7 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("name", choices=["fisher"])
-    ap.add_argument("--part", choices=["sweep", "flow", "all"], default="all")
+    ap.add_argument(
+        "--part",
+        choices=["sweep", "flow", "all", "provenance"],
+        default="all",
+        help="provenance: only (re)write the directory's provenance.json from the "
+        "part files",
+    )
     ap.add_argument(
         "--scale",
         choices=list(_config.SCALES),
@@ -385,4 +442,5 @@ def main(argv: list[str] | None = None) -> int:
         print("fisher flow configuration:", json.dumps(cfg))
         prov = run_flow(cfg, out, progress=not args.no_progress)
         print(f"fisher flow: {prov['wall_time_s']:.1f} s on {prov['device']} -> {out}")
+    write_directory_provenance(out)
     return 0
