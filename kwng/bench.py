@@ -38,7 +38,7 @@ from torch import nn
 
 from .nets import mlp, resnet18
 from .precond import KWNGPreconditioner
-from .provenance import atomic_write_json, make_provenance
+from .provenance import atomic_write_json, index_provenance, make_provenance
 
 __all__ = ["time_steps", "bench_config", "CONFIGS", "main"]
 
@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
               "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
               "rows": records, "provenance": prov}
     _write(out_path, record, args.force)
+    index_provenance(out_path.parent)
     log.info("\n%s\nwrote %s", _table(records), out_path)
     return record
 

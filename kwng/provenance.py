@@ -119,6 +119,42 @@ def make_provenance(config: dict, seeds: Any = None, device: str | None = None, 
     return record
 
 
+def index_provenance(directory: str | os.PathLike) -> dict:
+    """Write ``directory/provenance.json`` gathered from the result files in it.
+
+    For a directory whose commands write several result files, each with its own record
+    (a ``provenance`` key inside a JSON result, or a ``<part>.provenance.json`` file), the
+    directory record lists them under ``files`` and carries at the top the keys of every
+    record (command, config, git commit, device, date, seeds, wall time): the latest
+    record's command, commit, device and date, each file's config and seeds, the summed
+    wall time. Nothing is recomputed; the file is rewritten from what is there.
+    """
+    directory = Path(directory)
+    files = {}
+    for f in sorted(directory.glob("*.json")):
+        if f.name == "provenance.json":
+            continue
+        data = read_json(f)
+        rec = data if f.name.endswith(".provenance.json") else data.get("provenance")
+        if isinstance(rec, dict) and "command" in rec and "date" in rec:
+            files[f.name] = rec
+    if not files:
+        raise ValueError(f"no result file with a provenance record in {directory}")
+    latest = max(files.values(), key=lambda r: r["date"])
+    record = {
+        "command": latest["command"],
+        "config": {name: r.get("config") for name, r in files.items()},
+        "git_commit": latest["git_commit"],
+        "device": latest["device"],
+        "date": latest["date"],
+        "seeds": {name: r.get("seeds") for name, r in files.items()},
+        "wall_time_s": sum(r.get("wall_time_s") or 0.0 for r in files.values()),
+        "files": files,
+    }
+    atomic_write_json(directory / "provenance.json", record)
+    return record
+
+
 def write_provenance(directory: str | os.PathLike, config: dict, seeds: Any = None,
                      device: str | None = None, **extra) -> dict:
     """Write ``directory/provenance.json`` atomically and return the record."""

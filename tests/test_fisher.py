@@ -297,13 +297,13 @@ def test_flow_all_methods_decrease_the_loss(tmp_path):
 def test_directory_provenance_gathers_the_parts(tmp_path):
     """``provenance.json`` of a results directory holds both parts' records and the keys
     every results directory has; it is derived from the part files, never recomputed."""
-    with pytest.raises(ValueError, match="no part provenance"):
+    with pytest.raises(ValueError, match="no result file with a provenance"):
         E.write_directory_provenance(tmp_path)
     cfg = E.flow_config("small")
     cfg.update(iterations=2, N=100, M=20)
     flow = E.run_flow(cfg, tmp_path, progress=False)
     rec = E.write_directory_provenance(tmp_path)
-    assert set(rec["parts"]) == {"fisher-flow"}
+    assert set(rec["files"]) == {"fisher-flow.provenance.json"}
     on_disk = json.loads((tmp_path / "provenance.json").read_text())
     for key in (
         "command",
@@ -325,8 +325,7 @@ def test_committed_results_have_a_directory_provenance():
         __import__("pathlib").Path(__file__).resolve().parents[1] / "results" / "fisher"
     )
     rec = json.loads((root / "provenance.json").read_text())
-    assert set(rec["parts"]) == set(E.PARTS)
-    for name in E.PARTS:
-        assert rec["parts"][name] == json.loads(
-            (root / f"{name}.provenance.json").read_text()
-        )
+    names = {f"{p}.provenance.json" for p in E.PARTS}
+    assert set(rec["files"]) == names
+    for name in names:
+        assert rec["files"][name] == json.loads((root / name).read_text())

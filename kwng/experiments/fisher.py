@@ -50,8 +50,8 @@ from ..kernels import GaussianKernel
 from ..models import NormalModel
 from ..provenance import (
     atomic_write_json,
+    index_provenance,
     make_provenance,
-    read_json,
 )
 from .fisher_sweep import (  # noqa: F401  (moved; re-exported under the old path)
     BANDWIDTH,
@@ -350,35 +350,9 @@ PARTS = ("fisher-sweep", "fisher-flow")
 
 
 def write_directory_provenance(out: str | Path) -> dict:
-    """``provenance.json`` of the results directory, made from its part records.
-
-    Each part (sweep, flow) keeps its own ``<part>.provenance.json``; the directory
-    record holds them under ``parts`` and, at the top, the keys every results directory
-    has (command, config, git commit, device, date, seeds, wall time) taken from the
-    parts: the latest part's command, commit, device and date, the summed wall time.
-    Nothing is recomputed; a missing part is left out.
-    """
-    out = Path(out)
-    parts = {}
-    for name in PARTS:
-        f = out / f"{name}.provenance.json"
-        if f.is_file():
-            parts[name] = read_json(f)
-    if not parts:
-        raise ValueError(f"no part provenance ({', '.join(PARTS)}) in {out}")
-    latest = max(parts.values(), key=lambda r: r["date"])
-    record = {
-        "command": latest["command"],
-        "config": {name: r["config"] for name, r in parts.items()},
-        "git_commit": latest["git_commit"],
-        "device": latest["device"],
-        "date": latest["date"],
-        "seeds": {name: r["seeds"] for name, r in parts.items()},
-        "wall_time_s": sum(r["wall_time_s"] for r in parts.values()),
-        "parts": parts,
-    }
-    atomic_write_json(out / "provenance.json", record)
-    return record
+    """``provenance.json`` of the results directory, gathered from the part records
+    (``<part>.provenance.json``) by :func:`kwng.provenance.index_provenance`."""
+    return index_provenance(out)
 
 
 # --------------------------------------------------------------------------------------

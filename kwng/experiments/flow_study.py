@@ -43,7 +43,7 @@ from .. import config as _config
 from ..estimator import kwng_gradient
 from ..kernels import GaussianKernel
 from ..models import normal_wng_sigma_coords
-from ..provenance import atomic_write_json, make_provenance, read_json
+from ..provenance import atomic_write_json, index_provenance, make_provenance, read_json
 from .synthetic import flow_config, flow_problem, normal_w2_and_grad
 
 log = logging.getLogger(__name__)
@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         wall_time_s=time.perf_counter() - t0,
     )
     atomic_write_json(path, {"rows": rows, "provenance": prov})
+    index_provenance(path.parent)
     print(f"wrote {path}")
     return 0
 
