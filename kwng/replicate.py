@@ -122,6 +122,10 @@ class ReplicatedEngine:
                 mod.__class__ = _SWAP[type(mod)]
                 mod._kwng_state = self.state
                 self._patched.append(mod)
+        # found once, not in every forward (every dropout kind: Dropout, Dropout2d, ...)
+        self._dropouts = [
+            m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)
+        ]
         self._pre = model.register_forward_pre_hook(self._pre_hook)
         self._post = model.register_forward_hook(self._post_hook)
 
@@ -136,8 +140,8 @@ class ReplicatedEngine:
         )
         if not st.active:
             return None
-        for m in module.modules():
-            if isinstance(m, nn.Dropout) and m.training and m.p > 0:
+        for m in self._dropouts:
+            if m.training and m.p > 0:
                 raise ValueError(
                     f"{type(m).__name__}(p={m.p}) in training mode: the replicated "
                     "KWNG forward would draw a different mask per copy; "
@@ -182,6 +186,7 @@ class ReplicatedEngine:
         new = object.__new__(ReplicatedEngine)
         new.model, new.state, new.outputs, new.first = None, _State(), None, None
         new.enabled, new._patched, new._pre, new._post = False, [], None, None
+        new._dropouts = []
         memo[id(self)] = new
         return new
 

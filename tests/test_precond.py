@@ -582,3 +582,11 @@ def test_config_object_and_keywords_build_the_same_preconditioner():
         kwng.KWNGConfig(lm_omega=1.5)
     with pytest.raises(ValueError, match="unknown hyperparameter"):
         KWNGPreconditioner(model, optimizer=opt, num_basiss=3)
+
+
+def test_replicated_forward_refuses_every_dropout_kind():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Dropout2d(0.3), nn.Flatten(),
+                          nn.Linear(64, 2))
+    KWNGPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="Dropout2d"):
+        model(torch.randn(8, 3, 6, 6))
