@@ -19,9 +19,8 @@ This module does it as **one** backward pass of an ``R·N`` batch:
 * the backward pass receives the stacked cotangent ``(∂L/∂X, C_1/N, …, C_M/N)`` and
   every layer propagates all ``R·N`` signals at once; the weight gradient of copy ``r``
   is formed from the layer's input (one copy) and copy ``r``'s output gradient: ``R``
-  calls per layer on contiguous slices of the output gradient (or, with
-  ``KWNG_WGRAD=stacked``, one call with the copies stacked along the output channels,
-  which needs a relayout of the output gradient and measured slower).
+  calls per layer on contiguous slices of the output gradient (one call with the copies
+  stacked along the output channels needs a relayout and measured slower).
 
 Copy ``0`` gives ``g`` (also returned to autograd, so a plain ``loss.backward()`` on a
 replicated forward still leaves the true gradient in ``p.grad``), copies ``1..M`` give
@@ -46,14 +45,12 @@ import torch
 from torch import nn
 
 from .replicate_layers import (  # noqa: F401  (re-exported: the old import path)
-    _WGRAD,
     _BatchNorm,
     _compute_dtype,
     _Conv,
     _first_copy,
     _format,
     _Linear,
-    _per_copy_channels,
     _repeat,
     _rows,
     _split,

@@ -9,17 +9,12 @@ algorithm.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-# "split" (default: measured faster on an H200, no relayout of dy) or "stacked" (one
-# call per layer)
-_WGRAD = os.environ.get("KWNG_WGRAD", "split")
 
 
 @dataclass
@@ -56,19 +51,6 @@ def _repeat(y0: torch.Tensor, R: int) -> torch.Tensor:
     """``R`` copies of ``y0`` stacked along dim 0 (one batched copy kernel; memory
     format kept)."""
     return torch.cat([y0] * R)
-
-
-def _per_copy_channels(dy: torch.Tensor, R: int) -> torch.Tensor:
-    """``dy`` of shape ``(R·N, C, H, W)`` → ``(N, R·C, H, W)`` (copy ``r`` in channels
-    ``r·C…``)."""
-    RN, C, H, W = dy.shape
-    N = RN // R
-    if dy.is_contiguous(memory_format=torch.channels_last) and not dy.is_contiguous():
-        nhwc = dy.permute(0, 2, 3, 1).reshape(R, N, H, W, C).permute(1, 2, 3, 0, 4)
-        return nhwc.reshape(N, H, W, R * C).permute(
-            0, 3, 1, 2
-        )  # channels_last (N, R·C, H, W)
-    return dy.reshape(R, N, C, H, W).transpose(0, 1).reshape(N, R * C, H, W)
 
 
 def _first_copy(
@@ -122,31 +104,15 @@ class _Conv(torch.autograd.Function):
                 xshape, dtype=w.dtype, device=w.device, memory_format=fmt
             )  # shape only
             dx = conv_bwd(dy, shell, w, None, *args, [True, False, False])[0].to(xdtype)
-        Co = w.shape[0]
         if ctx.needs_input_grad[1]:
-            if _WGRAD == "split":  # R weight-gradient calls on contiguous slices of dy
-                G = torch.stack(
-                    [
-                        conv_bwd(d, x0, w, None, *args, [False, True, False])[1]
-                        for d in _split(dy, R)
-                    ]
-                ).to(weight.dtype)
-            else:  # one call, the copies stacked along the output channels
-                shell = torch.empty(
-                    (R * Co,) + tuple(w.shape[1:]),
-                    dtype=w.dtype,
-                    device=w.device,
-                    memory_format=_format(w),
-                )
-                dw = conv_bwd(
-                    _per_copy_channels(dy, R),
-                    x0,
-                    shell,
-                    None,
-                    *args,
-                    [False, True, False],
-                )[1]
-                G = dw.view((R,) + tuple(w.shape)).to(weight.dtype)
+            # R weight-gradient calls on contiguous slices of dy (one call with the
+            # copies stacked along the output channels relays dy out: slower on an H200)
+            G = torch.stack(
+                [
+                    conv_bwd(d, x0, w, None, *args, [False, True, False])[1]
+                    for d in _split(dy, R)
+                ]
+            ).to(weight.dtype)
             st.grads[id(weight)] = G
             gw = G[0]
         if has_bias and ctx.needs_input_grad[2]:
