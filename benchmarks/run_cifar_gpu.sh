@@ -16,7 +16,10 @@
 # Runs stop at the deadline in the middle of an epoch and resume there exactly in the next call.
 #
 # Knobs: METHODS (comma list: only these methods, e.g. METHODS=sgd,adam,kwng for the core of the
-# suite when the GPU budget is short; a later call with more methods adds the rest), GPUS (GPUs of the machine), PROCS (workers per GPU for the claim suite; >= runs/GPUS keeps
+# suite when the GPU budget is short; a later call with more methods adds the rest), EARLY_METHODS
+# (comma list of methods whose step sizes are already selected: their claim runs start at once,
+# in a sweep of their own with EARLY_PROCS workers per GPU beside the selection of the others;
+# give the same list in every call of a suite), GPUS (GPUs of the machine), PROCS (workers per GPU for the claim suite; >= runs/GPUS keeps
 # every run going at once), SEL_PROCS (workers per GPU for the selection), LIMIT (seconds this call
 # may take before it must be tarring), EPOCHS (claim suite; fixed before its first run: the schedule
 # depends on it; "auto": from the measured step times and CLAIM_BUDGET_S, the wall-clock seconds
@@ -43,7 +46,8 @@ TIMING=${TIMING:-1}
 DATA=${DATA:-.data/cifar10_jpeg.npz}
 SETARG=(); for kv in ${SET:-}; do SETARG+=(--set "$kv"); done
 METHODS=${METHODS:-}             # comma list: run only these methods' part of both plans (a suite in parts)
-MARG=(); [ -n "$METHODS" ] && MARG=(--methods "$METHODS")
+EARLY_METHODS=${EARLY_METHODS:-} # comma list: claim runs of these start beside the selection
+EARLY_PROCS=${EARLY_PROCS:-2}
 SELSET=("${SETARG[@]}"); for kv in ${SEL_SET:-}; do SELSET+=(--set "$kv"); done
 PY=${PY:-python}
 KEEP=checkpoints/keep            # persists between calls (ignored by git, not replaced by the sync)
@@ -75,6 +79,14 @@ rm -f results/cifar/claim && ln -s "$PWD/$KEEP/claim" results/cifar/claim
 ROOT="$KEEP/data/cifar10_jpeg.npz"
 $PY -c "import nngeometry, torch; print('nngeometry ok; torch', torch.__version__)" || exit 2
 $PY -c "from kwng.data import load_cifar; [load_cifar('cifar10', s, '$ROOT') for s in ('train', 'test')]" || exit 2
+if [ -n "$EARLY_METHODS" ]; then  # the other methods: the selection and the main claim sweep
+  ALL=${METHODS:-$($PY -c "from kwng.experiments import cifar
+print(','.join(dict.fromkeys(j['method'] for j in cifar.build_plan('claim', epochs=1))))")}
+  METHODS=$($PY -c "e = set('$EARLY_METHODS'.split(','))
+print(','.join(m for m in '$ALL'.split(',') if m not in e))")
+  say "early claim methods: $EARLY_METHODS; the others: $METHODS"
+fi
+MARG=(); [ -n "$METHODS" ] && MARG=(--methods "$METHODS")
 say "setup done"
 
 persist() {  # the results (through the link) to $OUT, whatever happened before
@@ -100,6 +112,16 @@ if [ "$TIMING" = 1 ] && [ ! -f "$TIMING_FILE" ]; then
 fi
 TARG=(); [ -f "$TIMING_FILE" ] && TARG=(--timing "$TIMING_FILE")
 
+# ---- claim runs of methods selected earlier, beside the selection (to the same deadline)
+EARLY_PID=
+if [ -n "$EARLY_METHODS" ] && [ "$(left)" -gt 60 ]; then
+  say "early claim runs ($EARLY_METHODS): starting (deadline in $(( $(left) - 30 ))s)"
+  ( $PY -m kwng.experiments cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$EARLY_PROCS" \
+      --methods "$EARLY_METHODS" --data-root "$ROOT" "${TARG[@]}" "${SETARG[@]}" --deadline-s $(( $(left) - 30 )) 2>&1 \
+      | grep -E "epoch [0-9]+:|deadline|ERROR|Error|Traceback|sweep" >> checkpoints/logs/early.log ) &
+  EARLY_PID=$!
+fi
+
 # ---- step-size selection
 SUBARG=(); [ -n "$SELECT_SUBSET" ] && SUBARG=(--select-subset "$SELECT_SUBSET")
 if [ "$(plan_done claim_select)" != 1 ] && [ "$(left)" -gt 60 ]; then
@@ -108,11 +130,12 @@ if [ "$(plan_done claim_select)" != 1 ] && [ "$(left)" -gt 60 ]; then
       --gpus "$GPUS" --procs-per-gpu "$SEL_PROCS" --data-root "$ROOT" "${TARG[@]}" "${SELSET[@]}" \
       --deadline-s $(( $(left) - 30 )) 2>&1 | filter 20
 fi
-if [ "$(plan_done claim_select)" = 1 ]; then
-  [ -f results/cifar/claim/selection/selected.json ] || \
-    $PY -m kwng.experiments cifar select --root results/cifar/claim/selection 2>&1 | grep selected | tee -a "$LOG"
+if [ "$(plan_done claim_select)" = 1 ]; then  # adds newly selected methods, refuses a change
+  $PY -m kwng.experiments cifar select --root results/cifar/claim/selection 2>&1 | grep -E "selected|Error" | tee -a "$LOG"
 else
-  say "selection not complete yet: run this command again"; exit 0
+  say "selection not complete yet: run this command again"
+  [ -n "$EARLY_PID" ] && wait "$EARLY_PID"; tail -20 checkpoints/logs/early.log 2>/dev/null | tee -a "$LOG"
+  exit 0
 fi
 
 # ---- the claim suite
@@ -128,6 +151,9 @@ if [ "$(left)" -gt 60 ]; then
   say "claim suite: $EPOCHS epochs (deadline in $(( $(left) - 30 ))s)"
   $PY -m kwng.experiments cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$PROCS" "${MARG[@]}" \
       --data-root "$ROOT" "${TARG[@]}" "${SETARG[@]}" --deadline-s $(( $(left) - 30 )) 2>&1 | filter 40
+fi
+if [ -n "$EARLY_PID" ]; then
+  say "waiting for the early claim runs"; wait "$EARLY_PID"; tail -20 checkpoints/logs/early.log | tee -a "$LOG"
 fi
 $PY -m kwng.experiments cifar check --suite claim --min-epochs "$EPOCHS" 2>&1 | tee -a "$LOG"
 if [ "${PIPESTATUS[0]}" = 0 ]; then  # the check's own status, not tee's

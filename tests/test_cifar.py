@@ -137,6 +137,35 @@ def test_selection_rule(tmp_path):
     assert (root / "selected.json").is_file()
 
 
+def test_selection_grows_by_method_but_refuses_a_change(tmp_path):
+    from kwng.experiments import cifar
+    from kwng.experiments.guard import ConfigMismatchError
+    from kwng.provenance import atomic_write_json, read_json
+
+    root = tmp_path / "sel"
+
+    def short_run(method, lr, acc):
+        rec = {"config": {"dataset": "cifar10", "conditioning": "ill", "method": method},
+               "lr": lr, "complete": True, "diverged": False,
+               "epochs": [{"test_acc": acc, "train_loss": 1.0, "steps": 5}]}
+        path = root / f"lr{lr:g}" / "cifar10" / "ill" / method / "seed0" / "metrics.json"
+        atomic_write_json(path, rec)
+        return path
+
+    short_run("sgd", 0.1, 0.4)
+    short_run("sgd", 0.01, 0.3)
+    cifar.select_lrs(root)
+    short_run("kfac", 1.0, 0.5)  # a later part of the suite adds a method
+    cifar.select_lrs(root)
+    sel = read_json(root / "selected.json")["selected"]
+    assert sel["cifar10/ill/sgd"]["lr"] == 0.1 and sel["cifar10/ill/kfac"]["lr"] == 1.0
+    assert not list(root.glob("selected.json.backup-*"))  # nothing to back up
+    short_run("sgd", 0.01, 0.9)  # a changed short run would change a selected step
+    with pytest.raises(ConfigMismatchError, match="selected.json"):
+        cifar.select_lrs(root)
+    assert read_json(root / "selected.json")["selected"]["cifar10/ill/sgd"]["lr"] == 0.1
+
+
 def test_plans_cover_the_study():
     from kwng.experiments import cifar
 

@@ -58,6 +58,7 @@ Commands (``python -m kwng.experiments cifar ...``):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -277,7 +278,11 @@ def _main_sweep(a: argparse.Namespace) -> int:
         plan = build_plan(a.plan, a.dataset, int(epochs), select_steps=a.select_steps,
                           data_root=a.data_root, methods=only)
     plan = [{**j, **_overrides(a.set)} for j in plan]
-    plan_file = CHECKPOINTS / "plans" / f"{Path(a.plan).stem}.json"
+    # sweeps of one plan over disjoint method lists may run side by side: one plan
+    # file each
+    tag = ("-" + hashlib.sha1(",".join(sorted(only)).encode()).hexdigest()[:8]
+           if only else "")
+    plan_file = CHECKPOINTS / "plans" / f"{Path(a.plan).stem}{tag}.json"
     timing_rec = read_json(a.timing)["methods"] if a.timing else None
     log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus,
              a.procs_per_gpu)

@@ -11,7 +11,7 @@ loop and ``cifar timing`` call it and nothing else.
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -195,10 +195,12 @@ def milestones_for(epochs: int, schedule: str) -> list[int]:
 
 def lm_same_batch_available() -> bool:
     """Whether :class:`kwng.precond.KWNGPreconditioner` accepts ``lm_rule`` (the
-    same-batch Levenberg–Marquardt variant of ``kwng_lm_same_batch``)."""
-    from ..precond import KWNGPreconditioner
+    same-batch Levenberg–Marquardt variant of ``kwng_lm_same_batch``): a field of
+    :class:`kwng.precond_config.KWNGConfig`, which the preconditioner's keyword
+    arguments fill."""
+    from ..precond_config import KWNGConfig
 
-    return "lm_rule" in inspect.signature(KWNGPreconditioner.__init__).parameters
+    return "lm_rule" in {f.name for f in dataclasses.fields(KWNGConfig)}
 
 
 # ------------------------------------------------------------------------ construction

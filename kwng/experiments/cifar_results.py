@@ -4,15 +4,18 @@ selection rule (book chapter
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
 
 from ..data import NUM_CLASSES
-from ..provenance import ResultFileError, read_json
+from ..provenance import ResultFileError, atomic_write_json, read_json
 from . import guard
 from .cifar_methods import CLAIM, LR_GRID, METHODS, RESULTS, SELECTION, milestones_for
 from .cifar_sweep import build_plan
+
+log = logging.getLogger(__name__)
 
 
 def load_results(root: str | os.PathLike = RESULTS,
@@ -161,6 +164,24 @@ def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True,
     out = {"rule": SELECTION_RULE, "grid": list(LR_GRID),
            "selected": selected,
            "inherit": {m: s["lr_from"] for m, s in METHODS.items() if "lr_from" in s}}
-    if write:  # a different existing selection is refused unless force (then backed up)
-        guard.write_json_guarded(Path(root) / "selected.json", out, force)
+    if write:
+        _write_selection(Path(root) / "selected.json", out, force)
     return out
+
+
+def _write_selection(path: Path, out: dict, force: bool) -> None:
+    """Write ``out`` to ``path``. A suite run in parts adds methods to an existing
+    selection: entries that are only added are written without ``force``; a changed
+    or removed entry (another rule, grid or step size) is refused unless ``force``
+    (then the old file is backed up)."""
+    if path.exists() and not force:
+        old = read_json(path)
+        before = old.get("selected", {})
+        added = {f"selected.{k}" for k in set(out["selected"]) - set(before)}
+        changed = [k for k in guard.diff_keys(old, out) if k not in added]
+        if not changed:
+            if guard.diff_keys(old, out):
+                log.info("%s: adding %s", path, sorted(added))
+                atomic_write_json(path, out)
+            return
+    guard.write_json_guarded(path, out, force)
