@@ -79,6 +79,7 @@ rm -f results/cifar/claim && ln -s "$PWD/$KEEP/claim" results/cifar/claim
 ROOT="$KEEP/data/cifar10_jpeg.npz"
 $PY -c "import nngeometry, torch; print('nngeometry ok; torch', torch.__version__)" || exit 2
 $PY -c "from kwng.data import load_cifar; [load_cifar('cifar10', s, '$ROOT') for s in ('train', 'test')]" || exit 2
+TIMING_METHODS=${TIMING_METHODS:-${METHODS:-claim}}  # every method of the suite, in one timing run
 if [ -n "$EARLY_METHODS" ]; then  # the other methods: the selection and the main claim sweep
   ALL=${METHODS:-$($PY -c "from kwng.experiments import cifar
 print(','.join(dict.fromkeys(j['method'] for j in cifar.build_plan('claim', epochs=1))))")}
@@ -107,7 +108,7 @@ filter() { grep -E "epoch [0-9]+:|deadline|ERROR|Error|Traceback|sweep" | tee -a
 # ---- timing of each method alone (first call only)
 TIMING_FILE=results/cifar/claim/timing/timing.json
 if [ "$TIMING" = 1 ] && [ ! -f "$TIMING_FILE" ]; then
-  CUDA_VISIBLE_DEVICES=0 $PY -m kwng.experiments cifar timing --methods "${METHODS:-claim}" --steps "${TIMING_STEPS:-100}" \
+  CUDA_VISIBLE_DEVICES=0 $PY -m kwng.experiments cifar timing --methods "$TIMING_METHODS" --steps "${TIMING_STEPS:-100}" \
       --warmup 10 --out "$TIMING_FILE" ${TIMING_MODEL:+--model "$TIMING_MODEL"} 2>&1 | grep -E "timing|Error" | tee -a "$LOG"
 fi
 TARG=(); [ -f "$TIMING_FILE" ] && TARG=(--timing "$TIMING_FILE")
