@@ -10,9 +10,11 @@ bf16 autocast + ``channels_last`` — and for each configuration the rows
   passes over the same activations;
 * ``kwng_fast`` / ``kwng_reference``: :class:`kwng.KWNGPreconditioner` in each mode (``M`` = 5 and
   20); ``diag_fast``: ``diagonal_only=True`` (``D⁻¹ g``, the ablation of App. E);
-* ``sgd_graph`` / ``kwng_fast_graph``: the same steps captured once in a CUDA graph and replayed
-  (possible because the fast step never synchronises with the host); the step size and the
-  batch are then fixed at capture, as in any graph-captured training loop.
+* ``kwng_fast_graph``: the fast step captured once in a CUDA graph and replayed (possible
+  because the fast step never synchronises with the host); the step size and the batch are
+  then fixed at capture, as in any graph-captured training loop. (A graph-captured SGD row was
+  removed: its replay hit an illegal memory access on an H200 with torch 2.11 at commit
+  ``afd2275``, in fp32 and in bf16, and was never measured.)
 
 Each row is timed after warm-up steps, with a device synchronisation after every step; the median
 is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory.
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 CONFIGS = {"fp32_nchw": (torch.float32, torch.contiguous_format),
            "fp32_channels_last": (torch.float32, torch.channels_last),
            "bf16_channels_last": (torch.bfloat16, torch.channels_last)}
-ROWS = ("sgd", "fwd_bwd_N", "fwd_bwd_RN", "kwng_fast", "kwng_reference", "diag_fast", "sgd_graph",
+ROWS = ("sgd", "fwd_bwd_N", "fwd_bwd_RN", "kwng_fast", "kwng_reference", "diag_fast",
         "kwng_fast_graph")
 
 
@@ -130,7 +132,7 @@ def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precisio
     amp = None if precision == torch.float32 else precision
     out = []
     for row in rows:
-        for M in (basis_sizes if row not in ("sgd", "fwd_bwd_N", "sgd_graph") else (0,)):
+        for M in (basis_sizes if row not in ("sgd", "fwd_bwd_N") else (0,)):
             m = copy.deepcopy(base).train()
             step, precond = _make_step(row, m, z, y, max(M, 1), amp)
             if device.type == "cuda":

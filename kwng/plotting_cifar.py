@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-__all__ = ["at_epoch", "MAIN_METHODS", "ABLATION_METHODS", "CLAIM_METHODS", "curves", "final_accuracy_table", "format_table",
+__all__ = ["at_epoch", "MAIN_METHODS", "ABLATION_METHODS", "CLAIM_METHODS", "curves", "diag_series", "final_accuracy_table", "format_table",
            "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps", "fig_per_class_vs_U",
            "fig_kwng_diagnostics", "claim_verdict", "selection_table", "class_scalings", "final_per_class",
            "SMALL_U"]
@@ -279,7 +279,11 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str] = CLAIM_METHODS, co
     return fig
 
 
-def _diag_series(rec: dict, key: str) -> np.ndarray:
+def diag_series(rec: dict, key: str) -> np.ndarray:
+    """One KWNG diagnostic of a run record per epoch: ``"eps"`` (epoch mean, in the authors'
+    units ``ε_ours / √N`` for runs of the authors' convention), ``"clipped"`` (fraction of the
+    epoch's steps) or another ``info`` key's epoch mean (``"reduction_ratio"``, ...); an
+    empty array when the record lacks it."""
     rows = rec["epochs"]
     if key == "clipped":
         if all("clipped_mean" in r for r in rows):
@@ -314,7 +318,7 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
             for (c, m, s), r in sorted(results.items()):
                 if c != cond or m not in methods or not r["epochs"]:
                     continue
-                v = _diag_series(r, key)
+                v = diag_series(r, key)
                 if v.size == 0:
                     continue
                 x = np.arange(1, v.size + 1)

@@ -233,6 +233,36 @@ def test_kfac_leaves_batchnorm_gradient_plain():
     assert not torch.allclose(model[-1].weight.grad, ref[1], atol=1e-4)
 
 
+def test_committed_claim_suite_complete():
+    """The committed claim suite: every run of the ``claim`` plan (ablations aside), 30 epochs,
+    complete, with per-class accuracy every epoch and a provenance record naming its commit
+    and GPU; its step sizes are those of the committed selection."""
+    import json
+    import re
+    from pathlib import Path
+
+    from kwng.experiments import cifar
+
+    root = Path(__file__).resolve().parent.parent / "results" / "cifar" / "claim"
+    status = cifar.check_claim(root, min_epochs=30)
+    assert not status["missing"] and not status["incomplete"] and not status["diverged"]
+    plan = cifar.build_plan("claim", epochs=30, with_ablations=False)
+    assert len(status["ok"]) == len(plan) == 18
+    sel = json.loads((root / "selection" / "selected.json").read_text())["selected"]
+    for (c, m, s), rec in cifar.load_results(root, "cifar10").items():
+        name = f"{c}/{m}/seed{s}"
+        prov = json.loads((root / "cifar10" / c / m / f"seed{s}" / "provenance.json")
+                          .read_text())
+        assert prov["config"]["method"] == m and "H200" in prov["device"], name
+        # the commit it ran, passed in (KWNG_GIT_COMMIT): a clean hash, never "unknown"
+        assert re.fullmatch(r"[0-9a-f]{7,40}", prov["git_commit"]), name
+        assert [r["epoch"] for r in rec["epochs"]] == list(range(1, 31)), name
+        assert all(len(r["test_acc_per_class"]) == 10 for r in rec["epochs"]), name
+        assert rec["lr"] == sel[f"cifar10/{c}/{m}"]["lr"], name
+    timing = json.loads((root / "timing" / "timing.json").read_text())["methods"]
+    assert set(cifar.CLAIM_METHODS) <= set(timing)
+
+
 def test_committed_results_complete():
     """Every run of the main plan is committed under results/cifar/ with provenance and all its epochs,
     except the runs the GPU budget cut short (``cifar.BUDGET_CUT``), which must have exactly the number
