@@ -30,9 +30,11 @@
 # DATA (the JPEG npz), PY, SET (run-setting overrides for every run, e.g. for a CPU smoke test:
 # SET="model=tiny batch_size=50 train_subset=150 device=cpu" SEL_SET="val_size=100" GPUS=0
 # DATA=kwng/data_sample/cifar10_sample.npz TIMING_MODEL=tiny TIMING_STEPS=3).
-# Cost (H200 step times of results/cifar/timing/timing.json, batch 128): SGD 7 ms, KFAC ~13 ms,
-# KWNG 39 ms per step; one claim-suite epoch is ~165 s of single-GPU time (~42 s per GPU on 4 GPUs),
-# the selection ~1340 s (~335 s per GPU on 4 GPUs). See the report / chapter for epochs per budget.
+# Cost (H200 step times alone of results/cifar/claim/timing/timing.json, batch 128): SGD 8.7 ms,
+# Adam 10.0 ms, KFAC 13.0 ms, KWNG-type methods 36-40 ms per step. Measured: the selection of four
+# methods (48 runs of 2 epochs on 22,500 images) and twelve 30-epoch runs (four kwng, two each of
+# kwng_samples_before_U and diag_Ttilde, sgd_momentum, kfac, the second sgd seed) took three calls
+# of ~510 s on 4 H200 GPUs (PROCS=2 SEL_PROCS=6 EARLY_PROCS=2): ~100 GPU-minutes.
 set -u
 OUT=${OUT:-/tmp/out}
 GPUS=${GPUS:-4}
