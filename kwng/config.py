@@ -21,6 +21,16 @@ def scale() -> str:
     return value
 
 
+def resolve(value: str | None = None) -> str:
+    """``value`` checked against :data:`SCALES`, or the active :func:`scale` when ``None``
+    (the ``scale=`` argument of every experiment's configuration function)."""
+    if value is None:
+        return scale()
+    if value not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {value!r}")
+    return value
+
+
 def is_full() -> bool:
     """True when ``$KWNG_SCALE`` asks for the paper's (GPU) scale."""
     return scale() == "full"

@@ -158,41 +158,27 @@ def plot_fisher_sphere(rows: Sequence[dict]):
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     dims = _dims(rows)
+
+    def median_line(ax, sub, col, *fmt, **style):  # median of ``col`` against N
+        med = median_by(sub, col, ("N",))
+        xs = sorted(k[0] for k in med)
+        ax.plot(xs, [med[(v,)][0] for v in xs], *fmt, **style)
+
     for model, marker in (("sphere", "o"), ("normal", "s")):
-        sub = [r for r in rows if r["model"] == model and r["panel"] == "N"]
         for k, d in enumerate(dims):
+            sub = [r for r in rows
+                   if r["model"] == model and r["panel"] == "N" and r["d"] == d]
             c = f"C{k}"
             for ax, col in ((axes[0], "gf_max"), (axes[1], "range_residual")):
-                med = median_by([r for r in sub if r["d"] == d], col, ("N",))
-                xs = sorted(k2[0] for k2 in med)
-                ax.plot(
-                    xs,
-                    [med[(v,)][0] for v in xs],
-                    marker=marker,
-                    color=c,
-                    ls="-" if model == "sphere" else "--",
-                    label=f"{model}, d={d}",
-                )
+                median_line(ax, sub, col, marker=marker, color=c,
+                            ls="-" if model == "sphere" else "--",
+                            label=f"{model}, d={d}")
             if model == "normal":
-                ex = median_by([r for r in sub if r["d"] == d], "gf_exact_max", ("N",))
-                xs = sorted(k2[0] for k2 in ex)
-                axes[0].plot(
-                    xs,
-                    [ex[(v,)][0] for v in xs],
-                    ":",
-                    color=c,
-                    label=f"exact λmax(G_F), normal d={d}",
-                )
+                median_line(axes[0], sub, "gf_exact_max", ":", color=c,
+                            label=f"exact λmax(G_F), normal d={d}")
             if model == "sphere":
-                med = median_by([r for r in sub if r["d"] == d], "err_wng", ("N",))
-                xs = sorted(k2[0] for k2 in med)
-                axes[2].plot(
-                    xs,
-                    [med[(v,)][0] for v in xs],
-                    marker=marker,
-                    color=c,
-                    label=f"sphere, d={d}",
-                )
+                median_line(axes[2], sub, "err_wng", marker=marker, color=c,
+                            label=f"sphere, d={d}")
     titles = (
         "largest eigenvalue of the kernel Fisher metric",
         "‖(I - P_C)T‖ / ‖T‖ (reparametrised T)",

@@ -114,3 +114,20 @@ def test_stable_entry_points_match_the_exact_wng(accurate_problem, entry):
     assert kwng.relative_error(direction, p.exact()) < 0.15
     tight = 1e-5 if entry is nosync else 1e-8
     assert kwng.relative_error(direction, kwng_gradient(p, "stable")) < tight
+
+
+def test_scale_argument_resolves_in_one_place(monkeypatch):
+    """Every experiment's ``scale=`` goes through :func:`kwng.config.resolve`: an
+    explicit value is checked, ``None`` reads ``$KWNG_SCALE``."""
+    from kwng import config
+    from kwng.experiments import fisher, synthetic_setup
+
+    monkeypatch.setenv("KWNG_SCALE", "full")
+    assert config.resolve(None) == "full" and config.resolve("small") == "small"
+    assert synthetic_setup.relerr_config()["scale"] == "full"
+    assert synthetic_setup.relerr_config("small")["scale"] == "small"
+    for bad in ("medium", "FULL"):
+        with pytest.raises(ValueError, match="scale must be one of"):
+            config.resolve(bad)
+        with pytest.raises(ValueError, match="scale must be one of"):
+            fisher.sweep_config(bad)

@@ -13,6 +13,10 @@ from kwng.experiments import fisher as E
 from kwng.experiments.synthetic import draw_theta
 from kwng.theory import loglog_slope
 
+#: the keys every provenance record of the Fisher experiments carries
+PROVENANCE_KEYS = ("command", "config", "git_commit", "device", "date", "seeds",
+                   "wall_time_s")
+
 
 def _problem(name, d=2, N=40, M=8, seed=0):
     model = kwng.make_model(name, d)
@@ -243,15 +247,7 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
     assert all(np.isfinite(r["err_wng"]) for r in rows)
     assert all(np.isfinite(r["err_fng"]) == (r["model"] != "sphere") for r in rows)
     prov = json.loads((tmp_path / "fisher-sweep.provenance.json").read_text())
-    for key in (
-        "command",
-        "config",
-        "git_commit",
-        "device",
-        "date",
-        "seeds",
-        "wall_time_s",
-    ):
+    for key in PROVENANCE_KEYS:
         assert key in prov
     before = (tmp_path / "sweep.csv").read_text()
     prov_before = (tmp_path / "fisher-sweep.provenance.json").read_text()
@@ -305,15 +301,7 @@ def test_directory_provenance_gathers_the_parts(tmp_path):
     rec = E.write_directory_provenance(tmp_path)
     assert set(rec["files"]) == {"fisher-flow.provenance.json"}
     on_disk = json.loads((tmp_path / "provenance.json").read_text())
-    for key in (
-        "command",
-        "config",
-        "git_commit",
-        "device",
-        "date",
-        "seeds",
-        "wall_time_s",
-    ):
+    for key in PROVENANCE_KEYS:
         assert key in on_disk
     assert on_disk["wall_time_s"] == pytest.approx(flow["wall_time_s"])
     assert E.main(["fisher", "--part", "provenance", "--out", str(tmp_path)]) == 0

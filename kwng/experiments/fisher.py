@@ -94,19 +94,12 @@ FLOW_METHODS = ("wng", "fng", "kwng", "kfng", "eg")
 LOSSES = ("w2", "kl")
 
 
-def _scale(scale: str | None) -> str:
-    scale = _config.scale() if scale is None else scale
-    if scale not in _config.SCALES:
-        raise ValueError(f"scale must be one of {_config.SCALES}, got {scale!r}")
-    return scale
-
-
 def sweep_config(scale: str | None = None) -> dict:
     """Grid of the sweep. ``full`` is sized for a 2-core CPU (a few minutes):
     ``d ∈ {2, 4}``, ``N`` up to 4000 with ``M = ⌊d√N⌋`` (the paper's rule), an ``M``
     panel at ``N = 2000``, 20 runs per point (enough for a median and quartiles; the
     paper's 100 runs change the spread of the boxes, not their centres)."""
-    full = _scale(scale) == "full"
+    full = _config.resolve(scale) == "full"
     return {
         "experiment": "fisher-sweep",
         "scale": "full" if full else "small",
@@ -131,7 +124,7 @@ def flow_config(scale: str | None = None) -> dict:
     """The flows: normal model, ``d = 4`` (``q = 14``; ``d = 2`` at small scale), step
     0.1 for the natural gradients and ``eg_step`` for the Euclidean one, estimators with
     ``N`` samples and ``M = ⌊d√N⌋`` basis points redrawn at every step."""
-    full = _scale(scale) == "full"
+    full = _config.resolve(scale) == "full"
     d = 4 if full else 2
     N = 1000 if full else 250
     return {
@@ -404,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    scale = _scale(args.scale)
+    scale = _config.resolve(args.scale)
     out = Path(args.out or Path("_build") / "results" / f"fisher-{scale}")
     if args.part in ("sweep", "all"):
         cfg = sweep_config(scale)

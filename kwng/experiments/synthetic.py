@@ -40,7 +40,7 @@ from ..provenance import ResultFileError, read_json, write_provenance
 from .guard import ConfigMismatchError, read_csv_checked
 # moved to kwng.experiments.synthetic_setup; re-exported under the old path
 from .synthetic_setup import (  # noqa: F401
-    MODELS, SWEEP_COLUMNS, RELERR_BANDWIDTH, _scale, relerr_config,
+    MODELS, SWEEP_COLUMNS, RELERR_BANDWIDTH, relerr_config,
     bandwidth_config, flow_config, _seed, draw_theta, _parse_bandwidth,
     _sweep_points, _point_key, _CONVERTERS, _row_key, load_rows, checked_rows,
     _write_rows, _prepare_dir, _write_flow_csvs, _write_pca_csv,

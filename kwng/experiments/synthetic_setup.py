@@ -36,16 +36,9 @@ RELERR_BANDWIDTH: dict[str, float | str] = {"sphere": 1.0, "normal": "mean_sq:0.
 # --------------------------------------------------------------------------------------------
 # Configurations
 # --------------------------------------------------------------------------------------------
-def _scale(scale: str | None) -> str:
-    scale = _config.scale() if scale is None else scale
-    if scale not in _config.SCALES:
-        raise ValueError(f"scale must be one of {_config.SCALES}, got {scale!r}")
-    return scale
-
-
 def relerr_config(scale: str | None = None) -> dict:
     """Grid of the relative-error study (Figs. 1, 5). ``full``: the paper's 100 runs per point."""
-    full = _scale(scale) == "full"
+    full = _config.resolve(scale) == "full"
     return {
         "experiment": "relerr", "scale": "full" if full else "small",
         "models": list(MODELS),
@@ -61,7 +54,7 @@ def relerr_config(scale: str | None = None) -> dict:
 
 def bandwidth_config(scale: str | None = None) -> dict:
     """Grid of the bandwidth study (Fig. 6): fixed σ, ``λ = ε = 1e-10``, ``M = ⌊d√N⌋``."""
-    full = _scale(scale) == "full"
+    full = _config.resolve(scale) == "full"
     return {
         "experiment": "bandwidth", "scale": "full" if full else "small",
         "models": list(MODELS),
@@ -79,7 +72,7 @@ def flow_config(scale: str | None = None) -> dict:
 
     A method whose loss becomes non-finite or exceeds ``divergence_factor`` times the initial loss
     is stopped and recorded as NaN from then on."""
-    full = _scale(scale) == "full"
+    full = _config.resolve(scale) == "full"
     return {
         "experiment": "flow", "scale": "full" if full else "small",
         "d": 10, "iterations": 400 if full else 40, "eps": 1e-10, "lam": 0.0,
