@@ -22,7 +22,7 @@ def scale() -> str:
 
 
 def resolve(value: str | None = None) -> str:
-    """``value`` checked against :data:`SCALES`, or the active :func:`scale` when ``None``
+    """``value`` checked against ``SCALES``, or the active :func:`scale` when ``None``
     (the ``scale=`` argument of every experiment's configuration function)."""
     if value is None:
         return scale()
