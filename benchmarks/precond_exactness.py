@@ -60,12 +60,14 @@ def main() -> None:
     a = p.parse_args()
     # full fp32: TF32 (on by default for cuDNN convolutions) limits any agreement
     # to ~1e-3
-    if hasattr(torch.backends.cudnn, "conv"):  # torch >= 2.9 spells it per operation
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if hasattr(
+        torch.backends.cudnn, "conv"
+    ):  # torch >= 2.9 also spells it per operation
         torch.backends.cudnn.conv.fp32_precision = "ieee"
         torch.backends.cuda.matmul.fp32_precision = "ieee"
-    else:
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+    print("TF32 off:", not torch.backends.cudnn.allow_tf32)
     dev = torch.device(a.device)
     torch.manual_seed(0)
     model = resnet18(10).to(dev)

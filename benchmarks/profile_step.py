@@ -1,46 +1,116 @@
-"""torch.profiler table of one KWNG step configuration (top CUDA kernels), for tuning.
+"""Where the GPU time of a training step goes: CUDA kernel time per step, by kind of kernel.
 
-python benchmarks/profile_step.py [--config bf16_channels_last] [--mode kwng_fast]
-    [--num-basis 5]
+python benchmarks/profile_step.py [--configs bf16_channels_last,fp32_channels_last]
+    [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis 5] [--top 12]
+
+For every (configuration, mode) it profiles a few steps of :func:`kwng.bench._make_step`
+(the rows of ``python -m kwng.bench``) with ``torch.profiler`` and prints the summed kernel
+time per step (the GPU work, whatever the host adds), split into kinds recognised from the
+kernel names (convolution forward, data and weight gradients, GEMM, batch norm,
+elementwise, reductions, copies), and the most expensive kernels. A tuning aid: the
+numbers to report come from ``python -m kwng.bench``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import re
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kwng.bench import CONFIGS, _make_step
+from kwng.bench import CONFIGS, ROWS, _make_step
 from kwng.nets import resnet18
 
+KINDS = (  # first match wins; patterns on the lower-cased kernel name
+    ("conv_wgrad", r"wgrad|weight_grad|bprop_filter|filter"),
+    ("conv_dgrad", r"dgrad|data_grad|bprop_data"),
+    ("conv_fwd", r"fprop|conv|implicit|xmma_fprop|cudnn"),
+    ("gemm", r"gemm|cutlass|sm90_xmma|cublas|nvjet"),
+    ("batch_norm", r"batch_norm|batchnorm|bn_"),
+    ("triton", r"triton"),
+    ("reduce", r"reduce"),
+    ("copy", r"copy|cat|transpose|permute"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
+)
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--config", default="bf16_channels_last", choices=list(CONFIGS))
-    p.add_argument("--mode", default="kwng_fast")
-    p.add_argument("--num-basis", type=int, default=5)
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--rows", type=int, default=30)
-    a = p.parse_args()
-    torch.backends.cudnn.benchmark = True
-    prec, fmt = CONFIGS[a.config]
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, pat in KINDS:
+        if re.search(pat, low):
+            return kind
+    return "other"
+
+
+def kernel_times(prof, steps: int) -> dict[str, float]:
+    """Summed device time (µs per step) of every CUDA kernel name."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name] += e.device_time / steps
+    return out
+
+
+def profile_one(
+    config: str, mode: str, num_basis: int, batch: int, steps: int
+) -> dict[str, float]:
+    prec, fmt = CONFIGS[config]
     dev = torch.device("cuda")
-    model = copy.deepcopy(resnet18(10)).to(dev).to(memory_format=fmt)
-    z = torch.randn(a.batch, 3, 32, 32, device=dev).contiguous(memory_format=fmt)
-    y = torch.randint(0, 10, (a.batch,), device=dev)
+    torch.manual_seed(0)
+    model = copy.deepcopy(resnet18(10)).to(dev).to(memory_format=fmt).train()
+    z = torch.randn(batch, 3, 32, 32, device=dev).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (batch,), device=dev)
+    if mode == "fwd_bwd_RN":
+        z = z.repeat(num_basis + 1, 1, 1, 1).contiguous(memory_format=fmt)
+        y = y.repeat(num_basis + 1)
+        mode = "fwd_bwd_N"
     step, _ = _make_step(
-        a.mode, model, z, y, a.num_basis, None if prec == torch.float32 else prec
+        mode, model, z, y, num_basis, None if prec == torch.float32 else prec
     )
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows))
+    return kernel_times(prof, steps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="bf16_channels_last")
+    p.add_argument("--modes", default="sgd,fwd_bwd_RN,kwng_fast")
+    p.add_argument("--num-basis", type=int, default=5)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=12)
+    a = p.parse_args()
+    modes = a.modes.split(",")
+    for m in modes:
+        if m not in ROWS and m != "fwd_bwd_RN":
+            raise SystemExit(f"--modes entries must be among {list(ROWS)}, got {m!r}")
+    torch.backends.cudnn.benchmark = True
+    for config in a.configs.split(","):
+        for mode in modes:
+            times = profile_one(config, mode, a.num_basis, a.batch, a.steps)
+            by_kind: dict[str, float] = collections.defaultdict(float)
+            for name, t in times.items():
+                by_kind[kind_of(name)] += t
+            total = sum(times.values())
+            kinds = "  ".join(
+                f"{k} {v / 1e3:.2f}"
+                for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+            )
+            print(
+                f"\n== {config} {mode} M={a.num_basis}: {total / 1e3:.2f} ms of kernels "
+                f"per step\n   by kind (ms): {kinds}"
+            )
+            for name, t in sorted(times.items(), key=lambda kv: -kv[1])[: a.top]:
+                print(f"   {t / 1e3:7.3f} ms  {kind_of(name):11s} {name[:110]}")
 
 
 if __name__ == "__main__":

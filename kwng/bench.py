@@ -10,11 +10,10 @@ bf16 autocast + ``channels_last`` — and for each configuration the rows
   passes over the same activations;
 * ``kwng_fast`` / ``kwng_reference``: :class:`kwng.KWNGPreconditioner` in each mode (``M`` = 5 and
   20); ``diag_fast``: ``diagonal_only=True`` (``D⁻¹ g``, the ablation of App. E);
-* ``kwng_fast_graph``: the fast step captured once in a CUDA graph and replayed (possible
-  because the fast step never synchronises with the host); the step size and the batch are
-  then fixed at capture, as in any graph-captured training loop. (A graph-captured SGD row was
-  removed: its replay hit an illegal memory access on an H200 with torch 2.11 at commit
-  ``afd2275``, in fp32 and in bf16, and was never measured.)
+* ``sgd_graph`` / ``kwng_fast_graph``: the step captured once in a CUDA graph and replayed
+  (possible for KWNG because the fast step never synchronises with the host); the step size
+  and the batch are then fixed at capture, as in any graph-captured training loop. The
+  capture runs with ``cudnn.benchmark`` off (see :func:`_make_step`).
 
 Each row is timed after warm-up steps, with a device synchronisation after every step; the median
 is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory.
@@ -49,7 +48,7 @@ log = logging.getLogger(__name__)
 CONFIGS = {"fp32_nchw": (torch.float32, torch.contiguous_format),
            "fp32_channels_last": (torch.float32, torch.channels_last),
            "bf16_channels_last": (torch.bfloat16, torch.channels_last)}
-ROWS = ("sgd", "fwd_bwd_N", "fwd_bwd_RN", "kwng_fast", "kwng_reference", "diag_fast",
+ROWS = ("sgd", "sgd_graph", "fwd_bwd_N", "fwd_bwd_RN", "kwng_fast", "kwng_reference", "diag_fast",
         "kwng_fast_graph")
 
 
@@ -116,8 +115,17 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num
                 step()
         torch.cuda.current_stream().wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            step()
+        # No cuDNN algorithm search inside the capture: the benchmark cache is keyed by
+        # pointer alignment too, so a tensor of the capture's pool can miss it, and a
+        # search captured into the graph (its trial kernels, its freed workspace) made
+        # replays fail with an illegal memory access. Heuristic choices instead.
+        benchmark = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = False
+        try:
+            with torch.cuda.graph(cuda_graph):
+                step()
+        finally:
+            torch.backends.cudnn.benchmark = benchmark
         return cuda_graph.replay, precond
     return step, precond
 
@@ -132,12 +140,12 @@ def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precisio
     amp = None if precision == torch.float32 else precision
     out = []
     for row in rows:
-        for M in (basis_sizes if row not in ("sgd", "fwd_bwd_N") else (0,)):
+        for M in (basis_sizes if row not in ("sgd", "sgd_graph", "fwd_bwd_N") else (0,)):
             m = copy.deepcopy(base).train()
+            if device.type == "cuda":  # before the step is built: emptying the cache after a
+                torch.cuda.empty_cache()  # capture also freed the cuBLAS workspace that the
+                torch.cuda.reset_peak_memory_stats(device)  # graph replays (illegal access)
             step, precond = _make_step(row, m, z, y, max(M, 1), amp)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
             times = time_steps(step, device, steps if row != "kwng_reference" else max(5, steps // 3), warmup)
             rec = {"mode": row, "num_basis": M or None, "median_ms": statistics.median(times), "min_ms": min(times),
                    "q25_ms": statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0],

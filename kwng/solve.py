@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import triton_ops
+
 __all__ = ["DAMPINGS", "METHODS", "WHITENINGS", "DAMPING_FLOOR", "default_rcond",
            "eig_whitening", "cholesky_whitening", "damping_vector", "stable_solve",
            "plain_solve", "combine", "loss_only_columns", "kwng_direction", "Direction"]
@@ -53,6 +55,22 @@ def default_rcond(M: int, dtype: torch.dtype) -> float:
     """``M ·`` the machine epsilon of ``dtype``: the default relative eigenvalue
     threshold."""
     return M * torch.finfo(dtype).eps
+
+
+def _left_mul(W: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
+    """``W T`` in ``T``'s dtype (a float32 ``T`` on the GPU: one Triton pass,
+    :func:`kwng.triton_ops.small_matmul`)."""
+    if triton_ops.solve_available(T):
+        return triton_ops.small_matmul(W, T)
+    return W.to(T.dtype) @ T
+
+
+def _weighted_gram(Tt: torch.Tensor, Dinv: torch.Tensor) -> torch.Tensor:
+    """``T̃ D⁻¹ T̃ᵀ`` in float64 (a float32 ``T̃`` on the GPU:
+    :func:`kwng.triton_ops.weighted_gram`, float64 sums of float32 partial sums)."""
+    if triton_ops.solve_available(Tt):
+        return triton_ops.weighted_gram(Tt, Dinv)
+    return ((Tt * Dinv[..., None, :]) @ Tt.mT).to(_F64)
 
 
 def _mv(A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +192,7 @@ def stable_solve(
     failed factorisations.
     """
     eye = torch.eye(Tt.shape[-2], dtype=_F64, device=Tt.device)
-    A = ((Tt * Dinv[..., None, :]) @ Tt.mT).to(_F64) + (eps / N) * eye
+    A = _weighted_gram(Tt, Dinv) + (eps / N) * eye
     if lam > 0:
         A = A + lam * eps * (W @ K.to(_F64) @ W.mT)
     v = _mv(Tt, Dg).to(_F64)
@@ -305,7 +323,7 @@ def kwng_direction(
     M = T.shape[-2]
     rcond = default_rcond(M, CCt.dtype) if rcond is None else rcond
     W, ok, rank, S = _whiten(CCt, whitening, rcond)  # also the rank for plain + "T"
-    Tt = W.to(T.dtype) @ T if method == "stable" or damping == "T_tilde" else None
+    Tt = _left_mul(W, T) if method == "stable" or damping == "T_tilde" else None
     Dvec, low, zero = damping_vector(damping, T, Tt, damping_floor)
     Dinv = 1.0 / Dvec
     Dg = Dinv * grad

@@ -1,0 +1,351 @@
+"""Triton kernels of the replicated engine: the per-copy batch-norm backward and the
+``R``-fold repeat of an activation.
+
+The replicated backward pass (:mod:`kwng.replicate`) takes ``R`` stacked cotangents
+``dy`` of one batch-norm layer and needs, for every copy ``r`` and channel ``c``,
+
+    dβ[r, c] = Σ_s dy[r, s, c],     dγ[r, c] = Σ_s dy[r, s, c] · x̂[s, c],
+    dx[r, s, c] = a[c] · dy[r, s, c] + b[r, c] + k[r, c] · x̂[s, c],
+
+with ``x̂ = (x − μ) σ⁻¹`` the normalised input of the (single) forward copy, ``a = γ σ⁻¹``,
+``b = −a dβ / S`` and ``k = −a dγ / S`` (``S`` = samples × pixels of one copy). Written
+with PyTorch operations this is seven passes over the ``R``-fold tensor; here it is two:
+a reduction that reads ``dy`` once (``x`` once per copy, mostly from L2) and writes
+per-split partial sums, then an elementwise pass that reads ``dy`` again and writes
+``dx``. Sums accumulate in float32 whatever the activations' dtype.
+
+Layout: ``dy`` as ``(R, S, C)`` and ``x`` as ``(S, C)`` with the channels contiguous
+(``channels_last`` 4-D tensors and 2-D ones); :func:`available` says whether a tensor
+qualifies (CUDA, Triton importable, that layout). Everything else uses the PyTorch
+operations of :mod:`kwng.replicate_layers`. With ``TRITON_INTERPRET=1`` the kernels run
+on CPU tensors (the test-suite checks them that way against the PyTorch operations).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+try:  # Triton is optional: without it (or on the CPU) the engine uses PyTorch operations
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+__all__ = [
+    "available",
+    "bn_backward",
+    "repeat",
+    "interleave",
+    "small_matmul",
+    "weighted_gram",
+]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(dy: torch.Tensor) -> bool:
+    """Whether :func:`bn_backward` runs on ``dy``'s device (CUDA, or the Triton
+    interpreter on the CPU) in ``dy``'s dtype."""
+    if triton is None or dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return dy.is_cuda or (_INTERPRET and dy.device.type == "cpu")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _reduce_kernel(
+        d_ptr,
+        x_ptr,
+        mean_ptr,
+        invstd_ptr,
+        part_ptr,
+        S,
+        C,
+        R,
+        TILES: tl.constexpr,
+        BS: tl.constexpr,
+        BC: tl.constexpr,
+    ):
+        pc = tl.program_id(0)
+        ps = tl.program_id(1)
+        r = tl.program_id(2)
+        cols = pc * BC + tl.arange(0, BC)
+        cmask = cols < C
+        mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0)
+        invstd = tl.load(invstd_ptr + cols, mask=cmask, other=0.0)
+        base = r.to(tl.int64) * S * C
+        acc_b = tl.zeros([BS, BC], dtype=tl.float32)
+        acc_g = tl.zeros([BS, BC], dtype=tl.float32)
+        start = ps * (TILES * BS)
+        for i in range(TILES):  # a constexpr trip count (the interpreter needs one)
+            rows = start + i * BS + tl.arange(0, BS)
+            m = (rows < S)[:, None] & cmask[None, :]
+            off = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            dv = tl.load(d_ptr + base + off, mask=m, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+            acc_b += dv
+            acc_g += dv * ((xv - mean[None, :]) * invstd[None, :])
+        out = part_ptr + (ps * R + r).to(tl.int64) * 2 * C
+        tl.store(out + cols, tl.sum(acc_b, 0), mask=cmask)
+        tl.store(out + C + cols, tl.sum(acc_g, 0), mask=cmask)
+
+    @triton.jit
+    def _dx_kernel(
+        d_ptr,
+        x_ptr,
+        dx_ptr,
+        mean_ptr,
+        invstd_ptr,
+        a_ptr,
+        b_ptr,
+        k_ptr,
+        S,
+        C,
+        BS: tl.constexpr,
+        BC: tl.constexpr,
+    ):
+        pss = tl.program_id(0)
+        pc = tl.program_id(1)
+        r = tl.program_id(2)
+        cols = pc * BC + tl.arange(0, BC)
+        cmask = cols < C
+        rows = pss * BS + tl.arange(0, BS)
+        m = (rows < S)[:, None] & cmask[None, :]
+        mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0)
+        invstd = tl.load(invstd_ptr + cols, mask=cmask, other=0.0)
+        a = tl.load(a_ptr + cols, mask=cmask, other=0.0)
+        b = tl.load(b_ptr + r * C + cols, mask=cmask, other=0.0)
+        k = tl.load(k_ptr + r * C + cols, mask=cmask, other=0.0)
+        off = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        base = r.to(tl.int64) * S * C
+        dv = tl.load(d_ptr + base + off, mask=m, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        xh = (xv - mean[None, :]) * invstd[None, :]
+        dx = a[None, :] * dv + b[None, :] + k[None, :] * xh
+        tl.store(dx_ptr + base + off, dx.to(dx_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _repeat_kernel(src_ptr, dst_ptr, numel, R: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < numel
+        v = tl.load(src_ptr + offs, mask=m)
+        for r in tl.static_range(R):
+            tl.store(dst_ptr + r * numel + offs, v, mask=m)
+
+    @triton.jit
+    def _interleave_kernel(
+        src_ptr, dst_ptr, P, L, R: tl.constexpr, BP: tl.constexpr, BL: tl.constexpr
+    ):
+        rows = tl.program_id(0).to(tl.int64) * BP + tl.arange(0, BP)
+        cols = tl.program_id(1) * BL + tl.arange(0, BL)
+        r = tl.program_id(2).to(tl.int64)
+        m = (rows < P)[:, None] & (cols < L)[None, :]
+        v = tl.load(src_ptr + (r * P + rows)[:, None] * L + cols[None, :], mask=m)
+        tl.store(dst_ptr + (rows * R + r)[:, None] * L + cols[None, :], v, mask=m)
+
+    @triton.jit
+    def _small_mm_kernel(
+        w_ptr, t_ptr, out_ptr, q, M: tl.constexpr, MP: tl.constexpr, BQ: tl.constexpr
+    ):
+        cols = tl.program_id(0).to(tl.int64) * BQ + tl.arange(0, BQ)
+        cm = cols < q
+        rows = tl.arange(0, MP)
+        rm = rows < M
+        acc = tl.zeros([MP, BQ], dtype=tl.float32)
+        tp = t_ptr + cols
+        for k in tl.static_range(M):
+            t = tl.load(tp, mask=cm, other=0.0)
+            wk = tl.load(w_ptr + rows * M + k, mask=rm, other=0.0)
+            acc += wk[:, None] * t[None, :]
+            tp += q
+        out = out_ptr + rows.to(tl.int64)[:, None] * q + cols[None, :]
+        tl.store(out, acc, mask=rm[:, None] & cm[None, :])
+
+    @triton.jit
+    def _gram_kernel(
+        t_ptr,
+        d_ptr,
+        part_ptr,
+        q,
+        M: tl.constexpr,
+        MP: tl.constexpr,
+        BQ: tl.constexpr,
+        TILES: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = tl.arange(0, MP)
+        rm = rows < M
+        acc = tl.zeros([MP, MP], dtype=tl.float32)
+        for i in range(TILES):
+            cols = (pid * TILES + i).to(tl.int64) * BQ + tl.arange(0, BQ)
+            cm = cols < q
+            m = rm[:, None] & cm[None, :]
+            t = tl.load(
+                t_ptr + rows.to(tl.int64)[:, None] * q + cols[None, :],
+                mask=m,
+                other=0.0,
+            )
+            dv = tl.load(d_ptr + cols, mask=cm, other=0.0)
+            acc += tl.dot(t * dv[None, :], tl.trans(t), input_precision="ieee")
+        tl.store(part_ptr + pid * MP * MP + rows[:, None] * MP + rows[None, :], acc)
+
+
+def repeat(
+    y0: torch.Tensor, R: int, memory_format: torch.memory_format
+) -> torch.Tensor:
+    """``R`` copies of ``y0`` stacked along dim 0 in ``memory_format`` (which ``y0`` must be
+    dense in): ``y0`` read once, written ``R`` times (``torch.cat`` reads it ``R`` times)."""
+    if not y0.is_contiguous(memory_format=memory_format):
+        raise ValueError("repeat needs y0 dense in the given memory format")
+    out = torch.empty(
+        (R * y0.shape[0],) + tuple(y0.shape[1:]),
+        dtype=y0.dtype,
+        device=y0.device,
+        memory_format=memory_format,
+    )
+    n = y0.numel()
+    BLOCK = 2048
+    _repeat_kernel[(triton.cdiv(n, BLOCK),)](y0, out, n, R=R, BLOCK=BLOCK)
+    return out
+
+
+def interleave(dy: torch.Tensor, R: int) -> torch.Tensor:
+    """``(R·N, C, H, W)`` → ``(N, R·C, H, W)`` in ``dy``'s memory format (which ``dy`` must
+    be dense in): copy ``r`` becomes channels ``r·C … (r+1)·C − 1``. One pass, rows of
+    ``C`` (channels_last) or ``C·H·W`` (NCHW) elements moved whole."""
+    fmt = (
+        torch.channels_last
+        if (
+            dy.is_contiguous(memory_format=torch.channels_last)
+            and not dy.is_contiguous()
+        )
+        else torch.contiguous_format
+    )
+    if not dy.is_contiguous(memory_format=fmt):
+        raise ValueError("interleave needs dy dense in its memory format")
+    RN, C, H, W = dy.shape
+    N = RN // R
+    out = torch.empty(
+        (N, R * C, H, W), dtype=dy.dtype, device=dy.device, memory_format=fmt
+    )
+    P, L = (N * H * W, C) if fmt == torch.channels_last else (N, C * H * W)
+    BL = min(128, triton.next_power_of_2(L))
+    BP = max(1, 4096 // BL)
+    grid = (triton.cdiv(P, BP), triton.cdiv(L, BL), R)
+    _interleave_kernel[grid](dy, out, P, L, R=R, BP=BP, BL=BL)
+    return out
+
+
+def solve_available(T: torch.Tensor) -> bool:
+    """Whether :func:`small_matmul` and :func:`weighted_gram` take ``T``: a contiguous
+    float32 ``(M, q)`` matrix with ``M ≤ 64`` where :func:`available` holds."""
+    return (
+        T.dim() == 2
+        and T.dtype == torch.float32
+        and T.shape[0] <= 64
+        and T.is_contiguous()
+        and available(T)
+    )
+
+
+def small_matmul(W: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
+    """``W @ T`` for a small square ``W`` ``(M, M)`` and a wide ``T`` ``(M, q)`` (float32):
+    one pass over ``T`` (cuBLAS picks a slow tile shape for this product)."""
+    M, q = T.shape
+    W = W.to(torch.float32).contiguous()
+    out = torch.empty_like(T)
+    MP = triton.next_power_of_2(M)
+    BQ = max(32, 4096 // MP)
+    _small_mm_kernel[(triton.cdiv(q, BQ),)](W, T, out, q, M=M, MP=MP, BQ=BQ)
+    return out
+
+
+def weighted_gram(T: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``(T · diag(d)) Tᵀ`` as float64 ``(M, M)`` for a wide float32 ``T`` ``(M, q)``:
+    per-program float32 sums over column tiles, added in float64."""
+    M, q = T.shape
+    MP = max(16, triton.next_power_of_2(M))  # tl.dot takes blocks of 16 rows or more
+    BQ = 128
+    tiles = triton.cdiv(q, BQ)
+    per = max(1, triton.cdiv(tiles, 4 * _multiprocessors(T.device)))
+    progs = triton.cdiv(tiles, per)
+    part = torch.empty((progs, MP, MP), dtype=torch.float32, device=T.device)
+    _gram_kernel[(progs,)](
+        T, d.to(torch.float32).contiguous(), part, q, M=M, MP=MP, BQ=BQ, TILES=per
+    )
+    return part.sum(0, dtype=torch.float64)[:M, :M]
+
+
+def _blocks(C: int) -> tuple[int, int]:
+    BC = min(64, triton.next_power_of_2(C))
+    return max(16, 4096 // BC), BC  # about 4096 elements a tile
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def bn_backward(
+    d: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    scale: torch.Tensor,
+    use_batch: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dγ, dβ)`` of ``R`` copies: ``d`` is ``(R, S, C)`` and ``x`` ``(S, C)``, both
+    with unit channel stride and rows of stride ``C``; ``mean``, ``invstd`` and ``scale``
+    (``a = γ σ⁻¹``) are float32 ``(C,)``. ``use_batch=False`` (normalisation by running
+    statistics) drops ``b`` and ``k``. Returns ``dx`` shaped like ``d`` in ``d``'s dtype and
+    ``dγ``, ``dβ`` as float32 ``(R, C)``."""
+    R, S, C = d.shape
+    if x.shape != (S, C) or d.stride() != (S * C, C, 1) or x.stride() != (C, 1):
+        raise ValueError(
+            f"bn_backward needs d (R, S, C) and x (S, C) with contiguous "
+            f"channels, got {tuple(d.shape)} strides {d.stride()} and "
+            f"{tuple(x.shape)} strides {x.stride()}"
+        )
+    BS, BC = _blocks(C)
+    nc = triton.cdiv(C, BC)
+    # enough programs to fill the GPU (about 4 per multiprocessor), each at least one tile
+    target = 4 * _multiprocessors(d.device)
+    split = max(1, min(triton.cdiv(S, BS), triton.cdiv(target, nc * R)))
+    rows_per_split = triton.cdiv(triton.cdiv(S, split), BS) * BS
+    split = triton.cdiv(S, rows_per_split)
+    f32 = torch.float32
+    part = torch.empty((split, R, 2, C), dtype=f32, device=d.device)
+    _reduce_kernel[(nc, split, R)](
+        d, x, mean, invstd, part, S, C, R, TILES=rows_per_split // BS, BS=BS, BC=BC
+    )
+    sums = part.sum(0)
+    dbeta, dgamma = sums[:, 0], sums[:, 1]
+    if use_batch:
+        b, k = -(scale * dbeta) / S, -(scale * dgamma) / S
+    else:
+        b = k = torch.zeros((R, C), dtype=f32, device=d.device)
+    dx = torch.empty_like(d)
+    _dx_kernel[(triton.cdiv(S, BS), nc, R)](
+        d,
+        x,
+        dx,
+        mean,
+        invstd,
+        scale,
+        b.contiguous(),
+        k.contiguous(),
+        S,
+        C,
+        BS=BS,
+        BC=BC,
+    )
+    return dx, dgamma, dbeta
