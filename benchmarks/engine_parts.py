@@ -163,7 +163,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     for dt in (torch.float32, torch.bfloat16):
         print(
-            f"\n{dt} channels_last, N = {a.batch}, R = {a.copies} (ms, summed over layers)"
+            f"\n{dt} channels_last, N = {a.batch}, R = {a.copies} "
+            "(ms, summed over layers)"
         )
         for part in (repeat_parts, wgrad_parts, bn_parts):
             for k, v in part(a.batch, a.copies, dt).items():

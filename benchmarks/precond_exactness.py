@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch import nn
 from kwng.estimator import jacobian_from_outputs
 from kwng.nets import resnet18
 from kwng.precond import KWNGPreconditioner
+from kwng.provenance import atomic_write_json, index_provenance, make_provenance
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -163,8 +165,12 @@ def main() -> None:
         }
         print(name, json.dumps(out[name]))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        path = Path(a.json)
+        if path.exists():
+            raise SystemExit(f"{path} exists (a committed result?): use another --json")
+        prov = make_provenance(vars(a), seeds={"torch": 0}, device=str(dev))
+        atomic_write_json(path, {"results": out, "provenance": prov})
+        index_provenance(path.parent)
 
 
 if __name__ == "__main__":

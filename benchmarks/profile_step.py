@@ -1,12 +1,12 @@
-"""Where the GPU time of a training step goes: CUDA kernel time per step, by kind of kernel.
+"""Where the GPU time of a training step goes: kernel time per step, by kind of kernel.
 
 python benchmarks/profile_step.py [--configs bf16_channels_last,fp32_channels_last]
     [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis 5] [--top 12]
 
-For every (configuration, mode) it profiles a few steps of :func:`kwng.bench._make_step`
-(the rows of ``python -m kwng.bench``) with ``torch.profiler`` and prints the summed kernel
-time per step (the GPU work, whatever the host adds), split into kinds recognised from the
-kernel names (convolution forward, data and weight gradients, GEMM, batch norm,
+For every (configuration, mode) it profiles a few steps of ``kwng.bench._make_step``
+(the rows of ``python -m kwng.bench``) with ``torch.profiler`` and prints the summed
+kernel time per step (the GPU work, whatever the host adds), split into kinds named
+from the kernel names (convolution forward, data and weight gradients, GEMM, batch norm,
 elementwise, reductions, copies), and the most expensive kernels. A tuning aid: the
 numbers to report come from ``python -m kwng.bench``.
 """
@@ -106,8 +106,8 @@ def main() -> None:
                 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
             )
             print(
-                f"\n== {config} {mode} M={a.num_basis}: {total / 1e3:.2f} ms of kernels "
-                f"per step\n   by kind (ms): {kinds}"
+                f"\n== {config} {mode} M={a.num_basis}: {total / 1e3:.2f} ms of "
+                f"kernels per step\n   by kind (ms): {kinds}"
             )
             for name, t in sorted(times.items(), key=lambda kv: -kv[1])[: a.top]:
                 print(f"   {t / 1e3:7.3f} ms  {kind_of(name):11s} {name[:110]}")

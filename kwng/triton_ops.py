@@ -1,24 +1,29 @@
-"""Triton kernels of the replicated engine: the per-copy batch-norm backward and the
-``R``-fold repeat of an activation.
+"""Triton kernels of the fast KWNG step: where PyTorch operations cost several passes
+over memory, or cuBLAS picks a poor kernel, one kernel does the job in one or two.
 
-The replicated backward pass (:mod:`kwng.replicate`) takes ``R`` stacked cotangents
-``dy`` of one batch-norm layer and needs, for every copy ``r`` and channel ``c``,
+* :func:`bn_backward` — the per-copy batch-norm backward of the replicated engine
+  (:mod:`kwng.replicate`). For ``R`` stacked cotangents ``dy`` of one layer it needs,
+  for every copy ``r`` and channel ``c``::
 
-    dβ[r, c] = Σ_s dy[r, s, c],     dγ[r, c] = Σ_s dy[r, s, c] · x̂[s, c],
-    dx[r, s, c] = a[c] · dy[r, s, c] + b[r, c] + k[r, c] · x̂[s, c],
+      dβ[r, c] = Σ_s dy[r, s, c],     dγ[r, c] = Σ_s dy[r, s, c] · x̂[s, c],
+      dx[r, s, c] = a[c] · dy[r, s, c] + b[r, c] + k[r, c] · x̂[s, c],
 
-with ``x̂ = (x − μ) σ⁻¹`` the normalised input of the (single) forward copy, ``a = γ σ⁻¹``,
-``b = −a dβ / S`` and ``k = −a dγ / S`` (``S`` = samples × pixels of one copy). Written
-with PyTorch operations this is seven passes over the ``R``-fold tensor; here it is two:
-a reduction that reads ``dy`` once (``x`` once per copy, mostly from L2) and writes
-per-split partial sums, then an elementwise pass that reads ``dy`` again and writes
-``dx``. Sums accumulate in float32 whatever the activations' dtype.
+  with ``x̂ = (x − μ) σ⁻¹`` the normalised input of the one forward copy, ``a = γ σ⁻¹``,
+  ``b = −a dβ / S`` and ``k = −a dγ / S`` (``S`` = samples × pixels of a copy). With
+  PyTorch operations this is seven passes over the ``R``-fold tensor; here it is two: a
+  reduction reading ``dy`` once (``x`` once per copy, mostly from L2) and writing
+  per-split partial sums, then an elementwise pass. Sums accumulate in float32.
+* :func:`repeat` — the ``R``-fold copy of an activation in the replicated forward,
+  reading it once (``torch.cat`` reads it ``R`` times).
+* :func:`interleave` — the relayout that stacks the ``R`` copies of an output gradient
+  along the channels, for one weight-gradient call per convolution.
+* :func:`small_matmul` and :func:`weighted_gram` — ``W T`` and ``T D⁻¹ Tᵀ`` for the
+  ``M × q`` matrices of the Nyström solve (``M`` small, ``q`` the parameter count), one
+  pass over ``T`` each; the Gram matrix is summed in float64.
 
-Layout: ``dy`` as ``(R, S, C)`` and ``x`` as ``(S, C)`` with the channels contiguous
-(``channels_last`` 4-D tensors and 2-D ones); :func:`available` says whether a tensor
-qualifies (CUDA, Triton importable, that layout). Everything else uses the PyTorch
-operations of :mod:`kwng.replicate_layers`. With ``TRITON_INTERPRET=1`` the kernels run
-on CPU tensors (the test-suite checks them that way against the PyTorch operations).
+:func:`available` says where they run: CUDA tensors when Triton imports, and CPU tensors
+under ``TRITON_INTERPRET=1`` (Triton's interpreter, how the test-suite checks them
+against the PyTorch operations). Everywhere else the callers use PyTorch operations.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-try:  # Triton is optional: without it (or on the CPU) the engine uses PyTorch operations
+try:  # optional: without Triton (or on the CPU) the engine uses PyTorch operations
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the installation
@@ -200,8 +205,9 @@ if triton is not None:
 def repeat(
     y0: torch.Tensor, R: int, memory_format: torch.memory_format
 ) -> torch.Tensor:
-    """``R`` copies of ``y0`` stacked along dim 0 in ``memory_format`` (which ``y0`` must be
-    dense in): ``y0`` read once, written ``R`` times (``torch.cat`` reads it ``R`` times)."""
+    """``R`` copies of ``y0`` stacked along dim 0 in ``memory_format`` (which ``y0``
+    must be dense in): ``y0`` read once, written ``R`` times (``torch.cat`` reads it
+    ``R`` times)."""
     if not y0.is_contiguous(memory_format=memory_format):
         raise ValueError("repeat needs y0 dense in the given memory format")
     out = torch.empty(
@@ -217,9 +223,9 @@ def repeat(
 
 
 def interleave(dy: torch.Tensor, R: int) -> torch.Tensor:
-    """``(R·N, C, H, W)`` → ``(N, R·C, H, W)`` in ``dy``'s memory format (which ``dy`` must
-    be dense in): copy ``r`` becomes channels ``r·C … (r+1)·C − 1``. One pass, rows of
-    ``C`` (channels_last) or ``C·H·W`` (NCHW) elements moved whole."""
+    """``(R·N, C, H, W)`` → ``(N, R·C, H, W)`` in ``dy``'s memory format (which ``dy``
+    must be dense in): copy ``r`` becomes channels ``r·C … (r+1)·C − 1``. One pass,
+    rows of ``C`` (channels_last) or ``C·H·W`` (NCHW) elements moved whole."""
     fmt = (
         torch.channels_last
         if (
@@ -256,8 +262,9 @@ def solve_available(T: torch.Tensor) -> bool:
 
 
 def small_matmul(W: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
-    """``W @ T`` for a small square ``W`` ``(M, M)`` and a wide ``T`` ``(M, q)`` (float32):
-    one pass over ``T`` (cuBLAS picks a slow tile shape for this product)."""
+    """``W @ T`` for a small square ``W`` ``(M, M)`` and a wide float32 ``T``
+    ``(M, q)``: one pass over ``T`` (cuBLAS picks a slow tile shape for this
+    product)."""
     M, q = T.shape
     W = W.to(torch.float32).contiguous()
     out = torch.empty_like(T)
@@ -303,10 +310,11 @@ def bn_backward(
     scale: torch.Tensor,
     use_batch: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx, dγ, dβ)`` of ``R`` copies: ``d`` is ``(R, S, C)`` and ``x`` ``(S, C)``, both
-    with unit channel stride and rows of stride ``C``; ``mean``, ``invstd`` and ``scale``
-    (``a = γ σ⁻¹``) are float32 ``(C,)``. ``use_batch=False`` (normalisation by running
-    statistics) drops ``b`` and ``k``. Returns ``dx`` shaped like ``d`` in ``d``'s dtype and
+    """``(dx, dγ, dβ)`` of ``R`` copies: ``d`` is ``(R, S, C)`` and ``x`` ``(S, C)``,
+    both with unit channel stride and rows of stride ``C``; ``mean``, ``invstd`` and
+    ``scale`` (``a = γ σ⁻¹``) are float32 ``(C,)``. ``use_batch=False`` (running
+    statistics) drops ``b`` and ``k``. Returns ``dx`` shaped like ``d`` in
+    ``d``'s dtype and
     ``dγ``, ``dβ`` as float32 ``(R, C)``."""
     R, S, C = d.shape
     if x.shape != (S, C) or d.stride() != (S * C, C, 1) or x.stride() != (C, 1):
@@ -317,7 +325,7 @@ def bn_backward(
         )
     BS, BC = _blocks(C)
     nc = triton.cdiv(C, BC)
-    # enough programs to fill the GPU (about 4 per multiprocessor), each at least one tile
+    # enough programs to fill the GPU (about 4 per multiprocessor), each >= one tile
     target = 4 * _multiprocessors(d.device)
     split = max(1, min(triton.cdiv(S, BS), triton.cdiv(target, nc * R)))
     rows_per_split = triton.cdiv(triton.cdiv(S, split), BS) * BS

@@ -1,0 +1,181 @@
+"""Checks of :mod:`kwng.triton_ops` under Triton's interpreter, run by
+``tests/test_triton_ops.py`` in a subprocess with ``TRITON_INTERPRET=1`` (the variable
+must be set before Triton is imported, so these cannot run in the main test process).
+
+Every kernel is compared with the PyTorch operations it replaces, and the fast KWNG
+path, which then goes through the kernels on CPU tensors, with serial autograd passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import kwng.nets
+from kwng import replicate_layers, solve, triton_ops
+from kwng.estimator import jacobian_from_outputs
+from kwng.precond import KWNGPreconditioner
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or triton_ops.triton is None,
+    reason="needs Triton and TRITON_INTERPRET=1 (run through tests/test_triton_ops.py)",
+)
+CL = torch.channels_last
+
+
+def _bn_reference(d, x, mean, invstd, scale, use_batch):
+    S = x.shape[0]
+    xh = (x.double() - mean.double()) * invstd.double()
+    db, dg = d.double().sum(1), (d.double() * xh).sum(1)
+    dx = scale.double() * d.double()
+    if use_batch:
+        dx = dx - (scale * db)[:, None] / S - xh * (scale * dg)[:, None] / S
+    return dx, dg, db
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_batch", [True, False])
+@pytest.mark.parametrize("shape", [(3, 50, 7), (2, 300, 130)])
+def test_bn_backward_equals_the_formulas(dtype, use_batch, shape):
+    R, S, C = shape
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(R, S, C, generator=g).to(dtype)
+    x = torch.randn(S, C, generator=g).to(dtype)
+    mean = x.float().mean(0)
+    invstd = torch.rsqrt(x.float().var(0, unbiased=False) + 1e-5)
+    scale = invstd * torch.randn(C, generator=g)
+    dx, dg, db = triton_ops.bn_backward(d, x, mean, invstd, scale, use_batch)
+    rdx, rdg, rdb = _bn_reference(d, x, mean, invstd, scale, use_batch)
+    assert dx.dtype == dtype and dx.shape == d.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for got, ref in ((dx, rdx), (dg, rdg), (db, rdb)):
+        assert float((got.double() - ref).abs().max()) <= tol * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("fmt", [CL, torch.contiguous_format])
+def test_repeat_and_interleave_equal_their_pytorch_forms(fmt):
+    y0 = torch.randn(4, 5, 6, 6).contiguous(memory_format=fmt)
+    out = triton_ops.repeat(y0, 3, fmt)
+    assert torch.equal(out, torch.cat([y0] * 3))
+    assert out.is_contiguous(memory_format=fmt)
+    flat = torch.randn(4, 7)
+    assert torch.equal(
+        triton_ops.repeat(flat, 2, torch.contiguous_format), torch.cat([flat] * 2)
+    )
+    dy = torch.randn(3 * 4, 5, 6, 6).contiguous(memory_format=fmt)
+    ref = torch.empty((4, 15, 6, 6)).contiguous(memory_format=fmt)
+    ref.view(4, 3, 5, 6, 6).copy_(dy.view(3, 4, 5, 6, 6).transpose(0, 1))
+    got = triton_ops.interleave(dy, 3)
+    assert torch.equal(got, ref) and got.is_contiguous(memory_format=fmt)
+
+
+@pytest.mark.parametrize("M,q", [(1, 50), (5, 1000), (20, 333)])
+def test_small_products_of_the_solve(M, q):
+    g = torch.Generator().manual_seed(M)
+    T, W, d = (
+        torch.randn(M, q, generator=g),
+        torch.randn(M, M, generator=g),
+        torch.rand(q),
+    )
+    assert triton_ops.solve_available(T)
+    ref = W.double() @ T.double()
+    got = solve._left_mul(W, T)
+    assert float((got.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    gram = (T.double() * d.double()) @ T.double().T
+    got = solve._weighted_gram(T, d)
+    assert got.dtype == torch.float64
+    assert float((got - gram).abs().max()) <= 1e-6 * float(gram.abs().max())
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return kwng.nets.ResNet18(10, widths=(4, 8, 8, 8)).to(memory_format=CL)
+
+
+def _batch(N=12):
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(N, 3, 8, 8, generator=g).contiguous(memory_format=CL)
+    return z, torch.randint(0, 10, (N,), generator=g)
+
+
+def _calls(monkeypatch):
+    """Count the kernel calls made through the engine."""
+    seen = {"bn": 0, "repeat": 0, "interleave": 0}
+    for name, key in (
+        ("bn_backward", "bn"),
+        ("repeat", "repeat"),
+        ("interleave", "interleave"),
+    ):
+        fn = getattr(triton_ops, name)
+
+        def counted(*a, _fn=fn, _key=key, **k):
+            seen[_key] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(triton_ops, name, counted)
+    monkeypatch.setattr(replicate_layers, "STACKED_WGRAD", True)
+    return seen
+
+
+def test_fast_path_through_the_kernels_equals_serial_vjps(monkeypatch):
+    """fp32 channels_last BN ResNet in train mode: g and T of the replicated backward
+    (batch norm, repeats and relayouts through the kernels, as on a GPU) agree with
+    serial autograd VJPs as closely as fp32 allows (1e-4)."""
+    seen = _calls(monkeypatch)
+    z, y = _batch()
+    model = _model()
+    C = torch.randn(4, 12, 10, generator=torch.Generator().manual_seed(1))
+    plain = copy.deepcopy(model)
+    X = plain(z)
+    g_ref = torch.cat(
+        [
+            t.reshape(-1)
+            for t in torch.autograd.grad(
+                nn.functional.cross_entropy(X, y),
+                list(plain.parameters()),
+                retain_graph=True,
+            )
+        ]
+    )
+    T_ref = jacobian_from_outputs(X, list(plain.parameters()), C, retain_graph=False)
+    pc = KWNGPreconditioner(model, num_basis=4, adapt_eps=False)
+    X = model(z)
+    g, T = pc._gradients(nn.functional.cross_entropy(X, y), X, C, pc.params)
+    assert seen["bn"] > 0 and seen["repeat"] > 0 and seen["interleave"] > 0
+    for got, ref in ((g, g_ref), (T, T_ref)):
+        assert float((got - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_fast_direction_with_unused_and_frozen_parameters_equals_reference(monkeypatch):
+    """The whole fast step through the kernels (and the Triton products of the solve)
+    on a model with an unused and a frozen parameter equals the reference direction."""
+    seen = _calls(monkeypatch)
+    z, y = _batch()
+    dirs = {}
+    for mode in ("fast", "reference"):
+        model = _model()
+        model.unused = nn.Linear(3, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pc = KWNGPreconditioner(
+            model,
+            optimizer=opt,
+            num_basis=4,
+            eps=1e-3,
+            clip_norm=None,
+            mode=mode,
+            generator=torch.Generator().manual_seed(5),
+        )
+        model.layers[0].conv1.weight.requires_grad_(False)
+        X = model(z)
+        pc.step(nn.functional.cross_entropy(X, y), X)
+        assert model.layers[0].conv1.weight.grad is None
+        dirs[mode] = torch.cat(
+            [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
+        )
+    assert seen["bn"] > 0
+    rel = float((dirs["fast"] - dirs["reference"]).norm() / dirs["reference"].norm())
+    assert rel < 1e-4
