@@ -7,6 +7,7 @@ its docstring and in :mod:`kwng.replicate`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -41,13 +42,21 @@ def replicated_gradients(
     (gX,) = torch.autograd.grad(loss, X0, retain_graph=bool(direct))
     V = torch.cat([gX.detach()[None], Vc.to(gX.dtype)], 0).reshape(-1, X0.shape[1])
     G = eng.backward(V, params)
-    rows = []
+    # every parameter's M + 1 gradients copied once into its columns (layout and dtype
+    # in the same pass)
+    dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
+    q = sum(p.numel() for p in params)
+    Gall = torch.empty((M + 1, q), dtype=dtype, device=params[0].device)
+    offset = 0
     for p in params:
+        n = p.numel()
+        dst = Gall[:, offset:offset + n].view((M + 1,) + tuple(p.shape))
+        offset += n
         Gp = G.get(id(p))
         if Gp is None:  # a parameter the forward did not use
-            Gp = torch.zeros((M + 1,) + tuple(p.shape), dtype=p.dtype, device=p.device)
+            dst.zero_()
+        else:
+            dst.copy_(Gp)
         if id(p) in g_direct:
-            Gp = torch.cat([g_direct[id(p)][None].to(Gp.dtype), Gp[1:]], 0)
-        rows.append(Gp.reshape(M + 1, -1))
-    Gall = torch.cat(rows, 1)
+            dst[0].copy_(g_direct[id(p)])
     return Gall[0], Gall[1:]

@@ -157,9 +157,9 @@ class _Conv(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             stacked = STACKED_WGRAD and (dy.is_cuda or triton_ops.available(dy))
             wgrad = _wgrad_stacked if stacked else _wgrad_loop
-            G = wgrad(dy, x0, w, R, args).to(weight.dtype)
+            G = wgrad(dy, x0, w, R, args)  # cast when copied into T (one pass)
             st.grads[id(weight)] = G
-            gw = G[0]
+            gw = G[0].to(weight.dtype)
         if has_bias and ctx.needs_input_grad[2]:
             gb = (
                 _split(dy, R)
@@ -198,11 +198,10 @@ class _Linear(torch.autograd.Function):
         dyr = dy.reshape(R, -1, w.shape[0])  # (R, N·…, out)
         gw = db = None
         if ctx.needs_input_grad[1]:
-            G = torch.matmul(dyr.transpose(1, 2), x0.reshape(-1, w.shape[1])).to(
-                weight.dtype
-            )  # (R, out, in)
+            # (R, out, in), cast when copied into T
+            G = torch.matmul(dyr.transpose(1, 2), x0.reshape(-1, w.shape[1]))
             st.grads[id(weight)] = G
-            gw = G[0]
+            gw = G[0].to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             gb = dyr.sum(1, dtype=torch.promote_types(dy.dtype, torch.float32)).to(
                 bias.dtype
