@@ -174,32 +174,23 @@ if triton is not None:
         tl.store(out, acc, mask=rm[:, None] & cm[None, :])
 
     @triton.jit
-    def _gram_kernel(
-        t_ptr,
-        d_ptr,
-        part_ptr,
-        q,
-        M: tl.constexpr,
-        MP: tl.constexpr,
-        BQ: tl.constexpr,
-        TILES: tl.constexpr,
-    ):
+    def _gram_kernel(t_ptr, d_ptr, part_ptr, q, M: tl.constexpr, BQ: tl.constexpr):
+        # one column tile, every pair (i, j ≤ i): the rows are read from L1/L2 again
         pid = tl.program_id(0)
-        rows = tl.arange(0, MP)
-        rm = rows < M
-        acc = tl.zeros([MP, MP], dtype=tl.float32)
-        for i in range(TILES):
-            cols = (pid * TILES + i).to(tl.int64) * BQ + tl.arange(0, BQ)
-            cm = cols < q
-            m = rm[:, None] & cm[None, :]
-            t = tl.load(
-                t_ptr + rows.to(tl.int64)[:, None] * q + cols[None, :],
-                mask=m,
-                other=0.0,
-            )
-            dv = tl.load(d_ptr + cols, mask=cm, other=0.0)
-            acc += tl.sum((t * dv[None, :])[:, None, :] * t[None, :, :], axis=2)
-        tl.store(part_ptr + pid * MP * MP + rows[:, None] * MP + rows[None, :], acc)
+        cols = pid.to(tl.int64) * BQ + tl.arange(0, BQ)
+        cm = cols < q
+        dv = tl.load(d_ptr + cols, mask=cm, other=0.0)
+        out = part_ptr + pid * M * M
+        row_i = t_ptr + cols
+        for i in tl.static_range(M):
+            ti = tl.load(row_i, mask=cm, other=0.0) * dv
+            row_j = t_ptr + cols
+            for j in tl.static_range(i + 1):
+                s = tl.sum(ti * tl.load(row_j, mask=cm, other=0.0), axis=0)
+                tl.store(out + i * M + j, s)
+                tl.store(out + j * M + i, s)
+                row_j += q
+            row_i += q
 
 
 def repeat(
@@ -249,13 +240,18 @@ def interleave(dy: torch.Tensor, R: int) -> torch.Tensor:
     return out
 
 
+#: The largest ``M`` of :func:`weighted_gram` (its kernel unrolls the ``M (M + 1) / 2``
+#: pairs).
+GRAM_MAX_M = 24
+
+
 def solve_available(T: torch.Tensor) -> bool:
     """Whether :func:`small_matmul` and :func:`weighted_gram` take ``T``: a contiguous
-    float32 ``(M, q)`` matrix with ``M ≤ 64`` where :func:`available` holds."""
+    float32 ``(M, q)`` matrix with ``M ≤ GRAM_MAX_M`` where :func:`available` holds."""
     return (
         T.dim() == 2
         and T.dtype == torch.float32
-        and T.shape[0] <= 64
+        and T.shape[0] <= GRAM_MAX_M
         and T.is_contiguous()
         and available(T)
     )
@@ -275,21 +271,16 @@ def small_matmul(W: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_gram(T: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``(T · diag(d)) Tᵀ`` as float64 ``(M, M)`` for a wide float32 ``T`` ``(M, q)``:
-    per-program float32 sums over column tiles, added in float64."""
+    """``(T · diag(d)) Tᵀ`` as float64 ``(M, M)`` for a wide float32 ``T`` ``(M, q)``
+    (``M ≤ GRAM_MAX_M``): float32 sums over tiles of 2048 columns, added in float64."""
     M, q = T.shape
-    MP = triton.next_power_of_2(M)
-    BQ = max(16, 8192 // (MP * MP))  # the (MP, MP, BQ) products of a tile in registers
-    tiles = triton.cdiv(q, BQ)
-    # many programs (64 a multiprocessor) keep enough loads in flight: with 4 a
-    # multiprocessor the kernel ran at a tenth of the memory bandwidth on an H200
-    per = max(1, triton.cdiv(tiles, 64 * _multiprocessors(T.device)))
-    progs = triton.cdiv(tiles, per)
-    part = torch.empty((progs, MP, MP), dtype=torch.float32, device=T.device)
-    _gram_kernel[(progs,)](
-        T, d.to(torch.float32).contiguous(), part, q, M=M, MP=MP, BQ=BQ, TILES=per
-    )
-    return part.sum(0, dtype=torch.float64)[:M, :M]
+    if M > GRAM_MAX_M:
+        raise ValueError(f"weighted_gram takes M <= {GRAM_MAX_M} rows, got {M}")
+    BQ = 2048
+    progs = triton.cdiv(q, BQ)
+    part = torch.empty((progs, M, M), dtype=torch.float32, device=T.device)
+    _gram_kernel[(progs,)](T, d.to(torch.float32).contiguous(), part, q, M=M, BQ=BQ)
+    return part.sum(0, dtype=torch.float64)
 
 
 def _blocks(C: int) -> tuple[int, int]:
@@ -327,8 +318,8 @@ def bn_backward(
         )
     BS, BC = _blocks(C)
     nc = triton.cdiv(C, BC)
-    # enough programs to keep loads in flight (16 a multiprocessor), each >= one tile
-    target = 16 * _multiprocessors(d.device)
+    # about 4 programs a multiprocessor (16 measured slower on an H200), each >= a tile
+    target = 4 * _multiprocessors(d.device)
     split = max(1, min(triton.cdiv(S, BS), triton.cdiv(target, nc * R)))
     rows_per_split = triton.cdiv(triton.cdiv(S, split), BS) * BS
     split = triton.cdiv(S, rows_per_split)
