@@ -18,9 +18,17 @@ This module does it as **one** backward pass of an ``R·N`` batch:
   samples of a copy, never two copies;
 * the backward pass receives the stacked cotangent ``(∂L/∂X, C_1/N, …, C_M/N)`` and
   every layer propagates all ``R·N`` signals at once; the weight gradient of copy ``r``
-  is formed from the layer's input (one copy) and copy ``r``'s output gradient: ``R``
-  calls per layer on contiguous slices of the output gradient (one call with the copies
-  stacked along the output channels needs a relayout and measured slower).
+  is formed from the layer's input (one copy) and copy ``r``'s output gradient. On the
+  GPU a convolution does this in one call, with the copies' output gradients stacked
+  along the output channels (``replicate_layers.STACKED_WGRAD``); elsewhere in ``R``
+  calls on slices of the output gradient.
+
+On the GPU the passes that PyTorch operations would spread over many kernels are Triton
+kernels (:mod:`kwng.triton_ops`): the per-copy batch-norm backward (two passes over the
+``R``-fold gradient instead of seven), the ``R``-fold repeat of an activation (read
+once) and the relayout for the stacked weight gradients. A step on the paper's
+ResNet-18 costs about one forward and backward pass at batch ``R·N``
+(``python -m kwng.bench``; the deep-learning chapter gives the table).
 
 Copy ``0`` gives ``g`` (also returned to autograd, so a plain ``loss.backward()`` on a
 replicated forward still leaves the true gradient in ``p.grad``), copies ``1..M`` give

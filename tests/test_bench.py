@@ -5,6 +5,7 @@ provenance and its refusal to replace an existing result are.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,48 @@ def test_bench_refuses_to_replace_a_result_and_checks_its_arguments(tmp_path):
         bench.main(
             ["--device", "cpu", "--num-basis", "0", "--out", str(tmp_path / "x.json")]
         )
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "benchmarks"
+
+
+def test_committed_step_cost_table_is_complete_and_traceable():
+    """The committed GPU table: every configuration × row × M of the benchmark,
+    each with its precision, memory format, mode and ratio to the SGD row of its
+    configuration; the provenance names the commit and the GPU."""
+    rec = json.loads((RESULTS / "step_cost.json").read_text())
+    prov = rec["provenance"]
+    assert len(prov["git_commit"]) >= 7 and "cuda" in prov["command"] + str(
+        prov["config"]
+    )
+    assert rec["device"].startswith("NVIDIA") and rec["model"] == "resnet18"
+    assert rec["batch_size"] == 128
+    rows = {
+        (r["precision"], r["memory_format"], r["mode"], r["num_basis"]): r
+        for r in rec["rows"]
+    }
+    for name in bench.CONFIGS:
+        prec = "bf16_autocast" if name.startswith("bf16") else "fp32"
+        fmt = "channels_last" if name.endswith("channels_last") else "nchw"
+        sgd = rows[(prec, fmt, "sgd", None)]["median_ms"]
+        for mode in bench.ROWS:
+            for M in (None,) if mode in ("sgd", "sgd_graph", "fwd_bwd_N") else (5, 20):
+                r = rows[(prec, fmt, mode, M)]
+                assert r["median_ms"] > 0 and r["steps"] >= 5
+                assert r["ratio_to_sgd"] == pytest.approx(r["median_ms"] / sgd)
+                assert r["peak_mem_mb"] > 0
+
+
+def test_committed_exactness_record_is_traceable():
+    rec = json.loads((RESULTS / "precond_exactness.json").read_text())
+    assert rec["provenance"]["device"].startswith("NVIDIA")
+    assert len(rec["provenance"]["git_commit"]) >= 7
+    res = rec["results"]
+    assert set(res) == {
+        "float64",
+        "fp32_nchw",
+        "fp32_channels_last",
+        "bf16_channels_last",
+    }
+    for name in ("fp32_nchw", "fp32_channels_last", "bf16_channels_last"):
+        assert res[name]["serial_steps"] == 0  # the fast path ran, not the fallback
