@@ -16,6 +16,7 @@ The package behind the kwng book. Public API:
 """
 
 from .config import is_full, pick, scale
+from .cuda_graphs import capture_step
 from .estimator import (
     KWNGResult,
     damping_vector,
@@ -65,7 +66,7 @@ __all__ = [
     "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
     "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
     "KWNGPreconditioner", "KWNGConfig", "LevenbergMarquardt", "eps_from_authors",
-    "relative_error",
+    "capture_step", "relative_error",
 ]
 
 

@@ -12,8 +12,8 @@ bf16 autocast + ``channels_last`` — and for each configuration the rows
   20); ``diag_fast``: ``diagonal_only=True`` (``D⁻¹ g``, the ablation of App. E);
 * ``sgd_graph`` / ``kwng_fast_graph``: the step captured once in a CUDA graph and replayed
   (possible for KWNG because the fast step never synchronises with the host); the step size
-  and the batch are then fixed at capture, as in any graph-captured training loop. The
-  capture runs with ``cudnn.benchmark`` off (see :func:`_make_step`).
+  and the batch are then fixed at capture, as in any graph-captured training loop
+  (:func:`kwng.cuda_graphs.capture_step`).
 
 Each row is timed after warm-up steps, with a device synchronisation after every step; the median
 is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory.
@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .cuda_graphs import capture_step
 from .nets import mlp, resnet18
 from .precond import KWNGPreconditioner
 from .provenance import atomic_write_json, index_provenance, make_provenance
@@ -108,25 +109,7 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num
     if graph:  # the whole step captured once and replayed: no Python or launch cost per step
         if z.device.type != "cuda":
             raise ValueError("the *_graph rows need a CUDA device")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        # No cuDNN algorithm search inside the capture: the benchmark cache is keyed by
-        # pointer alignment too, so a tensor of the capture's pool can miss it, and a
-        # search captured into the graph (its trial kernels, its freed workspace) made
-        # replays fail with an illegal memory access. Heuristic choices instead.
-        benchmark = torch.backends.cudnn.benchmark
-        torch.backends.cudnn.benchmark = False
-        try:
-            with torch.cuda.graph(cuda_graph):
-                step()
-        finally:
-            torch.backends.cudnn.benchmark = benchmark
-        return cuda_graph.replay, precond
+        return capture_step(step), precond
     return step, precond
 
 

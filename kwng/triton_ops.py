@@ -55,11 +55,24 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(dy: torch.Tensor) -> bool:
-    """Whether :func:`bn_backward` runs on ``dy``'s device (CUDA, or the Triton
-    interpreter on the CPU) in ``dy``'s dtype."""
-    if triton is None or dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    """Whether the kernels run on ``dy``'s device (CUDA, or the Triton interpreter on
+    the CPU) in ``dy``'s dtype. On CUDA without Triton it logs once that the slower
+    PyTorch operations are used."""
+    if dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if triton is None:
+        if dy.is_cuda:
+            _warn_no_triton()
         return False
     return dy.is_cuda or (_INTERPRET and dy.device.type == "cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_triton() -> None:
+    log.warning(
+        "KWNG fast mode on CUDA without Triton: the per-copy batch norm, repeats "
+        "and relayouts use PyTorch operations (slower; install triton)"
+    )
 
 
 if triton is not None:

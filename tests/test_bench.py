@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kwng import bench
 
@@ -118,3 +119,15 @@ def test_committed_exactness_record_is_traceable():
     }
     for name in ("fp32_nchw", "fp32_channels_last", "bf16_channels_last"):
         assert res[name]["serial_steps"] == 0  # the fast path ran, not the fallback
+
+
+def test_capture_step_rejects_bad_input_and_a_missing_gpu():
+    from kwng import capture_step
+
+    with pytest.raises(ValueError, match="step must be a callable"):
+        capture_step(3)
+    with pytest.raises(ValueError, match="warmup"):
+        capture_step(lambda: None, warmup=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            capture_step(lambda: None)
