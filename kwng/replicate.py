@@ -205,7 +205,7 @@ class ReplicatedEngine:
         """One backward pass of the stacked ``(R·N, d)`` cotangent; per-copy parameter
         gradients."""
         st = self.state
-        st.grads = {}
+        st.grads, st.handoff = {}, {}
         Xs = self.outputs
         if Xs is None:
             raise ValueError(
@@ -213,7 +213,10 @@ class ReplicatedEngine:
                 "call the model (train mode) first"
             )
         self.outputs = self.first = None
-        torch.autograd.grad(Xs, params, cotangent.to(Xs.dtype), allow_unused=True)
+        try:
+            torch.autograd.grad(Xs, params, cotangent.to(Xs.dtype), allow_unused=True)
+        finally:
+            st.handoff = {}  # layouts no convolution took (a gradient summed first)
         return st.grads
 
     def remove(self) -> None:

@@ -29,6 +29,9 @@ class _State:
     grads: dict[int, torch.Tensor] = field(
         default_factory=dict
     )  # id(param) -> (R, *shape)
+    # a batch norm's input gradient already laid out for the stacked weight gradient of
+    # the convolution before it: data_ptr -> (gradient, its version, stacked layout)
+    handoff: dict[int, tuple] = field(default_factory=dict)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -75,7 +78,7 @@ def _first_copy(
 STACKED_WGRAD = True
 
 
-def _wgrad_loop(dy, x0, w, R, args) -> torch.Tensor:
+def _wgrad_loop(dy, x0, w, R, args, st=None) -> torch.Tensor:
     """``(R, *w.shape)``: ``R`` weight-gradient calls on contiguous slices of ``dy``."""
     conv_bwd = torch.ops.aten.convolution_backward
     return torch.stack(
@@ -86,13 +89,27 @@ def _wgrad_loop(dy, x0, w, R, args) -> torch.Tensor:
     )
 
 
-def _wgrad_stacked(dy, x0, w, R, args) -> torch.Tensor:
+def _handed_off(dy: torch.Tensor, st: _State | None) -> torch.Tensor | None:
+    """The stacked layout of ``dy`` if the batch norm after this convolution made it
+    (same memory, shape, strides and an unchanged version), else None."""
+    entry = None if st is None else st.handoff.pop(dy.data_ptr(), None)
+    if entry is None:
+        return None
+    src, version, stacked = entry
+    same = src.shape == dy.shape and src.stride() == dy.stride()
+    return stacked if same and src._version == version == dy._version else None
+
+
+def _wgrad_stacked(dy, x0, w, R, args, st=None) -> torch.Tensor:
     """``(R, *w.shape)``: copy ``r``'s output gradient becomes output channels
     ``r·C … (r+1)·C − 1`` of one batch-``N`` gradient, so one call gives all ``R``."""
     N = x0.shape[0]
     C, H, W = dy.shape[1:]
     fmt = _format(dy)
-    if triton_ops.available(dy) and dy.is_contiguous(memory_format=fmt):
+    ds = _handed_off(dy, st)
+    if ds is not None:
+        pass
+    elif triton_ops.available(dy) and dy.is_contiguous(memory_format=fmt):
         ds = triton_ops.interleave(dy, R)
     else:
         ds = torch.empty(
@@ -157,7 +174,7 @@ class _Conv(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             stacked = STACKED_WGRAD and (dy.is_cuda or triton_ops.available(dy))
             wgrad = _wgrad_stacked if stacked else _wgrad_loop
-            G = wgrad(dy, x0, w, R, args)  # cast when copied into T (one pass)
+            G = wgrad(dy, x0, w, R, args, st)  # cast when copied into T (one pass)
             st.grads[id(weight)] = G
             gw = G[0].to(weight.dtype)
         if has_bias and ctx.needs_input_grad[2]:
@@ -216,7 +233,10 @@ def _rows(t: torch.Tensor, R: int):
     innermost) or ``(R, N, C, L)`` (NCHW: a view); and the function that maps such a
     tensor back to ``t``'s shape."""
     RN, C = t.shape[:2]
-    if t.dim() == 2:
+    if t.dim() == 2 or (
+        t.dim() == 4 and t.shape[2] * t.shape[3] == 1 and t.is_contiguous()
+    ):
+        # 2-D, or 1 × 1 maps (the same memory in both formats): a view, channels inner
         return t.view(R, RN // R, C), lambda v: v.reshape(t.shape)
     if _format(t) == torch.channels_last:
         sp = tuple(t.shape[2:])
@@ -297,6 +317,7 @@ class _BatchNorm(torch.autograd.Function):
                 invstd = torch.rsqrt(mod.running_var.to(acc) + mod.eps)
         ctx.save_for_backward(x0, mean, invstd)
         ctx.meta = (use_batch, st, weight, bias, x.dtype)
+        ctx.after_conv = isinstance(x.grad_fn, _Conv._backward_cls)
         return _repeat(y0.to(x.dtype), R)
 
     @staticmethod
@@ -310,10 +331,18 @@ class _BatchNorm(torch.autograd.Function):
         x, _ = _rows(x0, 1)
         if triton_ops.available(d) and _channels_inner(d, x):  # two Triton passes
             scale = invstd if weight is None else invstd * weight.to(acc)
-            dx, dgamma, dbeta = triton_ops.bn_backward(
-                d, x[0], mean, invstd, scale, use_batch
+            # after a convolution, also write dx in the layout of its stacked weight
+            # gradient (saves that convolution a relayout pass)
+            hand = ctx.after_conv and STACKED_WGRAD and dy.dim() == 4 and dt == xdtype
+            dx, dgamma, dbeta, dxi = triton_ops.bn_backward(
+                d, x[0], mean, invstd, scale, use_batch, interleaved=hand
             )
-            return _BatchNorm._finish(ctx, unview(dx).to(xdtype), dgamma, dbeta)
+            out = unview(dx).to(xdtype)
+            if dxi is not None:
+                N, C, H, W = x0.shape
+                stacked = dxi.view(N, H, W, R * C).permute(0, 3, 1, 2)
+                st.handoff[out.data_ptr()] = (out, out._version, stacked)
+            return _BatchNorm._finish(ctx, out, dgamma, dbeta)
         cshape = (1, 1, -1) + (1,) * (d.dim() - 3)
         red = [1] + list(range(3, d.dim()))
         xh = ((x.to(acc) - mean.view(cshape)) * invstd.view(cshape)).to(

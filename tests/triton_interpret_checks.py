@@ -48,7 +48,10 @@ def test_bn_backward_equals_the_formulas(dtype, use_batch, shape):
     mean = x.float().mean(0)
     invstd = torch.rsqrt(x.float().var(0, unbiased=False) + 1e-5)
     scale = invstd * torch.randn(C, generator=g)
-    dx, dg, db = triton_ops.bn_backward(d, x, mean, invstd, scale, use_batch)
+    dx, dg, db, dxi = triton_ops.bn_backward(
+        d, x, mean, invstd, scale, use_batch, interleaved=True
+    )
+    assert torch.equal(dxi, dx.transpose(0, 1))  # the (S, R, C) layout, same values
     rdx, rdg, rdb = _bn_reference(d, x, mean, invstd, scale, use_batch)
     assert dx.dtype == dtype and dx.shape == d.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -104,7 +107,7 @@ def _batch(N=12):
 
 def _calls(monkeypatch):
     """Count the kernel calls made through the engine."""
-    seen = {"bn": 0, "repeat": 0, "interleave": 0}
+    seen = {"bn": 0, "repeat": 0, "interleave": 0, "handed_off": 0}
     for name, key in (
         ("bn_backward", "bn"),
         ("repeat", "repeat"),
@@ -117,36 +120,73 @@ def _calls(monkeypatch):
             return _fn(*a, **k)
 
         monkeypatch.setattr(triton_ops, name, counted)
+    handed = replicate_layers._handed_off
+
+    def counted_handoff(dy, st):
+        out = handed(dy, st)
+        seen["handed_off"] += out is not None
+        return out
+
+    monkeypatch.setattr(replicate_layers, "_handed_off", counted_handoff)
     monkeypatch.setattr(replicate_layers, "STACKED_WGRAD", True)
     return seen
 
 
-def test_fast_path_through_the_kernels_equals_serial_vjps(monkeypatch):
-    """fp32 channels_last BN ResNet in train mode: g and T of the replicated backward
-    (batch norm, repeats and relayouts through the kernels, as on a GPU) agree with
-    serial autograd VJPs as closely as fp32 allows (1e-4)."""
-    seen = _calls(monkeypatch)
-    z, y = _batch()
-    model = _model()
-    C = torch.randn(4, 12, 10, generator=torch.Generator().manual_seed(1))
+def _g_and_T(model, z, y, C):
+    """g and T of the fast path and of serial autograd VJPs on a copy of ``model``."""
     plain = copy.deepcopy(model)
     X = plain(z)
-    g_ref = torch.cat(
-        [
-            t.reshape(-1)
-            for t in torch.autograd.grad(
-                nn.functional.cross_entropy(X, y),
-                list(plain.parameters()),
-                retain_graph=True,
-            )
-        ]
-    )
-    T_ref = jacobian_from_outputs(X, list(plain.parameters()), C, retain_graph=False)
-    pc = KWNGPreconditioner(model, num_basis=4, adapt_eps=False)
+    params = list(plain.parameters())
+    loss = nn.functional.cross_entropy(X, y)
+    grads = torch.autograd.grad(loss, params, retain_graph=True)
+    g_ref = torch.cat([t.reshape(-1) for t in grads])
+    T_ref = jacobian_from_outputs(X, params, C, retain_graph=False)
+    pc = KWNGPreconditioner(model, num_basis=C.shape[0], adapt_eps=False)
     X = model(z)
     g, T = pc._gradients(nn.functional.cross_entropy(X, y), X, C, pc.params)
-    assert seen["bn"] > 0 and seen["repeat"] > 0 and seen["interleave"] > 0
-    for got, ref in ((g, g_ref), (T, T_ref)):
+    return (g, g_ref), (T, T_ref)
+
+
+def test_fast_path_through_the_kernels_equals_serial_vjps(monkeypatch):
+    """fp32 channels_last BN ResNet in train mode: g and T of the replicated backward
+    (batch norm, repeats and the stacked weight gradients through the kernels, as on a
+    GPU; every convolution takes the layout its batch norm wrote) agree with serial
+    autograd VJPs as closely as fp32 allows (1e-4)."""
+    seen = _calls(monkeypatch)
+    z, y = _batch()
+    C = torch.randn(4, 12, 10, generator=torch.Generator().manual_seed(1))
+    pairs = _g_and_T(_model(), z, y, C)
+    assert seen["bn"] > 0 and seen["repeat"] > 0
+    assert seen["handed_off"] == 20 and seen["interleave"] == 0  # 20 conv → BN pairs
+    for got, ref in pairs:
+        assert float((got - ref).norm() / ref.norm()) < 1e-4
+
+
+class _SharedConvOutput(nn.Module):
+    """A convolution whose output feeds a batch norm and, directly, a sum: its gradient
+    is the sum of two, so the batch norm's layout must not be used."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, z):
+        h = self.conv(z)
+        h = torch.relu(self.bn(h) + 0.5 * h)
+        return self.head(h.mean((2, 3)))
+
+
+def test_a_summed_gradient_does_not_take_the_batch_norm_layout(monkeypatch):
+    seen = _calls(monkeypatch)
+    z, y = _batch()
+    torch.manual_seed(0)
+    model = _SharedConvOutput().to(memory_format=CL)
+    C = torch.randn(3, 12, 10, generator=torch.Generator().manual_seed(2))
+    pairs = _g_and_T(model, z, y, C)
+    assert seen["handed_off"] == 0 and seen["interleave"] == 1
+    for got, ref in pairs:
         assert float((got - ref).norm() / ref.norm()) < 1e-4
 
 
