@@ -26,7 +26,10 @@ This module does it as **one** backward pass of an ``R·N`` batch:
 On the GPU the passes that PyTorch operations would spread over many kernels are Triton
 kernels (:mod:`kwng.triton_ops`): the per-copy batch-norm backward (two passes over the
 ``R``-fold gradient instead of seven), the ``R``-fold repeat of an activation (read
-once) and the relayout for the stacked weight gradients. A step on the paper's
+once) and the relayout for the stacked weight gradients. A batch norm that follows a
+convolution writes its input gradient in both layouts, so that convolution needs no
+relayout (handed over through ``_State.handoff``, checked by memory, shape, strides and
+version: a gradient that autograd summed from several consumers is relaid instead). A step on the paper's
 ResNet-18 costs about one forward and backward pass at batch ``R·N``
 (``python -m kwng.bench``; the deep-learning chapter gives the table).
 

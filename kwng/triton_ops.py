@@ -16,7 +16,9 @@ over memory, or cuBLAS picks a poor kernel, one kernel does the job in one or tw
 * :func:`repeat` — the ``R``-fold copy of an activation in the replicated forward,
   reading it once (``torch.cat`` reads it ``R`` times).
 * :func:`interleave` — the relayout that stacks the ``R`` copies of an output gradient
-  along the channels, for one weight-gradient call per convolution.
+  along the channels, for one weight-gradient call per convolution (a convolution
+  followed by a batch norm gets it from :func:`bn_backward` instead, which can write
+  its output in that layout too).
 * :func:`small_matmul` and :func:`weighted_gram` — ``W T`` and ``T D⁻¹ Tᵀ`` for the
   ``M × q`` matrices of the Nyström solve (``M`` small, ``q`` the parameter count), one
   pass over ``T`` each; the Gram matrix is summed in float64.
