@@ -29,9 +29,9 @@ kernels (:mod:`kwng.triton_ops`): the per-copy batch-norm backward (two passes o
 once) and the relayout for the stacked weight gradients. A batch norm that follows a
 convolution writes its input gradient in both layouts, so that convolution needs no
 relayout (handed over through ``_State.handoff``, checked by memory, shape, strides and
-version: a gradient that autograd summed from several consumers is relaid instead). A step on the paper's
-ResNet-18 costs about one forward and backward pass at batch ``R·N``
-(``python -m kwng.bench``; the deep-learning chapter gives the table).
+version: a gradient that autograd summed from several consumers is relaid instead).
+A step on the paper's ResNet-18 costs about one forward and backward pass at batch
+``R·N`` (``python -m kwng.bench``; the deep-learning chapter gives the table).
 
 Copy ``0`` gives ``g`` (also returned to autograd, so a plain ``loss.backward()`` on a
 replicated forward still leaves the true gradient in ``p.grad``), copies ``1..M`` give
