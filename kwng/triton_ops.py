@@ -80,6 +80,16 @@ def _warn_no_triton() -> None:
 if triton is not None:
 
     @triton.jit
+    def _bn_tile(d_ptr, x_ptr, mean, invstd, rows, cols, cmask, base, S, C):
+        """One ``(rows, cols)`` tile of copy ``base``: ``dy`` and ``x̂`` in float32,
+        the offsets of the tile in a ``(S, C)`` matrix, and its mask."""
+        m = (rows < S)[:, None] & cmask[None, :]
+        off = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        dv = tl.load(d_ptr + base + off, mask=m, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        return dv, (xv - mean[None, :]) * invstd[None, :], off, m
+
+    @triton.jit
     def _reduce_kernel(
         d_ptr,
         x_ptr,
@@ -106,12 +116,11 @@ if triton is not None:
         start = ps * (TILES * BS)
         for i in range(TILES):  # a constexpr trip count (the interpreter needs one)
             rows = start + i * BS + tl.arange(0, BS)
-            m = (rows < S)[:, None] & cmask[None, :]
-            off = rows.to(tl.int64)[:, None] * C + cols[None, :]
-            dv = tl.load(d_ptr + base + off, mask=m, other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+            dv, xh, _, _ = _bn_tile(
+                d_ptr, x_ptr, mean, invstd, rows, cols, cmask, base, S, C
+            )
             acc_b += dv
-            acc_g += dv * ((xv - mean[None, :]) * invstd[None, :])
+            acc_g += dv * xh
         out = part_ptr + (ps * R + r).to(tl.int64) * 2 * C
         tl.store(out + cols, tl.sum(acc_b, 0), mask=cmask)
         tl.store(out + C + cols, tl.sum(acc_g, 0), mask=cmask)
@@ -140,17 +149,15 @@ if triton is not None:
         cols = pc * BC + tl.arange(0, BC)
         cmask = cols < C
         rows = pss * BS + tl.arange(0, BS)
-        m = (rows < S)[:, None] & cmask[None, :]
         mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0)
         invstd = tl.load(invstd_ptr + cols, mask=cmask, other=0.0)
         a = tl.load(a_ptr + cols, mask=cmask, other=0.0)
         b = tl.load(b_ptr + r * C + cols, mask=cmask, other=0.0)
         k = tl.load(k_ptr + r * C + cols, mask=cmask, other=0.0)
-        off = rows.to(tl.int64)[:, None] * C + cols[None, :]
         base = r.to(tl.int64) * S * C
-        dv = tl.load(d_ptr + base + off, mask=m, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
-        xh = (xv - mean[None, :]) * invstd[None, :]
+        dv, xh, off, m = _bn_tile(
+            d_ptr, x_ptr, mean, invstd, rows, cols, cmask, base, S, C
+        )
         dx = (a[None, :] * dv + b[None, :] + k[None, :] * xh).to(
             dx_ptr.dtype.element_ty
         )
