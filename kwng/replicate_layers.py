@@ -329,18 +329,25 @@ class _BatchNorm(torch.autograd.Function):
         dt = dy.dtype  # the big passes run in the activations' dtype
         d, unview = _rows(dy, R)  # (R, S, C) or (R, N, C, L): channels in dim 2
         x, _ = _rows(x0, 1)
-        if triton_ops.available(d) and _channels_inner(d, x):  # two Triton passes
+        inner = _channels_inner(d, x)
+        nchw = d.dim() == 4 and d.is_contiguous() and x.is_contiguous()
+        if triton_ops.available(d) and (inner or nchw):  # two Triton passes
             scale = invstd if weight is None else invstd * weight.to(acc)
             # after a convolution, also write dx in the layout of its stacked weight
             # gradient (saves that convolution a relayout pass)
             hand = ctx.after_conv and STACKED_WGRAD and dy.dim() == 4 and dt == xdtype
-            dx, dgamma, dbeta, dxi = triton_ops.bn_backward(
+            kernel = triton_ops.bn_backward if inner else triton_ops.bn_backward_nchw
+            dx, dgamma, dbeta, dxi = kernel(
                 d, x[0], mean, invstd, scale, use_batch, interleaved=hand
             )
             out = unview(dx).to(xdtype)
             if dxi is not None:
                 N, C, H, W = x0.shape
-                stacked = dxi.view(N, H, W, R * C).permute(0, 3, 1, 2)
+                stacked = (
+                    dxi.view(N, H, W, R * C).permute(0, 3, 1, 2)
+                    if inner
+                    else dxi.view(N, R * C, H, W)
+                )
                 st.handoff[out.data_ptr()] = (out, out._version, stacked)
             return _BatchNorm._finish(ctx, out, dgamma, dbeta)
         cshape = (1, 1, -1) + (1,) * (d.dim() - 3)

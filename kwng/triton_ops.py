@@ -13,6 +13,7 @@ over memory, or cuBLAS picks a poor kernel, one kernel does the job in one or tw
   PyTorch operations this is seven passes over the ``R``-fold tensor; here it is two: a
   reduction reading ``dy`` once (``x`` once per copy, mostly from L2) and writing
   per-split partial sums, then an elementwise pass. Sums accumulate in float32.
+  :func:`bn_backward_nchw` is the same for the NCHW layout.
 * :func:`repeat` — the ``R``-fold copy of an activation in the replicated forward,
   reading it once (``torch.cat`` reads it ``R`` times).
 * :func:`interleave` — the relayout that stacks the ``R`` copies of an output gradient
@@ -47,6 +48,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 __all__ = [
     "available",
     "bn_backward",
+    "bn_backward_nchw",
     "repeat",
     "interleave",
     "small_matmul",
@@ -165,6 +167,94 @@ if triton is not None:
         if INTERLEAVED:  # also as (S, R, C): row s of copy r at (s·R + r)·C
             ioff = (rows.to(tl.int64)[:, None] * R + r) * C + cols[None, :]
             tl.store(dxi_ptr + ioff, dx, mask=m)
+
+    @triton.jit
+    def _nchw_tile(d_ptr, x_ptr, mean, invstd, n, ls, c, r, N, C, L):
+        """Rows ``n`` × pixels ``ls`` of channel ``c`` of copy ``r`` (NCHW): ``dy`` and
+        ``x̂`` in float32, the tile's offsets in one copy, and its mask."""
+        m = (n < N)[:, None] & (ls < L)[None, :]
+        off = (n.to(tl.int64)[:, None] * C + c) * L + ls[None, :]
+        base = r.to(tl.int64) * N * C * L
+        dv = tl.load(d_ptr + base + off, mask=m, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        return dv, (xv - mean) * invstd, off, m
+
+    @triton.jit
+    def _reduce_nchw_kernel(
+        d_ptr,
+        x_ptr,
+        mean_ptr,
+        invstd_ptr,
+        part_ptr,
+        N,
+        C,
+        L,
+        R,
+        NT: tl.constexpr,
+        LT: tl.constexpr,
+        BN: tl.constexpr,
+        BL: tl.constexpr,
+    ):
+        c = tl.program_id(0)
+        ps = tl.program_id(1)
+        r = tl.program_id(2)
+        mean = tl.load(mean_ptr + c)
+        invstd = tl.load(invstd_ptr + c)
+        acc_b = tl.zeros([BN, BL], dtype=tl.float32)
+        acc_g = tl.zeros([BN, BL], dtype=tl.float32)
+        for i in range(NT):  # constexpr trip counts (the interpreter needs them)
+            n = (ps * NT + i) * BN + tl.arange(0, BN)
+            for j in range(LT):
+                ls = j * BL + tl.arange(0, BL)
+                dv, xh, _, _ = _nchw_tile(
+                    d_ptr, x_ptr, mean, invstd, n, ls, c, r, N, C, L
+                )
+                acc_b += dv
+                acc_g += dv * xh
+        out = part_ptr + (ps * R + r).to(tl.int64) * 2 * C
+        tl.store(out + c, tl.sum(tl.sum(acc_b, 1), 0))
+        tl.store(out + C + c, tl.sum(tl.sum(acc_g, 1), 0))
+
+    @triton.jit
+    def _dx_nchw_kernel(
+        d_ptr,
+        x_ptr,
+        dx_ptr,
+        mean_ptr,
+        invstd_ptr,
+        a_ptr,
+        b_ptr,
+        k_ptr,
+        dxi_ptr,
+        N,
+        C,
+        L,
+        R,
+        LT: tl.constexpr,
+        BN: tl.constexpr,
+        BL: tl.constexpr,
+        INTERLEAVED: tl.constexpr,
+    ):
+        pn = tl.program_id(0)
+        c = tl.program_id(1)
+        r = tl.program_id(2)
+        mean = tl.load(mean_ptr + c)
+        invstd = tl.load(invstd_ptr + c)
+        a = tl.load(a_ptr + c)
+        b = tl.load(b_ptr + r * C + c)
+        k = tl.load(k_ptr + r * C + c)
+        n = pn * BN + tl.arange(0, BN)
+        base = r.to(tl.int64) * N * C * L
+        for j in range(LT):
+            ls = j * BL + tl.arange(0, BL)
+            dv, xh, off, m = _nchw_tile(
+                d_ptr, x_ptr, mean, invstd, n, ls, c, r, N, C, L
+            )
+            dx = (a * dv + b + k * xh).to(dx_ptr.dtype.element_ty)
+            tl.store(dx_ptr + base + off, dx, mask=m)
+            if INTERLEAVED:  # also as (N, R, C, L): copy r of sample n at (n·R + r)·C
+                ioff = ((n.to(tl.int64)[:, None] * R + r) * C + c) * L + ls[None, :]
+                tl.store(dxi_ptr + ioff, dx, mask=m)
 
     @triton.jit
     def _repeat_kernel(src_ptr, dst_ptr, numel, R: tl.constexpr, BLOCK: tl.constexpr):
@@ -311,6 +401,70 @@ def weighted_gram(T: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     part = torch.empty((progs, M, M), dtype=torch.float32, device=T.device)
     _gram_kernel[(progs,)](T, d.to(torch.float32).contiguous(), part, q, M=M, BQ=BQ)
     return part.sum(0, dtype=torch.float64)
+
+
+def bn_backward_nchw(
+    d: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    scale: torch.Tensor,
+    use_batch: bool,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`bn_backward` for the NCHW layout: ``d`` is a contiguous ``(R, N, C, L)``
+    (``L`` pixels a channel) and ``x`` a contiguous ``(N, C, L)``; the optional second
+    output is ``dx`` laid out as ``(N, R, C, L)``."""
+    R, N, C, L = d.shape
+    if x.shape != (N, C, L) or not (d.is_contiguous() and x.is_contiguous()):
+        raise ValueError(
+            f"bn_backward_nchw needs contiguous d (R, N, C, L) and x (N, C, L), got "
+            f"{tuple(d.shape)} and {tuple(x.shape)}"
+        )
+    BL = min(1024, triton.next_power_of_2(L))
+    BN = max(1, 4096 // BL)
+    LT = triton.cdiv(L, BL)
+    n_tiles = triton.cdiv(N, BN)
+    # about 4 programs a multiprocessor, each at least one tile of samples
+    split = max(1, min(n_tiles, triton.cdiv(4 * _multiprocessors(d.device), C * R)))
+    NT = triton.cdiv(n_tiles, split)
+    split = triton.cdiv(n_tiles, NT)
+    f32 = torch.float32
+    part = torch.empty((split, R, 2, C), dtype=f32, device=d.device)
+    _reduce_nchw_kernel[(C, split, R)](
+        d, x, mean, invstd, part, N, C, L, R, NT=NT, LT=LT, BN=BN, BL=BL
+    )
+    sums = part.sum(0)
+    dbeta, dgamma = sums[:, 0], sums[:, 1]
+    S = N * L
+    if use_batch:
+        b, k = -(scale * dbeta) / S, -(scale * dgamma) / S
+    else:
+        b = k = torch.zeros((R, C), dtype=f32, device=d.device)
+    dx = torch.empty_like(d)
+    dxi = (
+        torch.empty((N, R, C, L), dtype=d.dtype, device=d.device) if interleaved else dx
+    )
+    _dx_nchw_kernel[(n_tiles, C, R)](
+        d,
+        x,
+        dx,
+        mean,
+        invstd,
+        scale,
+        b.contiguous(),
+        k.contiguous(),
+        dxi,
+        N,
+        C,
+        L,
+        R,
+        LT=LT,
+        BN=BN,
+        BL=BL,
+        INTERLEAVED=interleaved,
+    )
+    return dx, dgamma, dbeta, dxi if interleaved else None
 
 
 def _blocks(C: int) -> tuple[int, int]:

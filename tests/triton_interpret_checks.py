@@ -59,6 +59,31 @@ def test_bn_backward_equals_the_formulas(dtype, use_batch, shape):
         assert float((got.double() - ref).abs().max()) <= tol * float(ref.abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_batch", [True, False])
+@pytest.mark.parametrize("shape", [(3, 5, 7, 9), (2, 40, 3, 1100)])
+def test_bn_backward_nchw_equals_the_formulas(dtype, use_batch, shape):
+    R, N, C, L = shape
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(R, N, C, L, generator=g).to(dtype)
+    x = torch.randn(N, C, L, generator=g).to(dtype)
+    mean = x.float().mean((0, 2))
+    invstd = torch.rsqrt(x.float().var((0, 2), unbiased=False) + 1e-5)
+    scale = invstd * torch.randn(C, generator=g)
+    dx, dg, db, dxi = triton_ops.bn_backward_nchw(
+        d, x, mean, invstd, scale, use_batch, interleaved=True
+    )
+    assert torch.equal(dxi, dx.transpose(0, 1))  # the (N, R, C, L) layout
+    # the channels-last formulas on the same numbers: (R, N·L, C) and (N·L, C)
+    d_cl = d.permute(0, 1, 3, 2).reshape(R, N * L, C)
+    x_cl = x.permute(0, 2, 1).reshape(N * L, C)
+    rdx, rdg, rdb = _bn_reference(d_cl, x_cl, mean, invstd, scale, use_batch)
+    rdx = rdx.reshape(R, N, L, C).permute(0, 1, 3, 2)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for got, ref in ((dx, rdx), (dg, rdg), (db, rdb)):
+        assert float((got.double() - ref).abs().max()) <= tol * float(ref.abs().max())
+
+
 @pytest.mark.parametrize("fmt", [CL, torch.contiguous_format])
 def test_repeat_and_interleave_equal_their_pytorch_forms(fmt):
     y0 = torch.randn(4, 5, 6, 6).contiguous(memory_format=fmt)
@@ -94,14 +119,14 @@ def test_small_products_of_the_solve(M, q):
     assert float((got - gram).abs().max()) <= 1e-6 * float(gram.abs().max())
 
 
-def _model(seed=0):
+def _model(seed=0, fmt=CL):
     torch.manual_seed(seed)
-    return kwng.nets.ResNet18(10, widths=(4, 8, 8, 8)).to(memory_format=CL)
+    return kwng.nets.ResNet18(10, widths=(4, 8, 8, 8)).to(memory_format=fmt)
 
 
-def _batch(N=12):
+def _batch(N=12, fmt=CL):
     g = torch.Generator().manual_seed(3)
-    z = torch.randn(N, 3, 8, 8, generator=g).contiguous(memory_format=CL)
+    z = torch.randn(N, 3, 8, 8, generator=g).contiguous(memory_format=fmt)
     return z, torch.randint(0, 10, (N,), generator=g)
 
 
@@ -110,6 +135,7 @@ def _calls(monkeypatch):
     seen = {"bn": 0, "repeat": 0, "interleave": 0, "handed_off": 0}
     for name, key in (
         ("bn_backward", "bn"),
+        ("bn_backward_nchw", "bn"),
         ("repeat", "repeat"),
         ("interleave", "interleave"),
     ):
@@ -147,15 +173,16 @@ def _g_and_T(model, z, y, C):
     return (g, g_ref), (T, T_ref)
 
 
-def test_fast_path_through_the_kernels_equals_serial_vjps(monkeypatch):
-    """fp32 channels_last BN ResNet in train mode: g and T of the replicated backward
+@pytest.mark.parametrize("fmt", [CL, torch.contiguous_format])
+def test_fast_path_through_the_kernels_equals_serial_vjps(monkeypatch, fmt):
+    """fp32 BN ResNet in train mode, both layouts: g and T of the replicated backward
     (batch norm, repeats and the stacked weight gradients through the kernels, as on a
     GPU; every convolution takes the layout its batch norm wrote) agree with serial
     autograd VJPs as closely as fp32 allows (1e-4)."""
     seen = _calls(monkeypatch)
-    z, y = _batch()
+    z, y = _batch(fmt=fmt)
     C = torch.randn(4, 12, 10, generator=torch.Generator().manual_seed(1))
-    pairs = _g_and_T(_model(), z, y, C)
+    pairs = _g_and_T(_model(fmt=fmt), z, y, C)
     assert seen["bn"] > 0 and seen["repeat"] > 0
     assert seen["handed_off"] == 20 and seen["interleave"] == 0  # 20 conv → BN pairs
     for got, ref in pairs:
