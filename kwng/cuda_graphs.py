@@ -3,7 +3,7 @@
 A KWNG step on the fast path never waits for the GPU (ε, the fallbacks and the clipping
 stay in device tensors), so the whole step — forward, replicated backward, solve,
 optimizer update — can be recorded once and replayed: no Python and no kernel launches
-per step. On the paper's ResNet-18 in bf16 this takes the step from 23.6 to 11.4 ms
+per step. On the paper's ResNet-18 in bf16 this takes the step from 39.9 to 11.5 ms
 (``results/benchmarks/step_cost.json``). Usage::
 
     static_z = torch.empty_like(z0); static_y = torch.empty_like(y0)
