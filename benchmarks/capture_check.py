@@ -89,9 +89,15 @@ def main() -> None:
     p.add_argument(
         "--no-tf32", action="store_true", help="fp32 convolutions in full fp32"
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic cuDNN algorithms (else two eager runs differ too)",
+    )
     a = p.parse_args()
     if a.no_tf32:
         torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = a.deterministic
     prec, fmt = CONFIGS[a.config]
     amp = None if prec == torch.float32 else prec
     torch.backends.cudnn.benchmark = True
