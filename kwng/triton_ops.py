@@ -335,20 +335,12 @@ def repeat(
     return out
 
 
-def interleave(dy: torch.Tensor, R: int) -> torch.Tensor:
-    """``(R·N, C, H, W)`` → ``(N, R·C, H, W)`` in ``dy``'s memory format (which ``dy``
+def interleave(dy: torch.Tensor, R: int, fmt: torch.memory_format) -> torch.Tensor:
+    """``(R·N, C, H, W)`` → ``(N, R·C, H, W)`` in memory format ``fmt`` (which ``dy``
     must be dense in): copy ``r`` becomes channels ``r·C … (r+1)·C − 1``. One pass,
     rows of ``C`` (channels_last) or ``C·H·W`` (NCHW) elements moved whole."""
-    fmt = (
-        torch.channels_last
-        if (
-            dy.is_contiguous(memory_format=torch.channels_last)
-            and not dy.is_contiguous()
-        )
-        else torch.contiguous_format
-    )
     if not dy.is_contiguous(memory_format=fmt):
-        raise ValueError("interleave needs dy dense in its memory format")
+        raise ValueError("interleave needs dy dense in the given memory format")
     RN, C, H, W = dy.shape
     N = RN // R
     out = torch.empty(

@@ -97,7 +97,7 @@ def test_repeat_and_interleave_equal_their_pytorch_forms(fmt):
     dy = torch.randn(3 * 4, 5, 6, 6).contiguous(memory_format=fmt)
     ref = torch.empty((4, 15, 6, 6)).contiguous(memory_format=fmt)
     ref.view(4, 3, 5, 6, 6).copy_(dy.view(3, 4, 5, 6, 6).transpose(0, 1))
-    got = triton_ops.interleave(dy, 3)
+    got = triton_ops.interleave(dy, 3, fmt)
     assert torch.equal(got, ref) and got.is_contiguous(memory_format=fmt)
 
 
