@@ -66,7 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._checks import check_int
+from ._checks import check_choice, check_int
 from .estimator import (
     _with_bandwidth,
     draw_basis,
@@ -80,7 +80,7 @@ from .graph import derived_from
 from .lm import LevenbergMarquardt
 from .precond_config import MODES, KWNGConfig, eps_from_authors
 from .precond_grads import replicated_gradients
-from .replicate import ReplicatedEngine, unsupported_reason
+from .replicate import LAYOUTS, ReplicatedEngine, unsupported_reason
 
 __all__ = ["KWNGPreconditioner", "KWNGConfig", "MODES", "eps_from_authors"]
 
@@ -103,12 +103,15 @@ class KWNGPreconditioner:
     ``kernel``, ``bandwidth``, ``sigma0``, ``damping``, the ``lm_*`` rule, ``clip_norm``,
     ``mode``, ``diagonal_only``, ``rcond``; see there); keyword arguments of the same names
     build it (or override fields of ``config``). ``generator`` — a ``torch.Generator`` for the
-    basis draw (reproducible runs and tests).
+    basis draw (reproducible runs and tests). ``layout`` — the memory format of the fast
+    path's replicated activations, one of ``"auto"`` (channels_last for 4-D inputs on the
+    GPU when the model's forward allows it), ``"model"`` or ``"channels_last"``
+    (:class:`kwng.replicate.ReplicatedEngine`); it changes the speed, not the values.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  config: KWNGConfig | None = None, *, generator: torch.Generator | None = None,
-                 **hyperparameters: Any) -> None:
+                 layout: str = "auto", **hyperparameters: Any) -> None:
         unknown = set(hyperparameters) - set(KWNGConfig.fields())
         if unknown:
             raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; accepted: "
@@ -145,10 +148,11 @@ class KWNGPreconditioner:
         self.num_steps = 0
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
+        check_choice(layout, "layout", LAYOUTS)
         if self.mode == "fast":
             reason = unsupported_reason(model, self.params)
             if reason is None:
-                self._engine = ReplicatedEngine(model, self.num_basis + 1)
+                self._engine = ReplicatedEngine(model, self.num_basis + 1, layout)
             else:
                 self._warn_once("unsupported", "KWNG fast mode: %s; this model uses serial backward passes", reason)
         self._buffer: torch.Tensor | None = None
@@ -163,6 +167,16 @@ class KWNGPreconditioner:
     def eps(self) -> float:
         """The current ``ε`` (a host sync on GPU)."""
         return float(self.lm.eps)
+
+    @property
+    def engine_layout(self) -> str | None:
+        """The layout of the fast path's replicated activations once its first forward
+        has chosen it: ``"channels_last"`` or ``"model"``; ``None`` before, and without
+        the fast path."""
+        eng = self._engine
+        if eng is None or not eng._layout_chosen:
+            return None
+        return "model" if eng.state.layout is None else "channels_last"
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:

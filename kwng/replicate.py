@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._checks import check_choice
 from .replicate_layers import (  # noqa: F401  (re-exported: the old import path)
     _BatchNorm,
     _compute_dtype,
@@ -68,12 +69,52 @@ from .replicate_layers import (  # noqa: F401  (re-exported: the old import path
     _State,
 )
 
-__all__ = ["ReplicatedEngine", "unsupported_reason"]
+__all__ = ["LAYOUTS", "ReplicatedEngine", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
 
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d)
+
+#: The layouts of the replicated activations: ``"auto"`` (channels_last for a model with
+#: 4-D inputs on the GPU, where its forward runs on channels_last tensors), ``"model"``
+#: (the model's own format) and ``"channels_last"`` (always; an error if the forward
+#: cannot run on channels_last tensors).
+LAYOUTS = ("auto", "model", "channels_last")
+
+
+def _auto_channels_last(x: torch.Tensor) -> bool:
+    """Whether ``layout="auto"`` tries channels_last for the 4-D input ``x``: on the GPU
+    (on the CPU the model's format is kept)."""
+    return x.is_cuda
+
+
+def _one_sample(a: Any, batch: int) -> Any:
+    """The first sample of a batch argument (channels_last if 4-D); others unchanged."""
+    if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != batch:
+        return a
+    one = a[:1]
+    return one.contiguous(memory_format=torch.channels_last) if a.dim() == 4 else one
+
+
+def channels_last_failure(model: nn.Module, args: tuple) -> str | None:
+    """``None`` if ``model``'s forward runs on the first sample of ``args`` made
+    channels_last, else the error it raised (a ``.view`` that flattens a feature map,
+    say). Run once, in eval mode and without gradients, so no batch-norm statistics or
+    other training state change."""
+    batch = args[0].shape[0]
+    one = tuple(_one_sample(a, batch) for a in args)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            model.forward(*one)
+    except Exception as e:  # noqa: BLE001  (any error: the layout is not used)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        for m, training in modes:
+            m.training = training
+    return None
 
 
 def unsupported_reason(model: nn.Module, params: list[torch.Tensor]) -> str | None:
@@ -116,10 +157,23 @@ class ReplicatedEngine:
     ``outputs``). :meth:`backward` then takes the ``(R·N, d)`` stacked cotangent and
     returns ``{id(p): (R, *p.shape)}``. :meth:`remove` restores the model's own forward
     methods.
+
+    ``layout`` (one of :data:`LAYOUTS`) is the memory format of the ``R``-fold
+    activations. On an H100, cuDNN runs fp32 convolutions of NCHW tensors by converting
+    them to and from channels_last, which costs more at batch ``R·N`` than the
+    convolutions themselves; ``"auto"`` therefore runs the replicated forward and
+    backward of a model with 4-D CUDA inputs in channels_last whatever the model's own
+    format (the values are the same up to rounding; the gradients returned have the
+    parameters' shapes). It is decided at the first replicated forward, by
+    :func:`channels_last_failure`: a model whose forward fails on channels_last
+    tensors keeps its own format, with a logged warning (``layout_failure`` says why).
     """
 
-    def __init__(self, model: nn.Module, copies: int) -> None:
+    def __init__(self, model: nn.Module, copies: int, layout: str = "auto") -> None:
         self.model = model
+        self.layout = check_choice(layout, "layout", LAYOUTS)
+        self.layout_failure: str | None = None
+        self._layout_chosen = layout == "model"
         self.state = _State(copies=copies)
         self.outputs: torch.Tensor | None = None
         self.first: torch.Tensor | None = None
@@ -156,6 +210,10 @@ class ReplicatedEngine:
                     "use mode='reference' or p=0"
                 )
         st.batch = args[0].shape[0]
+        if not self._layout_chosen:
+            st.active = False  # the layers run their own forward in the check
+            self._choose_layout(module, args)
+            st.active = True
         R = st.copies
         new = tuple(
             a.repeat((R,) + (1,) * (a.dim() - 1))
@@ -170,6 +228,30 @@ class ReplicatedEngine:
         ):
             new = (new[0].contiguous(memory_format=torch.channels_last),) + new[1:]
         return new
+
+    def _choose_layout(self, model: nn.Module, args: tuple) -> None:
+        """Set ``state.layout`` at the first replicated forward (see the class)."""
+        self._layout_chosen = True
+        x = args[0]
+        if x.dim() != 4 or (self.layout == "auto" and not _auto_channels_last(x)):
+            return
+        if _format(x) != torch.channels_last:
+            failure = channels_last_failure(model, args)
+            if failure is not None:
+                if self.layout == "channels_last":
+                    raise ValueError(
+                        "layout='channels_last': the model's forward fails on "
+                        f"channels_last inputs ({failure}); use layout='model' or "
+                        "'auto'"
+                    )
+                self.layout_failure = failure
+                log.warning(
+                    "KWNG fast mode: the model's forward fails on channels_last "
+                    "inputs (%s); the replicated pass keeps the model's format",
+                    failure,
+                )
+                return
+        self.state.layout = torch.channels_last
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any):
         st = self.state
@@ -193,6 +275,7 @@ class ReplicatedEngine:
         do nothing."""
         new = object.__new__(ReplicatedEngine)
         new.model, new.state, new.outputs, new.first = None, _State(), None, None
+        new.layout, new.layout_failure, new._layout_chosen = "model", None, True
         new.enabled, new._patched, new._pre, new._post = False, [], None, None
         new._dropouts = []
         memo[id(self)] = new

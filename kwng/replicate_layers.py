@@ -26,6 +26,9 @@ class _State:
     copies: int = 1
     batch: int = 0
     active: bool = False
+    # the memory format of the convolutions' 4-D outputs (and so of every activation
+    # after them); None: the format the model's own tensors have
+    layout: torch.memory_format | None = None
     grads: dict[int, torch.Tensor] = field(
         default_factory=dict
     )  # id(param) -> (R, *shape)
@@ -64,9 +67,14 @@ def _repeat(y0: torch.Tensor, R: int) -> torch.Tensor:
 def _first_copy(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st: _State
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The first copy of the input, and the parameters, in the autocast dtype."""
+    """The first copy of the input, and the parameters, in the autocast dtype (and, for
+    a convolution, in the engine's layout)."""
     dt = _compute_dtype(x)
-    return x[: st.batch].to(dt), weight.to(dt), None if bias is None else bias.to(dt)
+    conv = st.layout is not None and weight.dim() == 4
+    fmt = st.layout if conv else torch.preserve_format
+    x0 = x[: st.batch].to(dt, memory_format=fmt)
+    w = weight.to(dt, memory_format=fmt)
+    return x0, w, None if bias is None else bias.to(dt)
 
 
 #: On the GPU, the per-copy weight gradients of a convolution come from one call with

@@ -1,12 +1,14 @@
 """KWNGPreconditioner: agreement of the modes with the estimator, descent, training, LM rule, state, errors."""
 
 import copy
+import logging
 
 import pytest
 import torch
 from torch import nn
 
 import kwng
+import kwng.replicate
 from kwng.estimator import kernel_matrices, kernel_matrices_nosync, nystrom_solve, nystrom_solve_nosync
 from kwng.lm import LevenbergMarquardt
 from kwng.nets import tiny_cnn
@@ -89,22 +91,79 @@ def _resnet(seed=0):
     return kwng.nets.ResNet18(10, widths=(4, 8, 8, 8)).double()
 
 
-@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
-def test_replicated_backward_equals_serial_vjps_on_a_batchnorm_resnet(fmt):
+@pytest.mark.parametrize("fmt, layout", [(torch.contiguous_format, "model"),
+                                         (torch.channels_last, "model"),
+                                         (torch.contiguous_format, "channels_last")])
+def test_replicated_backward_equals_serial_vjps_on_a_batchnorm_resnet(fmt, layout):
     """g and T of one replicated backward equal serial autograd VJPs on a BN ResNet in train mode
-    (float64: to round-off), and the forward leaves X and the running statistics as a plain forward."""
+    (float64: to round-off), and the forward leaves X and the running statistics as a plain forward;
+    also for an NCHW model whose replicated pass runs in channels_last."""
     z, y = _batch(N=12, size=8)
     z = z.double().contiguous(memory_format=fmt)
     model = _resnet().to(memory_format=fmt)
     C = torch.randn(5, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     plain = copy.deepcopy(model)
     g_ref, T_ref = _serial(plain, z, y, C)
-    (g, T), pc = _replicated(model, z, y, C)
+    (g, T), pc = _replicated(model, z, y, C, layout=layout)
     assert pc.counters()["serial_steps"] == 0
+    assert pc.engine_layout == layout
     assert torch.allclose(T, T_ref, rtol=1e-10, atol=1e-13)
     assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
+    _same_state(model, plain, exact=layout == "model")  # channels_last: convolutions in another order
+
+
+def _same_state(model, plain, exact):
     for (k, v), v_ref in zip(model.state_dict().items(), plain.state_dict().values()):
-        assert torch.equal(v, v_ref), k
+        assert torch.equal(v, v_ref) if exact else torch.allclose(v, v_ref, rtol=1e-12, atol=1e-15), k
+
+
+class _FlattensWithView(nn.Module):
+    """Flattens a feature map with ``.view``: its forward fails on channels_last tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, z):
+        h = torch.relu(self.bn(self.conv(z)))
+        return self.head(h.view(h.shape[0], -1))
+
+
+@pytest.mark.parametrize("net", ["resnet", "view"])
+def test_layout_auto_takes_channels_last_where_the_forward_allows_it(monkeypatch, caplog, net):
+    """``layout="auto"`` as on a GPU: channels_last for the ResNet; for a model that flattens with
+    ``.view`` the check fails (logged, reason kept), the model's format is kept, and the check
+    changes neither the running statistics nor the training flags. Exact either way."""
+    monkeypatch.setattr(kwng.replicate, "_auto_channels_last", lambda x: True)
+    z, y = _batch(N=12, size=8)
+    z = z.double()
+    torch.manual_seed(0)
+    model = (_resnet() if net == "resnet" else _FlattensWithView()).double()
+    C = torch.randn(3, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    plain = copy.deepcopy(model)
+    g_ref, T_ref = _serial(plain, z, y, C)
+    with caplog.at_level(logging.WARNING, logger="kwng.replicate"):
+        (g, T), pc = _replicated(model, z, y, C, num_basis=3)
+    assert pc.engine_layout == ("channels_last" if net == "resnet" else "model")
+    if net == "view":
+        assert "view size is not compatible" in pc._engine.layout_failure
+        assert "keeps the model's format" in caplog.text
+    assert all(m.training for m in model.modules())
+    _same_state(model, plain, exact=net == "view")
+    assert torch.allclose(T, T_ref, rtol=1e-10, atol=1e-13)
+    assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
+
+
+def test_layout_is_checked():
+    model = _FlattensWithView().double()
+    with pytest.raises(ValueError, match=r"layout must be one of \['auto', 'model', 'channels_last'\]"):
+        KWNGPreconditioner(model, adapt_eps=False, layout="nhwc")
+    KWNGPreconditioner(model, adapt_eps=False, layout="channels_last")
+    z, _ = _batch(N=4, size=8)
+    with pytest.raises(ValueError, match="layout='channels_last': the model's forward fails"):
+        model(z.double())
 
 
 def test_replicated_backward_with_an_unused_and_a_frozen_parameter():

@@ -132,10 +132,10 @@ def _batch(N=12, fmt=CL):
 
 def _calls(monkeypatch):
     """Count the kernel calls made through the engine."""
-    seen = {"bn": 0, "repeat": 0, "interleave": 0, "handed_off": 0}
+    seen = {"bn": 0, "bn_nchw": 0, "repeat": 0, "interleave": 0, "handed_off": 0}
     for name, key in (
         ("bn_backward", "bn"),
-        ("bn_backward_nchw", "bn"),
+        ("bn_backward_nchw", "bn_nchw"),
         ("repeat", "repeat"),
         ("interleave", "interleave"),
     ):
@@ -158,7 +158,7 @@ def _calls(monkeypatch):
     return seen
 
 
-def _g_and_T(model, z, y, C):
+def _g_and_T(model, z, y, C, layout="auto"):
     """g and T of the fast path and of serial autograd VJPs on a copy of ``model``."""
     plain = copy.deepcopy(model)
     X = plain(z)
@@ -167,23 +167,30 @@ def _g_and_T(model, z, y, C):
     grads = torch.autograd.grad(loss, params, retain_graph=True)
     g_ref = torch.cat([t.reshape(-1) for t in grads])
     T_ref = jacobian_from_outputs(X, params, C, retain_graph=False)
-    pc = KWNGPreconditioner(model, num_basis=C.shape[0], adapt_eps=False)
+    pc = KWNGPreconditioner(model, num_basis=C.shape[0], adapt_eps=False, layout=layout)
     X = model(z)
     g, T = pc._gradients(nn.functional.cross_entropy(X, y), X, C, pc.params)
     return (g, g_ref), (T, T_ref)
 
 
-@pytest.mark.parametrize("fmt", [CL, torch.contiguous_format])
-def test_fast_path_through_the_kernels_equals_serial_vjps(monkeypatch, fmt):
-    """fp32 BN ResNet in train mode, both layouts: g and T of the replicated backward
-    (batch norm, repeats and the stacked weight gradients through the kernels, as on a
-    GPU; every convolution takes the layout its batch norm wrote) agree with serial
-    autograd VJPs as closely as fp32 allows (1e-4)."""
+@pytest.mark.parametrize(
+    "fmt, layout",
+    [(CL, "model"), (torch.contiguous_format, "model"),
+     (torch.contiguous_format, "channels_last")],
+)
+def test_fast_path_through_the_kernels_equals_serial_vjps(monkeypatch, fmt, layout):
+    """fp32 BN ResNet in train mode, both layouts, and an NCHW model replicated in
+    channels_last: g and T of the replicated backward (batch norm, repeats and the
+    stacked weight gradients through the kernels, as on a GPU; every convolution takes
+    the layout its batch norm wrote) agree with serial autograd VJPs as closely as fp32
+    allows (1e-4)."""
     seen = _calls(monkeypatch)
     z, y = _batch(fmt=fmt)
     C = torch.randn(4, 12, 10, generator=torch.Generator().manual_seed(1))
-    pairs = _g_and_T(_model(fmt=fmt), z, y, C)
-    assert seen["bn"] > 0 and seen["repeat"] > 0
+    pairs = _g_and_T(_model(fmt=fmt), z, y, C, layout)
+    nchw = fmt == torch.contiguous_format and layout == "model"
+    assert seen["bn_nchw" if nchw else "bn"] > 0 and seen["repeat"] > 0
+    assert nchw or seen["bn_nchw"] == 0  # channels_last all through
     assert seen["handed_off"] == 20 and seen["interleave"] == 0  # 20 conv → BN pairs
     for got, ref in pairs:
         assert float((got - ref).norm() / ref.norm()) < 1e-4
