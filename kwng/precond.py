@@ -81,6 +81,7 @@ from .lm import LevenbergMarquardt
 from .precond_config import MODES, KWNGConfig, eps_from_authors
 from .precond_grads import replicated_gradients
 from .replicate import LAYOUTS, ReplicatedEngine, unsupported_reason
+from .triton_solve import fused_available, fused_direction
 
 __all__ = ["KWNGPreconditioner", "KWNGConfig", "MODES", "eps_from_authors"]
 
@@ -284,13 +285,19 @@ class KWNGPreconditioner:
         T = jacobian_from_outputs(X, params, C.to(X.dtype), retain_graph=False)
         return g, T
 
-    def _write_grads(self, direction: torch.Tensor, params: list[torch.Tensor]) -> None:
-        q = direction.numel()
-        dtype = params[0].dtype
-        if self._buffer is None or self._buffer.numel() != q or self._buffer.device != direction.device \
+    def _grad_buffer(self, q: int, params: list[torch.Tensor]) -> torch.Tensor:
+        """The flat buffer whose views are the parameters' ``.grad`` (kept across steps)."""
+        dtype, device = params[0].dtype, params[0].device
+        if self._buffer is None or self._buffer.numel() != q or self._buffer.device != device \
                 or self._buffer.dtype != dtype:
-            self._buffer = torch.empty(q, dtype=dtype, device=direction.device)
-        self._buffer.copy_(direction)
+            self._buffer = torch.empty(q, dtype=dtype, device=device)
+        return self._buffer
+
+    def _write_grads(self, direction: torch.Tensor | None, params: list[torch.Tensor]) -> None:
+        """Copy ``direction`` into the buffer (``None``: already written there) and make its
+        views the parameters' gradients."""
+        if direction is not None:
+            self._grad_buffer(direction.numel(), params).copy_(direction)
         offset = 0
         for p in params:
             n = p.numel()
@@ -381,9 +388,20 @@ class KWNGPreconditioner:
         g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
         T = T.to(g.dtype)
 
-        direction, rank_t, ill_t, n_floor_t, loss_only_t, share_t = self._solve(
-            T, CCt, K, g, N, eps, reference)
-        direction, dot, bad, clipped, grad_norm, norm = self._safeguard(g, direction)
+        if not reference and not self.diagonal_only and fused_available(T, g, self.damping):
+            # the direction, safeguard and clipping in four kernels, written straight into
+            # the gradient buffer (kwng.triton_solve)
+            f = fused_direction(T, CCt, K, g, N, eps=torch.as_tensor(eps, device=T.device),
+                                lam=self.lam, damping=self.damping, rcond=self.rcond,
+                                clip_norm=self.clip_norm, out=self._grad_buffer(g.numel(), params))
+            rank_t, ill_t, n_floor_t = f["rank"], f["ill_conditioned"], f["damping_floored"]
+            loss_only_t, share_t, dot, bad = f["loss_only"], f["floored_share"], f["dot"], f["fallback"]
+            clipped, grad_norm, norm = f["clipped"], f["grad_norm"], f["direction_norm"]
+            direction = None
+        else:
+            direction, rank_t, ill_t, n_floor_t, loss_only_t, share_t = self._solve(
+                T, CCt, K, g, N, eps, reference)
+            direction, dot, bad, clipped, grad_norm, norm = self._safeguard(g, direction)
         self._write_grads(direction, params)
         self.lm.record(self._lr(), dot)
         c = self._counters

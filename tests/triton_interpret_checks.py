@@ -9,6 +9,7 @@ path, which then goes through the kernels on CPU tensors, with serial autograd p
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 import kwng.nets
+import kwng.precond
 from kwng import replicate_layers, solve, triton_ops
 from kwng.estimator import jacobian_from_outputs
 from kwng.precond import KWNGPreconditioner
@@ -225,9 +227,17 @@ def test_a_summed_gradient_does_not_take_the_batch_norm_layout(monkeypatch):
 
 
 def test_fast_direction_with_unused_and_frozen_parameters_equals_reference(monkeypatch):
-    """The whole fast step through the kernels (and the Triton products of the solve)
-    on a model with an unused and a frozen parameter equals the reference direction."""
+    """The whole fast step through the kernels (the replicated backward, then the fused
+    direction of kwng.triton_solve) on a model with an unused and a frozen parameter
+    equals the reference direction."""
     seen = _calls(monkeypatch)
+    fused = kwng.precond.fused_direction
+
+    def counted_fused(*a, **k):
+        seen["fused"] = seen.get("fused", 0) + 1
+        return fused(*a, **k)
+
+    monkeypatch.setattr(kwng.precond, "fused_direction", counted_fused)
     z, y = _batch()
     dirs = {}
     for mode in ("fast", "reference"):
@@ -250,6 +260,59 @@ def test_fast_direction_with_unused_and_frozen_parameters_equals_reference(monke
         dirs[mode] = torch.cat(
             [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
         )
-    assert seen["bn"] > 0
+    assert seen["bn"] > 0 and seen["fused"] == 1
     rel = float((dirs["fast"] - dirs["reference"]).norm() / dirs["reference"].norm())
     assert rel < 1e-4
+
+
+def _fused_case(damping, case):
+    gen = torch.Generator().manual_seed(0)
+    M, q, N = 5, 5000, 32
+    T, g = torch.randn(M, q, generator=gen), torch.randn(q, generator=gen)
+    C = torch.randn(M, 40, generator=gen, dtype=torch.float64)
+    K = C @ C.T / 40
+    if case == "degenerate":  # zero columns (g ≠ 0 and g = 0), columns below the floor
+        T[:, :10] = 0
+        T[:, 10:20] *= 1e-12
+        g[5:10] = 0
+        g[15:20] = 0
+    eps = torch.tensor(float("nan") if case == "nan_eps" else 1e-2, dtype=torch.float64)
+    lam = 0.3 if case == "lam" else 0.0
+    clip = None if case == "noclip" else 1.0
+    return T, g, C @ C.T, K, N, eps, lam, clip
+
+
+@pytest.mark.parametrize("damping", ["T_tilde", "T", "identity"])
+@pytest.mark.parametrize("case", ["plain", "degenerate", "lam", "nan_eps", "noclip"])
+def test_fused_direction_equals_the_pytorch_path(damping, case):
+    """The four kernels of kwng.triton_solve against nystrom_solve_nosync followed by
+    the preconditioner's safeguard and clipping: same direction (float32 rounding), same
+    diagnostics; a non-finite direction (ε = NaN) falls back to the clipped g."""
+    from types import SimpleNamespace
+
+    from kwng.nosync import nystrom_solve_nosync
+    from kwng.triton_solve import fused_available, fused_direction
+
+    T, g, CCt, K, N, eps, lam, clip = _fused_case(damping, case)
+    assert fused_available(T, g, damping)
+    d, dg = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=lam, damping=damping)
+    d, dot, bad, clipped, gnorm, norm = KWNGPreconditioner._safeguard(
+        SimpleNamespace(clip_norm=clip), g, d
+    )
+    out = torch.empty_like(g)
+    f = fused_direction(T, CCt, K, g, N, eps=eps, lam=lam, damping=damping,
+                        rcond=None, clip_norm=clip, out=out)
+    assert float((out - d).norm() / d.norm()) < 1e-5
+    for key, ref in (("dot", dot), ("grad_norm", gnorm), ("direction_norm", norm),
+                     ("floored_share", dg["floored_share"])):
+        got, ref = float(f[key]), float(ref)
+        same_nan = math.isnan(got) and math.isnan(ref)  # the share of a NaN direction
+        assert same_nan or abs(got - ref) <= 1e-5 * abs(ref) + 1e-12, key
+    for key, ref in (("fallback", bad), ("clipped", clipped), ("rank", dg["rank"]),
+                     ("damping_floored", dg["damping_floored"]),
+                     ("loss_only", dg["loss_only"]),
+                     ("ill_conditioned", dg["ill_conditioned"])):
+        assert int(f[key]) == int(ref), key
+    assert bool(f["fallback"]) == (case == "nan_eps")
+    if case == "degenerate" and damping != "identity":
+        assert int(f["loss_only"]) == 5 and int(f["damping_floored"]) == 20
