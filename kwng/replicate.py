@@ -76,10 +76,10 @@ log = logging.getLogger(__name__)
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d)
 
-#: The layouts of the replicated activations: ``"auto"`` (channels_last for a model with
-#: 4-D inputs on the GPU, where its forward runs on channels_last tensors), ``"model"``
-#: (the model's own format) and ``"channels_last"`` (always; an error if the forward
-#: cannot run on channels_last tensors).
+#: Accepted values of ``layout``, the memory format of the replicated activations.
+#: ``"auto"`` is channels_last for a model with 4-D inputs on the GPU whose forward runs
+#: on channels_last tensors, ``"model"`` the model's own format, ``"channels_last"``
+#: always channels_last (an error if the forward cannot run on such tensors).
 LAYOUTS = ("auto", "model", "channels_last")
 
 
