@@ -9,8 +9,12 @@ weight gradients of the convolutions (``R`` calls on slices against one call wit
 copies stacked along the output channels, and one plain call at batch ``R·N`` for
 scale); the per-copy batch-norm backward (PyTorch operations against the Triton
 kernels of :mod:`kwng.triton_ops`, and the native batch-norm backward at ``R·N`` for
-scale). CUDA events, median of 20 repetitions after warm-up. A tuning aid: it decided
-the choices written in :mod:`kwng.replicate_layers`.
+scale). Then, once, the direction at the end of the step (``T`` float32, ``M = R − 1``
+rows, ``q`` = ResNet-18's parameter count): :func:`kwng.nystrom_solve_nosync`, the
+preconditioner's safeguard and the copy into the gradient buffer, against the four
+kernels of :mod:`kwng.triton_solve`. CUDA events, median of 20 repetitions after
+warm-up. A tuning aid: it decided the choices written in :mod:`kwng.replicate_layers`
+and :mod:`kwng.precond`.
 """
 
 from __future__ import annotations
@@ -154,6 +158,36 @@ def bn_parts(N, R, dt):
     }
 
 
+def direction_parts(M: int, q: int = 11_173_962) -> dict[str, float]:
+    """The direction of one step from ``T`` ``(M, q)`` and ``g``: PyTorch operations
+    against the fused kernels (same ``ε``, damping ``T̃``, clipping to 1)."""
+    from types import SimpleNamespace
+
+    from kwng.nosync import nystrom_solve_nosync
+    from kwng.precond import KWNGPreconditioner
+    from kwng.triton_solve import fused_direction
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T = torch.randn(M, q, device="cuda", generator=gen)
+    g = torch.randn(q, device="cuda", generator=gen)
+    C = torch.randn(M, 128, device="cuda", dtype=torch.float64, generator=gen)
+    CCt, K = C @ C.T, C @ C.T / 128
+    eps = torch.tensor(1e-2, dtype=torch.float64, device="cuda")
+    out = torch.empty_like(g)
+    clip = SimpleNamespace(clip_norm=1.0)
+
+    def f_torch():
+        d, _ = nystrom_solve_nosync(T, CCt, K, g, 128, eps=eps, damping="T_tilde")
+        out.copy_(KWNGPreconditioner._safeguard(clip, g, d)[0])
+
+    def f_fused():
+        fused_direction(T, CCt, K, g, 128, eps=eps, lam=0.0, damping="T_tilde",
+                        rcond=None, clip_norm=1.0, out=out)
+
+    return {"direction: PyTorch ops": timed(f_torch),
+            "direction: fused kernels": timed(f_fused)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--copies", type=int, default=6)
@@ -169,6 +203,9 @@ def main() -> None:
         for part in (repeat_parts, wgrad_parts, bn_parts):
             for k, v in part(a.batch, a.copies, dt).items():
                 print(f"  {k:45s} {v:8.3f}")
+    print(f"\nthe direction, M = {a.copies - 1} (ms, T in float32)")
+    for k, v in direction_parts(a.copies - 1).items():
+        print(f"  {k:45s} {v:8.3f}")
 
 
 if __name__ == "__main__":
