@@ -10,7 +10,7 @@ count) and ``g`` (``q``), the direction of Prop. 6 with the whitening ``W`` of
 
 then the treatment of degenerate columns (:func:`kwng.solve.loss_only_columns`), the
 safeguard (the Euclidean gradient where ``⟨g, ĝ⟩ ≤ 0`` or ``ĝ`` is not finite) and the
-clipping to ``clip_norm`` (``f`` is :data:`kwng.solve.DAMPING_FLOOR`), and it writes
+clipping to ``clip_norm`` (``f`` is ``kwng.solve.DAMPING_FLOOR``), and it writes
 ``ĝ`` into the parameters' gradient buffer.
 Written with PyTorch operations (:func:`kwng.solve.kwng_direction`, then the
 preconditioner's safeguard) that is about thirty passes over ``q``-vectors and seven
