@@ -278,13 +278,20 @@ if triton is not None:
         tl.store(dst_ptr + (rows * R + r)[:, None] * L + cols[None, :], v, mask=m)
 
     @triton.jit
-    def _small_mm_kernel(
-        w_ptr, t_ptr, out_ptr, q, M: tl.constexpr, MP: tl.constexpr, BQ: tl.constexpr
+    def _wt_tile(
+        w_ptr,
+        t_ptr,
+        cols,
+        cm,
+        rows,
+        rm,
+        q,
+        M: tl.constexpr,
+        MP: tl.constexpr,
+        BQ: tl.constexpr,
     ):
-        cols = tl.program_id(0).to(tl.int64) * BQ + tl.arange(0, BQ)
-        cm = cols < q
-        rows = tl.arange(0, MP)
-        rm = rows < M
+        """The ``(MP, BQ)`` tile of ``W T`` (``W`` ``(M, M)``, ``T`` ``(M, q)``, both
+        contiguous) for the columns ``cols``; rows ``≥ M`` are zero."""
         acc = tl.zeros([MP, BQ], dtype=tl.float32)
         tp = t_ptr + cols
         for k in tl.static_range(M):
@@ -292,6 +299,17 @@ if triton is not None:
             wk = tl.load(w_ptr + rows * M + k, mask=rm, other=0.0)
             acc += wk[:, None] * t[None, :]
             tp += q
+        return acc
+
+    @triton.jit
+    def _small_mm_kernel(
+        w_ptr, t_ptr, out_ptr, q, M: tl.constexpr, MP: tl.constexpr, BQ: tl.constexpr
+    ):
+        cols = tl.program_id(0).to(tl.int64) * BQ + tl.arange(0, BQ)
+        cm = cols < q
+        rows = tl.arange(0, MP)
+        rm = rows < M
+        acc = _wt_tile(w_ptr, t_ptr, cols, cm, rows, rm, q, M, MP, BQ)
         out = out_ptr + rows.to(tl.int64)[:, None] * q + cols[None, :]
         tl.store(out, acc, mask=rm[:, None] & cm[None, :])
 

@@ -43,6 +43,8 @@ from .triton_ops import GRAM_MAX_M, available, triton
 if triton is not None:
     import triton.language as tl
 
+    from .triton_ops import _wt_tile
+
 __all__ = ["fused_available", "fused_direction"]
 
 _F64 = torch.float64
@@ -81,29 +83,6 @@ def fused_available(T: torch.Tensor, g: torch.Tensor, damping: str) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tt_tile(
-        w_ptr,
-        t_ptr,
-        cols,
-        cm,
-        rows,
-        rm,
-        q,
-        M: tl.constexpr,
-        MP: tl.constexpr,
-        BQ: tl.constexpr,
-    ):
-        # (MP, BQ) tile of W T for the columns `cols` (rows ≥ M are zero)
-        acc = tl.zeros([MP, BQ], dtype=tl.float32)
-        tp = t_ptr + cols
-        for k in tl.static_range(M):
-            t = tl.load(tp, mask=cm, other=0.0)
-            wk = tl.load(w_ptr + rows * M + k, mask=rm, other=0.0)
-            acc += wk[:, None] * t[None, :]
-            tp += q
-        return acc
-
-    @triton.jit
     def _scaling(n_ptr, thr_ptr, cols, cm, IDENT: tl.constexpr):
         # D⁻¹ and the floored ("low") columns; identity damping: D = 1, nothing floored
         if IDENT:
@@ -115,6 +94,33 @@ if triton is not None:
             dinv = 1.0 / tl.maximum(n, thr)
             low = (n < thr) & cm
         return dinv, low
+
+    @triton.jit
+    def _chunk(
+        w_ptr,
+        t_ptr,
+        n_ptr,
+        thr_ptr,
+        g_ptr,
+        pid,
+        c,
+        rows,
+        rm,
+        q,
+        M: tl.constexpr,
+        MP: tl.constexpr,
+        BQ: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        IDENT: tl.constexpr,
+    ):
+        """Chunk ``c`` of program ``pid``: its columns and mask, the ``T̃`` tile,
+        ``D⁻¹``, the floored columns and ``g``."""
+        cols = (pid.to(tl.int64) * CHUNKS + c) * BQ + tl.arange(0, BQ)
+        cm = cols < q
+        tt = _wt_tile(w_ptr, t_ptr, cols, cm, rows, rm, q, M, MP, BQ)
+        dinv, low = _scaling(n_ptr, thr_ptr, cols, cm, IDENT)
+        g = tl.load(g_ptr + cols, mask=cm, other=0.0)
+        return cols, cm, tt, dinv, low, g
 
     @triton.jit
     def _norms_kernel(
@@ -134,7 +140,7 @@ if triton is not None:
         rows = tl.arange(0, MP)
         rm = rows < M
         if TILDE:
-            tile = _tt_tile(w_ptr, t_ptr, cols, cm, rows, rm, q, M, MP, BQ)
+            tile = _wt_tile(w_ptr, t_ptr, cols, cm, rows, rm, q, M, MP, BQ)
         else:
             ptrs = t_ptr + rows.to(tl.int64)[:, None] * q + cols[None, :]
             tile = tl.load(ptrs, mask=rm[:, None] & cm[None, :], other=0.0)
@@ -164,11 +170,8 @@ if triton is not None:
         a = tl.zeros([MP, MP], dtype=tl.float32)
         v = tl.zeros([MP], dtype=tl.float32)
         for c in range(CHUNKS):
-            cols = (pid.to(tl.int64) * CHUNKS + c) * BQ + tl.arange(0, BQ)
-            cm = cols < q
-            tt = _tt_tile(w_ptr, t_ptr, cols, cm, rows, rm, q, M, MP, BQ)
-            dinv, _ = _scaling(n_ptr, thr_ptr, cols, cm, IDENT)
-            g = tl.load(g_ptr + cols, mask=cm, other=0.0)
+            _, _, tt, dinv, _, g = _chunk(w_ptr, t_ptr, n_ptr, thr_ptr, g_ptr, pid, c,
+                                          rows, rm, q, M, MP, BQ, CHUNKS, IDENT)
             ttd = tt * dinv[None, :]
             for j in tl.static_range(M):  # column j of the system: Σ T̃ D⁻¹ T̃_j
                 tj = tl.sum(tl.where(rows[:, None] == j, tt, 0.0), axis=0)
@@ -203,22 +206,13 @@ if triton is not None:
         sol = tl.load(sol_ptr + rows, mask=rm, other=0.0)
         eps = tl.load(eps_ptr)
         zero = tl.zeros([BQ], dtype=tl.float32)
-        rest_d2, rest_g2, hit_g2, gd, d2, low_d2, g2 = (
-            zero,
-            zero,
-            zero,
-            zero,
-            zero,
-            zero,
-            zero,
-        )
+        rest_d2, rest_g2, hit_g2, gd = zero, zero, zero, zero
+        d2, low_d2, g2 = zero, zero, zero
         nonfinite, nlow, nhit, nzero = zero, zero, zero, zero
         for c in range(CHUNKS):
-            cols = (pid.to(tl.int64) * CHUNKS + c) * BQ + tl.arange(0, BQ)
-            cm = cols < q
-            tt = _tt_tile(w_ptr, t_ptr, cols, cm, rows, rm, q, M, MP, BQ)
-            dinv, low = _scaling(n_ptr, thr_ptr, cols, cm, IDENT)
-            g = tl.load(g_ptr + cols, mask=cm, other=0.0)
+            cols, cm, tt, dinv, low, g = _chunk(w_ptr, t_ptr, n_ptr, thr_ptr, g_ptr,
+                                                pid, c, rows, rm, q, M, MP, BQ,
+                                                CHUNKS, IDENT)
             corr = tl.sum(tt * sol[:, None], axis=0)
             d = (dinv * g - dinv * corr) / eps  # as kwng.solve.combine
             tl.store(d_ptr + cols, d, mask=cm)
