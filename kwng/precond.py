@@ -174,10 +174,7 @@ class KWNGPreconditioner:
         """The layout of the fast path's replicated activations once its first forward
         has chosen it: ``"channels_last"`` or ``"model"``; ``None`` before, and without
         the fast path."""
-        eng = self._engine
-        if eng is None or not eng._layout_chosen:
-            return None
-        return "model" if eng.state.layout is None else "channels_last"
+        return None if self._engine is None else self._engine.chosen_layout
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:

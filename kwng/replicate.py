@@ -232,10 +232,12 @@ class ReplicatedEngine:
         return new
 
     def _choose_layout(self, model: nn.Module, args: tuple) -> None:
-        """Set ``state.layout`` at the first replicated forward (see the class)."""
-        self._layout_chosen = True
+        """Set ``state.layout`` at the first replicated forward (see the class); a
+        refused ``layout="channels_last"`` stays undecided (the next forward raises
+        again)."""
         x = args[0]
         if x.dim() != 4 or (self.layout == "auto" and not _auto_channels_last(x)):
+            self._layout_chosen = True
             return
         if _format(x) != torch.channels_last:
             failure = channels_last_failure(model, args)
@@ -252,8 +254,18 @@ class ReplicatedEngine:
                     "inputs (%s); the replicated pass keeps the model's format",
                     failure,
                 )
+                self._layout_chosen = True
                 return
         self.state.layout = torch.channels_last
+        self._layout_chosen = True
+
+    @property
+    def chosen_layout(self) -> str | None:
+        """``"channels_last"`` or ``"model"`` once the first replicated forward has
+        decided, else ``None``."""
+        if not self._layout_chosen:
+            return None
+        return "model" if self.state.layout is None else "channels_last"
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any):
         st = self.state

@@ -162,8 +162,9 @@ def test_layout_is_checked():
         KWNGPreconditioner(model, adapt_eps=False, layout="nhwc")
     KWNGPreconditioner(model, adapt_eps=False, layout="channels_last")
     z, _ = _batch(N=4, size=8)
-    with pytest.raises(ValueError, match="layout='channels_last': the model's forward fails"):
-        model(z.double())
+    for _ in range(2):  # refused every time, never silently run in the model's format
+        with pytest.raises(ValueError, match="layout='channels_last': the model's forward fails"):
+            model(z.double())
 
 
 def test_replicated_backward_with_an_unused_and_a_frozen_parameter():
