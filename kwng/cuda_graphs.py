@@ -35,7 +35,23 @@ import torch
 
 from ._checks import check_int
 
-__all__ = ["capture_step"]
+__all__ = ["capture_step", "record_graph"]
+
+
+def record_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """Record one call of ``step`` in a new CUDA graph (the call is recorded, not run: the
+    caller replays the graph to run it). cuDNN's benchmark search is off while recording,
+    so no trial runs or search workspaces enter the graph; the caller has warmed ``step``
+    up on a side stream first."""
+    graph = torch.cuda.CUDAGraph()
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+    return graph
 
 
 def capture_step(step: Callable[[], None], warmup: int = 3) -> Callable[[], None]:
@@ -64,12 +80,4 @@ def capture_step(step: Callable[[], None], warmup: int = 3) -> Callable[[], None
         for _ in range(warmup):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    benchmark = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = False
-    try:
-        with torch.cuda.graph(graph):
-            step()
-    finally:
-        torch.backends.cudnn.benchmark = benchmark
-    return graph.replay
+    return record_graph(step).replay

@@ -34,7 +34,9 @@ import torch
 
 from ._checks import check_choice, check_int
 from .data_augment import (  # noqa: F401  (moved; re-exported under the old path)
+    apply_augmentation,
     augment_batch,
+    draw_augmentation,
     normalize,
 )
 
@@ -367,14 +369,26 @@ class GPUAugmentedData:
 
     def batches(self, batch_size: int, generator: torch.Generator, augment: bool = True,
                 drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One epoch of ``(z, y)`` batches: a fresh permutation, then per-batch crop/flip/normalise."""
+        """One epoch of ``(z, y)`` batches: a fresh permutation, then per-batch crop/flip/normalise.
+
+        Every draw of the epoch (the permutation, then each batch's crop offsets and flips, in that
+        order) is made on the CPU ``generator`` before the first batch and copied to the device once:
+        the batches then cost no host-to-device copy (which would wait for the device)."""
         check_int(batch_size, "batch_size", 1)
-        perm = torch.randperm(len(self), generator=generator)
-        for k in range(self.num_batches(batch_size, drop_last)):
-            idx = perm[k * batch_size:(k + 1) * batch_size].to(self.device, non_blocking=True)
+        n = len(self)
+        nb = self.num_batches(batch_size, drop_last)
+        perm = torch.randperm(n, generator=generator)
+        draws = [draw_augmentation(min(batch_size, n - k * batch_size), generator)
+                 for k in range(nb)] if augment else []
+        perm = perm.to(self.device)
+        if augment:
+            ox, oy, flip = (torch.cat(t).to(self.device) for t in zip(*draws))
+        for k in range(nb):
+            sl = slice(k * batch_size, (k + 1) * batch_size)
+            idx = perm[sl]
             xb = self.x[idx]
             if augment:
-                xb = augment_batch(xb, generator)
+                xb = apply_augmentation(xb, ox[sl], oy[sl], flip[sl])
             yield normalize(xb, self.mean, self.std), self.y[idx]
 
     def eval_batches(self, batch_size: int = 1000) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

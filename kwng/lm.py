@@ -87,7 +87,6 @@ class LevenbergMarquardt:
                 (), dtype=f64, device=device
             )  # ½·lr·⟨g, ĝ⟩ of the last step
             self.has_prev = False
-            self.steps = 0
             self.ups = torch.zeros((), dtype=torch.long, device=device)
             self.downs = torch.zeros((), dtype=torch.long, device=device)
             self._count = torch.zeros((), dtype=torch.long, device=device)
@@ -152,21 +151,27 @@ class LevenbergMarquardt:
         ):
             setattr(self, k, torch.tensor(float(state[key]), dtype=f64, device=dev))
         self.has_prev = bool(state["has_prev"])
-        self.steps = check_int(state["steps"], "steps", 0)
-        self._count = torch.tensor(self.steps, device=dev)
+        self._count = torch.tensor(check_int(state["steps"], "steps", 0), device=dev)
         self.ups = torch.tensor(int(state["ups"]), device=dev)
         self.downs = torch.tensor(int(state["downs"]), device=dev)
 
+    @property
+    def steps(self) -> int:
+        """Steps recorded so far (counted on the device: CUDA-graph replays count)."""
+        return int(self._count)
+
     # --- the rule ---------------------------------------------------------------------
+    # Every state tensor is updated in place (``copy_``, ``+=``): a step recorded in a
+    # CUDA graph then reads and writes the same memory on every replay.
     def _ratio(self, loss_after: torch.Tensor) -> None:
         after = loss_after.detach().to(self.eps.device, torch.float64)
         pred = self._pred
-        self.ratio = torch.where(
+        self.ratio.copy_(torch.where(
             pred > 0,
             (self._loss - after) / pred.clamp(min=1e-300),
             torch.zeros_like(pred),
-        )
-        self._r_max = torch.maximum(self._r_max, self.ratio)
+        ))
+        self._r_max.copy_(torch.maximum(self._r_max, self.ratio))
 
     def _adapt(self) -> None:
         """Every ``interval`` steps (counted on the device, so a CUDA-graph replay
@@ -181,10 +186,10 @@ class LevenbergMarquardt:
             self.eps / self.omega,
             torch.where(down, self.eps * self.omega, self.eps),
         )
-        self.eps = new.clamp(self.eps_min, self.eps_max)
+        self.eps.copy_(new.clamp(self.eps_min, self.eps_max))
         self.ups += up.long()
         self.downs += down.long()
-        self._r_max = torch.where(due, torch.full_like(r, -torch.inf), r)
+        self._r_max.copy_(torch.where(due, torch.full_like(r, -torch.inf), r))
 
     def update(self, loss: torch.Tensor) -> torch.Tensor:
         """Start of a step with mini-batch loss ``loss``; returns the ``ε`` to use in
@@ -196,14 +201,13 @@ class LevenbergMarquardt:
             self._ratio(loss)
         if self.has_prev:
             self._adapt()
-        self._loss = loss.detach().to(self.eps.device, torch.float64)
-        return self.eps
+        self._loss.copy_(loss.detach())
+        return self.eps.clone()  # this step's value (the state changes in place later)
 
     def record(self, lr: float, dot: torch.Tensor) -> None:
         """End of a step: the step size and ``⟨g, ĝ⟩`` of the update just written."""
-        self._pred = 0.5 * float(lr) * dot.detach().to(self.eps.device, torch.float64)
+        self._pred.copy_(0.5 * float(lr) * dot.detach().to(self.eps.device, torch.float64))
         self.has_prev = True
-        self.steps += 1
         self._count += 1
 
     def observe(self, loss_after: torch.Tensor) -> None:

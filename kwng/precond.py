@@ -146,7 +146,7 @@ class KWNGPreconditioner:
                                      omega=cfg.lm_omega, low=cfg.lm_low, high=cfg.lm_high,
                                      interval=cfg.lm_interval, rule=cfg.lm_rule,
                                      device=self.params[0].device)
-        self.num_steps = 0
+        self._step_count = torch.zeros((), dtype=torch.long, device=self.params[0].device)
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
         check_choice(layout, "layout", LAYOUTS)
@@ -163,6 +163,11 @@ class KWNGPreconditioner:
     @property
     def lm_rule(self) -> str:
         return self.lm.rule
+
+    @property
+    def num_steps(self) -> int:
+        """Steps taken (counted on the device, so CUDA-graph replays count; a host sync)."""
+        return int(self._step_count)
 
     @property
     def eps(self) -> float:
@@ -185,15 +190,15 @@ class KWNGPreconditioner:
         """Counters since construction, as Python ints (a host sync); logs fallbacks if any."""
         out = {k: int(v) for k, v in self._counters.items()}
         out["eps_up"], out["eps_down"] = int(self.lm.ups), int(self.lm.downs)
-        out["steps"] = self.num_steps
+        out["steps"] = steps = self.num_steps
         if out["fallbacks"]:
-            log.info("KWNG fell back to the Euclidean gradient in %d of %d steps", out["fallbacks"], self.num_steps)
+            log.info("KWNG fell back to the Euclidean gradient in %d of %d steps", out["fallbacks"], steps)
         if out["ill_conditioned"]:
-            log.info("C Cᵀ was rank deficient in %d of %d steps", out["ill_conditioned"], self.num_steps)
+            log.info("C Cᵀ was rank deficient in %d of %d steps", out["ill_conditioned"], steps)
         if out["loss_only"]:
             self._warn_once("loss_only", "KWNG: parameters that move the loss but not the samples (zero column "
                             "of T) took the Euclidean gradient scaled like the rest (%d components over %d "
-                            "steps)", out["loss_only"], self.num_steps)
+                            "steps)", out["loss_only"], steps)
         return out
 
     def hyperparameters(self) -> dict[str, Any]:
@@ -217,8 +222,9 @@ class KWNGPreconditioner:
         if missing:
             raise ValueError(f"state_dict is missing {sorted(missing)}")
         self.lm.load_state_dict(state["lm"])
-        self.num_steps = check_int(state["num_steps"], "num_steps", 0)
         dev = self.lm.eps.device
+        self._step_count = torch.tensor(check_int(state["num_steps"], "num_steps", 0), dtype=torch.long,
+                                        device=dev)
         for k in _COUNTERS:
             self._counters[k] = torch.tensor(int(state["counters"].get(k, 0)), dtype=torch.long, device=dev)
         hp = state.get("hyperparameters")
@@ -363,6 +369,7 @@ class KWNGPreconditioner:
         if X.device != self.lm.eps.device:
             self.lm.to(X.device)
             self._counters = {k: v.to(X.device) for k, v in self._counters.items()}
+            self._step_count = self._step_count.to(X.device)
         params = [p for p in self.params if p.requires_grad]
         for p in self.params:
             if not p.requires_grad and p.grad is not None and self._buffer is not None \
@@ -370,7 +377,7 @@ class KWNGPreconditioner:
                 p.grad = None  # frozen since the last step: leave it alone
         if not params:
             raise ValueError("every parameter of the model is frozen (requires_grad=False): nothing to update")
-        self.num_steps += 1
+        self._step_count += 1
         eps = self.lm.update(loss) if self.adapt_eps else self.lm.eps
         idx, coords = self._draw_basis(N, d, X.device)
         reference = self.mode == "reference"
@@ -409,7 +416,7 @@ class KWNGPreconditioner:
         c["damping_floored"] += n_floor_t
         c["clipped"] += clipped.long()
         c["loss_only"] += loss_only_t.long()
-        info = {"eps": eps, "reduction_ratio": self.lm.ratio, "fallback": bad, "clipped": clipped,
+        info = {"eps": eps, "reduction_ratio": self.lm.ratio.clone(), "fallback": bad, "clipped": clipped,
                 "rank": rank_t, "floored_columns": n_floor_t, "floored_share": share_t,
                 "loss_only": loss_only_t, "dot": dot, "grad_norm": grad_norm, "direction_norm": norm,
                 "bandwidth": sigma}

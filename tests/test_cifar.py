@@ -472,7 +472,7 @@ def test_claim_protocol_plans_and_schedule():
     load = [0.0] * 4
     for j in slotted:
         load[j["slot"] // 5] += cifar.job_cost(j)
-    assert len({j["slot"] for j in slotted}) == len(claim) and max(load) - min(load) <= 5.4 + 1e-9
+    assert len({j["slot"] for j in slotted}) == len(claim) and max(load) - min(load) <= 5.4 * 30 + 1e-9  # one KWNG run (cost per epoch x epochs)
 
 
 def test_check_claim(tmp_path):

@@ -326,6 +326,39 @@ def _main_timing(p: argparse.ArgumentParser, rest: list[str]) -> int:
     return 0
 
 
+def _main_trainer_timing(p: argparse.ArgumentParser, rest: list[str]) -> int:
+    from .cifar_timing import trainer_timing
+
+    add = p.add_argument
+    add("--methods", default="sgd,adam,kfac,kwng")
+    add("--conditioning", default="ill", choices=CONDITIONINGS)
+    add("--precisions", default="bf16", help="comma list of fp32, bf16")
+    add("--epochs", type=int, default=2)
+    add("--trace-steps", type=int, default=256)
+    add("--data-root", default=None)
+    add("--source", default="auto", choices=("auto", "official", "jpeg", "sample"))
+    add("--model", default="resnet18", choices=MODELS)
+    add("--device", default=None)
+    add("--train-subset", type=int, default=None)
+    add("--out", default=str(RESULTS / "authors100" / "timing" / "trainer_timing.json"))
+    a = p.parse_args(rest)
+    res = trainer_timing(a.methods.split(","), Path(a.out), conditioning=a.conditioning,
+                         precisions=a.precisions.split(","), epochs=a.epochs,
+                         trace_steps=a.trace_steps, data_root=a.data_root,
+                         source=a.source, model=a.model, device=a.device,
+                         train_subset=a.train_subset, force=a.force)
+    for r in res["rows"]:
+        log.info("trainer timing %-12s %s %-8s epoch %.2f s (loop %.2f s, after %.2f s, "
+                 "%.2f ms/step)", r["method"], r["precision"], r["mode"],
+                 r["steady_epoch_s"], r["steady_train_s"], r["steady_after_s"],
+                 r["steady_ms_per_step"])
+    for t in res["loss_match"]:
+        log.info("loss match %s over %d steps: captured vs eager %.3g, eager vs eager "
+                 "%.3g", t["method"], t["steps"], t["max_rel_diff_captured_vs_eager"],
+                 t["max_rel_diff_eager_vs_eager"])
+    return 0
+
+
 def _main_schedule(p: argparse.ArgumentParser, rest: list[str]) -> int:
     add = p.add_argument
     add("--plan", default="claim", choices=("claim", "main"))
@@ -355,13 +388,22 @@ def _main_schedule(p: argparse.ArgumentParser, rest: list[str]) -> int:
 
 
 def _main_check(p: argparse.ArgumentParser, rest: list[str]) -> int:
-    p.add_argument("--suite", default="claim", choices=("claim", "study6"))
+    p.add_argument("--suite", default="claim", choices=("claim", "study6", "authors100"))
+    p.add_argument("--tiers", default="1", help="authors100: comma list of tiers")
     p.add_argument("--root", default=None,
                    help="default: results/cifar/claim (claim), results/cifar (study6)")
     p.add_argument("--dataset", default="cifar10", choices=DATASETS)
     p.add_argument("--min-epochs", type=int, default=30)
     a = p.parse_args(rest)
-    if a.suite == "claim":
+    if a.suite == "authors100":
+        from .cifar_results import check_authors100
+
+        res = check_authors100(a.root or RESULTS / "authors100", a.dataset,
+                               tuple(int(t) for t in a.tiers.split(",")))
+        print(json.dumps({k: len(v) for k, v in res.items()}), "not ok:",
+              json.dumps(res["missing"] + res["incomplete"]), "diverged:",
+              json.dumps(res["diverged"]))
+    elif a.suite == "claim":
         res = check_claim(a.root or CLAIM, a.dataset, a.min_epochs)
         print(json.dumps({k: len(v) for k, v in res.items()}), "not ok:",
               json.dumps(res["missing"] + res["incomplete"]), "diverged:",
@@ -375,7 +417,7 @@ def _main_check(p: argparse.ArgumentParser, rest: list[str]) -> int:
 
 
 _WRITERS = {"select": _main_select, "timing": _main_timing, "schedule": _main_schedule,
-            "check": _main_check}
+            "check": _main_check, "trainer-timing": _main_trainer_timing}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         return _main_worker(a) if sub == "worker" else _main_sweep(a)
     if sub not in _WRITERS:
         raise ValueError(f"unknown cifar subcommand {sub!r}; use sweep, worker, "
-                         "select, timing, schedule or check")
+                         "select, timing, trainer-timing, schedule or check")
     p.add_argument("--force", action="store_true", help="replace a different existing "
                    "output file (select, timing, schedule), moving it to a dated "
                    "backup first")

@@ -92,6 +92,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "kwng_rq": {**_SGD, **_KWNG6, "kernel": "rq", "lr_from": "kwng"},
     "kwng_scaled_logits": {**_SGD, **_KWNG6, "estimator_input": "scaled",
                            "lr_from": "kwng"},
+    # the authors'-horizon study: the claim suite's KWNG with M = 20 (the paper's brown
+    # line in Fig. 3)
+    "kwng_basis20": {**_SGD, **_KWNG, "num_basis": 20, "lr_from": "kwng"},
 }
 #: the methods of the claim suite (issue 10), each in both conditionings
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U",
@@ -114,7 +117,14 @@ ABLATIONS = ("kwng_damping_identity", "kwng_damping_T", "diag_T", "diag_Ttilde",
 #: the step-size schedules, "study6" ×0.1 after 50 % and 75 % of the epochs (the
 #: earlier study), "claim" ×0.1 for the last ~15 % (one milestone, like the paper's
 #: first), "constant" (selection runs)
-SCHEDULES = ("claim", "constant", "study6")
+SCHEDULES = ("claim", "constant", "study6", "authors")
+#: the authors' milestones (configs/cifar10_KWNG.yml of MichaelArbel/KWNG): ×0.1 after
+#: these epochs (schedule ``authors``: those before the last epoch)
+AUTHORS_MILESTONES = (50, 100, 200, 300)
+#: the precisions of the network's forward and backward (the KWNG algebra runs in
+#: float32 or float64 in every case): ``fp32`` (TF32 matrix products on CUDA) or
+#: ``bf16`` (autocast)
+PRECISIONS = ("fp32", "bf16")
 #: the diagnostics read from the KWNG step's ``info`` (when present), recorded as
 #: epoch mean and last value
 INFO_KEYS = ("eps", "reduction_ratio", "clipped", "fallback", "floored_columns",
@@ -126,6 +136,34 @@ SELECTION = RESULTS / "selection"
 CLAIM = RESULTS / "claim"
 CLAIM_SELECTION = CLAIM / "selection"
 CHECKPOINTS = Path("checkpoints")
+AUTHORS100 = RESULTS / "authors100"
+
+#: The authors'-horizon study (plan ``authors100``): 100 epochs of the authors' schedule
+#: (``authors``: ×0.1 after epoch 50), batch 128, clip 1, bf16 forward/backward in
+#: channels_last, every capturable step replayed from a CUDA graph. Entries: (tier,
+#: method, conditioning, step size, seed, epochs, extra settings); tier 1 is the issue's
+#: first list, tier 2 the Euclidean baselines at 10× their selected step, tier 3 what
+#: the budget may allow. The Euclidean step sizes are the claim suite's selection
+#: (results/cifar/claim/selection/selected.json: sgd 0.1, adam 1e-4, kfac 1).
+AUTHORS100_RUNS: tuple[tuple[int, str, str, float, int, int, dict], ...] = (
+    (1, "kwng", "ill", 10.0, 0, 100, {}),
+    (1, "kwng", "well", 10.0, 0, 100, {}),
+    (1, "kwng", "ill", 1.0, 0, 100, {}),
+    (1, "diag_Ttilde", "ill", 10.0, 0, 100, {}),
+    (1, "kfac", "ill", 1.0, 0, 100, {}),
+    (1, "sgd", "ill", 0.1, 0, 100, {}),
+    (1, "sgd", "well", 0.1, 0, 100, {}),
+    (1, "adam", "ill", 1e-4, 0, 100, {}),
+    (2, "kfac", "ill", 10.0, 0, 100, {}),
+    (2, "sgd", "ill", 1.0, 0, 100, {}),
+    (2, "adam", "ill", 1e-3, 0, 100, {}),
+    (3, "kwng", "ill", 10.0, 1, 100, {}),
+    (3, "kwng_basis20", "ill", 10.0, 0, 30, {}),
+    (3, "kwng", "ill", 10.0, 0, 30, {"precision": "fp32", "channels_last": False}),
+)
+#: the settings every run of the plan ``authors100`` shares
+AUTHORS100_SETTINGS = {"schedule": "authors", "precision": "bf16", "channels_last": True,
+                       "capture": True}
 
 
 class RunConfig(dict):
@@ -138,10 +176,12 @@ class RunConfig(dict):
         "train_subset": None, "val_size": 0, "max_steps": None, "model": "resnet18",
         "batch_size": None, "eval_batch_size": 1000, "stop_after_epoch": None,
         "deadline": None, "selection_file": None, "download": False,
-        "schedule": "claim",
+        "schedule": "claim", "capture": False, "precision": "fp32",
+        "channels_last": False,
     }
     _CHOICES = (("dataset", DATASETS), ("conditioning", CONDITIONINGS),
-                ("method", tuple(METHODS)), ("schedule", SCHEDULES), ("model", MODELS))
+                ("method", tuple(METHODS)), ("schedule", SCHEDULES), ("model", MODELS),
+                ("precision", PRECISIONS))
 
     def __init__(self, **kwargs: Any) -> None:
         unknown = set(kwargs) - set(self.DEFAULTS)
@@ -160,6 +200,9 @@ class RunConfig(dict):
             if self[k] is not None and (not isinstance(self[k], int) or self[k] < 1):
                 raise ValueError(f"{k} must be None or an integer >= 1, "
                                  f"got {self[k]!r}")
+        for k in ("capture", "channels_last"):
+            if not isinstance(self[k], bool):
+                raise ValueError(f"{k} must be True or False, got {self[k]!r}")
         if self["lr"] != "selected":
             lr = float(self["lr"])
             if not (math.isfinite(lr) and lr > 0):
@@ -187,6 +230,8 @@ def milestones_for(epochs: int, schedule: str) -> list[int]:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule == "constant" or epochs == 1:
         return []
+    if schedule == "authors":
+        return [m for m in AUTHORS_MILESTONES if m < epochs]
     if schedule == "claim":
         return [epochs - max(1, round(0.15 * epochs))]
     half, three_quarters = max(1, round(0.5 * epochs)), max(1, round(0.75 * epochs))
@@ -229,7 +274,10 @@ def build_optimizer(cfg: RunConfig, model: nn.Module,
     or Adam)."""
     spec = cfg.spec
     if spec["optimizer"] == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr)
+        # capturable on CUDA (the step counter on the device) in eager runs too, so that
+        # an eager and a graph-captured run compute the same thing
+        cuda = next(model.parameters()).device.type == "cuda"
+        return torch.optim.Adam(model.parameters(), lr=lr, capturable=cuda)
     return torch.optim.SGD(model.parameters(), lr=lr,
                            momentum=spec.get("momentum", 0.0),
                            weight_decay=spec.get("weight_decay", 0.0))
@@ -275,6 +323,9 @@ class MethodStep:
     """
 
     precond = None
+    #: whether the step can be recorded in a CUDA graph
+    #: (:class:`~kwng.experiments.cifar_capture.StepRunner`)
+    capturable = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
@@ -305,7 +356,10 @@ class MethodStep:
 
 
 class KFACStep(MethodStep):
-    """KFAC or EKFAC (:class:`kwng.baselines.KFACPreconditioner`): needs ``batch``."""
+    """KFAC or EKFAC (:class:`kwng.baselines.KFACPreconditioner`): needs ``batch``.
+    Not capturable (:data:`kwng.experiments.cifar_capture.NOT_CAPTURABLE` says why)."""
+
+    capturable = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  precond) -> None:

@@ -125,6 +125,72 @@ def check_claim(root: str | os.PathLike = CLAIM, dataset: str = "cifar10",
     return res
 
 
+#: the per-epoch fields of the mechanism records (plan ``authors100``): per class
+#: recall and precision (``None`` where nothing was predicted as the class), row norms, logit scales ``U_k ‖W_k‖``, row movement (this epoch
+#: and cumulative); ``feature_norm`` (mean ``‖φ‖``) and the update share are scalars
+MECHANISM_FIELDS = ("test_acc_per_class", "test_precision_per_class",
+                    "last_layer_row_norms", "logit_scale", "row_movement",
+                    "cumulative_row_movement")
+
+
+def _mechanism_ok(rec: dict, k: int) -> bool:
+    """Every epoch carries the mechanism fields (``k`` numbers each; precision may be
+    NaN where a class was never predicted) and the record the final confusion
+    matrix."""
+    for r in rec["epochs"]:
+        for f in MECHANISM_FIELDS:
+            v = r.get(f)
+            if not isinstance(v, list) or len(v) != k:
+                return False
+            if not all((a is None and f == "test_precision_per_class")
+                       or (isinstance(a, (int, float)) and math.isfinite(a)) for a in v):
+                return False
+        if not math.isfinite(r.get("feature_norm", math.nan)) or \
+                not math.isfinite(r.get("last_layer_update_share", math.nan)):
+            return False
+    cm = rec.get("confusion")
+    return (isinstance(cm, list) and len(cm) == k and all(len(x) == k for x in cm)
+            and sum(map(sum, cm)) == rec.get("eval_size"))
+
+
+def check_authors100(root: str | os.PathLike = RESULTS / "authors100",
+                     dataset: str = "cifar10", tiers: tuple[int, ...] = (1,)) -> dict:
+    """Completeness of the authors'-horizon study (plan ``authors100``) for the runs of
+    ``tiers``: each has ``metrics.json`` and ``provenance.json`` under
+    ``root/lr<lr>/``, the ``authors`` schedule with its milestones, the plan's
+    precision, every planned epoch recorded in order with finite test accuracy, and the
+    mechanism records (:data:`MECHANISM_FIELDS`, the confusion matrix). Returns
+    ``{"missing", "incomplete", "diverged", "ok"}`` with run names
+    ``lr<lr>/cond/method/seedk``."""
+    from .cifar_sweep import _authors100_plan, authors100_out
+
+    res: dict[str, list[str]] = {"missing": [], "incomplete": [], "diverged": [],
+                                 "ok": []}
+    k = NUM_CLASSES[dataset]
+    for job in _authors100_plan({"dataset": dataset}, tiers):
+        sub = Path(job["out"]).relative_to(RESULTS / "authors100")
+        name = (f"{sub}/{job['conditioning']}/{job['method']}/seed{job['seed']}")
+        d = (Path(root) / sub / dataset / job["conditioning"] / job["method"]
+             / f"seed{job['seed']}")
+        if not (d / "metrics.json").is_file() or not (d / "provenance.json").is_file():
+            res["missing"].append(name)
+            continue
+        rec = read_json(d / "metrics.json")
+        want = int(job["epochs"])
+        proto = (rec.get("config", {}).get("schedule") == "authors"
+                 and rec.get("milestones") == milestones_for(want, "authors")
+                 and int(rec["config"].get("epochs", -1)) == want
+                 and rec.get("precision") == job["precision"]
+                 and float(rec.get("lr", -1)) == float(job["lr"]))
+        if proto and rec.get("diverged") and rec["epochs"]:
+            res["diverged"].append(name)
+        elif proto and _claim_row_ok(rec, k) and _mechanism_ok(rec, k):
+            res["ok"].append(name)
+        else:
+            res["incomplete"].append(name)
+    return res
+
+
 # -------------------------------------------------------------------------- selection
 #: the rule as written into ``selected.json`` (the text of the committed selections)
 SELECTION_RULE = (

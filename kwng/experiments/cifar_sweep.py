@@ -19,6 +19,9 @@ from ..data import NUM_CLASSES
 from ..provenance import atomic_write_json, read_json, write_provenance
 from .cifar_methods import (
     ABLATIONS,
+    AUTHORS100,
+    AUTHORS100_RUNS,
+    AUTHORS100_SETTINGS,
     BATCH_SIZE,
     CLAIM,
     CLAIM_ABLATIONS,
@@ -56,19 +59,20 @@ log = logging.getLogger(__name__)
 #: GPUs when no timing file is given
 REL_COST = {"sgd": 1.0, "sgd_momentum": 1.0, "sgd_momentum_wd": 1.05, "adam": 1.4,
             "kfac": 1.7, "ekfac": 11.0, "kwng_m20": 16.7, "kwng_bigbatch": 16.3,
-            "kwng_lm_same_batch": 5.8}
+            "kwng_lm_same_batch": 5.8, "kwng_basis20": 16.7}
 _KWNG_REL_COST = 5.4
 
 
 def job_cost(job: dict, timing: dict | None = None) -> float:
-    """Relative cost of a run of ``job`` per epoch (timing file's seconds per step if
-    given)."""
+    """Relative cost of a run of ``job`` (per epoch, times its ``epochs`` when given;
+    the timing file's seconds per step if given)."""
     m = job["method"]
+    epochs = int(job.get("epochs", 1))
     if timing is not None and m in timing:
         steps = math.ceil(50_000 / timing[m].get("batch_size", BATCH_SIZE))
-        return float(timing[m]["sec_per_step"]) * steps
+        return float(timing[m]["sec_per_step"]) * steps * epochs
     kwng = METHODS[m].get("precond") == "kwng"
-    return REL_COST.get(m, _KWNG_REL_COST if kwng else 1.0)
+    return REL_COST.get(m, _KWNG_REL_COST if kwng else 1.0) * epochs
 
 
 def assign_slots(plan: list[dict], gpus: int, procs_per_gpu: int,
@@ -118,6 +122,25 @@ def _claim_plan(common: dict, epochs: int, with_ablations: bool | None) -> list[
     return jobs
 
 
+def authors100_out(lr: float, settings: dict) -> Path:
+    """Where a run of the plan ``authors100`` writes: ``results/cifar/authors100/lr<lr>``
+    (``.../fp32/lr<lr>`` for the precision control)."""
+    tag = f"lr{lr:g}"
+    return AUTHORS100 / ("fp32" if settings.get("precision") == "fp32" else "") / tag
+
+
+def _authors100_plan(common: dict, tiers: Sequence[int] = (1, 2, 3)) -> list[dict]:
+    """The runs of :data:`AUTHORS100_RUNS` of ``tiers``, in tier order."""
+    jobs = []
+    for tier, m, cond, lr, seed, epochs, extra in AUTHORS100_RUNS:
+        if tier not in tiers:
+            continue
+        jobs.append({**common, **AUTHORS100_SETTINGS, **extra, "method": m,
+                     "conditioning": cond, "lr": lr, "seed": seed, "epochs": epochs,
+                     "out": str(authors100_out(lr, extra))})
+    return jobs
+
+
 def _main_plan(common: dict, epochs: int) -> list[dict]:
     base = {**common, "epochs": epochs, "lr": "selected", "schedule": "study6"}
     jobs = []
@@ -153,6 +176,9 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       ``select_val`` held-out training images. ``main``: seed 0 of sgd/adam/kwng in both
       conditionings, seeds 1–2 of those, seed 0 of the other methods in both
       conditionings, the ablations (ill only).
+    * ``authors100``: the authors'-horizon study (:data:`AUTHORS100_RUNS`, every run
+      with its own epochs and step size; ``epochs`` is not used), results under
+      ``results/cifar/authors100/lr<lr>/``.
     * a path to a JSON list of run settings.
     """
     if methods is not None:
@@ -179,11 +205,13 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
         return sorted(jobs, key=lambda j: order.get(j["method"], 9))
     if name == "main":
         return _main_plan(common, epochs)
+    if name == "authors100":
+        return _authors100_plan(common)
     path = Path(name)
     if path.is_file():
         return list(read_json(path))
-    raise ValueError("plan must be 'claim_select', 'claim', 'select', 'main' or a JSON "
-                     f"file of run settings, got {name!r}")
+    raise ValueError("plan must be 'claim_select', 'claim', 'select', 'main', "
+                     f"'authors100' or a JSON file of run settings, got {name!r}")
 
 
 # ---------------------------------------------------------------------------- workers

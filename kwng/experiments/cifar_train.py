@@ -38,7 +38,8 @@ from .cifar_methods import (
     make_step,
     milestones_for,
 )
-from .cifar_metrics import EpochStats, UpdateShare, evaluate
+from .cifar_capture import StepRunner
+from .cifar_metrics import EpochStats, UpdateShare, evaluate_full
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +132,27 @@ def fast_cuda(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+def autocast_for(device: torch.device, precision: str):
+    """The forward's autocast context: bf16 without a weight-cast cache (a CUDA graph
+    would replay freed memory), or none for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+    return contextlib.nullcontext()
+
+
 def train_step(method: MethodStep, model: nn.Module, z: torch.Tensor, yb: torch.Tensor,
-               share: UpdateShare | None = None
+               share: UpdateShare | None = None, precision: str = "fp32"
                ) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
-    """One training step of any method: forward, then ``method.step`` (direction clipped
-    to :data:`~kwng.experiments.cifar_methods.CLIP_NORM`, ``optimizer.step()``).
+    """One training step of any method: forward (in ``precision``), then
+    ``method.step`` (direction clipped to
+    :data:`~kwng.experiments.cifar_methods.CLIP_NORM`, ``optimizer.step()``).
     Returns ``(loss, outputs, info, last-layer share)``; the share is measured around
-    the whole update (the direction leaves the parameters unchanged)."""
+    the whole update (the direction leaves the parameters unchanged). Never waits for
+    the device, so a CUDA graph can record it."""
     method.optimizer.zero_grad(set_to_none=True)
-    h, outputs = model.forward_both(z)
-    loss = F.cross_entropy(outputs, yb)
+    with autocast_for(z.device, precision):
+        h, outputs = model.forward_both(z)
+        loss = F.cross_entropy(outputs.float(), yb)
     if share is not None:
         share.before()
     info = method.step(loss, outputs, hidden=h, batch=(z, yb))
@@ -188,14 +200,41 @@ class _Run:
         self.train = GPUAugmentedData(x, y, cfg["dataset"], device)
         self.test = GPUAugmentedData(xt, yt, cfg["dataset"], device)
         self.model = build_model(cfg).to(device)
+        # KFAC/EKFAC stay NCHW: nngeometry views their gradients as NCHW tensors
+        self.channels_last = (cfg["channels_last"]
+                              and cfg.spec.get("precond") not in ("kfac", "ekfac"))
+        if self.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
         self.optimizer = build_optimizer(cfg, self.model, lr)
         milestones = milestones_for(cfg["epochs"], cfg["schedule"])
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(
             self.optimizer, milestones=milestones, gamma=0.1)
         self.method = make_step(cfg, self.model, self.optimizer, device)
         self.data_gen = torch.Generator().manual_seed(10_000 + cfg["seed"])
+        self.share = UpdateShare(self.model)
+        self.stats = EpochStats(device, NUM_CLASSES[cfg["dataset"]])
+        capture = cfg["capture"] and self.method.capturable
+        if cfg["capture"] and not capture and device.type == "cuda":
+            from .cifar_capture import NOT_CAPTURABLE
+
+            log.warning("%s: method %s runs eagerly: %s", self.rdir, cfg["method"],
+                        NOT_CAPTURABLE.get(cfg.spec.get("precond", ""), "not capturable"))
+        self.runner = StepRunner(self._step, device, capture,
+                                 lambda: self.optimizer.param_groups[0]["lr"])
+        self.trace: torch.Tensor | None = None  # per-step losses (trainer_timing)
         self.record = self._new_record(lr, identity, milestones)
         self.start_epoch, self.steps, self.time_train, self.partial = 0, 0, 0.0, None
+
+    def _step(self, z: torch.Tensor, yb: torch.Tensor) -> None:
+        """The whole training step, sums included (what a CUDA graph records)."""
+        loss, outputs, info, frac = train_step(self.method, self.model, z, yb,
+                                               self.share, self.cfg["precision"])
+        self.method.track(info, self.stats)
+        self.stats.add_step(loss, outputs, yb, frac, self.share.row_move)
+        if self.trace is not None:
+            self.trace_pos += 1
+            self.trace.index_copy_(0, (self.trace_pos.clamp(max=len(self.trace)) - 1).view(1),
+                                   loss.detach().double().view(1))
 
     def _new_record(self, lr: float, identity: dict, milestones: list[int]) -> dict:
         cfg, model, pc = self.cfg, self.model, self.method.precond
@@ -210,7 +249,11 @@ class _Run:
                            else "test"),
             "samples": "U h (U inside the network)" if scaled else "h (before U)",
             "U": (model.conditioning.diag.tolist() if model.conditioning is not None
-                  else None)}
+                  else None),
+            "precision": cfg["precision"], "channels_last": self.channels_last,
+            "capture": cfg["capture"] and self.method.capturable,
+            "lr_field": "the step size used during the epoch",
+            "confusion": None}
         if pc is not None and hasattr(pc, "hyperparameters"):
             record["precond"] = {k: v for k, v in pc.hyperparameters().items()
                                  if isinstance(v, (int, float, str))}
@@ -243,19 +286,20 @@ class _Run:
             ck["partial"] = partial
         _save_checkpoint(self.ckpt, ck)
 
-    def train_epoch(self, epoch: int, total_steps: int, share: UpdateShare,
-                    bar) -> bool:
+    def train_epoch(self, epoch: int, total_steps: int, bar) -> bool:
         """The steps of one epoch; ``False`` if the deadline stopped it
         (checkpointed)."""
         sync(self.device)
         t0 = time.perf_counter()
-        stats, skip, t_before = EpochStats(self.device), 0, 0.0
+        stats, skip, t_before = self.stats, 0, 0.0
+        stats.reset()
         if self.partial is not None:  # resume mid-epoch: replay the epoch's draws
             self.data_gen.set_state(self.partial["data_gen_epoch_start"].cpu())
             stats.load_state_dict(self.partial["stats"])
             skip, t_before = self.partial["batches"], self.partial["time_in_epoch"]
             self.partial = None
         gen_start = self.data_gen.get_state()
+        cl = self.channels_last
         for b, (z, yb) in enumerate(self.train.batches(self.cfg.batch, self.data_gen)):
             if b < skip:
                 continue
@@ -269,10 +313,8 @@ class _Run:
                             "checkpointed", self.rdir, epoch + 1, b)
                 self.record["stopped"] = "deadline"
                 return False
-            loss, outputs, info, frac = train_step(self.method, self.model, z, yb,
-                                                   share)
-            self.method.track(info, stats)
-            stats.add_step(loss, outputs, yb, frac)
+            self.runner(z.contiguous(memory_format=torch.channels_last) if cl else z, yb)
+            stats.count(len(yb))
             self.steps += 1
             if bar is not None:
                 bar.update(1)
@@ -282,7 +324,6 @@ class _Run:
                 break
         sync(self.device)
         self.time_train += t_before + time.perf_counter() - t0
-        self.stats = stats
         return True
 
     def end_epoch(self, epoch: int, total_steps: int) -> bool:
@@ -291,17 +332,30 @@ class _Run:
         from ..nets import last_linear
 
         cfg, record = self.cfg, self.record
+        lr_epoch = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         te = time.perf_counter()
-        test_loss, test_acc, per_class = evaluate(
-            self.model, self.test, cfg["eval_batch_size"], NUM_CLASSES[cfg["dataset"]])
+        ev = evaluate_full(self.model, self.test, cfg["eval_batch_size"],
+                           NUM_CLASSES[cfg["dataset"]])
         w = last_linear(self.model).weight.detach()
-        row = {"epoch": epoch + 1, "steps": self.steps,
-               "lr": self.optimizer.param_groups[0]["lr"], **self.stats.row(),
-               "test_loss": test_loss, "test_acc": test_acc,
-               "test_acc_per_class": per_class,
-               "last_layer_row_norms": torch.linalg.vector_norm(w, dim=1).tolist(),
+        norms = torch.linalg.vector_norm(w.double(), dim=1).tolist()
+        u = record["U"] or [1.0] * len(norms)
+        move = self.stats.row_move.tolist()
+        prev = record["epochs"][-1].get("cumulative_row_movement") if record["epochs"] \
+            else None
+        row = {"epoch": epoch + 1, "steps": self.steps, "lr": lr_epoch,
+               **self.stats.row(),
+               "test_loss": ev["loss"], "test_acc": ev["acc"],
+               "test_acc_per_class": ev["recall"], "test_precision_per_class":
+               ev["precision"], "feature_norm": ev["feature_norm"],
+               "last_layer_row_norms": norms,
+               "logit_scale": [a * b for a, b in zip(u, norms)],
+               "row_movement": move,
+               "cumulative_row_movement": [a + b for a, b in
+                                           zip(prev or [0.0] * len(move), move)],
                "time_train": self.time_train, "time_eval": time.perf_counter() - te}
+        record["confusion"] = ev["confusion"]
+        test_loss, test_acc = ev["loss"], ev["acc"]
         row.update(self.method.epoch_fields(record["epochs"]))
         record["epochs"].append(row)
         finished = epoch + 1 == cfg["epochs"] or self.steps >= total_steps
@@ -332,11 +386,10 @@ class _Run:
             bar = tqdm(total=total_steps, initial=min(self.steps, total_steps),
                        desc=str(self.rdir), leave=False, mininterval=5.0,
                        file=sys.stderr)
-        share = UpdateShare(self.model)
         self.model.train()
         for epoch in range(self.start_epoch, E):
             if self.steps >= total_steps or not self.train_epoch(epoch, total_steps,
-                                                                 share, bar):
+                                                                 bar):
                 break
             if self.end_epoch(epoch, total_steps):
                 break

@@ -243,11 +243,21 @@ RUN_IDENTITY_KEYS = (
 )
 
 
+#: run settings that change the arithmetic of a run, with their defaults (added to the
+#: identity only when they differ from the default)
+NUMERIC_SETTINGS = {"precision": "fp32", "channels_last": False}
+
+
 def run_identity(
     cfg: dict, lr: float, batch_size: int, method_spec: dict, data: str | None
 ) -> dict:
     """What must be equal for a CIFAR run directory to be resumed or skipped."""
     ident = {k: cfg.get(k) for k in RUN_IDENTITY_KEYS}
+    # settings added later: part of the identity only when they differ from their
+    # default, so that the records written before them keep their identity
+    for k, default in NUMERIC_SETTINGS.items():
+        if cfg.get(k, default) != default:
+            ident[k] = cfg[k]
     ident.update(
         lr=float(lr), batch_size=int(batch_size), method_spec=dict(method_spec)
     )
