@@ -13,13 +13,13 @@
 #
 # The sweep runs on while the machine is held: call MODE=wait again within the machine's
 # idle window until it prints "authors100 complete". Extract the tarball in the
-# repository root. Knobs: GPUS (4), PROCS (workers per GPU, 2), LIMIT (seconds a call
+# repository root. Knobs: GPUS (4), PROCS (workers per GPU, 4: every run at once), LIMIT (seconds a call
 # may take, 560), DATA (the JPEG npz, .data/cifar10_jpeg.npz), TIERS (for the check, 1).
 set -u
 OUT=${OUT:-/tmp/out}
 MODE=${MODE:-wait}
 GPUS=${GPUS:-4}
-PROCS=${PROCS:-2}
+PROCS=${PROCS:-4}
 LIMIT=${LIMIT:-560}
 TIERS=${TIERS:-1}
 DATA=${DATA:-.data/cifar10_jpeg.npz}
@@ -70,8 +70,21 @@ if [ "$MODE" = start ]; then
   if [ -f "$LOGS/sweep.pid" ] && kill -0 "$(cat "$LOGS/sweep.pid")" 2>/dev/null; then
     say "sweep already running"
   else
+    # the GPU balance from the measured trainer (bf16, captured where it captures)
+    $PY - <<'PYEOF' || exit 2
+import json
+d = json.load(open("results/cifar/authors100/timing/trainer_timing.json"))
+m = {}
+for r in d["rows"]:
+    if r["precision"] == "bf16" and (r["mode"] == "captured" or not r["asked_capture"]):
+        m[r["method"]] = {"sec_per_step": r["steady_ms_per_step"] / 1e3, "batch_size": 128}
+m["kwng_basis20"] = {"sec_per_step": 3.8 * m["kwng"]["sec_per_step"], "batch_size": 128}
+json.dump({"methods": m}, open("checkpoints/authors100_timing.json", "w"), indent=1)
+print({k: round(v["sec_per_step"] * 1e3, 2) for k, v in m.items()}, "ms per step")
+PYEOF
     setsid nohup $PY -m kwng.experiments cifar sweep --plan authors100 --gpus "$GPUS" \
-        --procs-per-gpu "$PROCS" --data-root "$DATA" > "$LOGS/sweep.log" 2>&1 < /dev/null &
+        --procs-per-gpu "$PROCS" --data-root "$DATA" --timing checkpoints/authors100_timing.json \
+        > "$LOGS/sweep.log" 2>&1 < /dev/null &
     echo $! > "$LOGS/sweep.pid"
     say "sweep started (pid $(cat "$LOGS/sweep.pid"))"
   fi

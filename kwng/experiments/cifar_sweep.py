@@ -176,8 +176,9 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       ``select_val`` held-out training images. ``main``: seed 0 of sgd/adam/kwng in both
       conditionings, seeds 1–2 of those, seed 0 of the other methods in both
       conditionings, the ablations (ill only).
-    * ``authors100``: the authors'-horizon study (:data:`AUTHORS100_RUNS`, every run
-      with its own epochs and step size; ``epochs`` is not used), results under
+    * ``authors100``: the authors'-horizon study (:data:`AUTHORS100_RUNS` of tiers 1–3,
+      every run with its own epochs and step size; ``epochs`` is not used; the plan
+      ``authors100_all`` adds tier 4), results under
       ``results/cifar/authors100/lr<lr>/``.
     * a path to a JSON list of run settings.
     """
@@ -205,8 +206,9 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
         return sorted(jobs, key=lambda j: order.get(j["method"], 9))
     if name == "main":
         return _main_plan(common, epochs)
-    if name == "authors100":
-        return _authors100_plan(common)
+    if name in ("authors100", "authors100_all"):
+        return _authors100_plan(common, (1, 2, 3, 4) if name.endswith("all")
+                                else (1, 2, 3))
     path = Path(name)
     if path.is_file():
         return list(read_json(path))
