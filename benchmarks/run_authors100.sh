@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The CIFAR-10 study at the authors' horizon (plan authors100, issue 20) on a GPU machine.
-# Writes only new files (results/cifar/authors100/, checkpoints/ on the machine's disk);
-# moves nothing; checks every prerequisite before starting anything.
+# Checks every prerequisite before starting anything; moves nothing. The sweep runs in
+# checkpoints/authors100_work/ (ignored by git), so its results/ and checkpoints/ live
+# outside the synced working tree: the device tool replaces the tree's non-ignored files
+# at every call, which deleted the records of finished runs from results/ between calls
+# when this script wrote there (the session of issue 20 had to merge them back from the
+# tarballs of each call).
 #
 #   MODE=timing  bash benchmarks/run_authors100.sh   # one GPU: eager vs captured trainer
 #                                                   # (cifar trainer-timing), ~5 min
@@ -26,7 +30,9 @@ DATA=${DATA:-.data/cifar10_jpeg.npz}
 PY=${PY:-python3}
 export KWNG_GIT_COMMIT=${KWNG_GIT_COMMIT:-unknown}   # the copy may have no .git
 export PYTHONUNBUFFERED=1
-LOGS=checkpoints/logs
+ROOT=$PWD
+WORK=$ROOT/checkpoints/authors100_work
+LOGS=$ROOT/checkpoints/logs
 say() { echo "[${SECONDS}s] $*"; }
 
 # ---- prerequisites, before anything is written
@@ -38,12 +44,13 @@ if ls .whl/nngeometry-*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 $PY -c "import nngeometry, torch; assert torch.cuda.is_available(); print('torch', torch.__version__, torch.cuda.device_count(), 'GPU(s)')" || exit 2
-mkdir -p "$OUT" "$LOGS"
+mkdir -p "$OUT" "$LOGS" "$WORK"
+DATA=$(readlink -f "$DATA")
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 $PY -c "from kwng.data import load_cifar; [load_cifar('cifar10', s, '$DATA') for s in ('train', 'test')]" || exit 2
 
-tar_results() {
-  tar czf "$OUT/authors100.tar.gz" results/cifar/authors100 2>/dev/null
+tar_results() {  # extract in the repository root: results/cifar/authors100/...
+  tar czf "$OUT/authors100.tar.gz" -C "$WORK" results/cifar/authors100 2>/dev/null
   cp "$LOGS"/*.log "$OUT/" 2>/dev/null
   say "tarred $(du -h "$OUT/authors100.tar.gz" 2>/dev/null | cut -f1)"
 }
@@ -60,20 +67,23 @@ PYEOF
 }
 
 if [ "$MODE" = timing ]; then
-  CUDA_VISIBLE_DEVICES=0 $PY -m kwng.experiments cifar trainer-timing \
+  cd "$ROOT" && CUDA_VISIBLE_DEVICES=0 $PY -m kwng.experiments cifar trainer-timing \
       --methods sgd,adam,kfac,kwng,diag_Ttilde --precisions bf16,fp32 --data-root "$DATA" \
       --out "$OUT/trainer_timing.json" 2>&1 | grep -E "trainer timing|loss match|Error|Traceback|error" 
   exit "${PIPESTATUS[0]}"
 fi
 
+cd "$WORK"   # the sweep's relative results/ and checkpoints/ land here
 if [ "$MODE" = start ]; then
   if [ -f "$LOGS/sweep.pid" ] && kill -0 "$(cat "$LOGS/sweep.pid")" 2>/dev/null; then
     say "sweep already running"
   else
     # the GPU balance from the measured trainer (bf16, captured where it captures)
-    $PY - <<'PYEOF' || exit 2
+    mkdir -p checkpoints
+    ROOT="$ROOT" $PY - <<'PYEOF' || exit 2
 import json
-d = json.load(open("results/cifar/authors100/timing/trainer_timing.json"))
+import os
+d = json.load(open(os.path.join(os.environ["ROOT"], "results/cifar/authors100/timing/trainer_timing.json")))
 m = {}
 for r in d["rows"]:
     if r["precision"] == "bf16" and (r["mode"] == "captured" or not r["asked_capture"]):
