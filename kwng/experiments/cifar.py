@@ -245,6 +245,7 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--timing", default=None, help="a timing file (`cifar timing`) to balance the "
         "GPUs")
     add("--methods", default=None, help="comma list: only these methods' runs")
+    add("--force", action="store_true", help="back up finished runs of another config")
     add("--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a run setting in every run of the plan (e.g. model=tiny for a "
              "CPU smoke test); VALUE is read as JSON if it parses, else as a string")
@@ -286,7 +287,12 @@ def _main_sweep(a: argparse.Namespace) -> int:
     timing_rec = read_json(a.timing)["methods"] if a.timing else None
     log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus,
              a.procs_per_gpu)
-    return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file, timing_rec)
+    try:
+        return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file,
+                     timing_rec, force=a.force)
+    except (guard.ConfigMismatchError, ResultFileError) as exc:
+        log.error("refused: %s", exc)
+        return 2
 
 
 # ----------------------------------------------------- select, timing, schedule, check
