@@ -112,9 +112,21 @@ def test_malformed_identity_is_a_refusal(finished_run, tmp_path, identity):
     before = _snapshot(tmp_path)
     with pytest.raises(ResultFileError, match="identity"):
         cifar.run(_run_cfg(tmp_path), progress=False)  # single-run path
-    with pytest.raises(guard.ConfigMismatchError, match=str(mp)):
-        cifar_sweep.sweep([_run_cfg(tmp_path)], 0, 1, None, tmp_path / "p.json")
+    assert not cifar_sweep._is_complete(_run_cfg(tmp_path))  # never skipped
     assert _snapshot(tmp_path) == before
+
+
+def test_sweep_lists_a_run_with_a_malformed_identity_as_failed(finished_run, tmp_path,
+                                                               caplog):
+    rdir = _copy_finished(finished_run, tmp_path)
+    mp = rdir / "metrics.json"
+    rec = json.loads(mp.read_text())
+    rec["identity"] = "lr=0.1"
+    mp.write_text(json.dumps(rec))
+    before = mp.read_bytes()
+    rc = cifar_sweep.sweep([_run_cfg(tmp_path)], 0, 1, None, tmp_path / "p" / "p.json")
+    assert rc == 1 and str(mp) in caplog.text and "'identity' is a str" in caplog.text
+    assert mp.read_bytes() == before
 
 
 def test_record_that_is_not_an_object_is_a_refusal(tmp_path):

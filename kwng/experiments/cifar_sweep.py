@@ -242,22 +242,22 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
 
 def _is_complete(job: dict, force: bool = False) -> bool:
     """Whether the sweep may skip ``job``: complete *and* of the identity it asks for
-    (:func:`kwng.experiments.guard.check_existing_run`, which raises on another or a
-    malformed identity unless ``force`` moves the record to a backup). A run whose
-    identity cannot be computed here (no selected lr, no data) is left to its worker."""
+    (:func:`kwng.experiments.guard.check_existing_run`: another identity raises unless
+    ``force`` moves the record to a backup). An unreadable or malformed record, or a run
+    whose identity cannot be computed here, is not skipped: its worker reports it."""
     cfg = RunConfig(**{k: v for k, v in job.items() if k != "slot"})
     rdir = run_dir_for(cfg)
     mp = rdir / "metrics.json"
-    if not mp.is_file():
-        return False
     try:
+        rec = read_json(mp) if mp.is_file() else None
+        if not (isinstance(rec, dict) and rec.get("complete")):
+            return False  # nothing to skip: its worker starts, resumes or refuses it
         identity = _identity(cfg, resolve_lr(cfg))
-    except (FileNotFoundError, KeyError, ValueError) as err:
-        log.warning("%s: identity not computable here (%s); its worker decides", rdir,
-                    err)
+        return guard.check_existing_run(rdir, checkpoint_path_for(cfg), identity,
+                                        force) is not None
+    except (FileNotFoundError, KeyError, ResultFileError) as err:
+        log.warning("%s: not skipped (%s); its worker reports it", rdir, err)
         return False
-    rec = guard.check_existing_run(rdir, checkpoint_path_for(cfg), identity, force)
-    return rec is not None
 
 
 def _spawn_workers(plan_file: Path, gpus: int, procs_per_gpu: int, session: str,
@@ -294,12 +294,12 @@ def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | N
         try:
             if not _is_complete(j, force):
                 pending.append(j)
-        except (guard.ConfigMismatchError, ResultFileError) as err:
+        except guard.ConfigMismatchError as err:
             refused.append(str(err))
     if refused:
         raise guard.ConfigMismatchError(
             f"sweep: {len(refused)} finished run(s) of the plan were produced with "
-            "another configuration or cannot be compared; nothing was started:\n  "
+            "another configuration; nothing was started:\n  "
             + "\n  ".join(refused))
     slotted = assign_slots(pending, gpus, procs_per_gpu, timing)
     rest = sorted((j for j in slotted if "slot" not in j),
