@@ -132,3 +132,124 @@ def test_sweep_lists_a_run_with_a_malformed_identity_as_failed(finished_run, tmp
 def test_record_that_is_not_an_object_is_a_refusal(tmp_path):
     with pytest.raises(ResultFileError, match="metrics.json: the record is a list"):
         guard.record_identity([1], tmp_path / "metrics.json")
+
+
+# ------------------------------------------- 3. the Fisher sweep resume checks each row
+def _tiny_fisher():
+    from kwng.experiments import fisher as E
+
+    cfg = E.sweep_config("small")
+    cfg.update(models=["normal", "sphere"], dims=[2], N_values=[200], M_values=[10],
+               N_fixed=200, runs=2)
+    return cfg
+
+
+_TIMES = ("time_wng_s", "time_fng_s")
+
+
+def _values(rows: list[dict]) -> list[tuple]:
+    """Rows without their timings, NaN as a string (so that NaN == NaN)."""
+    return sorted(tuple(str(v) for k, v in sorted(r.items()) if k not in _TIMES)
+                  for r in rows)
+
+
+@pytest.fixture(scope="module")
+def fisher_done(tmp_path_factory) -> Path:
+    from kwng.experiments import fisher as E
+
+    out = tmp_path_factory.mktemp("fisher") / "out"
+    E.run_sweep(_tiny_fisher(), out, progress=False)
+    return out
+
+
+def _damage(lines: list[str], how: str) -> list[str]:
+    if how == "truncated":
+        return lines[:-1] + [lines[-1][: len(lines[-1]) // 2]]  # cut, no line end
+    if how == "nan":
+        f = lines[3].split(",")
+        f[7] = "nan"  # err_wng of a normal row
+        return lines[:3] + [",".join(f)] + lines[4:]
+    if how == "duplicated":
+        f = lines[2].split(",")
+        f[7] = "0.5"  # same key, another value: which one is right is unknown
+        return lines + [",".join(f) + "\n"]
+    if how == "unparsable":
+        return lines[:2] + ["abc\n"] + lines[2:]
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated", "nan", "duplicated", "unparsable"])
+def test_fisher_resume_removes_and_recomputes_damaged_rows(fisher_done, tmp_path, how,
+                                                           caplog):
+    import shutil
+
+    from kwng.experiments import fisher as E
+
+    out = tmp_path / "out"
+    shutil.copytree(fisher_done, out)
+    path = out / "sweep.csv"
+    good = E.load_sweep(path)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(_damage(lines, how)))
+    with pytest.raises(ResultFileError, match=str(path)):
+        E.load_sweep(path)
+    with caplog.at_level(logging.WARNING):
+        E.run_sweep(_tiny_fisher(), out, progress=False)
+    assert f"{path}:" in caplog.text and "recomputed" in caplog.text
+    rows, problems, _ = E.checked_sweep_rows(path)
+    assert problems == []
+    assert _values(rows) == _values(good)  # the same draws, recomputed
+
+
+def test_fisher_unreadable_sweep_csv_refused_or_backed_up_with_force(fisher_done,
+                                                                     tmp_path):
+    import shutil
+
+    from kwng.experiments import fisher as E
+
+    out = tmp_path / "out"
+    shutil.copytree(fisher_done, out)
+    path = out / "sweep.csv"
+    good = E.load_sweep(path)
+    path.write_text("abc\n")
+    with pytest.raises(ResultFileError, match=f"{path}.*header.*--force"):
+        E.run_sweep(_tiny_fisher(), out, progress=False)
+    assert path.read_text() == "abc\n"
+    E.run_sweep(_tiny_fisher(), out, progress=False, force=True)
+    assert _values(E.load_sweep(path)) == _values(good)
+    assert [p.read_text() for p in out.glob("sweep.csv.backup-*")] == ["abc\n"]
+
+
+def test_fisher_cli_refuses_another_configuration_and_has_force(fisher_done, tmp_path,
+                                                               caplog):
+    import shutil
+
+    from kwng.experiments import fisher as E
+
+    out = tmp_path / "out"
+    shutil.copytree(fisher_done, out)
+    before = _snapshot(out)
+    with caplog.at_level(logging.ERROR):
+        rc = E.main(["fisher", "--part", "sweep", "--scale", "small", "--out",
+                     str(out), "--no-progress"])
+    assert rc == 2 and "fisher-sweep.config.json" in caplog.text
+    assert "differing keys" in caplog.text and _snapshot(out) == before
+    # --force moves this part's files only, to dated backups (checked on the tiny grid)
+    other = dict(_tiny_fisher(), runs=1)
+    E.run_sweep(other, out, progress=False, force=True)
+    assert len(E.load_sweep(out / "sweep.csv")) == 2 * 2 * 1
+    olds = list(out.glob("sweep.csv.backup-*"))
+    assert len(olds) == 1 and olds[0].read_bytes() == before["sweep.csv"]
+    assert _has_force_option()
+
+
+def _has_force_option() -> bool:
+    import contextlib
+    import io
+
+    from kwng.experiments import fisher as E
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
+        E.main(["fisher", "--help"])
+    return "--force" in buf.getvalue()

@@ -49,6 +49,7 @@ from ..fisher import (
 from ..kernels import GaussianKernel
 from ..models import NormalModel
 from ..provenance import (
+    ResultFileError,
     atomic_write_json,
     index_provenance,
     make_provenance,
@@ -64,11 +65,13 @@ from .fisher_sweep import (  # noqa: F401  (moved; re-exported under the old pat
     _relerr,
     _seed,
     _write_csv,
+    checked_sweep_rows,
     compare_once,
     load_sweep,
     metric_vs_lambda,
     run_sweep,
 )
+from .guard import ConfigMismatchError
 from .synthetic import draw_theta, normal_w2_and_grad
 
 __all__ = [
@@ -83,6 +86,7 @@ __all__ = [
     "run_sweep",
     "run_flow",
     "load_sweep",
+    "checked_sweep_rows",
     "load_flow",
     "normal_kl_and_grad",
     "main",
@@ -251,7 +255,8 @@ def _flow_step(
     return theta, value
 
 
-def run_flow(cfg: dict, out: str | Path, progress: bool = True) -> dict:
+def run_flow(cfg: dict, out: str | Path, progress: bool = True,
+             force: bool = False) -> dict:
     """Natural-gradient descent ``θ ← θ - γ · direction`` toward the target for every
     loss and method of ``cfg`` (:func:`flow_config`); writes ``out/flow.csv`` (loss,
     method, iteration, value) and the provenance. A method whose loss becomes non-finite
@@ -263,7 +268,7 @@ def run_flow(cfg: dict, out: str | Path, progress: bool = True) -> dict:
     if cfg.get("experiment") != "fisher-flow":
         raise ValueError("cfg must come from flow_config()")
     out = Path(out)
-    prev = _prepare_dir(out, cfg)
+    prev = _prepare_dir(out, cfg, force, (out / "flow.csv",))
     if prev and (out / "flow.csv").exists():
         log.info("flow results already complete in %s", out)
         return prev
@@ -387,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--force", action="store_true", help="move a part's results of "
+                    "another configuration (or an unreadable sweep.csv) to dated "
+                    "backups instead of refusing")
     args = ap.parse_args(argv)
     if args.threads < 1:
         raise SystemExit(
@@ -399,15 +407,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     scale = _config.resolve(args.scale)
     out = Path(args.out or Path("_build") / "results" / f"fisher-{scale}")
-    if args.part in ("sweep", "all"):
-        cfg = sweep_config(scale)
-        print("fisher sweep configuration:", json.dumps(cfg))
-        prov = run_sweep(cfg, out, progress=not args.no_progress)
-        print(f"fisher sweep: {prov['wall_time_s']:.1f} s on {prov['device']} -> {out}")
-    if args.part in ("flow", "all"):
-        cfg = flow_config(scale)
-        print("fisher flow configuration:", json.dumps(cfg))
-        prov = run_flow(cfg, out, progress=not args.no_progress)
-        print(f"fisher flow: {prov['wall_time_s']:.1f} s on {prov['device']} -> {out}")
+    try:
+        for part in ("sweep", "flow"):
+            if args.part not in (part, "all"):
+                continue
+            cfg = (sweep_config if part == "sweep" else flow_config)(scale)
+            print(f"fisher {part} configuration:", json.dumps(cfg))
+            prov = (run_sweep if part == "sweep" else run_flow)(
+                cfg, out, progress=not args.no_progress, force=args.force)
+            print(f"fisher {part}: {prov['wall_time_s']:.1f} s on {prov['device']} "
+                  f"-> {out}")
+    except (ConfigMismatchError, ResultFileError) as exc:
+        log.error("refused: %s", exc)
+        return 2
     write_directory_provenance(out)
     return 0
