@@ -253,3 +253,128 @@ def _has_force_option() -> bool:
     with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
         E.main(["fisher", "--help"])
     return "--force" in buf.getvalue()
+
+
+# --------------------------------------------------------- 4. the other resume holes
+def _tiny_relerr() -> dict:
+    from kwng.experiments import synthetic as syn
+
+    cfg = syn.relerr_config("small")
+    cfg.update(models=["sphere"], dims=[1, 2], N_values=[60, 120], N_fixed=120,
+               M_values=[5], runs=2)
+    return cfg
+
+
+@pytest.mark.parametrize("copy_changed", [False, True])
+def test_relerr_duplicated_row_is_actually_removed(tmp_path, caplog, copy_changed):
+    from kwng.experiments import synthetic as syn
+
+    out = tmp_path / "relerr"
+    syn.run_sweep(_tiny_relerr(), out, progress=False)
+    path = out / "sphere.csv"
+    good = path.read_text()
+    lines = good.splitlines(keepends=True)
+    dup = lines[3]
+    if copy_changed:  # same run, another error: which copy is right is unknown
+        f = dup.rstrip("\n").split(",")
+        f[-1] = "0.123"
+        dup = ",".join(f) + "\n"
+    path.write_text("".join(lines + [dup]))
+    with pytest.raises(ResultFileError, match="duplicate"):
+        syn.load_rows(path)
+    with caplog.at_level(logging.WARNING):
+        syn.run_sweep(_tiny_relerr(), out, progress=False)
+    assert "removed" in caplog.text
+    assert sorted(path.read_text().splitlines()) == sorted(good.splitlines())
+    assert len(syn.load_rows(path)) == len(lines) - 1
+
+
+def _tiny_flow() -> dict:
+    from kwng.experiments import synthetic as syn
+
+    cfg = syn.flow_config("small")
+    cfg.update(d=2, iterations=3, kwng_variants={"kwng": {"N": 40, "M": 10}},
+               steps={"wng": 0.1, "kwng": 0.1, "eg": 1e-2})
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def flow_done(tmp_path_factory) -> Path:
+    from kwng.experiments import synthetic as syn
+
+    out = tmp_path_factory.mktemp("flow") / "flow"
+    syn.run_flow(_tiny_flow(), out, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("cut", ["half", "one_row"])
+def test_flow_rerun_with_truncated_loss_csv_recomputes(flow_done, tmp_path, caplog,
+                                                       cut):
+    import shutil
+
+    from kwng.experiments import synthetic as syn
+
+    out = tmp_path / "flow"
+    shutil.copytree(flow_done, out)
+    good = (out / "loss.csv").read_text()
+    text = good[: len(good) // 2] if cut == "half" else good.rsplit("\n", 2)[0] + "\n"
+    (out / "loss.csv").write_text(text)
+    with caplog.at_level(logging.WARNING):
+        syn.run_flow(_tiny_flow(), out, progress=False)
+    assert "recomputed" in caplog.text and str(out) in caplog.text
+    assert (out / "loss.csv").read_text() == good
+
+
+def test_nan_inside_a_flow_curve_fails_the_completeness_check(flow_done, tmp_path):
+    import shutil
+
+    from kwng.experiments import synthetic as syn
+
+    res = tmp_path / "results"
+    shutil.copytree(flow_done, res / "flow")
+    prov = json.loads((res / "flow" / "provenance.json").read_text())
+    assert syn.check_results_complete("flow", res) == []
+    path = res / "flow" / "loss.csv"
+    lines = path.read_text().splitlines(keepends=True)
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("2,wng,"))
+    lines[i] = "2,wng,nan\n"  # a hole in a run that never stopped
+    path.write_text("".join(lines))
+    problems = syn.check_results_complete("flow", res)
+    assert any("method wng: iteration 2" in p and "never stopped" in p
+               for p in problems), problems
+    # a stopped method: NaN from the iteration after its stop on is data, not damage
+    prov["diverged_at"] = {"wng": 1}
+    j = next(k for k, ln in enumerate(lines) if ln.startswith("3,wng,"))
+    lines[j] = "3,wng,nan\n"
+    path.write_text("".join(lines))
+    assert syn.flow_problems(res / "flow", prov) == []
+
+
+def test_cifar_val_size_not_below_the_training_set_is_refused(tmp_path, caplog):
+    args = ["--source", "sample", "--model", "tiny", "--epochs", "1", "--lr", "0.1",
+            "--device", "cpu", "--method", "sgd", "--out", str(tmp_path / "res"),
+            "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress"]
+    with caplog.at_level(logging.ERROR):
+        rc = cifar.main(args + ["--val-size", "100000"])
+    assert rc == 2 and "val_size must be smaller than the training set" in caplog.text
+    assert not list(tmp_path.rglob("metrics.json"))
+
+
+def test_cifar_select_with_a_mistyped_root_is_refused(tmp_path, caplog):
+    typo = tmp_path / "selectoin"
+    with caplog.at_level(logging.ERROR):
+        rc = cifar.main(["select", "--root", str(typo)])
+    assert rc == 2 and str(typo) in caplog.text and "no selection runs" in caplog.text
+    assert not typo.exists()
+
+
+@pytest.mark.parametrize("command", ["relerr", "flow", "fisher"])
+def test_empty_out_is_refused(command, capsys):
+    from kwng.experiments import fisher as E
+    from kwng.experiments import synthetic as syn
+
+    main = E.main if command == "fisher" else syn.main
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--out", "", "--no-progress"])
+    assert exc.value.code == 2
+    assert "--out" in capsys.readouterr().err

@@ -201,7 +201,8 @@ def _main_run(rest: list[str]) -> int:
     log.info("configuration (KWNG_SCALE=%s): %s", config.scale(), json.dumps(dict(cfg)))
     try:
         rec = run(cfg, progress=not a.no_progress, force=a.force)
-    except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
+    except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError,
+            ValueError) as exc:
         log.error("refused: %s", exc)
         return 2
     if rec["epochs"]:
@@ -406,4 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace a different existing "
                    "output file (select, timing, schedule), moving it to a dated "
                    "backup first")
-    return _WRITERS[sub](p, rest)
+    try:
+        return _WRITERS[sub](p, rest)
+    except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
+        log.error("refused: %s", exc)
+        return 2

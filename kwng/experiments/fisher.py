@@ -406,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     scale = _config.resolve(args.scale)
+    if args.out is not None and not args.out.strip():
+        ap.error("argument --out: an empty path is not a folder; leave --out out for "
+                 "the default")
     out = Path(args.out or Path("_build") / "results" / f"fisher-{scale}")
     try:
         for part in ("sweep", "flow"):

@@ -122,17 +122,23 @@ def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[
     computed = 0
     for model_name in models:
         path = out / f"{model_name}.csv"
-        rows, problems = checked_rows(path)
+        rejected: list[dict] = []
+        rows, problems = checked_rows(path, rejected)
         if problems:
-            log.warning("%d bad row(s) in %s will be recomputed: %s", len(problems), path, "; ".join(problems[:5]))
+            log.warning("%d bad row(s) in %s are removed and their points recomputed: %s", len(problems),
+                        path, "; ".join(problems[:5]))
+        damaged = {_point_key(model_name, r) for r in rejected}  # a repeated run: which copy is right?
         done: dict[str, int] = {}
         for r in rows:
             k = _point_key(model_name, r)
             done[k] = done.get(k, 0) + 1
         points = _sweep_points(cfg, model_name)
-        todo = [p for p in points if done.get(_point_key(model_name, p), 0) < cfg["runs"]]
+        todo = [p for p in points
+                if done.get(_point_key(model_name, p), 0) < cfg["runs"] or _point_key(model_name, p) in damaged]
         keys_todo = {_point_key(model_name, p) for p in todo}
         rows = [r for r in rows if _point_key(model_name, r) not in keys_todo]  # drop partial points
+        if problems and not todo:  # the bad rows leave the file even when no point is recomputed
+            _write_rows(path, rows)
         log.info("%s/%s: %d of %d points to do", cfg["experiment"], model_name, len(todo), len(points))
         tm = time.perf_counter()
         for p in tqdm(todo, desc=f"{cfg['experiment']}:{model_name}", disable=not progress):
@@ -219,9 +225,13 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
 
     out = Path(out)
     prev = _prepare_dir(out, cfg, force)
-    if (out / "pca.csv").exists() and prev:
-        log.info("flow results already complete in %s", out)
-        return prev
+    if prev:
+        damage = flow_problems(out, prev)
+        if not damage:
+            log.info("flow results already complete in %s", out)
+            return prev
+        log.warning("flow results in %s are incomplete or damaged (%s): the flow is recomputed", out,
+                    "; ".join(damage[:3]))
     t0 = time.perf_counter()
     model, theta0, mu_t, Sigma_t = flow_problem(cfg)
     variants = cfg["kwng_variants"]
@@ -289,6 +299,37 @@ def load_flow(results_dir: str | Path) -> dict:
 # --------------------------------------------------------------------------------------------
 # Completeness check of committed results
 # --------------------------------------------------------------------------------------------
+def flow_problems(out: str | Path, prov: dict) -> list[str]:
+    """What is missing or wrong in the flow results in ``out`` with provenance ``prov`` (empty when
+    complete): the three CSVs, read by the checked reader, every iteration of every method, and
+    NaN only where a method was stopped (``prov["diverged_at"]``: NaN from the next iteration on)."""
+    out, cfg = Path(out), prov.get("config", {})
+    problems = [f"{out / f} missing" for f in ("loss.csv", "trajectories.csv", "pca.csv")
+                if not (out / f).exists()]
+    if problems:
+        return problems
+    try:
+        fl = load_flow(out)
+        header = (out / "trajectories.csv").read_text(encoding="utf-8").partition("\n")[0].split(",")
+        _read_flow_csv(out / "trajectories.csv", ("iteration", "method", *header[2:]))
+    except ResultFileError as exc:
+        return [str(exc)]
+    stopped = prov.get("diverged_at", {})
+    for m in ("wng", *cfg.get("kwng_variants", {}), "eg"):
+        curve = fl["loss"].get(m, np.array([]))
+        if len(curve) != cfg.get("iterations", -2) + 1:
+            problems.append(f"{out / 'loss.csv'}: method {m}: {len(curve)} losses, expected "
+                            f"{cfg.get('iterations', -2) + 1}")
+            continue
+        first = int(stopped[m]) + 1 if m in stopped else len(curve)  # NaN from here, finite before
+        bad = [i for i, v in enumerate(curve) if np.isfinite(v) != (i < first)]
+        if bad:
+            problems.append(f"{out / 'loss.csv'}: method {m}: iteration {bad[0]} is "
+                            f"{curve[bad[0]]!r}, but the run " + (f"stopped at iteration {first - 1}"
+                            if m in stopped else "never stopped"))
+    return problems
+
+
 def check_results_complete(name: str, results_dir: str | Path = "results", runs: int = 100) -> list[str]:
     """Problems with ``results_dir/name`` (empty list when complete).
 
@@ -306,16 +347,7 @@ def check_results_complete(name: str, results_dir: str | Path = "results", runs:
     problems += [f"provenance lacks {k!r}" for k in REQUIRED_PROVENANCE if k not in prov]
     cfg = prov.get("config", {})
     if name == "flow":
-        for f in ("loss.csv", "trajectories.csv", "pca.csv"):
-            if not (d / f).exists():
-                problems.append(f"{f} missing")
-        if not problems:
-            fl = load_flow(d)
-            for m in ("wng", *cfg.get("kwng_variants", {}), "eg"):
-                if len(fl["loss"].get(m, [])) != cfg["iterations"] + 1:
-                    problems.append(f"flow method {m}: {len(fl['loss'].get(m, []))} losses, "
-                                    f"expected {cfg['iterations'] + 1}")
-        return problems
+        return problems + flow_problems(d, prov)
     if cfg.get("runs") != runs:
         problems.append(f"config has {cfg.get('runs')} runs per point, expected {runs}")
     for model_name in cfg.get("models", []):
@@ -355,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.out is not None and not args.out.strip():
+        ap.error("argument --out: an empty path is not a folder; leave --out out for results/<name>")
     out = Path(args.out or Path("results") / args.name)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")

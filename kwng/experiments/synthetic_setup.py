@@ -164,10 +164,12 @@ def load_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def checked_rows(path: str | Path) -> tuple[list[dict], list[str]]:
+def checked_rows(path: str | Path, rejected: list[dict] | None = None) -> tuple[list[dict], list[str]]:
     """The rows of a sweep CSV a resume may trust (parseable, finite, one per run) and the problems
-    of the others, each naming the file and line."""
-    return read_csv_checked(path, SWEEP_COLUMNS, _CONVERTERS, _row_key, finite=("bandwidth", "error"))
+    of the others, each naming the file and line; the rejected rows that parsed (non-finite,
+    repeated) are appended to ``rejected`` when given."""
+    return read_csv_checked(path, SWEEP_COLUMNS, _CONVERTERS, _row_key, finite=("bandwidth", "error"),
+                            rejected=rejected)
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
