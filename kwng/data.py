@@ -50,6 +50,37 @@ NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 CIFAR_MEAN = {"cifar10": (0.4914, 0.4822, 0.4465), "cifar100": (0.5071, 0.4865, 0.4409)}
 CIFAR_STD = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0.2762)}
 SAMPLE_PATH = Path(__file__).resolve().parent / "data_sample" / "cifar10_sample.npz"
+
+
+def _check_labels(y: np.ndarray, num_classes: int, where: str) -> np.ndarray:
+    """``y`` if every label lies in ``[0, num_classes - 1]``, else ``ValueError`` naming ``where``."""
+    bad = (y < 0) | (y >= num_classes)
+    if bad.any():
+        raise ValueError(f"{where}: {int(bad.sum())} label(s) outside [0, {num_classes - 1}] (first: "
+                         f"{int(y[bad][0])} at row {int(np.argmax(bad))})")
+    return y
+
+
+def _npz_split(path: Path, split: str) -> tuple[object, np.ndarray, np.ndarray]:
+    """``(npz, y, offsets)`` of one split of a JPEG npz, checked: readable, labels in range, one JPEG
+    per label with increasing offsets. Errors name the file and the cause."""
+    import zipfile
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"CIFAR JPEG npz {path} does not exist")
+    try:
+        z = np.load(path)
+        y = np.asarray(z[f"y_{split}"], dtype=np.int64)
+        off = np.asarray(z[f"{split}_offsets"], dtype=np.int64)
+        classes = len(z["classes"]) if "classes" in z.files else 10
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path}: not a readable CIFAR JPEG npz, truncated or damaged? "
+                         f"({type(exc).__name__}: {exc})") from exc
+    _check_labels(y, classes, f"{path} (y_{split})")
+    if off.ndim != 1 or len(off) != len(y) + 1 or off[0] != 0 or (np.diff(off) <= 0).any():
+        raise ValueError(f"{path}: {split}_offsets must be {len(y) + 1} increasing byte offsets from 0 (one "
+                         f"JPEG per label of y_{split}), got {len(off)} values")
+    return z, y, off
 _OFFICIAL_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 _JPEG_NAME = {"cifar10": "cifar10_jpeg.npz", "cifar100": "cifar100_jpeg.npz"}
 
@@ -95,7 +126,9 @@ def read_official_cifar(directory: str | os.PathLike, dataset: str, split: str) 
         d = _unpickle(path)
         data = np.asarray(_get(d, "data"), dtype=np.uint8)
         xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-        ys.append(np.asarray(_get(d, label_key), dtype=np.int64))
+        ys.append(_check_labels(np.asarray(_get(d, label_key), dtype=np.int64), NUM_CLASSES[dataset], str(path)))
+        if len(ys[-1]) != len(xs[-1]):
+            raise ValueError(f"{path}: {len(xs[-1])} images but {len(ys[-1])} labels")
     return np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ys)
 
 
@@ -183,13 +216,18 @@ def source_fingerprint(dataset: str, data_root: str | os.PathLike | None = None,
 
 
 # ------------------------------------------------------------------------------------------ JPEG npz
-def _decode_jpegs(buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    from PIL import Image
+def _decode_jpegs(buf: np.ndarray, offsets: np.ndarray, path: Path | str = "npz") -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
 
+    if int(offsets[-1]) != buf.size:
+        raise ValueError(f"{path}: the offsets end at byte {int(offsets[-1])}, the JPEG buffer holds {buf.size}")
     out = np.empty((len(offsets) - 1, 32, 32, 3), dtype=np.uint8)
     for i in range(len(offsets) - 1):
-        img = Image.open(io.BytesIO(buf[offsets[i]:offsets[i + 1]].tobytes())).convert("RGB")
-        out[i] = np.asarray(img)
+        try:
+            img = Image.open(io.BytesIO(buf[offsets[i]:offsets[i + 1]].tobytes())).convert("RGB")
+            out[i] = np.asarray(img)
+        except (OSError, ValueError, UnidentifiedImageError) as exc:
+            raise ValueError(f"{path}: image {i} is not a 32x32 JPEG ({type(exc).__name__}: {exc})") from exc
     return out
 
 
@@ -225,11 +263,7 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
     """
     check_choice(split, "split", ("train", "test"))
     path = Path(path)
-    try:
-        z = np.load(path)
-        y = np.asarray(z[f"y_{split}"], dtype=np.int64)
-    except (OSError, ValueError, KeyError, EOFError) as exc:
-        raise ValueError(f"{path}: not a readable CIFAR JPEG npz ({type(exc).__name__}: {exc})") from exc
+    z, y, off = _npz_split(path, split)
     key = {"source_fingerprint": file_fingerprint(path), "split": split}
     candidates = [Path(cache_dir)] if cache_dir is not None else [path.parent, Path.home() / ".cache" / "kwng"]
     x = None
@@ -256,7 +290,7 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
                 break
     if x is None:
         log.info("decoding %d %s JPEGs from %s", len(y), split, path)
-        x = _decode_jpegs(z[f"{split}_jpeg"], z[f"{split}_offsets"])
+        x = _decode_jpegs(z[f"{split}_jpeg"], off, path)
         _write_decode_cache(x, key, path, split, candidates)
     if split == "train" and official_order and "train_official_perm" in z.files:
         perm = np.asarray(z["train_official_perm"])
@@ -267,9 +301,9 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
 def load_sample(split: str, path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The committed CIFAR-10 sample (500 train + 200 test images, see ``kwng/data_sample/README.md``)."""
     check_choice(split, "split", ("train", "test"))
-    z = np.load(SAMPLE_PATH if path is None else path)
-    x = _decode_jpegs(z[f"{split}_jpeg"], z[f"{split}_offsets"])
-    return x, np.asarray(z[f"y_{split}"], dtype=np.int64)
+    path = SAMPLE_PATH if path is None else Path(path)
+    z, y, off = _npz_split(path, split)
+    return _decode_jpegs(z[f"{split}_jpeg"], off, path), y
 
 
 # ------------------------------------------------------------------------------------------ dispatch

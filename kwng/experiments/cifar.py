@@ -124,6 +124,7 @@ from .cifar_train import (  # noqa: F401
     run_dir_for,
     train_step,
 )
+from .cli_checks import device_problem, lr_arg, path_problem
 
 __all__ = ["METHODS", "LR_GRID", "SELECT_METHODS", "CLAIM_METHODS", "CLAIM_TWO_SEEDS",
            "CLAIM_ABLATIONS", "CONDITIONINGS", "SCHEDULES", "INFO_KEYS", "RunConfig",
@@ -153,7 +154,8 @@ def _run_parser() -> argparse.ArgumentParser:
     add("--method", default="kwng", choices=list(METHODS))
     add("--seed", type=int, default=0)
     add("--epochs", type=int, default=None, help="default: 30 (full scale), 2 (small)")
-    add("--lr", default="selected", help="a step size or 'selected' (`cifar select`)")
+    add("--lr", default="selected", type=lr_arg,
+        help="a step size or 'selected' (`cifar select`)")
     add("--schedule", default="claim", choices=SCHEDULES)
     add("--data-root", default=None)
     add("--source", default=None, choices=("auto", "official", "jpeg", "sample"),
@@ -196,9 +198,17 @@ def run_config_from_args(a: argparse.Namespace) -> RunConfig:
 
 
 def _main_run(rest: list[str]) -> int:
-    a = _run_parser().parse_args(rest)
+    p = _run_parser()
+    a = p.parse_args(rest)
+    problem = path_problem(a, ("out", "checkpoint_dir", "data_root", "selection_file"))
+    if problem or device_problem(a.device):
+        p.error(problem or device_problem(a.device))
     cfg = run_config_from_args(a)
     log.info("configuration (KWNG_SCALE=%s): %s", config.scale(), json.dumps(dict(cfg)))
+    if a.data_root is not None and config.scale() == "small" and a.model is None:
+        log.warning("KWNG_SCALE=small: --data-root trains the small model %r on the "
+                    "data at %s (KWNG_SCALE=full or --model resnet18: the study's "
+                    "network)", cfg["model"], a.data_root)
     try:
         rec = run(cfg, progress=not a.no_progress, force=a.force)
     except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError,

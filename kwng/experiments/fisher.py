@@ -54,6 +54,7 @@ from ..provenance import (
     index_provenance,
     make_provenance,
 )
+from .cli_checks import path_problem
 from .fisher_sweep import (  # noqa: F401  (moved; re-exported under the old path)
     BANDWIDTH,
     MODELS,
@@ -406,9 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     scale = _config.resolve(args.scale)
-    if args.out is not None and not args.out.strip():
-        ap.error("argument --out: an empty path is not a folder; leave --out out for "
-                 "the default")
+    if path_problem(args, ("out",)):
+        ap.error(path_problem(args, ("out",)))
     out = Path(args.out or Path("_build") / "results" / f"fisher-{scale}")
     try:
         for part in ("sweep", "flow"):

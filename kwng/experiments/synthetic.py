@@ -37,6 +37,7 @@ from ..estimator import kwng_gradient
 from ..kernels import GaussianKernel
 from ..models import NormalModel, gaussian_w2_squared, make_model
 from ..provenance import ResultFileError, read_json, write_provenance
+from .cli_checks import device_problem, path_problem
 from .guard import ConfigMismatchError, read_csv_checked
 # moved to kwng.experiments.synthetic_setup; re-exported under the old path
 from .synthetic_setup import (  # noqa: F401
@@ -145,6 +146,14 @@ def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[
             rows.extend(_compute_point(model_name, p, cfg, device, exact_cache, mem_gb * 1e9))
             _write_rows(path, rows)
             computed += 1
+            # the time so far, recorded with the rows: an interrupted call still counts
+            wall = time.perf_counter() - t0
+            write_provenance(out, cfg, seeds={"base_seed": cfg["seed"], "rule": "crc32 of the grid point key"},
+                             device=device, wall_time_s=wall, in_progress=True,
+                             wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall,
+                             timings_s={**timings, model_name: timings.get(model_name, 0.0)
+                                        + time.perf_counter() - tm},
+                             models_done=prev.get("models_done", []))
         timings[model_name] = timings.get(model_name, 0.0) + time.perf_counter() - tm
     wall = time.perf_counter() - t0
     if computed == 0 and prev and set(models) <= set(prev.get("models_done", [])):
@@ -387,11 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.out is not None and not args.out.strip():
-        ap.error("argument --out: an empty path is not a folder; leave --out out for results/<name>")
+    problem = path_problem(args, ("out",)) or device_problem(args.device)
+    if problem:
+        ap.error(problem)
     out = Path(args.out or Path("results") / args.name)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but CUDA is not available")
     try:
         if args.name == "flow":
             prov = run_flow(flow_config(args.scale), out, args.device, progress=not args.no_progress,
