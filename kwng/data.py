@@ -187,14 +187,23 @@ def download_official(root: str | os.PathLike, dataset: str) -> Path:
 
 # ------------------------------------------------------------------------------------------ identity
 def file_fingerprint(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """BLAKE2b-128 of the content of ``path`` (and its size): equal for equal files wherever they lie."""
+    """BLAKE2b-128 of the content of ``path`` (and its size): equal for equal files wherever they lie.
+    Remembered per process for an unchanged file (same path, inode, size and change times): a
+    sweep checks the data of every run it would skip."""
     path = Path(path)
-    h = hashlib.blake2b(digest_size=16)
-    h.update(str(path.stat().st_size).encode())
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+    st = path.stat()
+    memo = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if memo not in _FINGERPRINTS:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(str(st.st_size).encode())
+        with open(path, "rb") as fh:
+            while block := fh.read(chunk):
+                h.update(block)
+        _FINGERPRINTS[memo] = h.hexdigest()
+    return _FINGERPRINTS[memo]
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
 
 
 def source_fingerprint(dataset: str, data_root: str | os.PathLike | None = None, source: str = "auto") -> str:
