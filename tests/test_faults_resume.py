@@ -378,3 +378,19 @@ def test_empty_out_is_refused(command, capsys):
         main([command, "--out", "", "--no-progress"])
     assert exc.value.code == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_fisher_flow_rerun_with_truncated_flow_csv_recomputes(tmp_path, caplog):
+    from kwng.experiments import fisher as E
+
+    cfg = E.flow_config("small")
+    cfg.update(iterations=3, N=60, M=10)
+    out = tmp_path / "fisher"
+    E.run_flow(cfg, out, progress=False)
+    path = out / "flow.csv"
+    good = path.read_text()
+    path.write_text(good[: len(good) // 2])
+    with caplog.at_level(logging.WARNING):
+        E.run_flow(cfg, out, progress=False)
+    assert "recomputed" in caplog.text and str(path) in caplog.text
+    assert path.read_text() == good

@@ -73,6 +73,7 @@ from .fisher_sweep import (  # noqa: F401  (moved; re-exported under the old pat
     run_sweep,
 )
 from .guard import ConfigMismatchError
+from .guard_csv import read_csv_checked
 from .synthetic import draw_theta, normal_w2_and_grad
 
 __all__ = [
@@ -256,6 +257,25 @@ def _flow_step(
     return theta, value
 
 
+def _flow_csv_problems(path: Path, cfg: dict) -> list[str]:
+    """What is missing or damaged in ``flow.csv`` (each problem names the file, and
+    the line where there is one); empty when every loss and method has all its
+    iterations."""
+    if not path.exists():
+        return [f"{path} missing"]
+    rows, problems = read_csv_checked(
+        path, ("loss", "method", "iteration", "value"),
+        {"iteration": int, "value": float},
+        lambda r: (r["loss"], r["method"], r["iteration"]))
+    for loss in cfg["losses"]:
+        for m in cfg["methods"]:
+            n = sum(r["loss"] == loss and r["method"] == m for r in rows)
+            if n != cfg["iterations"] + 1:
+                problems.append(f"{path}: {loss}/{m} has {n} of "
+                                f"{cfg['iterations'] + 1} iterations")
+    return problems
+
+
 def run_flow(cfg: dict, out: str | Path, progress: bool = True,
              force: bool = False) -> dict:
     """Natural-gradient descent ``θ ← θ - γ · direction`` toward the target for every
@@ -270,9 +290,13 @@ def run_flow(cfg: dict, out: str | Path, progress: bool = True,
         raise ValueError("cfg must come from flow_config()")
     out = Path(out)
     prev = _prepare_dir(out, cfg, force, (out / "flow.csv",))
-    if prev and (out / "flow.csv").exists():
+    damage = _flow_csv_problems(out / "flow.csv", cfg) if prev else []
+    if prev and not damage:
         log.info("flow results already complete in %s", out)
         return prev
+    if damage:
+        log.warning("flow results in %s are incomplete or damaged (%s): the flow is "
+                    "recomputed", out, "; ".join(damage[:3]))
     t0 = time.perf_counter()
     model, theta0, mu_t, Sigma_t = _flow_problem(cfg)
     loss_fns = {"w2": normal_w2_and_grad, "kl": normal_kl_and_grad}
