@@ -252,3 +252,33 @@ def test_interrupted_sweep_time_is_counted(tmp_path, monkeypatch):
     assert "in_progress" not in done
     assert done["wall_time_total_s"] == pytest.approx(
         cut["wall_time_total_s"] + done["wall_time_s"])
+
+
+def test_interrupted_fisher_sweep_time_is_counted(tmp_path, monkeypatch):
+    import json
+
+    from kwng.experiments import fisher as E
+    from kwng.experiments import fisher_sweep as FS
+
+    cfg = E.sweep_config("small")
+    cfg.update(models=["normal"], dims=[2], N_values=[100, 200], M_values=[10],
+               N_fixed=200, runs=2)
+    real, calls = FS.compare_once, {"n": 0}
+
+    def killed(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # as a kill after two grid points
+        return real(*args, **kw)
+
+    monkeypatch.setattr(FS, "compare_once", killed)
+    with pytest.raises(KeyboardInterrupt):
+        FS.run_sweep(cfg, tmp_path, progress=False)
+    prov = tmp_path / "fisher-sweep.provenance.json"
+    cut = json.loads(prov.read_text())
+    assert cut["in_progress"] and cut["wall_time_total_s"] > 0
+    monkeypatch.setattr(FS, "compare_once", real)
+    done = FS.run_sweep(cfg, tmp_path, progress=False)
+    assert "in_progress" not in done
+    assert done["wall_time_total_s"] == pytest.approx(
+        cut["wall_time_total_s"] + done["wall_time_s"])

@@ -379,23 +379,25 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True,
     ]
     partial = {_key(m, p) for m, p in todo}
     rows = [r for r in rows if _key(r["model"], r) not in partial]
-    if not todo and prev and not problems:
+    if not todo and prev and not problems and not prev.get("in_progress"):
         log.info("sweep already complete in %s", out)
         return prev
     if problems:  # the damaged rows leave the file even when nothing is recomputed
         _write_csv(path, SWEEP_COLUMNS, rows)
     t0 = time.perf_counter()
+
+    def provenance(**extra) -> dict:  # with the rows: an interrupted call still counts
+        wall = time.perf_counter() - t0
+        record = make_provenance(
+            cfg, seeds={"base_seed": cfg["seed"], "rule": "crc32 of model, point, run"},
+            device="cpu", wall_time_s=wall,
+            wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall,
+            threads=torch.get_num_threads(), **extra)
+        atomic_write_json(out / "fisher-sweep.provenance.json", record)
+        return record
+
     for m, p in tqdm(todo, desc="fisher sweep", disable=not progress):
         rows.extend(compare_once(m, p, r, cfg) for r in range(cfg["runs"]))
         _write_csv(path, SWEEP_COLUMNS, rows)
-    wall = time.perf_counter() - t0
-    record = make_provenance(
-        cfg,
-        seeds={"base_seed": cfg["seed"], "rule": "crc32 of model, point, run"},
-        device="cpu",
-        wall_time_s=wall,
-        wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall,
-        threads=torch.get_num_threads(),
-    )
-    atomic_write_json(out / "fisher-sweep.provenance.json", record)
-    return record
+        provenance(in_progress=True)
+    return provenance()
