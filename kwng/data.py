@@ -21,7 +21,6 @@ whose state is checkpointed for exact resume.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from .data_augment import (  # noqa: F401  (moved; re-exported under the old pat
     augment_batch,
     normalize,
 )
+from .data_jpeg import _check_labels, _decode_jpegs, _npz_split
 
 __all__ = ["DATASETS", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH", "read_official_cifar",
            "write_official_cifar", "load_jpeg_npz", "load_sample", "download_official", "find_source",
@@ -52,35 +52,6 @@ CIFAR_STD = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0
 SAMPLE_PATH = Path(__file__).resolve().parent / "data_sample" / "cifar10_sample.npz"
 
 
-def _check_labels(y: np.ndarray, num_classes: int, where: str) -> np.ndarray:
-    """``y`` if every label lies in ``[0, num_classes - 1]``, else ``ValueError`` naming ``where``."""
-    bad = (y < 0) | (y >= num_classes)
-    if bad.any():
-        raise ValueError(f"{where}: {int(bad.sum())} label(s) outside [0, {num_classes - 1}] (first: "
-                         f"{int(y[bad][0])} at row {int(np.argmax(bad))})")
-    return y
-
-
-def _npz_split(path: Path, split: str) -> tuple[object, np.ndarray, np.ndarray]:
-    """``(npz, y, offsets)`` of one split of a JPEG npz, checked: readable, labels in range, one JPEG
-    per label with increasing offsets. Errors name the file and the cause."""
-    import zipfile
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"CIFAR JPEG npz {path} does not exist")
-    try:
-        z = np.load(path)
-        y = np.asarray(z[f"y_{split}"], dtype=np.int64)
-        off = np.asarray(z[f"{split}_offsets"], dtype=np.int64)
-        classes = len(z["classes"]) if "classes" in z.files else 10
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"{path}: not a readable CIFAR JPEG npz, truncated or damaged? "
-                         f"({type(exc).__name__}: {exc})") from exc
-    _check_labels(y, classes, f"{path} (y_{split})")
-    if off.ndim != 1 or len(off) != len(y) + 1 or off[0] != 0 or (np.diff(off) <= 0).any():
-        raise ValueError(f"{path}: {split}_offsets must be {len(y) + 1} increasing byte offsets from 0 (one "
-                         f"JPEG per label of y_{split}), got {len(off)} values")
-    return z, y, off
 _OFFICIAL_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 _JPEG_NAME = {"cifar10": "cifar10_jpeg.npz", "cifar100": "cifar100_jpeg.npz"}
 
@@ -225,21 +196,6 @@ def source_fingerprint(dataset: str, data_root: str | os.PathLike | None = None,
 
 
 # ------------------------------------------------------------------------------------------ JPEG npz
-def _decode_jpegs(buf: np.ndarray, offsets: np.ndarray, path: Path | str = "npz") -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
-
-    if int(offsets[-1]) != buf.size:
-        raise ValueError(f"{path}: the offsets end at byte {int(offsets[-1])}, the JPEG buffer holds {buf.size}")
-    out = np.empty((len(offsets) - 1, 32, 32, 3), dtype=np.uint8)
-    for i in range(len(offsets) - 1):
-        try:
-            img = Image.open(io.BytesIO(buf[offsets[i]:offsets[i + 1]].tobytes())).convert("RGB")
-            out[i] = np.asarray(img)
-        except (OSError, ValueError, UnidentifiedImageError) as exc:
-            raise ValueError(f"{path}: image {i} is not a 32x32 JPEG ({type(exc).__name__}: {exc})") from exc
-    return out
-
-
 def _write_decode_cache(x: np.ndarray, key: dict, path: Path, split: str, candidates: list[Path]) -> None:
     """Store the decoded images and their key in the first writable folder of ``candidates``
     (see :func:`load_jpeg_npz`)."""
