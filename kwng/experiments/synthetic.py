@@ -38,13 +38,14 @@ from ..kernels import GaussianKernel
 from ..models import NormalModel, gaussian_w2_squared, make_model
 from ..provenance import ResultFileError, read_json, write_provenance
 from .cli_checks import device_problem, path_problem
-from .guard import ConfigMismatchError, read_csv_checked
+from .guard import ConfigMismatchError
 # moved to kwng.experiments.synthetic_setup; re-exported under the old path
 from .synthetic_setup import (  # noqa: F401
     MODELS, SWEEP_COLUMNS, RELERR_BANDWIDTH, relerr_config,
     bandwidth_config, flow_config, _seed, draw_theta, _parse_bandwidth,
     _sweep_points, _point_key, _CONVERTERS, _row_key, load_rows, checked_rows,
-    _write_rows, _prepare_dir, _write_flow_csvs, _write_pca_csv,
+    _write_rows, _prepare_dir, _write_flow_csvs, _write_pca_csv, _read_flow_csv, load_flow,
+    flow_problems,
 )
 
 __all__ = ["MODELS", "SWEEP_COLUMNS", "relerr_config", "bandwidth_config", "flow_config", "draw_theta",
@@ -283,62 +284,9 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
                             target_mean=mu_t.tolist(), target_cov=Sigma_t.tolist())
 
 
-def _read_flow_csv(path: Path, columns: tuple[str, ...]) -> list[dict]:
-    conv = {c: float for c in columns if c not in ("iteration", "method")}
-    conv["iteration"] = int
-    rows, problems = read_csv_checked(path, columns, conv, lambda r: (r["method"], r["iteration"]))
-    if problems:
-        raise ResultFileError(f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5]))
-    return rows
-
-
-def load_flow(results_dir: str | Path) -> dict:
-    """``{"loss": {method: array}, "pca": {method: (T, 2) array}, "provenance": dict}``."""
-    results_dir = Path(results_dir)
-    loss: dict[str, list] = {}
-    for r in _read_flow_csv(results_dir / "loss.csv", ("iteration", "method", "loss")):
-        loss.setdefault(r["method"], []).append(r["loss"])
-    pca: dict[str, list] = {}
-    for r in _read_flow_csv(results_dir / "pca.csv", ("iteration", "method", "pc1", "pc2")):
-        pca.setdefault(r["method"], []).append((r["pc1"], r["pc2"]))
-    return {"loss": {k: np.array(v) for k, v in loss.items()}, "pca": {k: np.array(v) for k, v in pca.items()},
-            "provenance": read_json(results_dir / "provenance.json")}
-
-
 # --------------------------------------------------------------------------------------------
 # Completeness check of committed results
 # --------------------------------------------------------------------------------------------
-def flow_problems(out: str | Path, prov: dict) -> list[str]:
-    """What is missing or wrong in the flow results in ``out`` with provenance ``prov`` (empty when
-    complete): the three CSVs, read by the checked reader, every iteration of every method, and
-    NaN only where a method was stopped (``prov["diverged_at"]``: NaN from the next iteration on)."""
-    out, cfg = Path(out), prov.get("config", {})
-    problems = [f"{out / f} missing" for f in ("loss.csv", "trajectories.csv", "pca.csv")
-                if not (out / f).exists()]
-    if problems:
-        return problems
-    try:
-        fl = load_flow(out)
-        header = (out / "trajectories.csv").read_text(encoding="utf-8").partition("\n")[0].split(",")
-        _read_flow_csv(out / "trajectories.csv", ("iteration", "method", *header[2:]))
-    except ResultFileError as exc:
-        return [str(exc)]
-    stopped = prov.get("diverged_at", {})
-    for m in ("wng", *cfg.get("kwng_variants", {}), "eg"):
-        curve = fl["loss"].get(m, np.array([]))
-        if len(curve) != cfg.get("iterations", -2) + 1:
-            problems.append(f"{out / 'loss.csv'}: method {m}: {len(curve)} losses, expected "
-                            f"{cfg.get('iterations', -2) + 1}")
-            continue
-        first = int(stopped[m]) + 1 if m in stopped else len(curve)  # NaN from here, finite before
-        bad = [i for i, v in enumerate(curve) if np.isfinite(v) != (i < first)]
-        if bad:
-            problems.append(f"{out / 'loss.csv'}: method {m}: iteration {bad[0]} is "
-                            f"{curve[bad[0]]!r}, but the run " + (f"stopped at iteration {first - 1}"
-                            if m in stopped else "never stopped"))
-    return problems
-
-
 def check_results_complete(name: str, results_dir: str | Path = "results", runs: int = 100) -> list[str]:
     """Problems with ``results_dir/name`` (empty list when complete).
 
