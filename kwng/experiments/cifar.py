@@ -298,12 +298,8 @@ def _main_sweep(a: argparse.Namespace) -> int:
     timing_rec = read_json(a.timing)["methods"] if a.timing else None
     log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus,
              a.procs_per_gpu)
-    try:
-        return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file,
-                     timing_rec, force=a.force)
-    except (guard.ConfigMismatchError, ResultFileError) as exc:
-        log.error("refused: %s", exc)
-        return 2
+    return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file, timing_rec,
+                 force=a.force)
 
 
 # ----------------------------------------------------- select, timing, schedule, check
@@ -407,17 +403,17 @@ def main(argv: list[str] | None = None) -> int:
     if sub is None:
         return _main_run(rest)
     p = argparse.ArgumentParser(prog=f"python -m kwng.experiments cifar {sub}")
-    if sub in ("sweep", "worker"):
-        _sweep_arguments(p)
-        a = p.parse_args(rest)
-        return _main_worker(a) if sub == "worker" else _main_sweep(a)
-    if sub not in _WRITERS:
+    if sub not in _WRITERS and sub not in ("sweep", "worker"):
         raise ValueError(f"unknown cifar subcommand {sub!r}; use sweep, worker, "
                          "select, timing, schedule or check")
-    p.add_argument("--force", action="store_true", help="replace a different existing "
-                   "output file (select, timing, schedule), moving it to a dated "
-                   "backup first")
-    try:
+    try:  # a refusal (other configuration, unreadable or missing file): rc 2, named
+        if sub in ("sweep", "worker"):
+            _sweep_arguments(p)
+            a = p.parse_args(rest)
+            return _main_worker(a) if sub == "worker" else _main_sweep(a)
+        p.add_argument("--force", action="store_true", help="replace a different "
+                       "existing output file (select, timing, schedule), moving it to "
+                       "a dated backup first")
         return _WRITERS[sub](p, rest)
     except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
         log.error("refused: %s", exc)

@@ -290,9 +290,8 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 _SWEEP_CONVERTERS = {k: (int if k in ("d", "N", "M", "run") else float)
                      for k in SWEEP_COLUMNS if k not in ("model", "panel")}
-#: columns finite in every row; the Fisher comparisons are NaN on the sphere only
 _ALWAYS_FINITE = ("bandwidth", "err_wng", "fng_norm", "gf_max", "range_residual",
-                  "time_wng_s", "time_fng_s")
+                  "time_wng_s", "time_fng_s")  # the Fisher columns: NaN on the sphere
 _FISHER_COLUMNS = ("err_fng", "err_fng_lam", "err_fng_score", "gf_exact_max")
 
 
@@ -359,11 +358,10 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True,
     prev = _prepare_dir(out, cfg, force, (path,))
     try:
         rows, problems, damaged = checked_sweep_rows(path)
-    except ResultFileError as exc:
+    except ResultFileError as exc:  # not this sweep's file: refused, or moved away
         if not force:
             raise ResultFileError(f"{exc}; {FORCE_HINT}") from exc
-        log.warning("%s; --force: moving it to a backup", exc)
-        backup(path)
+        log.warning("%s; --force: moved to %s", exc, backup(path))
         rows, problems, damaged = [], [], set()
     if problems:
         log.warning("%d damaged row(s) in %s are removed and their grid points "
@@ -385,7 +383,6 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True,
     if problems:  # the damaged rows leave the file even when nothing is recomputed
         _write_csv(path, SWEEP_COLUMNS, rows)
     t0 = time.perf_counter()
-
     def provenance(**extra) -> dict:  # with the rows: an interrupted call still counts
         wall = time.perf_counter() - t0
         record = make_provenance(
