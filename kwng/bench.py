@@ -174,6 +174,24 @@ def _write(path: Path, record: dict, force: bool) -> None:
     atomic_write_json(path, record)
 
 
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The integer options and the device of :func:`main`, checked before any row runs."""
+    for name in ("batch", "steps", "image_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be an integer >= 0, got {args.warmup}")
+    if not args.out.strip():
+        p.error("--out must be a file path, got an empty string")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device must be a torch device such as cpu or cuda:0, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m kwng.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -181,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--num-basis", default="5,20", help="comma list of M")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {list(ROWS)}")
+    p.add_argument("--rows", default=None, help=f"comma list of {list(ROWS)} (default: all; "
+                   "on a CPU all but the *_graph rows, which need CUDA)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--image-size", type=int, default=32)
@@ -192,18 +211,25 @@ def main(argv: list[str] | None = None) -> dict:
                    help="layout of the fast path's replicated pass (KWNGPreconditioner's layout)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    device = _check_args(p, args)
     configs = [c for c in args.configs.split(",") if c]
-    rows = tuple(r for r in args.rows.split(",") if r)
+    rows = tuple(r for r in (args.rows or ",".join(
+        r for r in ROWS if device.type == "cuda" or not r.endswith("_graph"))).split(",") if r)
     for name, allowed, got in (("--configs", CONFIGS, configs), ("--rows", ROWS, rows)):
-        if set(got) - set(allowed):
-            raise SystemExit(f"{name} must be among {list(allowed)}, got {sorted(set(got) - set(allowed))}")
-    basis_sizes = tuple(int(m) for m in args.num_basis.split(","))
+        if set(got) - set(allowed) or not got:
+            p.error(f"{name} must be a comma list of {list(allowed)}, got {args.configs if name == '--configs' else args.rows!r}")
+    graph = [r for r in rows if r.endswith("_graph")]
+    if graph and device.type != "cuda":  # checked before any row runs
+        p.error(f"--rows {','.join(graph)} need a CUDA device, got --device {args.device}")
+    try:
+        basis_sizes = tuple(int(m) for m in args.num_basis.split(","))
+    except ValueError:
+        p.error(f"--num-basis must be a comma list of integers, got {args.num_basis!r}")
     if any(m < 1 or m > args.batch for m in basis_sizes):
-        raise SystemExit(f"--num-basis entries must lie in [1, --batch={args.batch}], got {basis_sizes}")
+        p.error(f"--num-basis entries must lie in [1, --batch={args.batch}], got {basis_sizes}")
     out_path = Path(args.out)
     if out_path.exists() and not args.force:
         raise SystemExit(f"{out_path} exists (a committed result?): pass --out elsewhere, or --force")
-    device = torch.device(args.device)
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True

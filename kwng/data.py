@@ -21,7 +21,6 @@ whose state is checkpointed for exact resume.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from .data_augment import (  # noqa: F401  (moved; re-exported under the old pat
     draw_augmentation,
     normalize,
 )
+from .data_jpeg import _check_labels, _decode_jpegs, _npz_split
 
 __all__ = ["DATASETS", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH", "read_official_cifar",
            "write_official_cifar", "load_jpeg_npz", "load_sample", "download_official", "find_source",
@@ -52,6 +52,8 @@ NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 CIFAR_MEAN = {"cifar10": (0.4914, 0.4822, 0.4465), "cifar100": (0.5071, 0.4865, 0.4409)}
 CIFAR_STD = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0.2762)}
 SAMPLE_PATH = Path(__file__).resolve().parent / "data_sample" / "cifar10_sample.npz"
+
+
 _OFFICIAL_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 _JPEG_NAME = {"cifar10": "cifar10_jpeg.npz", "cifar100": "cifar100_jpeg.npz"}
 
@@ -97,7 +99,9 @@ def read_official_cifar(directory: str | os.PathLike, dataset: str, split: str) 
         d = _unpickle(path)
         data = np.asarray(_get(d, "data"), dtype=np.uint8)
         xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-        ys.append(np.asarray(_get(d, label_key), dtype=np.int64))
+        ys.append(_check_labels(np.asarray(_get(d, label_key), dtype=np.int64), NUM_CLASSES[dataset], str(path)))
+        if len(ys[-1]) != len(xs[-1]):
+            raise ValueError(f"{path}: {len(xs[-1])} images but {len(ys[-1])} labels")
     return np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ys)
 
 
@@ -156,14 +160,23 @@ def download_official(root: str | os.PathLike, dataset: str) -> Path:
 
 # ------------------------------------------------------------------------------------------ identity
 def file_fingerprint(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """BLAKE2b-128 of the content of ``path`` (and its size): equal for equal files wherever they lie."""
+    """BLAKE2b-128 of the content of ``path`` (and its size): equal for equal files wherever they lie.
+    Remembered per process for an unchanged file (same path, inode, size and change times): a
+    sweep checks the data of every run it would skip."""
     path = Path(path)
-    h = hashlib.blake2b(digest_size=16)
-    h.update(str(path.stat().st_size).encode())
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+    st = path.stat()
+    memo = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if memo not in _FINGERPRINTS:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(str(st.st_size).encode())
+        with open(path, "rb") as fh:
+            while block := fh.read(chunk):
+                h.update(block)
+        _FINGERPRINTS[memo] = h.hexdigest()
+    return _FINGERPRINTS[memo]
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
 
 
 def source_fingerprint(dataset: str, data_root: str | os.PathLike | None = None, source: str = "auto") -> str:
@@ -185,16 +198,6 @@ def source_fingerprint(dataset: str, data_root: str | os.PathLike | None = None,
 
 
 # ------------------------------------------------------------------------------------------ JPEG npz
-def _decode_jpegs(buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    from PIL import Image
-
-    out = np.empty((len(offsets) - 1, 32, 32, 3), dtype=np.uint8)
-    for i in range(len(offsets) - 1):
-        img = Image.open(io.BytesIO(buf[offsets[i]:offsets[i + 1]].tobytes())).convert("RGB")
-        out[i] = np.asarray(img)
-    return out
-
-
 def _write_decode_cache(x: np.ndarray, key: dict, path: Path, split: str, candidates: list[Path]) -> None:
     """Store the decoded images and their key in the first writable folder of ``candidates``
     (see :func:`load_jpeg_npz`)."""
@@ -227,11 +230,7 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
     """
     check_choice(split, "split", ("train", "test"))
     path = Path(path)
-    try:
-        z = np.load(path)
-        y = np.asarray(z[f"y_{split}"], dtype=np.int64)
-    except (OSError, ValueError, KeyError, EOFError) as exc:
-        raise ValueError(f"{path}: not a readable CIFAR JPEG npz ({type(exc).__name__}: {exc})") from exc
+    z, y, off = _npz_split(path, split)
     key = {"source_fingerprint": file_fingerprint(path), "split": split}
     candidates = [Path(cache_dir)] if cache_dir is not None else [path.parent, Path.home() / ".cache" / "kwng"]
     x = None
@@ -258,7 +257,7 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
                 break
     if x is None:
         log.info("decoding %d %s JPEGs from %s", len(y), split, path)
-        x = _decode_jpegs(z[f"{split}_jpeg"], z[f"{split}_offsets"])
+        x = _decode_jpegs(z[f"{split}_jpeg"], off, path)
         _write_decode_cache(x, key, path, split, candidates)
     if split == "train" and official_order and "train_official_perm" in z.files:
         perm = np.asarray(z["train_official_perm"])
@@ -269,9 +268,9 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
 def load_sample(split: str, path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The committed CIFAR-10 sample (500 train + 200 test images, see ``kwng/data_sample/README.md``)."""
     check_choice(split, "split", ("train", "test"))
-    z = np.load(SAMPLE_PATH if path is None else path)
-    x = _decode_jpegs(z[f"{split}_jpeg"], z[f"{split}_offsets"])
-    return x, np.asarray(z[f"y_{split}"], dtype=np.int64)
+    path = SAMPLE_PATH if path is None else Path(path)
+    z, y, off = _npz_split(path, split)
+    return _decode_jpegs(z[f"{split}_jpeg"], off, path), y
 
 
 # ------------------------------------------------------------------------------------------ dispatch

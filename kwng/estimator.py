@@ -43,6 +43,7 @@ import torch
 
 from . import solve
 from ._checks import check_choice, check_finite, check_int, check_points, check_positive
+from .estimator_checks import check_basis, check_grad, check_samples, report_degenerate
 from .kernels import (
     BANDWIDTH_RULES,
     Kernel,
@@ -287,30 +288,17 @@ def _with_bandwidth(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor, ba
 
 
 def _prepare(X, grad, num_basis, eps, lam, kernel, generator, basis_idx, basis_coords):
-    X = check_points(X, "X")
-    _check_finite_counted(X.detach(), "X (the samples)")
+    """The checks shared with :func:`kwng.kfng_gradient` (:mod:`kwng.estimator_checks`)."""
+    X, _ = check_samples(X)
     N, d = X.shape
     check_int(num_basis, "num_basis", 1, N)
     check_positive(eps, "eps")
     check_positive(lam, "lam", allow_zero=True)
     if not isinstance(kernel, Kernel):
         raise ValueError(f"kernel must be a kwng.Kernel, got {type(kernel).__name__}")
-    if not isinstance(grad, torch.Tensor) or grad.dim() != 1:
-        raise ValueError("grad must be a 1-d torch.Tensor (the flattened Euclidean gradient)")
-    _check_finite_counted(grad, "grad")
-    if basis_idx is None and basis_coords is None:
-        basis_idx, basis_coords = draw_basis(N, d, num_basis, generator)
-    elif basis_idx is None or basis_coords is None:
-        raise ValueError("basis_idx and basis_coords must be given together")
-    basis_idx = torch.as_tensor(basis_idx)
-    basis_coords = torch.as_tensor(basis_coords)
-    if basis_idx.shape != (num_basis,) or basis_coords.shape != (num_basis,):
-        raise ValueError(f"basis_idx and basis_coords must have shape ({num_basis},) = (num_basis,), got "
-                         f"{tuple(basis_idx.shape)} and {tuple(basis_coords.shape)}")
-    if int(basis_idx.min()) < 0 or int(basis_idx.max()) >= N:
-        raise ValueError(f"basis_idx must lie in [0, {N - 1}]")
-    if int(basis_coords.min()) < 0 or int(basis_coords.max()) >= d:
-        raise ValueError(f"basis_coords must lie in [0, {d - 1}]")
+    check_grad(grad)
+    basis_idx, basis_coords = check_basis(basis_idx, basis_coords, N, d, num_basis,
+                                          generator)
     return X, N, d, basis_idx, basis_coords
 
 
@@ -325,6 +313,7 @@ def _estimate(X, basis_idx, basis_coords, kernel, bandwidth, sigma0, grad, jacob
     res.diagnostics["sample_resolution"] = resolution
     res.diagnostics.update(d=X.shape[1], bandwidth=kernel.bandwidth, kernel=repr(kernel),
                            basis_idx=basis_idx, basis_coords=basis_coords)
+    report_degenerate(res.diagnostics, res.direction, grad, "kwng_gradient", 4)
     return res
 
 
@@ -359,8 +348,7 @@ def kwng_gradient(sampler: Callable[[torch.Tensor], torch.Tensor], theta: torch.
     """
     if not isinstance(theta, torch.Tensor) or theta.dim() != 1:
         raise ValueError("theta must be a 1-d torch.Tensor (the flat parameter vector)")
-    if grad.shape != theta.shape:
-        raise ValueError(f"grad must have the shape of theta {tuple(theta.shape)}, got {tuple(grad.shape)}")
+    check_grad(grad, theta.numel())
     with torch.no_grad():
         X = sampler(theta)
     X, N, d, basis_idx, basis_coords = _prepare(X, grad, num_basis, eps, lam, kernel, generator,

@@ -42,14 +42,14 @@ from typing import Callable
 
 import torch
 
-from ._checks import check_choice, check_finite, check_int, check_points, check_positive
+from ._checks import check_choice, check_int, check_points, check_positive
 from .estimator import (
     KWNGResult,
     _with_bandwidth,
-    draw_basis,
     jacobian_from_sampler,
     nystrom_solve,
 )
+from .estimator_checks import check_basis, check_grad, check_samples, report_degenerate
 from .fisher_exact import (  # noqa: F401  (moved; re-exported under the old path)
     _check_density_model,
     fisher_matrix,
@@ -92,9 +92,12 @@ def fisher_kernel_matrices(
     Returns ``C`` (``M × N``, centred kernel values
     ``k(Y_m, X_n) - mean_n k(Y_m, X_n)``), ``K`` (``M × M`` Gram ``k(Y_m, Y_m')``),
     ``CCᵀ`` (without the ``1/N``) and ``Gx`` (``M × N × d``, ``∂_{x_j} k(Y_m, X_n)``,
-    the ingredient of the reparametrised ``T``). ``X`` is detached.
+    the ingredient of the reparametrised ``T``). ``X`` is detached and promoted to
+    float64 (at least), as in :func:`kwng.kernel_matrices`: the four come back in
+    float64, so float32 samples lose nothing more than their own rounding.
     """
     X = check_points(X, "X").detach()
+    X = X.to(torch.promote_types(X.dtype, torch.float64))
     idx = torch.as_tensor(basis_idx).to(X.device)
     Y = X[idx]
     values = kernel(Y, X)
@@ -132,11 +135,7 @@ def _check_kfng_args(theta, grad, eps, lam, jacobian, kernel, score_fn) -> None:
     """The argument checks of :func:`kfng_gradient` that need no samples."""
     if not isinstance(theta, torch.Tensor) or theta.dim() != 1:
         raise ValueError("theta must be a 1-d torch.Tensor (the flat parameter vector)")
-    if not isinstance(grad, torch.Tensor) or grad.shape != theta.shape:
-        raise ValueError(
-            f"grad must be a tensor of the shape of theta {tuple(theta.shape)}"
-        )
-    check_finite(grad, "grad")
+    check_grad(grad, theta.numel())
     check_positive(eps, "eps")
     check_positive(lam, "lam", allow_zero=True)
     check_choice(jacobian, "jacobian", FISHER_JACOBIANS)
@@ -144,21 +143,6 @@ def _check_kfng_args(theta, grad, eps, lam, jacobian, kernel, score_fn) -> None:
         raise ValueError(f"kernel must be a kwng.Kernel, got {type(kernel).__name__}")
     if jacobian == "score" and score_fn is None:
         raise ValueError("jacobian='score' needs score_fn(theta, X) -> (N, q) scores")
-
-
-def _basis_indices(basis_idx, N: int, d: int, num_basis: int, generator):
-    """``basis_idx`` checked, or drawn by :func:`kwng.draw_basis` when ``None``."""
-    if basis_idx is None:
-        basis_idx, _ = draw_basis(N, d, num_basis, generator)
-    basis_idx = torch.as_tensor(basis_idx)
-    if basis_idx.shape != (num_basis,):
-        raise ValueError(
-            f"basis_idx must have shape ({num_basis},) = (num_basis,), "
-            f"got {tuple(basis_idx.shape)}"
-        )
-    if int(basis_idx.min()) < 0 or int(basis_idx.max()) >= N:
-        raise ValueError(f"basis_idx must lie in [0, {N - 1}]")
-    return basis_idx
 
 
 def _fisher_jacobian(jacobian, sampler, score_fn, theta, X, C, Gx) -> torch.Tensor:
@@ -217,13 +201,12 @@ def kfng_gradient(
     _check_kfng_args(theta, grad, eps, lam, jacobian, kernel, score_fn)
     with torch.no_grad():
         X = sampler(theta.detach())
-    X = check_points(X, "X")
-    check_finite(X, "X")
+    X, resolution = check_samples(X)  # the rules of kwng_gradient
     N, d = X.shape
-    check_int(num_basis, "num_basis", 1, N)
-    basis_idx = _basis_indices(basis_idx, N, d, num_basis, generator)
+    basis_idx, _ = check_basis(basis_idx, None, N, d, num_basis, generator,
+                               with_coords=False)
     kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
-    C, K, CCt, Gx = fisher_kernel_matrices(X, basis_idx, kernel)
+    C, K, CCt, Gx = fisher_kernel_matrices(X, basis_idx, kernel)  # float64
     T = _fisher_jacobian(jacobian, sampler, score_fn, theta, X, C, Gx)
     res = nystrom_solve(
         T, CCt, K, grad.to(T.dtype), N,
@@ -233,7 +216,9 @@ def kfng_gradient(
     res.diagnostics.update(
         d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel), basis_idx=basis_idx,
         jacobian=jacobian, range_residual=_range_residual(T, CCt, rcond),
+        sample_resolution=resolution,
     )
+    report_degenerate(res.diagnostics, res.direction, grad, "kfng_gradient")
     return res
 
 

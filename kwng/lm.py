@@ -119,6 +119,9 @@ class LevenbergMarquardt:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise ValueError("state must be a dict (LevenbergMarquardt.state_dict()), "
+                             f"got {type(state).__name__}")
         missing = {
             "eps",
             "ratio",
@@ -143,17 +146,25 @@ class LevenbergMarquardt:
         self.eps = torch.tensor(
             check_positive(state["eps"], "eps"), dtype=f64, device=dev
         )
-        for k, key in (
-            ("ratio", "ratio"),
-            ("_r_max", "r_max"),
-            ("_loss", "loss"),
-            ("_pred", "pred"),
-        ):
-            setattr(self, k, torch.tensor(float(state[key]), dtype=f64, device=dev))
-        self.has_prev = bool(state["has_prev"])
-        self._count = torch.tensor(check_int(state["steps"], "steps", 0), device=dev)
-        self.ups = torch.tensor(int(state["ups"]), device=dev)
-        self.downs = torch.tensor(int(state["downs"]), device=dev)
+        if not isinstance(state["has_prev"], bool):
+            raise ValueError("state['has_prev'] must be True or False, got "
+                             f"{state['has_prev']!r}")
+        values = {}
+        for key in ("ratio", "r_max", "loss", "pred"):  # NaN stands for "none yet"
+            v = state[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"state[{key!r}] must be a real number, got "
+                                 f"{type(v).__name__}")
+            values[key] = float(v)
+        counts = {k: check_int(state[k], f"state[{k!r}]", 0)
+                  for k in ("steps", "ups", "downs")}
+        for k, key in (("ratio", "ratio"), ("_r_max", "r_max"), ("_loss", "loss"),
+                       ("_pred", "pred")):
+            setattr(self, k, torch.tensor(values[key], dtype=f64, device=dev))
+        self.has_prev = state["has_prev"]
+        self._count = torch.tensor(counts["steps"], device=dev)
+        self.ups = torch.tensor(counts["ups"], device=dev)
+        self.downs = torch.tensor(counts["downs"], device=dev)
 
     @property
     def steps(self) -> int:

@@ -152,6 +152,8 @@ class KWNGPreconditioner:
         check_choice(layout, "layout", LAYOUTS)
         if self.mode == "fast":
             reason = unsupported_reason(model, self.params)
+            if reason is not None and "already carries" in reason:
+                raise ValueError(f"model: {reason}")
             if reason is None:
                 self._engine = ReplicatedEngine(model, self.num_basis + 1, layout)
             else:

@@ -12,6 +12,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -100,12 +101,28 @@ def device_name(device: str | None = None) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def run_command() -> str:
+    """The command line of this process as it can be typed again: ``python -m <module> ...``
+    when run as a module (``sys.argv[0]`` is then the module's file, which cannot be run as a
+    script), each argument quoted for a POSIX shell."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None)
+    python = os.path.basename(sys.executable) or "python"
+    if name:
+        module = name[: -len(".__main__")] if name.endswith(".__main__") else name
+        head = [python, "-m", module]
+    else:
+        head = [python, *sys.argv[:1]]
+    return shlex.join(head + list(sys.argv[1:]))
+
+
 def make_provenance(config: dict, seeds: Any = None, device: str | None = None, **extra) -> dict:
     """The provenance record: command, configuration, commit, device, date, seeds, versions."""
     import torch
 
     record = {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "command": run_command(),
         "config": config,
         "git_commit": git_commit(),
         "device": device_name(device),

@@ -121,6 +121,14 @@ def unsupported_reason(model: nn.Module, params: list[torch.Tensor]) -> str | No
     """``None`` if every parameter of ``params`` lives in a layer the engine batches,
     else why not."""
     owned: set[int] = set()
+    taken = [name or "model" for name, mod in model.named_modules()
+             if isinstance(mod, _Swapped)]
+    if taken:
+        return (
+            f"the model already carries a KWNG preconditioner's engine (layer "
+            f"{taken[0]} is patched): one fast-mode preconditioner per model; call "
+            "remove_hooks() on the old one first"
+        )
     for name, mod in model.named_modules():
         own = list(mod.parameters(recurse=False))
         if type(mod) not in _SWAP:

@@ -255,7 +255,7 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
     assert (tmp_path / "sweep.csv").read_text() == before
     assert (tmp_path / "fisher-sweep.provenance.json").read_text() == prov_before
     other = dict(cfg, runs=3)
-    with pytest.raises(SystemExit, match="another configuration"):
+    with pytest.raises(ValueError, match="another configuration"):
         E.run_sweep(other, tmp_path, progress=False)
     assert (tmp_path / "sweep.csv").read_text() == before
     # the figures and the table read these rows

@@ -124,6 +124,7 @@ from .cifar_train import (  # noqa: F401
     run_dir_for,
     train_step,
 )
+from .cli_checks import device_problem, lr_arg, path_problem
 
 __all__ = ["METHODS", "LR_GRID", "SELECT_METHODS", "CLAIM_METHODS", "CLAIM_TWO_SEEDS",
            "CLAIM_ABLATIONS", "CONDITIONINGS", "SCHEDULES", "INFO_KEYS", "RunConfig",
@@ -153,7 +154,8 @@ def _run_parser() -> argparse.ArgumentParser:
     add("--method", default="kwng", choices=list(METHODS))
     add("--seed", type=int, default=0)
     add("--epochs", type=int, default=None, help="default: 30 (full scale), 2 (small)")
-    add("--lr", default="selected", help="a step size or 'selected' (`cifar select`)")
+    add("--lr", default="selected", type=lr_arg,
+        help="a step size or 'selected' (`cifar select`)")
     add("--schedule", default="claim", choices=SCHEDULES)
     add("--data-root", default=None)
     add("--source", default=None, choices=("auto", "official", "jpeg", "sample"),
@@ -196,12 +198,21 @@ def run_config_from_args(a: argparse.Namespace) -> RunConfig:
 
 
 def _main_run(rest: list[str]) -> int:
-    a = _run_parser().parse_args(rest)
+    p = _run_parser()
+    a = p.parse_args(rest)
+    problem = path_problem(a, ("out", "checkpoint_dir", "data_root", "selection_file"))
+    if problem or device_problem(a.device):
+        p.error(problem or device_problem(a.device))
     cfg = run_config_from_args(a)
     log.info("configuration (KWNG_SCALE=%s): %s", config.scale(), json.dumps(dict(cfg)))
+    if a.data_root is not None and config.scale() == "small" and a.model is None:
+        log.warning("KWNG_SCALE=small: --data-root trains the small model %r on the "
+                    "data at %s (KWNG_SCALE=full or --model resnet18: the study's "
+                    "network)", cfg["model"], a.data_root)
     try:
         rec = run(cfg, progress=not a.no_progress, force=a.force)
-    except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
+    except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError,
+            ValueError) as exc:
         log.error("refused: %s", exc)
         return 2
     if rec["epochs"]:
@@ -245,6 +256,7 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--timing", default=None, help="a timing file (`cifar timing`) to balance the "
         "GPUs")
     add("--methods", default=None, help="comma list: only these methods' runs")
+    add("--force", action="store_true", help="back up finished runs of another config")
     add("--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a run setting in every run of the plan (e.g. model=tiny for a "
              "CPU smoke test); VALUE is read as JSON if it parses, else as a string")
@@ -286,7 +298,8 @@ def _main_sweep(a: argparse.Namespace) -> int:
     timing_rec = read_json(a.timing)["methods"] if a.timing else None
     log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus,
              a.procs_per_gpu)
-    return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file, timing_rec)
+    return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file, timing_rec,
+                 force=a.force)
 
 
 # ----------------------------------------------------- select, timing, schedule, check
@@ -432,14 +445,18 @@ def main(argv: list[str] | None = None) -> int:
     if sub is None:
         return _main_run(rest)
     p = argparse.ArgumentParser(prog=f"python -m kwng.experiments cifar {sub}")
-    if sub in ("sweep", "worker"):
-        _sweep_arguments(p)
-        a = p.parse_args(rest)
-        return _main_worker(a) if sub == "worker" else _main_sweep(a)
-    if sub not in _WRITERS:
+    if sub not in _WRITERS and sub not in ("sweep", "worker"):
         raise ValueError(f"unknown cifar subcommand {sub!r}; use sweep, worker, "
                          "select, timing, trainer-timing, schedule or check")
-    p.add_argument("--force", action="store_true", help="replace a different existing "
-                   "output file (select, timing, schedule), moving it to a dated "
-                   "backup first")
-    return _WRITERS[sub](p, rest)
+    try:  # a refusal (other configuration, unreadable or missing file): rc 2, named
+        if sub in ("sweep", "worker"):
+            _sweep_arguments(p)
+            a = p.parse_args(rest)
+            return _main_worker(a) if sub == "worker" else _main_sweep(a)
+        p.add_argument("--force", action="store_true", help="replace a different "
+                       "existing output file (select, timing, schedule), moving it to "
+                       "a dated backup first")
+        return _WRITERS[sub](p, rest)
+    except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
+        log.error("refused: %s", exc)
+        return 2

@@ -208,8 +208,12 @@ def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True,
     that diverged (non-finite loss) are excluded; ties go to the lower final training
     loss. Writes ``root/selected.json``.
     """
+    runs = sorted(Path(root).glob("lr*/*/*/*/seed*/metrics.json"))
+    if not runs:  # a mistyped root: nothing created, no empty selection written
+        raise FileNotFoundError(f"root {root} holds no selection runs "
+                                "(lr<lr>/<dataset>/<conditioning>/<method>/seed<k>/metrics.json)")
     rows: dict[str, list] = {}
-    for mp in sorted(Path(root).glob("lr*/*/*/*/seed*/metrics.json")):
+    for mp in runs:
         rec = read_json(mp)
         c = rec["config"]
         last = rec["epochs"][-1] if rec["epochs"] else None

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..data import NUM_CLASSES
-from ..provenance import atomic_write_json, read_json, write_provenance
+from ..provenance import ResultFileError, atomic_write_json, read_json, write_provenance
+from . import guard
 from .cifar_methods import (
     ABLATIONS,
     AUTHORS100,
@@ -43,8 +44,10 @@ from .cifar_methods import (
 )
 from .cifar_metrics import UpdateShare
 from .cifar_train import (
+    _identity,
     checkpoint_path_for,
     fast_cuda,
+    resolve_lr,
     run,
     run_dir_for,
     sync,
@@ -250,7 +253,8 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
             cfg = RunConfig(**{**job, "deadline": deadline})
             name = str(run_dir_for(cfg))
             mp = run_dir_for(cfg) / "metrics.json"
-            done = mp.is_file() and read_json(mp).get("complete")
+            rec = read_json(mp) if mp.is_file() else None
+            done = isinstance(rec, dict) and rec.get("complete")
             if done or _claim(cfg, session):  # a finished run is still checked
                 run(cfg, progress=False)
         # one bad run must not stop a sweep
@@ -266,13 +270,23 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
     return failures
 
 
-def _is_complete(job: dict) -> bool:
+def _is_complete(job: dict, force: bool = False) -> bool:
+    """Whether the sweep may skip ``job``: complete *and* of the identity it asks for
+    (:func:`kwng.experiments.guard.check_existing_run`: another identity raises unless
+    ``force`` moves the record to a backup). An unreadable or malformed record, or a run
+    whose identity cannot be computed here, is not skipped: its worker reports it."""
     cfg = RunConfig(**{k: v for k, v in job.items() if k != "slot"})
-    mp = run_dir_for(cfg) / "metrics.json"
+    rdir = run_dir_for(cfg)
+    mp = rdir / "metrics.json"
     try:
-        return mp.is_file() and bool(read_json(mp).get("complete"))
-    except ValueError as err:  # an unreadable record: its worker reports the failure
-        log.warning("%s", err)
+        rec = read_json(mp) if mp.is_file() else None
+        if not (isinstance(rec, dict) and rec.get("complete")):
+            return False  # nothing to skip: its worker starts, resumes or refuses it
+        identity = _identity(cfg, resolve_lr(cfg))
+        return guard.check_existing_run(rdir, checkpoint_path_for(cfg), identity,
+                                        force) is not None
+    except (FileNotFoundError, KeyError, ResultFileError) as err:
+        log.warning("%s: not skipped (%s); its worker reports it", rdir, err)
         return False
 
 
@@ -294,14 +308,29 @@ def _spawn_workers(plan_file: Path, gpus: int, procs_per_gpu: int, session: str,
 
 
 def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | None,
-          plan_file: Path, timing: dict | None = None) -> int:
+          plan_file: Path, timing: dict | None = None, force: bool = False) -> int:
     """Spawn ``gpus × procs_per_gpu`` worker processes over ``plan`` and wait for them.
     The unfinished runs get worker slots balanced over the GPUs (:func:`assign_slots`);
-    the rest, most expensive first, go to whichever worker is free."""
+    the rest, most expensive first, go to whichever worker is free.
+
+    A finished run is skipped only with the identity the plan asks for
+    (:func:`_is_complete`); else nothing starts and ``ConfigMismatchError`` lists each
+    such run and its differing keys, unless ``force`` (backed up, run again)."""
     if gpus < 0 or procs_per_gpu < 1:
         raise ValueError(f"gpus must be >= 0 and procs_per_gpu >= 1, "
                          f"got {gpus}, {procs_per_gpu}")
-    pending = [j for j in plan if not _is_complete(j)]
+    pending, refused = [], []
+    for j in plan:
+        try:
+            if not _is_complete(j, force):
+                pending.append(j)
+        except guard.ConfigMismatchError as err:
+            refused.append(str(err))
+    if refused:
+        raise guard.ConfigMismatchError(
+            f"sweep: {len(refused)} finished run(s) of the plan were produced with "
+            "another configuration; nothing was started:\n  "
+            + "\n  ".join(refused))
     slotted = assign_slots(pending, gpus, procs_per_gpu, timing)
     rest = sorted((j for j in slotted if "slot" not in j),
                   key=lambda j: -job_cost(j, timing))

@@ -88,6 +88,9 @@ def _split_data(cfg: RunConfig):
     ``train_subset`` keeps that many."""
     x, y = load_cifar(cfg["dataset"], "train", cfg["data_root"], cfg["source"],
                       cfg["download"])
+    if cfg["val_size"] and cfg["val_size"] >= len(x):
+        raise ValueError(f"val_size must be smaller than the training set ({len(x)} "
+                         f"images), got {cfg['val_size']}: nothing left to train on")
     if cfg["val_size"]:
         perm = np.random.default_rng(12345).permutation(len(x))
         val, rest = perm[:cfg["val_size"]], perm[cfg["val_size"]:]

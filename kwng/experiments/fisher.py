@@ -22,36 +22,37 @@ Results go to ``DIR`` (default ``_build/results/fisher-<scale>``, outside the co
 results) with one provenance file per part (``fisher-sweep.provenance.json``,
 ``fisher-flow.provenance.json``: command, configuration, git commit, device, date,
 seeds, wall time). The sweep CSV is rewritten atomically after each grid point and a
-rerun with the same configuration resumes; a directory holding results of *another*
-configuration is never touched (the command stops with an error). The committed results
-were made with ``--scale full --out results/fisher``.
+rerun with the same configuration resumes, every row checked (a damaged one is removed
+and its grid point recomputed); a directory holding results of *another* configuration
+is never touched (the command stops with an error) unless ``--force``, which moves that
+part's files to dated backups. The flow (:mod:`kwng.experiments.fisher_flow`) is redone
+whole when its ``flow.csv`` is incomplete. The committed results were made with
+``--scale full --out results/fisher``.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
-import math
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .. import config as _config
-from ..estimator import kwng_gradient
-from ..fisher import (
-    fisher_natural_gradient,
-    kfng_gradient,
-)
-from ..kernels import GaussianKernel
-from ..models import NormalModel
 from ..provenance import (
-    atomic_write_json,
+    ResultFileError,
     index_provenance,
-    make_provenance,
+)
+from .cli_checks import path_problem
+from .fisher_flow import (  # noqa: F401  (moved; re-exported under the old path)
+    _direction,
+    _flow_csv_problems,
+    _flow_problem,
+    _flow_step,
+    load_flow,
+    normal_kl_and_grad,
+    run_flow,
 )
 from .fisher_sweep import (  # noqa: F401  (moved; re-exported under the old path)
     BANDWIDTH,
@@ -64,12 +65,13 @@ from .fisher_sweep import (  # noqa: F401  (moved; re-exported under the old pat
     _relerr,
     _seed,
     _write_csv,
+    checked_sweep_rows,
     compare_once,
     load_sweep,
     metric_vs_lambda,
     run_sweep,
 )
-from .synthetic import draw_theta, normal_w2_and_grad
+from .guard import ConfigMismatchError
 
 __all__ = [
     "MODELS",
@@ -83,6 +85,7 @@ __all__ = [
     "run_sweep",
     "run_flow",
     "load_sweep",
+    "checked_sweep_rows",
     "load_flow",
     "normal_kl_and_grad",
     "main",
@@ -150,195 +153,6 @@ def flow_config(scale: str | None = None) -> dict:
     }
 
 
-# --------------------------------------------------------------------------------------
-# Flow
-# --------------------------------------------------------------------------------------
-def normal_kl_and_grad(
-    model: NormalModel, theta: torch.Tensor, mu_t: np.ndarray, Sigma_t: np.ndarray
-) -> tuple[float, torch.Tensor]:
-    """``L(θ) = KL(N(μ, LLᵀ) ‖ N(μ*, Σ*))`` and its gradient in ``θ = (μ, vech L)``
-    (autograd of
-    ``½[tr(Σ*⁻¹Σ) + (μ* - μ)ᵀΣ*⁻¹(μ* - μ) - d + log det Σ* - log det Σ]``)."""
-    if not isinstance(model, NormalModel):
-        raise ValueError("model must be a NormalModel")
-    th = theta.detach().to(torch.float64).clone().requires_grad_(True)
-    mu, L = model.split(th)
-    St = torch.as_tensor(Sigma_t, dtype=torch.float64)
-    Sinv = torch.linalg.inv(St)
-    dm = torch.as_tensor(mu_t, dtype=torch.float64) - mu
-    Sigma = L @ L.T
-    kl = 0.5 * (
-        torch.trace(Sinv @ Sigma)
-        + dm @ Sinv @ dm
-        - model.d
-        + torch.logdet(St)
-        - 2.0 * torch.log(torch.abs(torch.diagonal(L))).sum()
-    )
-    (g,) = torch.autograd.grad(kl, th)
-    return float(kl.detach()), g.detach()
-
-
-def _flow_problem(
-    cfg: dict,
-) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.ndarray]:
-    d = cfg["d"]
-    model = NormalModel(d)
-    g = torch.Generator().manual_seed(cfg["seed"])
-    theta0 = draw_theta("normal", d, g, cfg["theta_variance"])
-    target = draw_theta("normal", d, g, cfg["theta_variance"])
-    target[:d] = cfg["target_mean_std"] * torch.randn(
-        d, generator=g, dtype=torch.float64
-    )
-    mu_t, L_t = model.split(target)
-    return model, theta0, mu_t.numpy(), (L_t @ L_t.T).numpy()
-
-
-def _direction(
-    method: str,
-    model: NormalModel,
-    theta: torch.Tensor,
-    grad: torch.Tensor,
-    cfg: dict,
-    it: int,
-    loss: str,
-) -> torch.Tensor:
-    if method == "eg":
-        return grad
-    if method == "wng":
-        return model.wng(theta, grad)
-    if method == "fng":
-        return fisher_natural_gradient(model, theta, grad)
-    gen = torch.Generator().manual_seed(_seed(cfg["seed"], loss, method, it))
-    Z = model.sample_latent(cfg["N"], gen)
-    _, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"])
-    lam = cfg["lam"] if method == "kwng" else cfg["lam_fisher"]
-    kw = dict(
-        num_basis=cfg["M"],
-        eps=cfg["eps"],
-        lam=lam,
-        kernel=GaussianKernel(1.0),
-        damping=cfg["damping"],
-        generator=gen,
-        bandwidth=rule,
-        sigma0=sigma0,
-    )
-    est = kwng_gradient if method == "kwng" else kfng_gradient
-    return est(lambda t: model.sample(t, Z), theta, grad, **kw).direction
-
-
-def _flow_step(
-    fn, model, theta, value, mu_t, Sigma_t, step, method, cfg, it, loss, loss0, stopped
-):
-    """One iteration of :func:`run_flow` for ``(loss, method)``: the new ``(θ, value)``;
-    a failure or a divergence is logged and recorded in ``stopped``."""
-    try:
-        _, grad = fn(model, theta, mu_t, Sigma_t)
-        theta = theta - step * _direction(method, model, theta, grad, cfg, it, loss)
-        value = fn(model, theta, mu_t, Sigma_t)[0]
-        ok = (
-            bool(torch.isfinite(theta).all())
-            and math.isfinite(value)
-            and value < cfg["divergence_factor"] * loss0
-        )
-    except (ValueError, np.linalg.LinAlgError, torch.linalg.LinAlgError) as exc:
-        log.warning("flow %s/%s failed at iteration %d: %s", loss, method, it, exc)
-        ok = False
-    if not ok:
-        log.warning(
-            "flow %s/%s diverged at iteration %d: NaN from here", loss, method, it
-        )
-        stopped[(loss, method)] = it
-    return theta, value
-
-
-def run_flow(cfg: dict, out: str | Path, progress: bool = True) -> dict:
-    """Natural-gradient descent ``θ ← θ - γ · direction`` toward the target for every
-    loss and method of ``cfg`` (:func:`flow_config`); writes ``out/flow.csv`` (loss,
-    method, iteration, value) and the provenance. A method whose loss becomes non-finite
-    or exceeds ``divergence_factor`` times the initial loss is stopped and recorded as
-    NaN from then on. A complete flow in ``out`` is left as it is; an interrupted one
-    (no ``flow.csv`` yet, about 20 s of work at full scale) is redone whole."""
-    from tqdm.auto import tqdm
-
-    if cfg.get("experiment") != "fisher-flow":
-        raise ValueError("cfg must come from flow_config()")
-    out = Path(out)
-    prev = _prepare_dir(out, cfg)
-    if prev and (out / "flow.csv").exists():
-        log.info("flow results already complete in %s", out)
-        return prev
-    t0 = time.perf_counter()
-    model, theta0, mu_t, Sigma_t = _flow_problem(cfg)
-    loss_fns = {"w2": normal_w2_and_grad, "kl": normal_kl_and_grad}
-    rows, stopped = [], {}
-    for loss in cfg["losses"]:
-        fn = loss_fns[loss]
-        loss0 = fn(model, theta0, mu_t, Sigma_t)[0]
-        for method in cfg["methods"]:
-            theta, value = theta0.clone(), loss0
-            step = cfg["eg_step"] if method == "eg" else cfg["step"]
-            rows.append(
-                {"loss": loss, "method": method, "iteration": 0, "value": value}
-            )
-            for it in tqdm(
-                range(cfg["iterations"]),
-                desc=f"flow {loss}/{method}",
-                disable=not progress,
-            ):
-                if (loss, method) not in stopped:
-                    theta, value = _flow_step(
-                        fn,
-                        model,
-                        theta,
-                        value,
-                        mu_t,
-                        Sigma_t,
-                        step,
-                        method,
-                        cfg,
-                        it,
-                        loss,
-                        loss0,
-                        stopped,
-                    )
-                if (loss, method) in stopped:
-                    value = math.nan
-                rows.append(
-                    {
-                        "loss": loss,
-                        "method": method,
-                        "iteration": it + 1,
-                        "value": value,
-                    }
-                )
-    _write_csv(out / "flow.csv", ("loss", "method", "iteration", "value"), rows)
-    wall = time.perf_counter() - t0
-    record = make_provenance(
-        cfg,
-        seeds={"base_seed": cfg["seed"]},
-        device="cpu",
-        wall_time_s=wall,
-        wall_time_total_s=wall,
-        threads=torch.get_num_threads(),
-        diverged_at={f"{k[0]}/{k[1]}": v for k, v in stopped.items()},
-        target_mean=mu_t.tolist(),
-        target_cov=Sigma_t.tolist(),
-    )
-    atomic_write_json(out / "fisher-flow.provenance.json", record)
-    return record
-
-
-def load_flow(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
-    """``{loss: {method: values over iterations}}`` from ``flow.csv``."""
-    out: dict[str, dict[str, list]] = {}
-    with open(path, encoding="utf-8", newline="") as fh:
-        for r in csv.DictReader(fh):
-            out.setdefault(r["loss"], {}).setdefault(r["method"], []).append(
-                float(r["value"])
-            )
-    return {k: {m: np.array(v) for m, v in d.items()} for k, d in out.items()}
-
-
 PARTS = ("fisher-sweep", "fisher-flow")
 
 
@@ -387,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--force", action="store_true", help="move a part's results of "
+                    "another configuration (or an unreadable sweep.csv) to dated "
+                    "backups instead of refusing")
     args = ap.parse_args(argv)
     if args.threads < 1:
         raise SystemExit(
@@ -398,16 +215,21 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     scale = _config.resolve(args.scale)
+    if path_problem(args, ("out",)):
+        ap.error(path_problem(args, ("out",)))
     out = Path(args.out or Path("_build") / "results" / f"fisher-{scale}")
-    if args.part in ("sweep", "all"):
-        cfg = sweep_config(scale)
-        print("fisher sweep configuration:", json.dumps(cfg))
-        prov = run_sweep(cfg, out, progress=not args.no_progress)
-        print(f"fisher sweep: {prov['wall_time_s']:.1f} s on {prov['device']} -> {out}")
-    if args.part in ("flow", "all"):
-        cfg = flow_config(scale)
-        print("fisher flow configuration:", json.dumps(cfg))
-        prov = run_flow(cfg, out, progress=not args.no_progress)
-        print(f"fisher flow: {prov['wall_time_s']:.1f} s on {prov['device']} -> {out}")
+    try:
+        for part in ("sweep", "flow"):
+            if args.part not in (part, "all"):
+                continue
+            cfg = (sweep_config if part == "sweep" else flow_config)(scale)
+            print(f"fisher {part} configuration:", json.dumps(cfg))
+            prov = (run_sweep if part == "sweep" else run_flow)(
+                cfg, out, progress=not args.no_progress, force=args.force)
+            print(f"fisher {part}: {prov['wall_time_s']:.1f} s on {prov['device']} "
+                  f"-> {out}")
+    except (ConfigMismatchError, ResultFileError) as exc:
+        log.error("refused: %s", exc)
+        return 2
     write_directory_provenance(out)
     return 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 import math
 import time
@@ -35,11 +34,14 @@ from ..fisher import (
 from ..kernels import GaussianKernel
 from ..models import make_model
 from ..provenance import (
+    ResultFileError,
     atomic_write_json,
     atomic_write_text,
     make_provenance,
     read_json,
 )
+from .guard import FORCE_HINT, ConfigMismatchError, backup, diff_keys
+from .guard_csv import read_csv_checked
 from .synthetic import draw_theta
 
 # the logger of the experiment module this code came from (same records as before)
@@ -90,21 +92,29 @@ def _parse_bandwidth(spec: float | str) -> tuple[float | None, str | None, float
     return float(spec), None, 1.0
 
 
-def _prepare_dir(out: Path, cfg: dict) -> dict:
+def _prepare_dir(out: Path, cfg: dict, force: bool = False,
+                 files: tuple[Path, ...] = ()) -> dict:
     """Create ``out`` for ``cfg``; refuse a directory made with another configuration
-    (nothing is deleted or overwritten). Returns the previous provenance (resume) or
-    ``{}``."""
+    (:class:`~kwng.experiments.guard.ConfigMismatchError` naming the file and the
+    differing keys) unless ``force``, which moves this part's config, provenance and
+    ``files`` to dated backups (nothing is deleted; the other part's files stay).
+    Returns the previous provenance (resume) or ``{}``."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / f"{cfg['experiment']}.config.json"
+    prov = out / f"{cfg['experiment']}.provenance.json"
     if cfg_path.exists():
         old = read_json(cfg_path)
-        if old != json.loads(json.dumps(cfg)):
-            raise SystemExit(
-                f"{cfg_path} holds another configuration ({old.get('scale')} scale); "
-                f"choose another --out: results are never overwritten"
-            )
-        prov = out / f"{cfg['experiment']}.provenance.json"
-        return read_json(prov) if prov.exists() else {}
+        keys = diff_keys(old, cfg)
+        if not keys:
+            return read_json(prov) if prov.exists() else {}
+        msg = (f"{cfg_path} holds another configuration (differing keys: "
+               f"{', '.join(keys)})")
+        if not force:
+            raise ConfigMismatchError(f"{msg}; {FORCE_HINT}")
+        log.warning("%s; --force: moving this part's files to backups", msg)
+        for f in (cfg_path, prov, *files):
+            if f.exists():
+                backup(f)
     atomic_write_json(cfg_path, cfg)
     return {}
 
@@ -278,19 +288,43 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
+_SWEEP_CONVERTERS = {k: (int if k in ("d", "N", "M", "run") else float)
+                     for k in SWEEP_COLUMNS if k not in ("model", "panel")}
+_ALWAYS_FINITE = ("bandwidth", "err_wng", "fng_norm", "gf_max", "range_residual",
+                  "time_wng_s", "time_fng_s")  # the Fisher columns: NaN on the sphere
+_FISHER_COLUMNS = ("err_fng", "err_fng_lam", "err_fng_score", "gf_exact_max")
+
+
+def _row_problem(r: dict) -> str | None:
+    """What is wrong with a parsed ``sweep.csv`` row beyond parsing (or ``None``)."""
+    if r["model"] not in MODELS or r["panel"] not in ("N", "M"):
+        return f"model {r['model']!r} / panel {r['panel']!r} is not of this sweep"
+    if r["model"] != "sphere":
+        bad = [k for k in _FISHER_COLUMNS if not math.isfinite(r[k])]
+        if bad:
+            return f"non-finite {', '.join(f'{k}={r[k]}' for k in bad)}"
+    return None
+
+
+def checked_sweep_rows(path: str | Path) -> tuple[list[dict], list[str], set[str]]:
+    """The rows of ``sweep.csv`` a resume may trust, the problems of the others (file
+    and line each) and the grid points (:func:`_key`) of the rejected rows that
+    parsed. Another header raises :class:`~kwng.provenance.ResultFileError`."""
+    rejected: list[dict] = []
+    rows, problems = read_csv_checked(
+        path, SWEEP_COLUMNS, _SWEEP_CONVERTERS,
+        lambda r: (_key(r["model"], r), r["run"]), finite=_ALWAYS_FINITE,
+        check=_row_problem, rejected=rejected)
+    return rows, problems, {_key(r["model"], r) for r in rejected}
+
+
 def load_sweep(path: str | Path) -> list[dict]:
-    """Rows of ``sweep.csv`` with numbers converted (empty list if absent)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    with open(path, encoding="utf-8", newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    for r in rows:
-        for k in SWEEP_COLUMNS:
-            if k in ("d", "N", "M", "run"):
-                r[k] = int(r[k])
-            elif k not in ("model", "panel"):
-                r[k] = float(r[k])
+    """Rows of ``sweep.csv`` with numbers converted (empty list if absent); a damaged
+    row raises :class:`~kwng.provenance.ResultFileError` naming the file and line."""
+    rows, problems, _ = checked_sweep_rows(path)
+    if problems:
+        raise ResultFileError(
+            f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5]))
     return rows
 
 
@@ -305,17 +339,33 @@ def _write_csv(path: Path, columns, rows: list[dict]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
-def run_sweep(cfg: dict, out: str | Path, progress: bool = True) -> dict:
+def run_sweep(cfg: dict, out: str | Path, progress: bool = True,
+              force: bool = False) -> dict:
     """Run or resume the sweep of ``cfg`` (:func:`sweep_config`) into
-    ``out/sweep.csv``."""
+    ``out/sweep.csv``.
+
+    On resume every row is checked (:func:`checked_sweep_rows`): a damaged row
+    (truncated, unparsable, non-finite, repeated) is removed from the file and its grid
+    point recomputed. Another configuration in ``out``, or a ``sweep.csv`` that cannot
+    be read as this sweep's, is refused naming the file, unless ``force`` (the old files
+    go to dated backups)."""
     from tqdm.auto import tqdm
 
     if cfg.get("experiment") != "fisher-sweep":
         raise ValueError("cfg must come from sweep_config()")
     out = Path(out)
-    prev = _prepare_dir(out, cfg)
     path = out / "sweep.csv"
-    rows = load_sweep(path)
+    prev = _prepare_dir(out, cfg, force, (path,))
+    try:
+        rows, problems, damaged = checked_sweep_rows(path)
+    except ResultFileError as exc:  # not this sweep's file: refused, or moved away
+        if not force:
+            raise ResultFileError(f"{exc}; {FORCE_HINT}") from exc
+        log.warning("%s; --force: moved to %s", exc, backup(path))
+        rows, problems, damaged = [], [], set()
+    if problems:
+        log.warning("%d damaged row(s) in %s are removed and their grid points "
+                    "recomputed: %s", len(problems), path, "; ".join(problems[:5]))
     done: dict[str, int] = {}
     for r in rows:
         done[_key(r["model"], r)] = done.get(_key(r["model"], r), 0) + 1
@@ -323,25 +373,28 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True) -> dict:
         (m, p)
         for m in cfg["models"]
         for p in _points(cfg)
-        if done.get(_key(m, p), 0) < cfg["runs"]
+        if done.get(_key(m, p), 0) < cfg["runs"] or _key(m, p) in damaged
     ]
     partial = {_key(m, p) for m, p in todo}
     rows = [r for r in rows if _key(r["model"], r) not in partial]
-    if not todo and prev:
+    if not todo and prev and not problems and not prev.get("in_progress"):
         log.info("sweep already complete in %s", out)
         return prev
+    if problems:  # the damaged rows leave the file even when nothing is recomputed
+        _write_csv(path, SWEEP_COLUMNS, rows)
     t0 = time.perf_counter()
+    def provenance(**extra) -> dict:  # with the rows: an interrupted call still counts
+        wall = time.perf_counter() - t0
+        record = make_provenance(
+            cfg, seeds={"base_seed": cfg["seed"], "rule": "crc32 of model, point, run"},
+            device="cpu", wall_time_s=wall,
+            wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall,
+            threads=torch.get_num_threads(), **extra)
+        atomic_write_json(out / "fisher-sweep.provenance.json", record)
+        return record
+
     for m, p in tqdm(todo, desc="fisher sweep", disable=not progress):
         rows.extend(compare_once(m, p, r, cfg) for r in range(cfg["runs"]))
         _write_csv(path, SWEEP_COLUMNS, rows)
-    wall = time.perf_counter() - t0
-    record = make_provenance(
-        cfg,
-        seeds={"base_seed": cfg["seed"], "rule": "crc32 of model, point, run"},
-        device="cpu",
-        wall_time_s=wall,
-        wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall,
-        threads=torch.get_num_threads(),
-    )
-    atomic_write_json(out / "fisher-sweep.provenance.json", record)
-    return record
+        provenance(in_progress=True)
+    return provenance()

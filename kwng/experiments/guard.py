@@ -266,13 +266,45 @@ def run_identity(
     return _normal(ident)
 
 
-def record_identity(rec: dict) -> dict:
+#: keys every stored identity holds (those of :func:`run_identity` but the optional
+#: data fingerprint): a stored identity without one of them is malformed, since
+#: comparing fewer keys would let a different run pass
+_STORED_IDENTITY_KEYS = (*RUN_IDENTITY_KEYS, "lr", "batch_size", "method_spec")
+
+
+def record_identity(rec: dict, where: str | os.PathLike | None = None) -> dict:
     """The identity stored in a metrics record, or the one rebuilt from its fields for
     records written before identities were stored (without the data fingerprint, which
-    is then not compared)."""
+    is then not compared).
+
+    A record that is not a dict, or whose ``identity`` is not a dict holding every key
+    of :func:`run_identity`, raises :class:`ResultFileError` naming ``where`` (the
+    file): a record that cannot be compared is refused, never taken as equal."""
+    where = "run record" if where is None else str(where)
+    if not isinstance(rec, dict):
+        raise ResultFileError(
+            f"{where}: the record is a {type(rec).__name__}, expected a JSON object"
+        )
     if "identity" in rec:
-        return rec["identity"]
+        ident = rec["identity"]
+        if not isinstance(ident, dict):
+            raise ResultFileError(
+                f"{where}: 'identity' is a {type(ident).__name__} ({ident!r:.60}), "
+                "expected a JSON object of the run's settings; the run cannot be "
+                "compared with the one asked for"
+            )
+        missing = [k for k in _STORED_IDENTITY_KEYS if k not in ident]
+        if missing:
+            raise ResultFileError(
+                f"{where}: 'identity' lacks the keys {', '.join(missing)}; the run "
+                "cannot be compared with the one asked for"
+            )
+        return ident
     c = rec.get("config", {})
+    if not isinstance(c, dict):
+        raise ResultFileError(
+            f"{where}: 'config' is a {type(c).__name__}, expected a JSON object"
+        )
     ident = {k: c[k] for k in RUN_IDENTITY_KEYS if k in c}
     for k in ("lr", "batch_size", "method_spec"):
         if k in rec:
@@ -310,12 +342,13 @@ def check_existing_run(
 
     try:
         rec = read_json(mp)
+        old = record_identity(rec, mp)
     except ResultFileError as exc:
         if not force:
             raise
         move_away(str(exc))
         return None
-    keys = check_run_record(rdir, record_identity(rec), identity, force)
+    keys = check_run_record(rdir, old, identity, force)
     if keys:
         move_away(
             f"{rdir} was produced with another configuration "
@@ -356,7 +389,10 @@ def resume_checkpoint(
     try:
         ck = load_checkpoint(ckpt_path, map_location)
         check_run_record(
-            ckpt_path, record_identity(ck.get("record", {})), identity, force=False
+            ckpt_path,
+            record_identity(ck.get("record", {}), ckpt_path),
+            identity,
+            force=False,
         )
     except (ResultFileError, ConfigMismatchError) as exc:
         if not force:

@@ -22,8 +22,9 @@ def _parse_row(
     converters: dict[str, Callable],
     finite: Sequence[str],
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """One CSV row of :func:`read_csv_checked`: ``(row, None)`` or ``(None, problem)``
-    naming ``where`` and what is wrong."""
+    """One CSV row of :func:`read_csv_checked`: ``(row, None)``, or ``(row, problem)``
+    (parsed, not finite) or ``(None, problem)`` (does not parse), the problem naming
+    ``where`` and what is wrong."""
     if len(fields) != len(columns):
         return None, (
             f"{where}: {len(fields)} fields, expected {len(columns)} "
@@ -37,7 +38,7 @@ def _parse_row(
         return None, f"{where}: field {k!r} = {row[k]!r} does not parse ({exc})"
     bad = [k for k in finite if not math.isfinite(row[k])]
     if bad:
-        return None, f"{where}: non-finite {', '.join(f'{k}={row[k]}' for k in bad)}"
+        return row, f"{where}: non-finite {', '.join(f'{k}={row[k]}' for k in bad)}"
     return row, None
 
 
@@ -47,15 +48,19 @@ def read_csv_checked(
     converters: dict[str, Callable],
     key: Callable[[dict], Any],
     finite: Sequence[str] = (),
+    check: Callable[[dict], str | None] | None = None,
+    rejected: list[dict] | None = None,
 ) -> tuple[list[dict], list[str]]:
-    """Rows of the CSV ``path`` that are whole, parseable, finite in ``finite`` and
-    unique by ``key``.
+    """Rows of the CSV ``path`` that are whole, parseable, finite in ``finite``, pass
+    ``check`` (a row to ``None`` or what is wrong with it) and are unique by ``key``.
 
     Returns ``(good_rows, problems)``; each problem names the file, the line and what is
     wrong (a field that does not parse, a missing field, a last row without its line
-    end, a non-finite value, a repeated key). Of rows with a repeated key only the first
-    is kept. A header other than ``columns`` raises :class:`ResultFileError`. A missing
-    file gives ``([], [])``."""
+    end, a non-finite value, a failed ``check``, a repeated key). Of rows with a
+    repeated key only the first is kept. The rows that parsed but were rejected
+    (non-finite, failed check, repeated key) are appended to ``rejected`` when given,
+    so that a resume can recompute what they belonged to. A header other than
+    ``columns`` raises :class:`ResultFileError`. A missing file gives ``([], [])``."""
     path = Path(path)
     if not path.exists():
         return [], []
@@ -83,12 +88,19 @@ def read_csv_checked(
             problems.append(f"{where}: last row has no line end (file truncated)")
             continue
         row, problem = _parse_row(where, fields, columns, converters, finite)
+        if problem is None and check is not None:
+            problem = check(row)
+            problem = None if problem is None else f"{where}: {problem}"
         if problem is not None:
             problems.append(problem)
+            if rejected is not None and row is not None:
+                rejected.append(row)
             continue
         kk = key(row)
         if kk in seen:
             problems.append(f"{where}: duplicate of an earlier row with key {kk!r}")
+            if rejected is not None:
+                rejected.append(row)
             continue
         seen.add(kk)
         good.append(row)

@@ -37,13 +37,15 @@ from ..estimator import kwng_gradient
 from ..kernels import GaussianKernel
 from ..models import NormalModel, gaussian_w2_squared, make_model
 from ..provenance import ResultFileError, read_json, write_provenance
-from .guard import ConfigMismatchError, read_csv_checked
+from .cli_checks import device_problem, path_problem
+from .guard import ConfigMismatchError
 # moved to kwng.experiments.synthetic_setup; re-exported under the old path
 from .synthetic_setup import (  # noqa: F401
     MODELS, SWEEP_COLUMNS, RELERR_BANDWIDTH, relerr_config,
     bandwidth_config, flow_config, _seed, draw_theta, _parse_bandwidth,
     _sweep_points, _point_key, _CONVERTERS, _row_key, load_rows, checked_rows,
-    _write_rows, _prepare_dir, _write_flow_csvs, _write_pca_csv,
+    _write_rows, _prepare_dir, _write_flow_csvs, _write_pca_csv, _read_flow_csv, load_flow,
+    flow_problems,
 )
 
 __all__ = ["MODELS", "SWEEP_COLUMNS", "relerr_config", "bandwidth_config", "flow_config", "draw_theta",
@@ -122,23 +124,37 @@ def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[
     computed = 0
     for model_name in models:
         path = out / f"{model_name}.csv"
-        rows, problems = checked_rows(path)
+        rejected: list[dict] = []
+        rows, problems = checked_rows(path, rejected)
         if problems:
-            log.warning("%d bad row(s) in %s will be recomputed: %s", len(problems), path, "; ".join(problems[:5]))
+            log.warning("%d bad row(s) in %s are removed and their points recomputed: %s", len(problems),
+                        path, "; ".join(problems[:5]))
+        damaged = {_point_key(model_name, r) for r in rejected}  # a repeated run: which copy is right?
         done: dict[str, int] = {}
         for r in rows:
             k = _point_key(model_name, r)
             done[k] = done.get(k, 0) + 1
         points = _sweep_points(cfg, model_name)
-        todo = [p for p in points if done.get(_point_key(model_name, p), 0) < cfg["runs"]]
+        todo = [p for p in points
+                if done.get(_point_key(model_name, p), 0) < cfg["runs"] or _point_key(model_name, p) in damaged]
         keys_todo = {_point_key(model_name, p) for p in todo}
         rows = [r for r in rows if _point_key(model_name, r) not in keys_todo]  # drop partial points
+        if problems and not todo:  # the bad rows leave the file even when no point is recomputed
+            _write_rows(path, rows)
         log.info("%s/%s: %d of %d points to do", cfg["experiment"], model_name, len(todo), len(points))
         tm = time.perf_counter()
         for p in tqdm(todo, desc=f"{cfg['experiment']}:{model_name}", disable=not progress):
             rows.extend(_compute_point(model_name, p, cfg, device, exact_cache, mem_gb * 1e9))
             _write_rows(path, rows)
             computed += 1
+            # the time so far, recorded with the rows: an interrupted call still counts
+            wall = time.perf_counter() - t0
+            write_provenance(out, cfg, seeds={"base_seed": cfg["seed"], "rule": "crc32 of the grid point key"},
+                             device=device, wall_time_s=wall, in_progress=True,
+                             wall_time_total_s=prev.get("wall_time_total_s", 0.0) + wall,
+                             timings_s={**timings, model_name: timings.get(model_name, 0.0)
+                                        + time.perf_counter() - tm},
+                             models_done=prev.get("models_done", []))
         timings[model_name] = timings.get(model_name, 0.0) + time.perf_counter() - tm
     wall = time.perf_counter() - t0
     if computed == 0 and prev and set(models) <= set(prev.get("models_done", [])):
@@ -219,9 +235,13 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
 
     out = Path(out)
     prev = _prepare_dir(out, cfg, force)
-    if (out / "pca.csv").exists() and prev:
-        log.info("flow results already complete in %s", out)
-        return prev
+    if prev:
+        damage = flow_problems(out, prev)
+        if not damage:
+            log.info("flow results already complete in %s", out)
+            return prev
+        log.warning("flow results in %s are incomplete or damaged (%s): the flow is recomputed", out,
+                    "; ".join(damage[:3]))
     t0 = time.perf_counter()
     model, theta0, mu_t, Sigma_t = flow_problem(cfg)
     variants = cfg["kwng_variants"]
@@ -264,28 +284,6 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
                             target_mean=mu_t.tolist(), target_cov=Sigma_t.tolist())
 
 
-def _read_flow_csv(path: Path, columns: tuple[str, ...]) -> list[dict]:
-    conv = {c: float for c in columns if c not in ("iteration", "method")}
-    conv["iteration"] = int
-    rows, problems = read_csv_checked(path, columns, conv, lambda r: (r["method"], r["iteration"]))
-    if problems:
-        raise ResultFileError(f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5]))
-    return rows
-
-
-def load_flow(results_dir: str | Path) -> dict:
-    """``{"loss": {method: array}, "pca": {method: (T, 2) array}, "provenance": dict}``."""
-    results_dir = Path(results_dir)
-    loss: dict[str, list] = {}
-    for r in _read_flow_csv(results_dir / "loss.csv", ("iteration", "method", "loss")):
-        loss.setdefault(r["method"], []).append(r["loss"])
-    pca: dict[str, list] = {}
-    for r in _read_flow_csv(results_dir / "pca.csv", ("iteration", "method", "pc1", "pc2")):
-        pca.setdefault(r["method"], []).append((r["pc1"], r["pc2"]))
-    return {"loss": {k: np.array(v) for k, v in loss.items()}, "pca": {k: np.array(v) for k, v in pca.items()},
-            "provenance": read_json(results_dir / "provenance.json")}
-
-
 # --------------------------------------------------------------------------------------------
 # Completeness check of committed results
 # --------------------------------------------------------------------------------------------
@@ -306,16 +304,7 @@ def check_results_complete(name: str, results_dir: str | Path = "results", runs:
     problems += [f"provenance lacks {k!r}" for k in REQUIRED_PROVENANCE if k not in prov]
     cfg = prov.get("config", {})
     if name == "flow":
-        for f in ("loss.csv", "trajectories.csv", "pca.csv"):
-            if not (d / f).exists():
-                problems.append(f"{f} missing")
-        if not problems:
-            fl = load_flow(d)
-            for m in ("wng", *cfg.get("kwng_variants", {}), "eg"):
-                if len(fl["loss"].get(m, [])) != cfg["iterations"] + 1:
-                    problems.append(f"flow method {m}: {len(fl['loss'].get(m, []))} losses, "
-                                    f"expected {cfg['iterations'] + 1}")
-        return problems
+        return problems + flow_problems(d, prov)
     if cfg.get("runs") != runs:
         problems.append(f"config has {cfg.get('runs')} runs per point, expected {runs}")
     for model_name in cfg.get("models", []):
@@ -355,9 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    problem = path_problem(args, ("out",)) or device_problem(args.device)
+    if problem:
+        ap.error(problem)
     out = Path(args.out or Path("results") / args.name)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but CUDA is not available")
     try:
         if args.name == "flow":
             prov = run_flow(flow_config(args.scale), out, args.device, progress=not args.no_progress,

@@ -19,7 +19,7 @@ import torch
 
 from .. import config as _config
 from ..models import NormalModel, make_model
-from ..provenance import ResultFileError, atomic_write_text
+from ..provenance import ResultFileError, atomic_write_text, read_json
 from .guard import prepare_result_dir, read_csv_checked
 
 MODELS = ("sphere", "normal", "lognormal")
@@ -164,10 +164,12 @@ def load_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def checked_rows(path: str | Path) -> tuple[list[dict], list[str]]:
+def checked_rows(path: str | Path, rejected: list[dict] | None = None) -> tuple[list[dict], list[str]]:
     """The rows of a sweep CSV a resume may trust (parseable, finite, one per run) and the problems
-    of the others, each naming the file and line."""
-    return read_csv_checked(path, SWEEP_COLUMNS, _CONVERTERS, _row_key, finite=("bandwidth", "error"))
+    of the others, each naming the file and line; the rejected rows that parsed (non-finite,
+    repeated) are appended to ``rejected`` when given."""
+    return read_csv_checked(path, SWEEP_COLUMNS, _CONVERTERS, _row_key, finite=("bandwidth", "error"),
+                            rejected=rejected)
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
@@ -217,3 +219,56 @@ def _write_pca_csv(out: Path, traj: dict) -> np.ndarray:
             buf.write(f"{i},{m},{a:.10g},{b:.10g}\n")
     atomic_write_text(out / "pca.csv", buf.getvalue())
     return svals
+
+
+def _read_flow_csv(path: Path, columns: tuple[str, ...]) -> list[dict]:
+    conv = {c: float for c in columns if c not in ("iteration", "method")}
+    conv["iteration"] = int
+    rows, problems = read_csv_checked(path, columns, conv, lambda r: (r["method"], r["iteration"]))
+    if problems:
+        raise ResultFileError(f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5]))
+    return rows
+
+
+def load_flow(results_dir: str | Path) -> dict:
+    """``{"loss": {method: array}, "pca": {method: (T, 2) array}, "provenance": dict}``."""
+    results_dir = Path(results_dir)
+    loss: dict[str, list] = {}
+    for r in _read_flow_csv(results_dir / "loss.csv", ("iteration", "method", "loss")):
+        loss.setdefault(r["method"], []).append(r["loss"])
+    pca: dict[str, list] = {}
+    for r in _read_flow_csv(results_dir / "pca.csv", ("iteration", "method", "pc1", "pc2")):
+        pca.setdefault(r["method"], []).append((r["pc1"], r["pc2"]))
+    return {"loss": {k: np.array(v) for k, v in loss.items()}, "pca": {k: np.array(v) for k, v in pca.items()},
+            "provenance": read_json(results_dir / "provenance.json")}
+
+
+def flow_problems(out: str | Path, prov: dict) -> list[str]:
+    """What is missing or wrong in the flow results in ``out`` with provenance ``prov`` (empty when
+    complete): the three CSVs, read by the checked reader, every iteration of every method, and
+    NaN only where a method was stopped (``prov["diverged_at"]``: NaN from the next iteration on)."""
+    out, cfg = Path(out), prov.get("config", {})
+    problems = [f"{out / f} missing" for f in ("loss.csv", "trajectories.csv", "pca.csv")
+                if not (out / f).exists()]
+    if problems:
+        return problems
+    try:
+        fl = load_flow(out)
+        header = (out / "trajectories.csv").read_text(encoding="utf-8").partition("\n")[0].split(",")
+        _read_flow_csv(out / "trajectories.csv", ("iteration", "method", *header[2:]))
+    except ResultFileError as exc:
+        return [str(exc)]
+    stopped = prov.get("diverged_at", {})
+    for m in ("wng", *cfg.get("kwng_variants", {}), "eg"):
+        curve = fl["loss"].get(m, np.array([]))
+        if len(curve) != cfg.get("iterations", -2) + 1:
+            problems.append(f"{out / 'loss.csv'}: method {m}: {len(curve)} losses, expected "
+                            f"{cfg.get('iterations', -2) + 1}")
+            continue
+        first = int(stopped[m]) + 1 if m in stopped else len(curve)  # NaN from here, finite before
+        bad = [i for i, v in enumerate(curve) if np.isfinite(v) != (i < first)]
+        if bad:
+            problems.append(f"{out / 'loss.csv'}: method {m}: iteration {bad[0]} is "
+                            f"{curve[bad[0]]!r}, but the run " + (f"stopped at iteration {first - 1}"
+                            if m in stopped else "never stopped"))
+    return problems
