@@ -24,7 +24,7 @@ Algorithm (one call of :meth:`KWNGPreconditioner.step`; symbols ↔ arguments)::
     if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g                                       (counted fallback)
     if ‖ĝ‖ > clip_norm:  ĝ ← clip_norm · ĝ / ‖ĝ‖                                 (clip_norm)
     p.grad ← ĝ
-    Levenberg-Marquardt (App. E, every lm_interval steps, with r the largest reduction ratio
+    Levenberg-Marquardt (App. D.2, every lm_interval steps, with r the largest reduction ratio
     r_t = 2 (L_{t-1} − L_t) / (lr ⟨g, ĝ⟩_{t-1}) seen since the last update):
         ε ← lm_omega · ε if r > lm_high;   ε ← ε / lm_omega if r < lm_low;   ε ∈ [eps_min, eps_max]
 

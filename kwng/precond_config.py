@@ -1,7 +1,7 @@
 """The hyperparameters of :class:`kwng.KWNGPreconditioner` in one validated, frozen
 object.
 
-Symbols of Arbel et al. (2020) in brackets; App. E gives the Levenberg-Marquardt rule.
+Symbols of Arbel et al. (2020) in brackets; App. D.2 gives the Levenberg-Marquardt rule.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def eps_from_authors(eps: float, batch_size: int) -> float:
     The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε_a I``;
     :func:`kwng.nystrom_solve` whitens with ``(CCᵀ)^{-1/2}`` and adds ``(ε/N) I``, so
     the two regularisers coincide for ``ε = √N ε_a`` (the same factor converts the
-    bounds ``[1e-10, 1e5]`` of App. E).
+    bounds ``[1e-10, 1e5]`` of App. D.2).
     """
     return check_positive(eps, "eps") * math.sqrt(check_int(batch_size, "batch_size",
     1))
@@ -47,7 +47,7 @@ class KWNGConfig:
       (``σ = σ0 · mean ‖X_n − Y_m‖²``), ``"median"`` or a positive number;
       ``sigma0`` [``σ0``] > 0.
     * ``damping`` [``D``] — ``"identity"``, ``"T"`` or ``"T_tilde"``.
-    * Levenberg-Marquardt (App. E, :class:`kwng.lm.LevenbergMarquardt`):
+    * Levenberg-Marquardt (App. D.2, :class:`kwng.lm.LevenbergMarquardt`):
       ``lm_interval`` ≥ 1, ``lm_omega`` [``ω``] in (0, 1), ``0 ≤ lm_low < lm_high``;
       ``adapt_eps`` switches it on; ``eps_min ≤ ε ≤ eps_max``; ``lm_rule``
       ``"authors"`` or ``"same_batch"``.
