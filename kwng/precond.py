@@ -49,8 +49,9 @@ Under ``torch.autocast`` the network runs in the autocast dtype; ``g`` and ``T``
 parameters' dtype and the kernel algebra runs in float32/float64 as in full precision.
 
 ε convention: ``eps`` enters as ``(ε/N) I`` next to the whitened ``T̃ D⁻¹ T̃ᵀ`` (Prop. 6). The
-authors' code whitens with ``(CCᵀ/N)^{-1/2}`` and adds ``ε_a I``; the two regularisers agree when
-``ε = √N · ε_a`` (:func:`eps_from_authors`), bounds included.
+authors' code whitens with ``(CCᵀ/N)^{-1/2}`` and adds ``ε_a I``; with the paper's damping
+``T_tilde`` the two regularisers agree when ``ε = √N · ε_a`` (:func:`eps_from_authors`), bounds
+included; with ``identity`` or ``T`` damping they agree when ``ε = ε_a``.
 
 Counters (:meth:`KWNGPreconditioner.counters`): ``fallbacks`` (steps where the natural direction
 was replaced by ``g``), ``ill_conditioned`` (``CCᵀ`` regularised), ``rank_sum`` (sum over steps

@@ -22,13 +22,19 @@ MODES = ("fast", "reference")
 
 
 def eps_from_authors(eps: float, batch_size: int) -> float:
-    """``ε`` in this package's convention for the authors' ``ε_a``: ``ε = √N · ε_a``
+    """``ε`` in this package's convention for the authors' ``ε_a`` under the damping
+    ``D = diag ‖T̃_{·,i}‖`` (``damping="T_tilde"``, the paper's): ``ε = √N · ε_a``
     (``N`` = batch).
 
     The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε_a I``;
-    :func:`kwng.nystrom_solve` whitens with ``(CCᵀ)^{-1/2}`` and adds ``(ε/N) I``, so
-    the two regularisers coincide for ``ε = √N ε_a`` (the same factor converts the
-    bounds ``[1e-10, 1e5]`` of App. D.2).
+    :func:`kwng.nystrom_solve` whitens with ``(CCᵀ)^{-1/2}`` and adds ``(ε/N) I``. Their
+    ``T̃`` is ``√N`` times ours, and so is the damping built from it, so their
+    ``T̃ D⁻¹ T̃ᵀ`` is ``√N`` times ours and the two regularisers coincide for
+    ``ε = √N ε_a`` (the same factor converts the bounds ``[1e-10, 1e5]`` of App. D.2).
+    The conversion holds for this damping only: with ``damping="identity"`` (or ``"T"``,
+    which does not depend on the whitening) their ``T̃ D⁻¹ T̃ᵀ`` is ``N`` times ours and
+    the two ``ε`` are equal (checked against the authors' class in float64), so do not
+    convert then.
     """
     return check_positive(eps, "eps") * math.sqrt(check_int(batch_size, "batch_size",
     1))
