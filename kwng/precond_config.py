@@ -31,10 +31,10 @@ def eps_from_authors(eps: float, batch_size: int) -> float:
     ``T̃`` is ``√N`` times ours, and so is the damping built from it, so their
     ``T̃ D⁻¹ T̃ᵀ`` is ``√N`` times ours and the two regularisers coincide for
     ``ε = √N ε_a`` (the same factor converts the bounds ``[1e-10, 1e5]`` of App. D.2).
-    The conversion holds for this damping only: with ``damping="identity"`` (or ``"T"``,
-    which does not depend on the whitening) their ``T̃ D⁻¹ T̃ᵀ`` is ``N`` times ours and
-    the two ``ε`` are equal (checked against the authors' class in float64), so do not
-    convert then.
+    The conversion holds for this damping only: with ``damping="identity"`` their
+    ``T̃ D⁻¹ T̃ᵀ`` is ``N`` times ours and the two ``ε`` are equal (checked against the
+    authors' class in float64); the same algebra gives equal ``ε`` for ``"T"``, whose
+    ``D`` does not depend on the whitening. Do not convert then.
     """
     return check_positive(eps, "eps") * math.sqrt(check_int(batch_size, "batch_size",
     1))
