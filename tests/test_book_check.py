@@ -80,7 +80,8 @@ SEEDED = {
 # One cell that draws a figure and shows none: a missing figure, and the page then shows
 # fewer images than it draws.
 MISSING_FIGURE = (
-    '<div class="cell"><div class="cell_input"><pre>fig = pc.fig_eps(results)</pre></div>'
+    '<div class="cell"><div class="cell_input">'
+    "<pre>fig = pc.fig_eps(results)</pre></div>"
     '<div class="cell_output"><pre>figure drawn, never shown</pre></div></div>'
 )
 # A helper the page defines itself draws on a given axis: its calls are not figures.
@@ -91,10 +92,15 @@ OWN_HELPER = (
     "for ax in axes:\n    plot_panel(ax)  # plot_fig_(x) in a comment</pre></div>"
     '<div class="cell_output"><img src="{png}" alt="one"></div></div>'
 )
-PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4"
-       "nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg==")
-WIDE_EQ = (r'<div class="math">\[ ' + " + ".join(f"x_{{{i}}}^{{{i}}}" for i in range(60))
-           + r" \]</div>")
+PNG = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4"
+    "nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="
+)
+WIDE_EQ = (
+    r'<div class="math">\[ '
+    + " + ".join(f"x_{{{i}}}^{{{i}}}" for i in range(60))
+    + r" \]</div>"
+)
 
 
 def _book(tmp_path: Path, body: str) -> Path:
@@ -118,7 +124,10 @@ def test_clean_pages_pass_and_leave_screenshots(tmp_path):
     root = _book(tmp_path, "")
     defects, shots = _run(root, tmp_path)
     assert defects == []
-    assert sorted(p.name for p in shots.glob("*.png")) == ["index-900.png", "other-900.png"]
+    assert sorted(p.name for p in shots.glob("*.png")) == [
+        "index-900.png",
+        "other-900.png",
+    ]
 
 
 @pytest.mark.parametrize("width", check_book.WIDTHS)
@@ -141,7 +150,9 @@ def test_each_defect_class_fails(tmp_path, kind):
 def test_missing_figure_fails(tmp_path):
     defects, _ = _run(_book(tmp_path, MISSING_FIGURE), tmp_path)
     assert {d.kind for d in defects} == {"missing-figure", "figure-count"}, defects
-    assert "1 figure calls" in [d for d in defects if d.kind == "figure-count"][0].detail
+    assert (
+        "1 figure calls" in [d for d in defects if d.kind == "figure-count"][0].detail
+    )
 
 
 def test_cut_equation_at_a_laptop_width_fails(tmp_path):
@@ -165,7 +176,9 @@ def test_phone_takes_a_cued_scrolling_equation_but_not_a_bare_one(tmp_path):
     defects, _ = _run(_book(tmp_path / "b", bare), tmp_path, width=390)
     assert {d.kind for d in defects} == {"wide-equation"}, defects
     # a wide code block scrolls on a phone (80 columns cannot fit): not a defect there
-    assert _run(_book(tmp_path / "c", SEEDED["wide-code"]), tmp_path, width=390)[0] == []
+    assert (
+        _run(_book(tmp_path / "c", SEEDED["wide-code"]), tmp_path, width=390)[0] == []
+    )
 
 
 def test_page_without_mathjax_is_raw_tex(tmp_path):
@@ -188,15 +201,27 @@ def test_main_exit_status(tmp_path):
 def test_allow_reports_but_does_not_fail(tmp_path, capsys):
     root = _book(tmp_path, SEEDED["wide-code"])
     shots = str(tmp_path / "s")
-    assert check_book.main([str(root), "--screenshots", shots,
-                            "--allow", "index.html:wide-code"]) == 0
+    assert (
+        check_book.main(
+            [str(root), "--screenshots", shots, "--allow", "index.html:wide-code"]
+        )
+        == 0
+    )
     assert "ALLOWED, NOT FIXED: 2 wide-code on index.html" in capsys.readouterr().out
     # (found at 1440 and 1280 px; not a defect at 390)
     # an allowance for another kind or page does not hide the defect
-    assert check_book.main([str(root), "--screenshots", shots,
-                            "--allow", "index.html:raw-tex"]) == 1
-    assert check_book.main([str(root), "--screenshots", shots,
-                            "--allow", "index.html:nonsense"]) == 2
+    assert (
+        check_book.main(
+            [str(root), "--screenshots", shots, "--allow", "index.html:raw-tex"]
+        )
+        == 1
+    )
+    assert (
+        check_book.main(
+            [str(root), "--screenshots", shots, "--allow", "index.html:nonsense"]
+        )
+        == 2
+    )
 
 
 def test_rejects_a_folder_without_pages(tmp_path):

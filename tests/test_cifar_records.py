@@ -1,8 +1,10 @@
-"""Audits of the committed CIFAR records that the CIFAR chapter and its 6-epoch appendix read.
+"""Audits of the committed CIFAR records that the CIFAR chapter and its 6-epoch
+appendix read.
 
-The chapters glue the numbers of these records into their prose and show them as tables; the
-checks that the records are complete, carry their provenance and still say what the text was
-written against live here (moved out of the chapters, where they were cell asserts).
+The chapters glue the numbers of these records into their prose and show them as
+tables; the checks that the records are complete, carry their provenance and still say
+what the text was written against live here (moved out of the chapters, where they
+were cell asserts).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ CLAIM = ROOT / "claim"
 PARTIAL = ROOT / "claim_partial"
 
 
-# --- the claim suite (book/experiments_cifar.md) -------------------------------------------
+# --- the claim suite (book/experiments_cifar.md) ---
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,11 @@ def test_claim_suite_complete(claim):
     assert len(results) == 18
     for key in results:
         cond, method, seed = key
-        prov = json.loads((CLAIM / "cifar10" / cond / method / f"seed{seed}"
-                           / "provenance.json").read_text())
+        prov = json.loads(
+            (
+                CLAIM / "cifar10" / cond / method / f"seed{seed}" / "provenance.json"
+            ).read_text()
+        )
         assert prov["git_commit"] and prov["device"] and prov["date"], key
 
 
@@ -62,9 +67,15 @@ def test_claim_verdict_numbers(claim):
     ill = {m: round(100 * table[m]["ill"]["mean"], 1) for m in table}
     assert (ill["diag_Ttilde"], ill["adam"], ill["kfac"]) == (70.1, 60.6, 63.3), ill
     drops = {m: round(100 * d, 1) for m, d in v["drops"].items() if d is not None}
-    assert drops == {"sgd": 43.4, "sgd_momentum": 42.6, "adam": 28.2, "kfac": 26.9,
-                     "kwng": 15.8, "kwng_samples_before_U": 47.0,
-                     "diag_Ttilde": 19.2}, drops
+    assert drops == {
+        "sgd": 43.4,
+        "sgd_momentum": 42.6,
+        "adam": 28.2,
+        "kfac": 26.9,
+        "kwng": 15.8,
+        "kwng_samples_before_U": 47.0,
+        "diag_Ttilde": 19.2,
+    }, drops
 
 
 def test_claim_wc_kwng_and_samples_before_u_are_one_algorithm(claim):
@@ -93,7 +104,7 @@ def test_claim_eps_dynamics_records(claim):
         assert len(r["epochs"]) == 5 and 1.0 < ratio.min() and ratio.max() < 1.6
 
 
-# --- the earlier 6-epoch study (book/cifar_6epoch.md) --------------------------------------
+# --- the earlier 6-epoch study (book/cifar_6epoch.md) ---
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +123,9 @@ def test_six_epoch_records_complete(six):
     status = cifar.check_results(ROOT, "cifar10")
     sched = json.loads((ROOT / "schedule.json").read_text())
     assert len(results) == len(cifar.build_plan("main")) == 38
-    assert not status["missing"] and not status["incomplete"] and len(status["ok"]) == 36
+    assert (
+        not status["missing"] and not status["incomplete"] and len(status["ok"]) == 36
+    )
     assert sorted(status["cut"]) == sorted(cifar.BUDGET_CUT)
     assert set(cifar.BUDGET_CUT.values()) == {3}
     E = sched["epochs"]
@@ -122,9 +135,10 @@ def test_six_epoch_records_complete(six):
     assert {m for m, b in batch.items() if b != 128} == {"kwng_bigbatch"}
     assert batch["kwng_bigbatch"] == 512
     assert all(r["config"]["epochs"] == E for r in results.values())
-    for (c, m, s), r in results.items():
-        prov = json.loads((ROOT / "cifar10" / c / m / f"seed{s}"
-                           / "provenance.json").read_text())
+    for c, m, s in results:
+        prov = json.loads(
+            (ROOT / "cifar10" / c / m / f"seed{s}" / "provenance.json").read_text()
+        )
         assert re.search(r"--offset (\d+)", prov["command"]), (c, m, s)
 
 
@@ -134,27 +148,35 @@ def test_six_epoch_step_sizes(six):
     for (c, m, _), r in results.items():
         # the recorded lr is the value after the epoch's scheduler step
         lrs = [row["lr"] for row in r["epochs"]]
-        assert np.allclose(lrs, [r["lr"] * f for f in (1, 1, 0.1, 0.01, 0.01, 0.01)]
-                           [: len(lrs)])
+        assert np.allclose(
+            lrs, [r["lr"] * f for f in (1, 1, 0.1, 0.01, 0.01, 0.01)][: len(lrs)]
+        )
         src = sel["inherit"].get(m, m)
         assert r["lr"] == sel["selected"][f"cifar10/{c}/{src}"]["lr"], (c, m)
     best_ill = max(v["val_acc"] for k, v in sel["selected"].items() if "/ill/" in k)
     assert best_ill < 0.3
-    assert all(sel["selected"][f"cifar10/{c}/adam"]["lr"] == min(sel["grid"])
-               for c in ("ill", "well"))
+    assert all(
+        sel["selected"][f"cifar10/{c}/adam"]["lr"] == min(sel["grid"])
+        for c in ("ill", "well")
+    )
 
 
 def test_six_epoch_final_table(six):
     results, table = six
     seeded = ("sgd", "adam", "kwng")
     assert all(table[m][c]["n"] == 3 for m in seeded for c in ("ill", "well"))
-    assert all(e["n"] == 1 for m, row in table.items() if m not in seeded
-               for e in row.values())
-    assert {m for m, row in table.items()
-            if any(not e["complete"] for e in row.values())} == {"kwng_m20"}
+    assert all(
+        e["n"] == 1 for m, row in table.items() if m not in seeded for e in row.values()
+    )
+    assert {
+        m for m, row in table.items() if any(not e["complete"] for e in row.values())
+    } == {"kwng_m20"}
     assert not any(e["diverged"] for row in table.values() for e in row.values())
-    assert all(r["epochs"][-1]["fallbacks"] == 0 for r in results.values()
-               if "fallbacks" in r["epochs"][-1])
+    assert all(
+        r["epochs"][-1]["fallbacks"] == 0
+        for r in results.values()
+        if "fallbacks" in r["epochs"][-1]
+    )
     assert max(e["std"] for m in seeded for e in table[m].values()) < 0.01
 
 
@@ -164,12 +186,18 @@ def test_six_epoch_timing(six):
     assert {j["method"] for j in cifar.build_plan("main")} <= set(timing["methods"])
     slow = []
     for m, t in timing["methods"].items():
-        shared = [r["epochs"][-1]["time_train"] / r["epochs"][-1]["steps"]
-                  for (_, mm, _), r in results.items() if mm == m]
+        shared = [
+            r["epochs"][-1]["time_train"] / r["epochs"][-1]["steps"]
+            for (_, mm, _), r in results.items()
+            if mm == m
+        ]
         slow.append(np.mean(shared) / t["sec_per_step"])
     assert min(slow) > 2
     sec = {m: t["sec_per_step"] for m, t in timing["methods"].items()}
-    assert 4.5 < sec["kwng"] / sec["sgd"] < 6.5 and 2.5 < sec["kwng_m20"] / sec["kwng"] < 3.5
+    assert (
+        4.5 < sec["kwng"] / sec["sgd"] < 6.5
+        and 2.5 < sec["kwng_m20"] / sec["kwng"] < 3.5
+    )
 
 
 def test_six_epoch_ablation(six):
@@ -179,8 +207,16 @@ def test_six_epoch_ablation(six):
     assert all(abs(a - k_ill) < 0.03 for a in abl.values())
     assert max(abl, key=abl.get) == "kwng_damping_identity"
     assert abl["kwng_damping_identity"] - k_ill > 0.01
-    assert all(abs(abl[m] - k_ill) < 0.01 for m in (
-        "diag_T", "diag_Ttilde", "kwng_damping_T", "kwng_rq", "kwng_scaled_logits"))
+    assert all(
+        abs(abl[m] - k_ill) < 0.01
+        for m in (
+            "diag_T",
+            "diag_Ttilde",
+            "kwng_damping_T",
+            "kwng_rq",
+            "kwng_scaled_logits",
+        )
+    )
 
 
 def test_six_epoch_eps_floor_and_clipping(six):
@@ -188,21 +224,39 @@ def test_six_epoch_eps_floor_and_clipping(six):
     first_floor = {}
     for k, r in results.items():
         if "eps" in r["epochs"][0]:
-            at = [i + 1 for i, row in enumerate(r["epochs"])
-                  if row["eps"] <= 1e-10 * (1 + 1e-6)]
+            at = [
+                i + 1
+                for i, row in enumerate(r["epochs"])
+                if row["eps"] <= 1e-10 * (1 + 1e-6)
+            ]
             first_floor[k] = at[0] if at else None
-    b128 = {k: v for k, v in first_floor.items()
-            if results[k]["batch_size"] == 128 and k[1] != "kwng_m20"}
+    b128 = {
+        k: v
+        for k, v in first_floor.items()
+        if results[k]["batch_size"] == 128 and k[1] != "kwng_m20"
+    }
     assert all(v is not None and v <= 5 for v in b128.values())
     assert sum(v <= 4 for v in b128.values()) >= len(b128) // 2
-    assert all(v is None for k, v in first_floor.items()
-               if k[1] in ("kwng_bigbatch", "kwng_m20"))
-    assert all(results[k]["epochs"][-1]["eps"] < 1e-8 for k in first_floor
-               if k[1] != "kwng_m20")
-    assert all(results[k]["epochs"][0]["eps"] < 1e-9 for k in first_floor
-               if k[1] == "kwng_momentum")
-    assert all(row["clipped"] == row["steps"] for k in first_floor
-               for row in results[k]["epochs"])
+    assert all(
+        v is None
+        for k, v in first_floor.items()
+        if k[1] in ("kwng_bigbatch", "kwng_m20")
+    )
+    assert all(
+        results[k]["epochs"][-1]["eps"] < 1e-8
+        for k in first_floor
+        if k[1] != "kwng_m20"
+    )
+    assert all(
+        results[k]["epochs"][0]["eps"] < 1e-9
+        for k in first_floor
+        if k[1] == "kwng_momentum"
+    )
+    assert all(
+        row["clipped"] == row["steps"]
+        for k in first_floor
+        for row in results[k]["epochs"]
+    )
 
 
 def test_six_epoch_claims(six):
@@ -224,9 +278,14 @@ def test_six_epoch_claims(six):
     assert all(0.25 < a < 0.5 for a in ill.values())
     assert drop["kwng_momentum"] == max(drop.values()) < 0.55
     assert min(drop.values()) > 0.30
-    assert max(("kwng", "kwng_momentum", "kwng_bigbatch"), key=well.get) == "kwng_momentum"
-    assert all(abs(r["epochs"][5]["test_acc"] - r["epochs"][4]["test_acc"]) < 0.01
-               for r in results.values() if r["complete"])
+    assert (
+        max(("kwng", "kwng_momentum", "kwng_bigbatch"), key=well.get) == "kwng_momentum"
+    )
+    assert all(
+        abs(r["epochs"][5]["test_acc"] - r["epochs"][4]["test_acc"]) < 0.01
+        for r in results.values()
+        if r["complete"]
+    )
     # (iv) M = 20 within two points of the M = 5 seeds after epoch 3
     for c in ("ill", "well"):
         m20 = results[(c, "kwng_m20", 0)]["epochs"][2]["test_acc"]

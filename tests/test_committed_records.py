@@ -1,7 +1,8 @@
 """Audits of the committed benchmark records that the book reads.
 
-The chapters glue these numbers into their prose; the checks that the committed files are
-complete, say where they came from and still hold the values the text was written against
+The chapters glue these numbers into their prose; the checks that the committed files
+are complete, say where they came from and still hold the values the text was written
+against
 live here, not in the chapters (a chapter re-run on another card must not fail).
 """
 
@@ -14,15 +15,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "results" / "benchmarks"
-CONFIGS = [("bf16_autocast", "channels_last"), ("fp32", "channels_last"),
-           ("fp32", "nchw")]
+CONFIGS = [
+    ("bf16_autocast", "channels_last"),
+    ("fp32", "channels_last"),
+    ("fp32", "nchw"),
+]
 
 
 @pytest.fixture(scope="module")
 def step_cost():
     bench = json.loads((BENCH / "step_cost.json").read_text())
-    rows = {(r["precision"], r["memory_format"], r["mode"], r["num_basis"]): r
-            for r in bench["rows"]}
+    rows = {
+        (r["precision"], r["memory_format"], r["mode"], r["num_basis"]): r
+        for r in bench["rows"]
+    }
     return bench, rows
 
 
@@ -40,18 +46,24 @@ def test_step_cost_is_complete_and_has_provenance(step_cost):
             assert (prec, fmt, mode, None) in rows
         for mode in ("kwng_fast", "kwng_fast_graph", "fwd_bwd_RN"):
             assert (prec, fmt, mode, 5) in rows, (prec, fmt, mode)
-        assert rows[(prec, fmt, "kwng_fast_graph", 5)]["engine_layout"] == "channels_last"
+        assert (
+            rows[(prec, fmt, "kwng_fast_graph", 5)]["engine_layout"] == "channels_last"
+        )
     for r in bench["rows"]:
         assert r["min_ms"] <= r["q25_ms"] <= r["median_ms"] <= r["q75_ms"]
 
 
-@pytest.mark.parametrize("prec, fmt, t, lim, eager, graph", [
-    ("bf16_autocast", "channels_last", 11.4, 0.83, 1.34, 3.64),
-    ("fp32", "channels_last", 21.9, 0.94, 3.22, 4.50),
-    ("fp32", "nchw", 21.8, 0.57, 2.53, 2.95),
-])
+@pytest.mark.parametrize(
+    "prec, fmt, t, lim, eager, graph",
+    [
+        ("bf16_autocast", "channels_last", 11.4, 0.83, 1.34, 3.64),
+        ("fp32", "channels_last", 21.9, 0.94, 3.22, 4.50),
+        ("fp32", "nchw", 21.8, 0.57, 2.53, 2.95),
+    ],
+)
 def test_step_cost_values_the_appendix_was_written_against(
-        step_cost, prec, fmt, t, lim, eager, graph):
+    step_cost, prec, fmt, t, lim, eager, graph
+):
     _, rows = step_cost
     g = _ms(rows, prec, fmt, "kwng_fast_graph")
     assert round(g, 1) == t

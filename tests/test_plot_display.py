@@ -14,8 +14,11 @@ import pytest
 
 from kwng import plotting
 
-ROWS = [dict(panel="sigma", d=d, bandwidth_spec=s, error=0.1 * s * d)
-        for d in (1, 2) for s in (0.5, 1.0, 2.0)]
+ROWS = [
+    dict(panel="sigma", d=d, bandwidth_spec=s, error=0.1 * s * d)
+    for d in (1, 2)
+    for s in (0.5, 1.0, 2.0)
+]
 
 
 def test_style_leaves_no_rc_state_behind():
@@ -32,8 +35,7 @@ def test_every_figure_is_shown_in_a_kernel():
     from nbclient import NotebookClient
 
     cells = [
-        "from kwng import plotting\n"
-        f"rows = {ROWS!r}",
+        f"from kwng import plotting\nrows = {ROWS!r}",
         "fig = plotting.plot_bandwidth({'a': rows})",
         "fig = plotting.plot_bandwidth({'a': rows})\n"
         "fig = plotting.plot_bandwidth({'b': rows})",
@@ -41,5 +43,7 @@ def test_every_figure_is_shown_in_a_kernel():
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()
-    images = [sum("image/png" in o.get("data", {}) for o in c.outputs) for c in nb.cells]
+    images = [
+        sum("image/png" in o.get("data", {}) for o in c.outputs) for c in nb.cells
+    ]
     assert images == [0, 1, 2, 1], images

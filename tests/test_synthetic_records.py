@@ -1,7 +1,8 @@
-"""Audits of the committed synthetic results that ``book/experiments_synthetic.md`` reads.
+"""Audits of the committed synthetic results that ``book/experiments_synthetic.md``
+reads.
 
-The chapter glues the numbers of these records into its prose; what the prose says about them
-is checked here (moved out of the chapter's cells).
+The chapter glues the numbers of these records into its prose; what the prose says
+about them is checked here (moved out of the chapter's cells).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 def _rows(name):
     prov = json.loads((RESULTS / name / "provenance.json").read_text())
-    return prov, {m: syn.load_rows(RESULTS / name / f"{m}.csv")
-                  for m in prov["config"]["models"]}
+    return prov, {
+        m: syn.load_rows(RESULTS / name / f"{m}.csv") for m in prov["config"]["models"]
+    }
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def test_relerr_headline(relerr):
         assert s["mean"][-1] < s["mean"][0] and slope < 0, m  # falls with N
     sphere = plotting.summarise(rows["sphere"], "N", "N")
     assert np.median(sphere[d_max]["errors"][-1]) < 0.2
-    # on the sphere the median error at the largest N is flat in d; not on the normal model
+    # median error at the largest N: flat in d on the sphere, not on the normal model
     med = [float(v["median"][-1]) for v in sphere.values()]
     assert max(med) < 0.01 and max(med) / min(med) < 2
     normal = plotting.summarise(rows["normal"], "N", "N")
@@ -55,8 +57,10 @@ def test_relerr_threshold_in_M(relerr):
     for m, rr in rows.items():
         s = plotting.summarise(rr, "M", "M")
         lo, hi = min(s), max(s)
-        thr[m] = [int(s[d]["x"][np.argmax(s[d]["mean"] <= 1.5 * s[d]["mean"].min())])
-                  for d in (lo, hi)]
+        thr[m] = [
+            int(s[d]["x"][np.argmax(s[d]["mean"] <= 1.5 * s[d]["mean"].min())])
+            for d in (lo, hi)
+        ]
         top = int(max(s[hi]["x"]))
     assert all(t[1] >= t[0] for t in thr.values())
     assert thr["sphere"][1] == thr["lognormal"][1] == top  # no plateau inside the grid
@@ -97,7 +101,14 @@ def test_flow_study_record():
     assert rows["bandwidth σ0 = 2"]["kwng"]["stopped_at"] is None
     assert rows["baseline (μ, vech L)"]["kwng"]["stopped_at"] is not None
     assert rows["paper's coordinates (μ, tril Σ)"]["kwng"]["stopped_at"] == 1
-    same = {rows[n]["median_error"] for n in ("baseline (μ, vech L)", "damping D = I",
-                                              "damping D = diag(TᵀT)", "ε = 1e-5")}
+    same = {
+        rows[n]["median_error"]
+        for n in (
+            "baseline (μ, vech L)",
+            "damping D = I",
+            "damping D = diag(TᵀT)",
+            "ε = 1e-5",
+        )
+    }
     assert max(same) - min(same) < 1e-4  # equal to four digits
     assert study["provenance"]["wall_time_s"] > 0

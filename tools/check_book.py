@@ -6,8 +6,8 @@ Usage::
     python tools/check_book.py _build/html [--screenshots _build/screenshots]
         [--width 1440 --width 1280 --width 390]
 
-Each page is loaded from disk, once at each width (by default 1440 and 1280 px, a laptop,
-and 390 px, a phone), (``file://``, as a reader opens
+Each page is loaded from disk, once at each width (by default 1440 and 1280 px, a
+laptop, and 390 px, a phone), (``file://``, as a reader opens
 ``_build/html/index.html``) in Debian's Chromium driven by Playwright, with every
 request that is not a local file refused and counted. After MathJax has finished
 typesetting, the page fails on
@@ -160,7 +160,8 @@ PAGE_PROBE = r"""
       }
     }
   }
-  const pageW = Math.max(document.documentElement.scrollWidth, document.body.scrollWidth);
+  const pageW = Math.max(document.documentElement.scrollWidth,
+                         document.body.scrollWidth);
   if (pageW > window.innerWidth + 1)
     add('wide-page', 'page ' + pageW + 'px > window ' + window.innerWidth + 'px');
   // figures: a cell that draws one shows an image; the page shows as many as it draws
@@ -183,7 +184,8 @@ PAGE_PROBE = r"""
     const k = out ? out.querySelectorAll('img').length : 0;
     calls += n; images += k;
     if (n && !k) add('missing-figure', 'no image from: '
-                     + src(cell).trim().split('\n').slice(0, 3).join(' / ').slice(0, 160));
+                     + src(cell).trim().split('\n').slice(0, 3).join(' / ')
+                       .slice(0, 160));
   }
   if (images < calls)
     add('figure-count', images + ' images for ' + calls + ' figure calls');
@@ -459,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = {k: sum(d.kind == k for d in failing) for k in KINDS}
     summary = ", ".join(f"{k}: {v}" for k, v in counts.items() if v) or "no defects"
     print(
-        f"check_book: {len(pages)} pages at {', '.join(map(str, args.width or WIDTHS))} px,"
+        f"check_book: {len(pages)} pages at "
+        f"{', '.join(map(str, args.width or WIDTHS))} px,"
         f" {summary}; screenshots in {args.screenshots}"
     )
     if tolerated:
