@@ -2,8 +2,9 @@
 #   make book   -> virtual environment, install, build the HTML book (every chapter executed, -W)
 #   make test   -> virtual environment, install, unit tests + nbval over every chapter
 # and three more serve the reader and CI:
-#   make check-book -> build the book, open every page in headless Chromium offline, fail on
-#                      raw TeX, broken images/links, pipe tables, console errors, wide blocks
+#   make check-book -> build the book, open every page in headless Chromium offline at 1440,
+#                      1280 and 390 px, fail on raw TeX, broken images/links, pipe tables,
+#                      console errors, wide blocks or pages, missing figures
 #   make notebooks  -> the chapters as paired .ipynb notebooks in notebooks/ (ignored by git)
 #   make lab        -> JupyterLab in which the book/*.md chapters open as notebooks
 PYTHON ?= python3

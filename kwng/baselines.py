@@ -2,7 +2,7 @@
 
 The paper compares KWNG with KFAC (Martens & Grosse 2015; Grosse & Martens 2016) and EKFAC (George et
 al. 2018) with "a damping coefficient of 1e-3 and a frequency of reparametrization of 100 updates"
-(App. E). nngeometry (by EKFAC's first author) represents the Monte-Carlo Fisher of a classifier in both
+(App. D.2). nngeometry (by EKFAC's first author) represents the Monte-Carlo Fisher of a classifier in both
 forms (``PMatKFAC``, ``PMatEKFAC``) but has no optimizer; :class:`KFACPreconditioner` supplies the loop:
 
 * the Fisher is that of the model's predictive distribution ``softmax(U h_θ(z))``: nngeometry's

@@ -1,7 +1,7 @@
 """KWNG for many independent runs at once (the synthetic studies of Figs. 1, 5, 6 and 2).
 
 :func:`kwng.kwng_gradient` handles one draw of samples and one basis. The accuracy studies of
-Arbel et al. (2020, §4.1 and App. E) repeat the estimate 100 times per grid point; this module
+Arbel et al. (2020, §4.1 and App. D.1) repeat the estimate 100 times per grid point; this module
 evaluates the *same* estimator (Prop. 6, the stable form, with the Gaussian kernel) for ``R``
 runs stacked along a leading batch dimension, so that a GPU works on all of them together.
 

@@ -9,7 +9,7 @@ bf16 autocast + ``channels_last`` — and for each configuration the rows
   batch ``R·N`` — the second is the hardware limit of a KWNG step, which needs ``R`` backward
   passes over the same activations;
 * ``kwng_fast`` / ``kwng_reference``: :class:`kwng.KWNGPreconditioner` in each mode (``M`` = 5 and
-  20); ``diag_fast``: ``diagonal_only=True`` (``D⁻¹ g``, the ablation of App. E);
+  20); ``diag_fast``: ``diagonal_only=True`` (``D⁻¹ g``, the ablation of App. D.3);
 * ``sgd_graph`` / ``kwng_fast_graph``: the step captured once in a CUDA graph and replayed
   (possible for KWNG because the fast step never synchronises with the host); the step size
   and the batch are then fixed at capture, as in any graph-captured training loop

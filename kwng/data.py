@@ -1,4 +1,4 @@
-"""CIFAR-10 / CIFAR-100 data for the classification study (paper §4.2, App. E).
+"""CIFAR-10 / CIFAR-100 data for the classification study (paper §4.2, App. D.2).
 
 Three sources, all returning ``uint8`` images of shape ``(N, 32, 32, 3)`` and ``int64`` labels:
 

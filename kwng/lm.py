@@ -1,5 +1,5 @@
-"""The Levenberg–Marquardt rule for ``ε`` (paper App. E), as a small object with its own
-state.
+"""The Levenberg–Marquardt rule for ``ε`` (paper App. D.2), as a small object with
+its own state.
 
 The rule compares the decrease of the loss that the step achieved with the decrease that
 the linear model predicted, ``r = (L_before − L_after) / (½ · lr · ⟨g, ĝ⟩)``, and adapts
@@ -37,7 +37,7 @@ LM_RULES = ("authors", "same_batch")
 
 
 class LevenbergMarquardt:
-    """ε schedule of App. E (``omega`` = ω, ``low``/``high`` the thresholds of
+    """ε schedule of App. D.2 (``omega`` = ω, ``low``/``high`` the thresholds of
     ``r``)."""
 
     def __init__(

@@ -2,7 +2,7 @@
 
 Each model is an *implicit model* ``X = h_θ(Z)`` (a differentiable torch sampler usable by the
 estimator) and knows its Wasserstein information matrix ``G_W(θ)`` and WNG ``G_W(θ)⁻¹ ∇L(θ)``
-in closed form (Arbel et al. 2020, App. C; Malagò et al. 2018; Chen & Li 2018):
+in closed form (Arbel et al. 2020, App. D.1; Malagò et al. 2018; Chen & Li 2018):
 
 * :class:`NormalModel`     ``X = μ + L Z``, ``Σ = L Lᵀ``, ``L`` lower triangular;
 * :class:`LogNormalModel`  ``X = exp(μ + s ⊙ Z)``: **diagonal** covariance ``diag(s²)`` of the
@@ -108,7 +108,7 @@ def normal_wng_sigma_coords(Sigma: np.ndarray, grad_mu: np.ndarray, grad_s: np.n
                             ) -> tuple[np.ndarray, np.ndarray]:
     """WNG of the normal model in the paper's coordinates ``θ = (μ, s)``, ``s`` = lower triangle of Σ.
 
-    Paper App. C, eq. (true_nat_grad): with ``A`` the symmetric matrix holding ``∇_s L`` in both
+    Paper App. D.1, eq. (true_nat_grad): with ``A`` the symmetric matrix holding ``∇_s L`` in both
     triangles, the WNG is ``(∇_μ L, tril(Σ(A + diag A) + (A + diag A)Σ))``. ``grad_s`` and the
     returned lower triangle follow ``numpy.tril_indices(d)`` order.
     """
@@ -126,7 +126,7 @@ class NormalModel(ImplicitModel):
     """``N(μ, LLᵀ)`` with ``θ = (μ, vech L)``, ``L`` lower triangular (entries in
     ``torch.tril_indices`` order), sampled as ``X = μ + L Z``.
 
-    The metric is the Bures-Wasserstein one (paper App. C): a tangent vector ``(m, dΣ)`` has
+    The metric is the Bures-Wasserstein one (paper App. D.1): a tangent vector ``(m, dΣ)`` has
     squared length ``‖m‖² + tr(A Σ A)`` where ``AΣ + ΣA = dΣ`` and ``dΣ = dL Lᵀ + L dLᵀ``.
     The WNG is computed in the paper's ``(μ, s = tril Σ)`` coordinates with
     :func:`normal_wng_sigma_coords` and carried to ``(μ, L)`` by the chain rule (the map

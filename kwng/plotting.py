@@ -34,14 +34,25 @@ MAX_WIDTH_IN = 10.0
 
 
 def _book_style(func):
+    """Draw ``func``'s figure with :data:`BOOK_STYLE` and leave no global state behind.
+
+    Only the keys of :data:`BOOK_STYLE` are set and restored. ``plt.rc_context`` is not
+    used: it restores *every* rc parameter on exit, so when pyplot is first imported
+    inside it, the interactive flag that the notebook backend switches on is switched
+    off again and every later figure of the session is never shown."""
     import functools
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        import matplotlib.pyplot as plt
+        import matplotlib
+        import matplotlib.pyplot  # noqa: F401  (the backend is set up outside the style)
 
-        with plt.rc_context(BOOK_STYLE):
+        saved = {k: matplotlib.rcParams[k] for k in BOOK_STYLE}
+        matplotlib.rcParams.update(BOOK_STYLE)
+        try:
             return func(*args, **kwargs)
+        finally:
+            matplotlib.rcParams.update(saved)
 
     return wrapper
 
@@ -200,7 +211,6 @@ def flow_styles(methods: Sequence[str]) -> dict[str, dict]:
     return styles
 
 
-@_book_style
 def _check_flow_args(flow: dict, floor: float, markevery: int) -> None:
     """The argument checks of :func:`plot_flow`."""
     if "loss" not in flow or "pca" not in flow:
@@ -233,6 +243,7 @@ def _label_flow_axes(ax_l, ax_p) -> None:
     ax_p.legend()
 
 
+@_book_style
 def plot_flow(flow: dict, floor: float = 1e-12, markevery: int = 20):
     """Fig. 2: (a) W2² loss per iteration, (b) trajectories on the two leading PCA
     directions of the WNG trajectory. ``flow`` is the output of

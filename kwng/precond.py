@@ -24,7 +24,7 @@ Algorithm (one call of :meth:`KWNGPreconditioner.step`; symbols ↔ arguments)::
     if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g                                       (counted fallback)
     if ‖ĝ‖ > clip_norm:  ĝ ← clip_norm · ĝ / ‖ĝ‖                                 (clip_norm)
     p.grad ← ĝ
-    Levenberg-Marquardt (App. E, every lm_interval steps, with r the largest reduction ratio
+    Levenberg-Marquardt (App. D.2, every lm_interval steps, with r the largest reduction ratio
     r_t = 2 (L_{t-1} − L_t) / (lr ⟨g, ĝ⟩_{t-1}) seen since the last update):
         ε ← lm_omega · ε if r > lm_high;   ε ← ε / lm_omega if r < lm_low;   ε ∈ [eps_min, eps_max]
 
@@ -49,8 +49,9 @@ Under ``torch.autocast`` the network runs in the autocast dtype; ``g`` and ``T``
 parameters' dtype and the kernel algebra runs in float32/float64 as in full precision.
 
 ε convention: ``eps`` enters as ``(ε/N) I`` next to the whitened ``T̃ D⁻¹ T̃ᵀ`` (Prop. 6). The
-authors' code whitens with ``(CCᵀ/N)^{-1/2}`` and adds ``ε_a I``; the two regularisers agree when
-``ε = √N · ε_a`` (:func:`eps_from_authors`), bounds included.
+authors' code whitens with ``(CCᵀ/N)^{-1/2}`` and adds ``ε_a I``; with the paper's damping
+``T_tilde`` the two regularisers agree when ``ε = √N · ε_a`` (:func:`eps_from_authors`), bounds
+included; with ``identity`` or ``T`` damping they agree when ``ε = ε_a``.
 
 Counters (:meth:`KWNGPreconditioner.counters`): ``fallbacks`` (steps where the natural direction
 was replaced by ``g``), ``ill_conditioned`` (``CCᵀ`` regularised), ``rank_sum`` (sum over steps

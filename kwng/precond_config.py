@@ -1,7 +1,7 @@
 """The hyperparameters of :class:`kwng.KWNGPreconditioner` in one validated, frozen
 object.
 
-Symbols of Arbel et al. (2020) in brackets; App. E gives the Levenberg-Marquardt rule.
+Symbols of Arbel et al. (2020) in brackets; App. D.2 gives the Levenberg-Marquardt rule.
 """
 
 from __future__ import annotations
@@ -22,13 +22,19 @@ MODES = ("fast", "reference")
 
 
 def eps_from_authors(eps: float, batch_size: int) -> float:
-    """``ε`` in this package's convention for the authors' ``ε_a``: ``ε = √N · ε_a``
+    """``ε`` in this package's convention for the authors' ``ε_a`` under the damping
+    ``D = diag ‖T̃_{·,i}‖`` (``damping="T_tilde"``, the paper's): ``ε = √N · ε_a``
     (``N`` = batch).
 
     The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε_a I``;
-    :func:`kwng.nystrom_solve` whitens with ``(CCᵀ)^{-1/2}`` and adds ``(ε/N) I``, so
-    the two regularisers coincide for ``ε = √N ε_a`` (the same factor converts the
-    bounds ``[1e-10, 1e5]`` of App. E).
+    :func:`kwng.nystrom_solve` whitens with ``(CCᵀ)^{-1/2}`` and adds ``(ε/N) I``. Their
+    ``T̃`` is ``√N`` times ours, and so is the damping built from it, so their
+    ``T̃ D⁻¹ T̃ᵀ`` is ``√N`` times ours and the two regularisers coincide for
+    ``ε = √N ε_a`` (the same factor converts the bounds ``[1e-10, 1e5]`` of App. D.2).
+    The conversion holds for this damping only: with ``damping="identity"`` their
+    ``T̃ D⁻¹ T̃ᵀ`` is ``N`` times ours and the two ``ε`` are equal (checked against the
+    authors' class in float64); the same algebra gives equal ``ε`` for ``"T"``, whose
+    ``D`` does not depend on the whitening. Do not convert then.
     """
     return check_positive(eps, "eps") * math.sqrt(check_int(batch_size, "batch_size",
     1))
@@ -47,7 +53,7 @@ class KWNGConfig:
       (``σ = σ0 · mean ‖X_n − Y_m‖²``), ``"median"`` or a positive number;
       ``sigma0`` [``σ0``] > 0.
     * ``damping`` [``D``] — ``"identity"``, ``"T"`` or ``"T_tilde"``.
-    * Levenberg-Marquardt (App. E, :class:`kwng.lm.LevenbergMarquardt`):
+    * Levenberg-Marquardt (App. D.2, :class:`kwng.lm.LevenbergMarquardt`):
       ``lm_interval`` ≥ 1, ``lm_omega`` [``ω``] in (0, 1), ``0 ≤ lm_low < lm_high``;
       ``adapt_eps`` switches it on; ``eps_min ≤ ε ≤ eps_max``; ``lm_rule``
       ``"authors"`` or ``"same_batch"``.

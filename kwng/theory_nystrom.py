@@ -3,7 +3,7 @@ estimator and consistency (:mod:`kwng.theory`, which re-exports every name).
 
 The kernelized WNG in the full span of ``∂_i k(X_n, ·)`` (Prop. 4, §3.1), the
 full-derivative subspace (22) of Sutherland et al., Prop. 6 (27) as printed, and the
-cost model and rates of §3.3 and App. D. Moved out of :mod:`kwng.theory` to keep each
+cost model and rates of §3.3 and App. C.3. Moved out of :mod:`kwng.theory` to keep each
 module short; see that module's docstring for the map from the paper to the code.
 """
 
@@ -196,10 +196,10 @@ def loglog_slope(x, y) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# Chapter "Consistency" (§3.4, App. D)
+# Chapter "Consistency" (§3.4, App. C.3)
 # --------------------------------------------------------------------------------------------
 def well_specified_b(alpha: float) -> float:
-    """``b = min(1, α + ½)`` of the well-specified theorem (App. D), ``α >= 0`` the smoothness."""
+    """``b = min(1, α + ½)`` of the well-specified theorem (App. C.3), ``α >= 0`` the smoothness."""
     return min(1.0, check_positive(alpha, "alpha", allow_zero=True) + 0.5)
 
 
@@ -209,7 +209,7 @@ def misspecified_b(c: float) -> float:
 
 
 def predicted_rate(b: float) -> float:
-    """Exponent ``r`` of ``‖ĝ − ∇^W L‖ = O(N^{-r})``: ``r = b/(2b + 1)`` (App. D, Prop. on consistency).
+    """Exponent ``r`` of ``‖ĝ − ∇^W L‖ = O(N^{-r})``: ``r = b/(2b + 1)`` (App. C.3, Prop. on consistency).
 
     The theorems state the squared norm, ``O(N^{-2b/(2b+1)})``; the norm decays at half that rate.
     """

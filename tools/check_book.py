@@ -3,10 +3,11 @@ reader would see go wrong.
 
 Usage::
 
-    python tools/check_book.py _build/html [--screenshots _build/screenshots] [--width
-    1280]
+    python tools/check_book.py _build/html [--screenshots _build/screenshots]
+        [--width 1440 --width 1280 --width 390]
 
-Each page is loaded from disk (``file://``, as a reader opens
+Each page is loaded from disk, once at each width (by default 1440 and 1280 px, a
+laptop, and 390 px, a phone), (``file://``, as a reader opens
 ``_build/html/index.html``) in Debian's Chromium driven by Playwright, with every
 request that is not a local file refused and counted. After MathJax has finished
 typesetting, the page fails on
@@ -21,9 +22,18 @@ typesetting, the page fails on
 * ``pipe-table``: a paragraph of Markdown table syntax (``| a | b |`` / ``|---|``), the
   trace of a table that was parsed as plain text;
 * ``console``: a JavaScript error or a console message of level error;
-* ``wide-equation``: a display equation wider than the text column;
+* ``wide-equation``: a display equation wider than the text column. At a phone's width
+  (below :data:`NARROW` px) an equation may instead scroll inside its own box if the box
+  shows a scroll cue (a background image: the book's CSS draws a shadow at the edge that
+  hides more formula);
 * ``wide-code``: a code cell or a printed output wider than its block (it scrolls
-  sideways).
+  sideways); not checked below :data:`NARROW` px, where an 80-column line cannot fit;
+* ``wide-page``: a page wider than the window (the reader must scroll the whole page);
+* ``missing-figure``: a code cell that draws a figure (calls a ``plot_*`` or ``fig_*``
+  helper, ``plt.subplots`` or ``plt.figure``) but shows no image;
+* ``figure-count``: a page that shows fewer images in its cell outputs than its cells
+  make figure calls (helpers the page defines itself, e.g. one that draws on a given
+  axis, are not counted).
 
 A full-page screenshot of each page goes to the screenshot folder, with ``report.json``
 listing every defect found. The exit status is 1 when any page has a defect, 2 when the
@@ -72,11 +82,16 @@ KINDS = (
     "console",
     "wide-equation",
     "wide-code",
+    "wide-page",
+    "missing-figure",
+    "figure-count",
 )
+WIDTHS = (1440, 1280, 390)
+NARROW = 600  # below this width the page is read on a phone
 
 # Runs in the page once MathJax is done; returns the defects it can see in the DOM.
 PAGE_PROBE = r"""
-() => {
+(narrow) => {
   const out = [];
   const add = (kind, detail) => out.push({kind, detail: String(detail).slice(0, 300)});
   const main = document.querySelector('main article, article, main, [role=main]')
@@ -118,6 +133,16 @@ PAGE_PROBE = r"""
                        ...[...c.querySelectorAll('mjx-math')].map(m =>
                        m.getBoundingClientRect().width));
     if (w > col.width + 1) {
+      if (narrow) {  // on a phone a wide formula may scroll in a box that says so
+        let box = c;
+        while (box && box !== main) {
+          const st = getComputedStyle(box);
+          if (['auto', 'scroll'].includes(st.overflowX)) break;
+          box = box.parentElement;
+        }
+        if (box && box !== main && box.getBoundingClientRect().width <= col.width + 1
+            && getComputedStyle(box).backgroundImage !== 'none') continue;
+      }
       const src = c.closest('.math');
       const tex = c.querySelector('mjx-assistive-mml math');
       add('wide-equation', Math.round(w) + 'px > column ' + Math.round(col.width)
@@ -125,14 +150,45 @@ PAGE_PROBE = r"""
           + (tex ? tex.textContent.slice(0, 80) : ''));
     }
   }
-  for (const pre of main.querySelectorAll('pre')) {
-    if (pre.scrollWidth > pre.clientWidth + 1) {
-      const lines = pre.textContent.split('\n');
-      const longest = lines.reduce((a, b) => (b.length > a.length ? b : a), '');
-      add('wide-code', pre.scrollWidth + 'px > ' + pre.clientWidth + 'px: '
-          + longest.trim().slice(0, 120));
+  if (!narrow) {
+    for (const pre of main.querySelectorAll('pre')) {
+      if (pre.scrollWidth > pre.clientWidth + 1) {
+        const lines = pre.textContent.split('\n');
+        const longest = lines.reduce((a, b) => (b.length > a.length ? b : a), '');
+        add('wide-code', pre.scrollWidth + 'px > ' + pre.clientWidth + 'px: '
+            + longest.trim().slice(0, 120));
+      }
     }
   }
+  const pageW = Math.max(document.documentElement.scrollWidth,
+                         document.body.scrollWidth);
+  if (pageW > window.innerWidth + 1)
+    add('wide-page', 'page ' + pageW + 'px > window ' + window.innerWidth + 'px');
+  // figures: a cell that draws one shows an image; the page shows as many as it draws
+  const cells = [...main.querySelectorAll('div.cell')];
+  const src = el => { const i = el.querySelector('.cell_input');
+                      return i ? i.textContent : ''; };
+  const own = new Set();
+  for (const cell of cells)
+    for (const m of src(cell).matchAll(/\bdef\s+(\w+)/g)) own.add(m[1]);
+  const callRe = /(?:\b([A-Za-z_]\w*)\.)?\b((?:plot|fig)_\w+|subplots|figure)\s*\(/g;
+  let calls = 0, images = 0;
+  for (const cell of cells) {
+    let n = 0;
+    for (const m of src(cell).replace(/#.*$/gm, '').matchAll(callRe)) {
+      const [, owner, name] = m;
+      if (name === 'subplots' || name === 'figure') { if (owner === 'plt') n++; }
+      else if (!own.has(name)) n++;
+    }
+    const out = cell.querySelector('.cell_output');
+    const k = out ? out.querySelectorAll('img').length : 0;
+    calls += n; images += k;
+    if (n && !k) add('missing-figure', 'no image from: '
+                     + src(cell).trim().split('\n').slice(0, 3).join(' / ')
+                       .slice(0, 160));
+  }
+  if (images < calls)
+    add('figure-count', images + ' images for ' + calls + ' figure calls');
   // links, checked by the caller against the files on disk
   const links = [...document.querySelectorAll('a[href]')].map(a => a.href);
   return {defects: out, links};
@@ -154,6 +210,7 @@ class Defect:
     page: str
     kind: str
     detail: str
+    width: int = 0
 
 
 def find_pages(root: Path) -> list[Path]:
@@ -293,7 +350,7 @@ def check_pages(
             found: list[Defect] = []
 
             def add(kind: str, detail: str, _found=found, _name=name) -> None:
-                _found.append(Defect(_name, kind, detail[:300]))
+                _found.append(Defect(_name, kind, detail[:300], width))
 
             page = context.new_page()
             page.route("**/*", _router(add))
@@ -318,20 +375,20 @@ def check_pages(
                 continue
             page.goto(page_path.as_uri(), wait_until="load")
             page.evaluate(WAIT_FOR_MATHJAX)
-            result = page.evaluate(PAGE_PROBE)
+            result = page.evaluate(PAGE_PROBE, width < NARROW)
             for d in result["defects"]:
                 add(d["kind"], d["detail"])
             for bad in check_links(result["links"], page_path):
                 add("broken-link", bad)
             if screenshots is not None:
                 shot = screenshots / (
-                    name.replace("/", "__").removesuffix(".html") + ".png"
+                    name.replace("/", "__").removesuffix(".html") + f"-{width}.png"
                 )
                 page.screenshot(path=str(shot), full_page=True)
             page.close()
             defects.extend(found)
             status = "ok" if not found else f"{len(found)} defect(s)"
-            print(f"{name}: {status}", flush=True)
+            print(f"{name} at {width} px: {status}", flush=True)
             for d in found[:20]:
                 print(f"    [{d.kind}] {d.detail}", flush=True)
             if len(found) > 20:
@@ -347,9 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--width",
         type=int,
-        default=1440,
-        help="viewport width in CSS pixels (the theme's widest text column, "
-        "854 px, is reached at 1440: an 88-column code line fits)",
+        action="append",
+        default=[],
+        help="viewport width in CSS pixels, repeatable (default: "
+        + ", ".join(map(str, WIDTHS)) + ": two laptops and a phone)",
     )
     parser.add_argument(
         "--allow",
@@ -373,11 +431,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.page:
         pages = [args.root / p for p in args.page]
-    try:
-        defects = check_pages(args.root, pages, args.screenshots, width=args.width)
-    except FileNotFoundError as err:
-        print(f"check_book: {err}", file=sys.stderr)
-        return 2
+    defects = []
+    for width in args.width or WIDTHS:
+        try:
+            defects += check_pages(args.root, pages, args.screenshots, width=width)
+        except FileNotFoundError as err:
+            print(f"check_book: {err}", file=sys.stderr)
+            return 2
     args.screenshots.mkdir(parents=True, exist_ok=True)
     report = {
         "pages": [
@@ -401,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = {k: sum(d.kind == k for d in failing) for k in KINDS}
     summary = ", ".join(f"{k}: {v}" for k, v in counts.items() if v) or "no defects"
     print(
-        f"check_book: {len(pages)} pages, {summary}; screenshots in {args.screenshots}"
+        f"check_book: {len(pages)} pages at "
+        f"{', '.join(map(str, args.width or WIDTHS))} px,"
+        f" {summary}; screenshots in {args.screenshots}"
     )
     if tolerated:
         for page, kind in sorted(allowed):

@@ -1,4 +1,4 @@
-"""The CIFAR classification study (paper §4.2, App. E; book chapter
+"""The CIFAR classification study (paper §4.2, App. D.2; book chapter
 :ref:`experiments-cifar`): the command line, and every name of the study in one place.
 
 Two studies share this runner:

@@ -10,7 +10,7 @@ tests the candidate explanations at exactly those settings, one change at a time
   diagonal too). For this family ``W2²`` is the Euclidean distance of ``(μ, l)``, so
   ``G_W = I`` and the exact WNG is the Euclidean gradient;
 * ``sigma_coords``: the paper's coordinates ``θ = (μ, s)`` with ``s`` the lower triangle
-  of ``Σ`` (App. C), sampled as ``X = μ + chol(Σ) Z``; exact WNG from
+  of ``Σ`` (App. D.1), sampled as ``X = μ + chol(Σ) Z``; exact WNG from
   :func:`kwng.models.normal_wng_sigma_coords`;
 * ``bandwidth``: fixed ``σ ∈ {1, 10}``, the median heuristic, and ``σ0 ∈ {0.5, 2}`` in
   ``σ = σ0 · mean‖X_n - Y_m‖²``;

@@ -1,0 +1,47 @@
+"""Tables for the book: rows of already formatted cells as a Markdown table.
+
+The chapters print their summaries through :func:`markdown_table` and IPython's
+``display(Markdown(...))``, which myst-nb renders as an HTML table (the book's
+``nb_render_markdown_format`` is ``myst``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["markdown_table"]
+
+
+def _cell(value) -> str:
+    text = str(value).replace("\n", " ")
+    return text.replace("|", r"\|")
+
+
+def markdown_table(
+    header: Sequence[str], rows: Sequence[Sequence], align: str | None = None
+) -> str:
+    """A Markdown table with the given header and rows (cells are ``str``-ed, pipes
+    escaped). ``align`` holds one character per column, ``l``, ``r`` or ``c``
+    (default: the first column left, the others right)."""
+    header = list(header)
+    if not header:
+        raise ValueError("header must name at least one column")
+    align = align or "l" + "r" * (len(header) - 1)
+    if len(align) != len(header) or set(align) - set("lrc"):
+        raise ValueError(
+            f"align must give one of 'l', 'r', 'c' per column ({len(header)}), "
+            f"got {align!r}"
+        )
+    rule = {"l": ":---", "r": "---:", "c": ":---:"}
+    lines = [
+        "| " + " | ".join(_cell(h) for h in header) + " |",
+        "|" + "|".join(rule[a] for a in align) + "|",
+    ]
+    for row in rows:
+        row = list(row)
+        if len(row) != len(header):
+            raise ValueError(
+                f"every row needs {len(header)} cells, got {len(row)}: {row}"
+            )
+        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""Every figure a plotting helper draws is shown in a notebook, wherever it is called.
+
+The bug this guards against: a helper that drew inside ``plt.rc_context`` restored every
+rc parameter on exit, the notebook backend's interactive flag included, so after the
+first styled figure the later ones (``fig = plot_...(...)``) were never displayed and
+the synthetic chapter showed one figure of five.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+import nbformat
+import pytest
+
+from kwng import plotting
+
+ROWS = [
+    dict(panel="sigma", d=d, bandwidth_spec=s, error=0.1 * s * d)
+    for d in (1, 2)
+    for s in (0.5, 1.0, 2.0)
+]
+
+
+def test_style_leaves_no_rc_state_behind():
+    before = dict(matplotlib.rcParams)
+    interactive = matplotlib.is_interactive()
+    fig = plotting.plot_bandwidth({"a": ROWS})
+    assert fig.axes[0].title.get_fontsize() == plotting.BOOK_STYLE["axes.titlesize"]
+    assert dict(matplotlib.rcParams) == before
+    assert matplotlib.is_interactive() == interactive
+
+
+def test_every_figure_is_shown_in_a_kernel():
+    pytest.importorskip("nbclient")
+    from nbclient import NotebookClient
+
+    cells = [
+        f"from kwng import plotting\nrows = {ROWS!r}",
+        "fig = plotting.plot_bandwidth({'a': rows})",
+        "fig = plotting.plot_bandwidth({'a': rows})\n"
+        "fig = plotting.plot_bandwidth({'b': rows})",
+        "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([1, 2])",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    images = [
+        sum("image/png" in o.get("data", {}) for o in c.outputs) for c in nb.cells
+    ]
+    assert images == [0, 1, 2, 1], images
