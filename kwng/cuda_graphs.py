@@ -39,9 +39,10 @@ __all__ = ["capture_step", "record_graph"]
 
 
 def record_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """Record one call of ``step`` in a new CUDA graph (the call is recorded, not run: the
-    caller replays the graph to run it). cuDNN's benchmark search is off while recording,
-    so no trial runs or search workspaces enter the graph; the caller has warmed ``step``
+    """Record one call of ``step`` in a new CUDA graph (the call is recorded, not
+    run: the caller replays the graph to run it). cuDNN's benchmark search is off while
+    recording, so no trial runs or search workspaces enter the graph; the caller has
+    warmed ``step``
     up on a side stream first."""
     graph = torch.cuda.CUDAGraph()
     benchmark = torch.backends.cudnn.benchmark

@@ -217,7 +217,8 @@ class LevenbergMarquardt:
 
     def record(self, lr: float, dot: torch.Tensor) -> None:
         """End of a step: the step size and ``⟨g, ĝ⟩`` of the update just written."""
-        self._pred.copy_(0.5 * float(lr) * dot.detach().to(self.eps.device, torch.float64))
+        dot = dot.detach().to(self.eps.device, torch.float64)
+        self._pred.copy_(0.5 * float(lr) * dot)
         self.has_prev = True
         self._count += 1
 

@@ -1,5 +1,5 @@
-"""The graph-capture-ready trainer (state updated in place, epoch draws, mechanism records)
-and the committed authors'-horizon records (issue 20)."""
+"""The graph-capture-ready trainer (state updated in place, epoch draws, mechanism
+records) and the committed authors'-horizon records (issue 20)."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def test_committed_authors100_records_carry_the_protocol():
     from kwng.experiments.cifar_results import load_authors100
 
     recs = load_authors100(A100)
-    for (tag, cond, method, seed), r in recs.items():
+    for (tag, _cond, method, _seed), r in recs.items():
         assert r["milestones"] == ([50] if r["config"]["epochs"] == 100 else [])
         assert r["clip_norm"] == 1.0 and r["batch_size"] == 128
         assert r["lr"] == float(tag.split("lr")[-1])

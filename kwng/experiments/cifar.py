@@ -87,6 +87,7 @@ from .cifar_methods import (  # noqa: F401  (re-exported: cifar.X)
     LR_GRID,
     METHODS,
     MODELS,
+    PRECISIONS,
     RESULTS,
     SCHEDULES,
     SELECT_METHODS,
@@ -157,6 +158,11 @@ def _run_parser() -> argparse.ArgumentParser:
     add("--lr", default="selected", type=lr_arg,
         help="a step size or 'selected' (`cifar select`)")
     add("--schedule", default="claim", choices=SCHEDULES)
+    add("--capture", action="store_true", help="replay the training step from a CUDA "
+        "graph (CUDA only; KFAC/EKFAC run eagerly)")
+    add("--precision", default="fp32", choices=PRECISIONS,
+        help="the network's forward/backward: fp32 (TF32 on CUDA) or bf16 autocast")
+    add("--channels-last", action="store_true", help="the network in channels_last")
     add("--data-root", default=None)
     add("--source", default=None, choices=("auto", "official", "jpeg", "sample"),
         help="default: auto (full scale, or with --data-root), sample (small)")
@@ -191,7 +197,7 @@ def run_config_from_args(a: argparse.Namespace) -> RunConfig:
     keys = ("dataset", "conditioning", "method", "seed", "epochs", "lr", "data_root",
             "source", "device", "out", "checkpoint_dir", "train_subset", "val_size",
             "max_steps", "model", "batch_size", "stop_after_epoch", "selection_file",
-            "download", "schedule")
+            "download", "schedule", "capture", "precision", "channels_last")
     given = {k: getattr(a, k) for k in keys}
     return RunConfig(**{k: scaled[k] if v is None and k in scaled else v
                         for k, v in given.items()})
@@ -361,7 +367,8 @@ def _main_trainer_timing(p: argparse.ArgumentParser, rest: list[str]) -> int:
                          source=a.source, model=a.model, device=a.device,
                          train_subset=a.train_subset, force=a.force)
     for r in res["rows"]:
-        log.info("trainer timing %-12s %s %-8s epoch %.2f s (loop %.2f s, after %.2f s, "
+        log.info("trainer timing %-12s %s %-8s epoch %.2f s (loop %.2f s, "
+                 "after %.2f s, "
                  "%.2f ms/step)", r["method"], r["precision"], r["mode"],
                  r["steady_epoch_s"], r["steady_train_s"], r["steady_after_s"],
                  r["steady_ms_per_step"])
@@ -401,7 +408,8 @@ def _main_schedule(p: argparse.ArgumentParser, rest: list[str]) -> int:
 
 
 def _main_check(p: argparse.ArgumentParser, rest: list[str]) -> int:
-    p.add_argument("--suite", default="claim", choices=("claim", "study6", "authors100"))
+    p.add_argument("--suite", default="claim",
+                   choices=("claim", "study6", "authors100"))
     p.add_argument("--tiers", default="1", help="authors100: comma list of tiers")
     p.add_argument("--root", default=None,
                    help="default: results/cifar/claim (claim), results/cifar (study6)")

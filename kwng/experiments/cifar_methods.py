@@ -141,10 +141,11 @@ AUTHORS100 = RESULTS / "authors100"
 #: The authors'-horizon study (plan ``authors100``): 100 epochs of the authors' schedule
 #: (``authors``: ×0.1 after epoch 50), batch 128, clip 1, bf16 forward/backward in
 #: channels_last, every capturable step replayed from a CUDA graph. Entries: (tier,
-#: method, conditioning, step size, seed, epochs, extra settings); tier 1 is the issue's
-#: first list, tier 2 the Euclidean baselines at 10× their selected step, tier 3 a second
-#: seed and an fp32 control of the first 30 epochs, tier 4 (not in the plan by default:
-#: it did not fit the GPU budget of the session that ran the others) M = 20. The Euclidean step sizes are the claim suite's selection
+#: method, conditioning, step size, seed, epochs, extra settings). Tier 1 is the issue's
+#: first list, tier 2 the Euclidean baselines at 10× their selected step, tier 3 a
+#: second seed and an fp32 control of the first 30 epochs, tier 4 (not in the plan by
+#: default: it did not fit the GPU budget of the session that ran the others) M = 20.
+#: The Euclidean step sizes are the claim suite's selection
 #: (results/cifar/claim/selection/selected.json: sgd 0.1, adam 1e-4, kfac 1).
 AUTHORS100_RUNS: tuple[tuple[int, str, str, float, int, int, dict], ...] = (
     (1, "kwng", "ill", 10.0, 0, 100, {}),
@@ -163,8 +164,8 @@ AUTHORS100_RUNS: tuple[tuple[int, str, str, float, int, int, dict], ...] = (
     (4, "kwng_basis20", "ill", 10.0, 0, 30, {}),
 )
 #: the settings every run of the plan ``authors100`` shares
-AUTHORS100_SETTINGS = {"schedule": "authors", "precision": "bf16", "channels_last": True,
-                       "capture": True}
+AUTHORS100_SETTINGS = {"schedule": "authors", "precision": "bf16",
+                       "channels_last": True, "capture": True}
 
 
 class RunConfig(dict):
@@ -237,6 +238,25 @@ def milestones_for(epochs: int, schedule: str) -> list[int]:
         return [epochs - max(1, round(0.15 * epochs))]
     half, three_quarters = max(1, round(0.5 * epochs)), max(1, round(0.75 * epochs))
     return sorted({half, three_quarters} - {epochs})
+
+
+def movement_budget(lr: float, epochs: int, schedule: str, steps_per_epoch: int = 391,
+                    gamma: float = 0.1) -> list[float]:
+    """Per epoch, the largest distance the parameters can move under a schedule whose
+    every update is clipped to norm :data:`CLIP_NORM`: ``lr_e × steps_per_epoch`` with
+    ``lr_e`` the step of epoch ``e`` (``lr`` times ``gamma`` per milestone passed,
+    :func:`milestones_for`). A KWNG step is clipped on almost every step, so for it the
+    budget is nearly the distance travelled."""
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool)
+            and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) \
+            or steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch must be an integer >= 1, "
+                         f"got {steps_per_epoch!r}")
+    marks = milestones_for(epochs, schedule)
+    return [CLIP_NORM * lr * gamma ** sum(e >= m for m in marks) * steps_per_epoch
+            for e in range(epochs)]
 
 
 def lm_same_batch_available() -> bool:

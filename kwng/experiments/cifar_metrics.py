@@ -21,7 +21,8 @@ def evaluate_full(model: nn.Module, data: GPUAugmentedData, batch_size: int = 10
     inside the model): ``loss`` (mean cross-entropy), ``acc``, the ``confusion`` matrix
     (``[true][predicted]`` counts), per class ``recall`` (the accuracy on the examples
     of that class) and ``precision`` (the share of that class among the examples
-    predicted as it; ``None`` where nothing was predicted), and ``feature_norm``: the mean
+    predicted as it; ``None`` where nothing was predicted), and ``feature_norm``: the
+    mean
     norm ``‖φ‖`` of the input of the last linear layer (the features the class rows
     ``W_k`` multiply). ``num_classes`` defaults to the width of the outputs."""
     from ..nets import last_linear

@@ -126,8 +126,9 @@ def check_claim(root: str | os.PathLike = CLAIM, dataset: str = "cifar10",
 
 
 #: the per-epoch fields of the mechanism records (plan ``authors100``): per class
-#: recall and precision (``None`` where nothing was predicted as the class), row norms, logit scales ``U_k ‖W_k‖``, row movement (this epoch
-#: and cumulative); ``feature_norm`` (mean ``‖φ‖``) and the update share are scalars
+#: recall and precision (``None`` where nothing was predicted as the class), row norms,
+#: logit scales ``U_k ‖W_k‖``, row movement (this epoch and cumulative);
+#: ``feature_norm`` (mean ``‖φ‖``) and the update share are scalars
 MECHANISM_FIELDS = ("test_acc_per_class", "test_precision_per_class",
                     "last_layer_row_norms", "logit_scale", "row_movement",
                     "cumulative_row_movement")
@@ -143,7 +144,8 @@ def _mechanism_ok(rec: dict, k: int) -> bool:
             if not isinstance(v, list) or len(v) != k:
                 return False
             if not all((a is None and f == "test_precision_per_class")
-                       or (isinstance(a, (int, float)) and math.isfinite(a)) for a in v):
+                       or (isinstance(a, (int, float)) and math.isfinite(a))
+                       for a in v):
                 return False
         if not math.isfinite(r.get("feature_norm", math.nan)) or \
                 not math.isfinite(r.get("last_layer_update_share", math.nan)):
@@ -162,7 +164,7 @@ def check_authors100(root: str | os.PathLike = RESULTS / "authors100",
     mechanism records (:data:`MECHANISM_FIELDS`, the confusion matrix). Returns
     ``{"missing", "incomplete", "diverged", "ok"}`` with run names
     ``lr<lr>/cond/method/seedk``."""
-    from .cifar_sweep import _authors100_plan, authors100_out
+    from .cifar_sweep import _authors100_plan
 
     res: dict[str, list[str]] = {"missing": [], "incomplete": [], "diverged": [],
                                  "ok": []}
@@ -307,7 +309,8 @@ def authors100_verdict(records: dict[tuple, dict], within: float = 0.05,
     sgd_ok = {t: float(v) for t, v in sgds.items() if v is not None}
     out: dict = {"kwng_ill": None if k_ill is None else float(k_ill),
                  "kwng_well": None if k_well is None else float(k_well),
-                 "sgd_ill_by_step": sgd_ok, "sgd_ill": max(sgd_ok.values(), default=None),
+                 "sgd_ill_by_step": sgd_ok,
+                 "sgd_ill": max(sgd_ok.values(), default=None),
                  "c1_within": None, "c2_above_sgd": None, "c3_small_classes": None,
                  "c4_two_smallest_learned": None}
     if k_ill is not None and k_well is not None:

@@ -2,7 +2,8 @@
 on one device (book chapter :ref:`experiments-cifar`).
 
 :func:`trainer_timing` trains each method for a few whole epochs twice — eagerly and
-with its step replayed from a CUDA graph (:class:`~kwng.experiments.cifar_capture.StepRunner`)
+with its step replayed from a CUDA graph
+(:class:`~kwng.experiments.cifar_capture.StepRunner`)
 — and records, per epoch, the wall time of the training loop, of the evaluation and
 record keeping after it, and of the whole epoch. It then checks that the graph computes
 what the eager step computes: with cuDNN deterministic and its benchmark search off, it
@@ -137,7 +138,7 @@ def trainer_timing(methods: Sequence[str], out: Path, *, conditioning: str = "il
                             METHODS[m].get("precond", ""), "not on CUDA")
         prec = precisions[0]
         for m in methods:
-            if not METHODS[m].get("precond") in (None, "kwng"):
+            if METHODS[m].get("precond") not in (None, "kwng"):
                 continue  # not capturable: nothing to compare
             t = {}
             for name, capture in (("eager", False), ("eager_again", False),

@@ -27,6 +27,7 @@ from torch import nn
 from ..data import NUM_CLASSES, GPUAugmentedData, load_cifar
 from ..provenance import atomic_write_json, read_json, write_provenance
 from . import guard
+from .cifar_capture import StepRunner
 from .cifar_methods import (
     CLIP_NORM,
     SELECTION,
@@ -38,7 +39,6 @@ from .cifar_methods import (
     make_step,
     milestones_for,
 )
-from .cifar_capture import StepRunner
 from .cifar_metrics import EpochStats, UpdateShare, evaluate_full
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,8 @@ class _Run:
             from .cifar_capture import NOT_CAPTURABLE
 
             log.warning("%s: method %s runs eagerly: %s", self.rdir, cfg["method"],
-                        NOT_CAPTURABLE.get(cfg.spec.get("precond", ""), "not capturable"))
+                        NOT_CAPTURABLE.get(cfg.spec.get("precond", ""),
+                                           "not capturable"))
         self.runner = StepRunner(self._step, device, capture,
                                  lambda: self.optimizer.param_groups[0]["lr"])
         self.trace: torch.Tensor | None = None  # per-step losses (trainer_timing)
@@ -236,7 +237,8 @@ class _Run:
         self.stats.add_step(loss, outputs, yb, frac, self.share.row_move)
         if self.trace is not None:
             self.trace_pos += 1
-            self.trace.index_copy_(0, (self.trace_pos.clamp(max=len(self.trace)) - 1).view(1),
+            pos = (self.trace_pos.clamp(max=len(self.trace)) - 1).view(1)
+            self.trace.index_copy_(0, pos,
                                    loss.detach().double().view(1))
 
     def _new_record(self, lr: float, identity: dict, milestones: list[int]) -> dict:
@@ -316,7 +318,9 @@ class _Run:
                             "checkpointed", self.rdir, epoch + 1, b)
                 self.record["stopped"] = "deadline"
                 return False
-            self.runner(z.contiguous(memory_format=torch.channels_last) if cl else z, yb)
+            if cl:
+                z = z.contiguous(memory_format=torch.channels_last)
+            self.runner(z, yb)
             stats.count(len(yb))
             self.steps += 1
             if bar is not None:
