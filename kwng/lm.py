@@ -168,7 +168,7 @@ class LevenbergMarquardt:
 
     @property
     def steps(self) -> int:
-        """Steps recorded so far (counted on the device: CUDA-graph replays count)."""
+        """Steps recorded so far, counted on the device (CUDA-graph replays count)."""
         return int(self._count)
 
     # --- the rule ---------------------------------------------------------------------

@@ -48,8 +48,9 @@ class StepRunner:
     """Calls ``step_fn(z, y)`` for each batch, eagerly or replayed from a CUDA graph.
 
     ``lr_fn`` returns the current step size (a change records the graph again);
-    ``capture`` is honoured only on a CUDA ``device``. :attr:`captures` counts the
-    recordings, :attr:`replays` the replayed steps, :attr:`eager` the eager ones."""
+    ``capture`` is honoured only on a CUDA ``device``. The attributes ``captures``,
+    ``replays`` and ``eager`` count the recordings, the replayed steps and the eager
+    ones."""
 
     def __init__(self, step_fn: Callable[[torch.Tensor, torch.Tensor], None],
                  device: torch.device, capture: bool, lr_fn: Callable[[], float],

@@ -118,12 +118,13 @@ ABLATIONS = ("kwng_damping_identity", "kwng_damping_T", "diag_T", "diag_Ttilde",
 #: earlier study), "claim" ×0.1 for the last ~15 % (one milestone, like the paper's
 #: first), "constant" (selection runs)
 SCHEDULES = ("claim", "constant", "study6", "authors")
-#: the authors' milestones (configs/cifar10_KWNG.yml of MichaelArbel/KWNG): ×0.1 after
-#: these epochs (schedule ``authors``: those before the last epoch)
+#: The authors' milestones, from configs/cifar10_KWNG.yml of MichaelArbel/KWNG. The step
+#: is multiplied by 0.1 after each of these epochs that comes before the last one
+#: (schedule ``authors``).
 AUTHORS_MILESTONES = (50, 100, 200, 300)
-#: the precisions of the network's forward and backward (the KWNG algebra runs in
-#: float32 or float64 in every case): ``fp32`` (TF32 matrix products on CUDA) or
-#: ``bf16`` (autocast)
+#: The precisions of the network's forward and backward, ``fp32`` (TF32 matrix
+#: products on CUDA) or ``bf16`` (autocast). The KWNG algebra runs in float32 or
+#: float64 in every case.
 PRECISIONS = ("fp32", "bf16")
 #: the diagnostics read from the KWNG step's ``info`` (when present), recorded as
 #: epoch mean and last value
@@ -138,8 +139,8 @@ CLAIM_SELECTION = CLAIM / "selection"
 CHECKPOINTS = Path("checkpoints")
 AUTHORS100 = RESULTS / "authors100"
 
-#: The authors'-horizon study (plan ``authors100``): 100 epochs of the authors' schedule
-#: (``authors``: ×0.1 after epoch 50), batch 128, clip 1, bf16 forward/backward in
+#: The authors'-horizon study (plan ``authors100``), 100 epochs of the authors' schedule
+#: (``authors``, ×0.1 after epoch 50), batch 128, clip 1, bf16 forward/backward in
 #: channels_last, every capturable step replayed from a CUDA graph. Entries: (tier,
 #: method, conditioning, step size, seed, epochs, extra settings). Tier 1 is the issue's
 #: first list, tier 2 the Euclidean baselines at 10× their selected step, tier 3 a

@@ -190,7 +190,7 @@ class UpdateShare:
     """Per step, ``‖Δθ_last‖² / ‖Δθ‖²``: the share of the update's squared norm on the
     last layer (``Δθ`` = the parameters after the step minus before; multi-tensor ops,
     no sync), and the movement ``‖ΔW_k‖`` of each row of the last layer's weight
-    (:attr:`row_move`, after :meth:`after`)."""
+    (the attribute ``row_move``, set by :meth:`after`)."""
 
     def __init__(self, model: nn.Module) -> None:
         from ..nets import last_linear

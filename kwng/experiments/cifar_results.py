@@ -125,7 +125,7 @@ def check_claim(root: str | os.PathLike = CLAIM, dataset: str = "cifar10",
     return res
 
 
-#: the per-epoch fields of the mechanism records (plan ``authors100``): per class
+#: The per-epoch fields of the mechanism records (plan ``authors100``), per class
 #: recall and precision (``None`` where nothing was predicted as the class), row norms,
 #: logit scales ``U_k ‖W_k‖``, row movement (this epoch and cumulative);
 #: ``feature_norm`` (mean ``‖φ‖``) and the update share are scalars
