@@ -297,8 +297,9 @@ def _prepare(X, grad, num_basis, eps, lam, kernel, generator, basis_idx, basis_c
     if not isinstance(kernel, Kernel):
         raise ValueError(f"kernel must be a kwng.Kernel, got {type(kernel).__name__}")
     check_grad(grad)
-    basis_idx, basis_coords = check_basis(basis_idx, basis_coords, N, d, num_basis,
-                                          generator)
+    basis_idx, basis_coords = check_basis(
+        basis_idx, basis_coords, N, d, num_basis,
+        lambda: draw_basis(N, d, num_basis, generator))
     return X, N, d, basis_idx, basis_coords
 
 

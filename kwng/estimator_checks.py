@@ -23,6 +23,7 @@ that the rules hold for both:
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 
@@ -78,16 +79,15 @@ def _index_tensor(value, name: str, num_basis: int, low: int, high: int
 
 
 def check_basis(basis_idx, basis_coords, N: int, d: int, num_basis: int,
-                generator: torch.Generator | None, with_coords: bool = True):
-    """The Nyström basis ``(basis_idx, basis_coords)``: drawn by
-    :func:`kwng.draw_basis` when not given, else checked (integer, shape
+                draw: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                with_coords: bool = True):
+    """The Nyström basis ``(basis_idx, basis_coords)``: ``draw()`` (the caller's
+    :func:`kwng.draw_basis`) when not given, else checked (integer, shape
     ``(num_basis,)``, in range, no basis function twice). ``with_coords=False`` (the
     Fisher estimator) ignores and returns no coordinates."""
-    from .estimator import draw_basis
-
     check_int(num_basis, "num_basis", 1, N)
     if basis_idx is None and (basis_coords is None or not with_coords):
-        basis_idx, basis_coords = draw_basis(N, d, num_basis, generator)
+        basis_idx, basis_coords = draw()
     elif with_coords and (basis_idx is None or basis_coords is None):
         raise ValueError("basis_idx and basis_coords must be given together")
     idx = _index_tensor(basis_idx, "basis_idx", num_basis, 0, N - 1)

@@ -46,6 +46,7 @@ from ._checks import check_choice, check_int, check_points, check_positive
 from .estimator import (
     KWNGResult,
     _with_bandwidth,
+    draw_basis,
     jacobian_from_sampler,
     nystrom_solve,
 )
@@ -203,7 +204,8 @@ def kfng_gradient(
         X = sampler(theta.detach())
     X, resolution = check_samples(X)  # the rules of kwng_gradient
     N, d = X.shape
-    basis_idx, _ = check_basis(basis_idx, None, N, d, num_basis, generator,
+    basis_idx, _ = check_basis(basis_idx, None, N, d, num_basis,
+                               lambda: draw_basis(N, d, num_basis, generator),
                                with_coords=False)
     kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
     C, K, CCt, Gx = fisher_kernel_matrices(X, basis_idx, kernel)  # float64

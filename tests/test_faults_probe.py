@@ -225,60 +225,50 @@ def test_provenance_command_can_be_typed_again(monkeypatch):
     assert cmd.split(" ", 1)[1] == "-m kwng.experiments relerr --out 'my results'"
 
 
-def test_interrupted_sweep_time_is_counted(tmp_path, monkeypatch):
+def _interrupt_then_resume(monkeypatch, module, name: str, kill_at: int, run,
+                           provenance) -> None:
+    """Kill ``run()`` by a KeyboardInterrupt at call ``kill_at`` of ``module.name``,
+    resume it, and check that the provenance counts the time of both parts."""
     import json
 
-    from kwng.experiments import synthetic as syn
+    real, calls = getattr(module, name), {"n": 0}
 
-    cfg = syn.relerr_config("small")
-    cfg.update(models=["sphere"], dims=[1, 2], N_values=[60], N_fixed=60,
-               M_values=[5], runs=2)
-    real = syn._compute_point
-    calls = {"n": 0}
-
-    def killed_after_two(*args, **kw):
+    def killed(*args, **kw):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == kill_at:
             raise KeyboardInterrupt  # as a kill between two points
         return real(*args, **kw)
 
-    monkeypatch.setattr(syn, "_compute_point", killed_after_two)
+    monkeypatch.setattr(module, name, killed)
     with pytest.raises(KeyboardInterrupt):
-        syn.run_sweep(cfg, tmp_path, progress=False)
-    cut = json.loads((tmp_path / "provenance.json").read_text())
+        run()
+    cut = json.loads(provenance.read_text())
     assert cut["in_progress"] and cut["wall_time_total_s"] > 0
-    monkeypatch.setattr(syn, "_compute_point", real)
-    done = syn.run_sweep(cfg, tmp_path, progress=False)
+    monkeypatch.setattr(module, name, real)
+    done = run()
     assert "in_progress" not in done
     assert done["wall_time_total_s"] == pytest.approx(
         cut["wall_time_total_s"] + done["wall_time_s"])
 
 
-def test_interrupted_fisher_sweep_time_is_counted(tmp_path, monkeypatch):
-    import json
+def test_interrupted_sweep_time_is_counted(tmp_path, monkeypatch):
+    from kwng.experiments import synthetic as syn
 
+    cfg = syn.relerr_config("small")
+    cfg.update(models=["sphere"], dims=[1, 2], N_values=[60], N_fixed=60,
+               M_values=[5], runs=2)
+    _interrupt_then_resume(monkeypatch, syn, "_compute_point", 3,
+                           lambda: syn.run_sweep(cfg, tmp_path, progress=False),
+                           tmp_path / "provenance.json")
+
+
+def test_interrupted_fisher_sweep_time_is_counted(tmp_path, monkeypatch):
     from kwng.experiments import fisher as E
     from kwng.experiments import fisher_sweep as FS
 
     cfg = E.sweep_config("small")
     cfg.update(models=["normal"], dims=[2], N_values=[100, 200], M_values=[10],
                N_fixed=200, runs=2)
-    real, calls = FS.compare_once, {"n": 0}
-
-    def killed(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt  # as a kill after two grid points
-        return real(*args, **kw)
-
-    monkeypatch.setattr(FS, "compare_once", killed)
-    with pytest.raises(KeyboardInterrupt):
-        FS.run_sweep(cfg, tmp_path, progress=False)
-    prov = tmp_path / "fisher-sweep.provenance.json"
-    cut = json.loads(prov.read_text())
-    assert cut["in_progress"] and cut["wall_time_total_s"] > 0
-    monkeypatch.setattr(FS, "compare_once", real)
-    done = FS.run_sweep(cfg, tmp_path, progress=False)
-    assert "in_progress" not in done
-    assert done["wall_time_total_s"] == pytest.approx(
-        cut["wall_time_total_s"] + done["wall_time_s"])
+    _interrupt_then_resume(monkeypatch, FS, "compare_once", 5,
+                           lambda: FS.run_sweep(cfg, tmp_path, progress=False),
+                           tmp_path / "fisher-sweep.provenance.json")

@@ -69,8 +69,9 @@ def _time_epochs(cfg: RunConfig, epochs: int) -> dict:
            "steady_epoch_s": rows[-1]["epoch_s"], "steady_train_s": rows[-1]["train_s"],
            "steady_after_s": rows[-1]["after_s"],
            "steady_ms_per_step": 1e3 * rows[-1]["train_s"] / nb}
-    del state
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    del state, runner  # its CUDA graphs go with it, before the next method's run
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
