@@ -8,6 +8,8 @@ method, seed)``, ``tag`` = ``lr<step>`` or ``fp32/lr<step>``).
 * :func:`scale_points` and :func:`scale_threshold` — the logit scale
   ``U_k ‖W_k‖ ‖φ‖`` of every (run, class, epoch) against whether the class is learned;
 * :func:`fig_logit_scale` — that scale per class and epoch, one panel per IC run;
+  :func:`learned_epochs` and :func:`max_scale` — when a class is learned, how far its
+  scale goes;
 * :func:`epoch_seconds`, :func:`fig_accuracy` and :func:`time_to_accuracy` — test
   accuracy per epoch and per second (Figs. 3 and 7 of the paper), and the seconds to
   reach a level.
@@ -21,6 +23,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 __all__ = ["final_rows", "scale_points", "scale_threshold", "fig_logit_scale",
+           "learned_epochs", "max_scale",
            "epoch_seconds", "fig_accuracy", "time_to_accuracy", "run_label"]
 
 #: a class counts as learned when its test recall and precision both reach this
@@ -201,3 +204,27 @@ def time_to_accuracy(records: dict, seconds: dict[str, float],
             row[f"seconds_{lv:g}"] = None if e is None else e * seconds[key[2]]
         out.append(row)
     return out
+
+
+def learned_epochs(records: dict, key: tuple, classes: int = 2) -> list[int | None]:
+    """For the ``classes`` classes with the smallest ``U_k`` of run ``key``: the first
+    epoch at which the class is learned (test recall and precision ≥ :data:`LEARNED`),
+    ``None`` if never."""
+    out = []
+    for k in _order(records, key)[:classes]:
+        hit = None
+        for e in records[key]["epochs"]:
+            prec = e["test_precision_per_class"][k]
+            if e["test_acc_per_class"][k] >= LEARNED and (prec or 0.0) >= LEARNED:
+                hit = int(e["epoch"])
+                break
+        out.append(hit)
+    return out
+
+
+def max_scale(records: dict, key: tuple, rank: int = 0) -> float:
+    """The largest logit scale ``U_k ‖W_k‖ ‖φ‖`` over the epochs of run ``key`` of the
+    class with the ``rank``-th smallest ``U_k``."""
+    k = _order(records, key)[rank]
+    return float(max(e["logit_scale"][k] * e["feature_norm"]
+                     for e in records[key]["epochs"]))
