@@ -97,14 +97,14 @@ book: $(STAMP) $(MATHJAX)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 
 test: $(STAMP)
-	$(BIN)/ruff check kwng tests benchmarks tools book/_ext
+	$(BIN)/ruff check kwng tests tools book/_ext
 	$(BIN)/python -m pytest tests book -p no:cacheprovider -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check kwng tests benchmarks tools book/_ext
+	$(BIN)/ruff check kwng tests tools book/_ext
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/estimator_time.py
+	$(BIN)/python -m kwng.experiments.bench.estimator_time
 
 clean:
 	rm -rf _build notebooks

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_choice, check_int, check_positive
-from .kernels import BANDWIDTH_RULES, GaussianKernel, Kernel, coord_matrices
-from .models import HyperSphereModel, ImplicitModel, LogNormalModel, NormalModel
-from .solve import DAMPING_FLOOR, DAMPINGS, default_rcond, kwng_direction
+from kwng._checks import check_choice, check_int, check_positive
+from kwng.kernels import BANDWIDTH_RULES, GaussianKernel, Kernel, coord_matrices
+from kwng.models import HyperSphereModel, ImplicitModel, LogNormalModel, NormalModel
+from kwng.solve import DAMPING_FLOOR, DAMPINGS, default_rcond, kwng_direction
 
 __all__ = ["sample_and_jacobian", "batched_nystrom_solve", "batched_kwng", "runs_per_chunk"]
 

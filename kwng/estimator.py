@@ -41,18 +41,29 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import solve
-from ._checks import check_choice, check_finite, check_int, check_points, check_positive
-from .estimator_checks import check_basis, check_grad, check_samples, report_degenerate
-from .kernels import (
+from kwng import solve
+from kwng._checks import (
+    check_choice,
+    check_finite,
+    check_int,
+    check_points,
+    check_positive,
+)
+from kwng.estimator_checks import (
+    check_basis,
+    check_grad,
+    check_samples,
+    report_degenerate,
+)
+from kwng.kernels import (
     BANDWIDTH_RULES,
     Kernel,
     coord_matrices,
     mean_sq_bandwidth,
     median_bandwidth,
 )
-from .samples import RESOLUTION_WARN, _check_finite_counted, check_sample_resolution  # noqa: F401
-from .solve import DAMPING_FLOOR, DAMPINGS, METHODS
+from kwng.samples import RESOLUTION_WARN, _check_finite_counted, check_sample_resolution  # noqa: F401
+from kwng.solve import DAMPING_FLOOR, DAMPINGS, METHODS
 
 __all__ = [
     "KWNGResult",
@@ -385,4 +396,4 @@ def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], 
 
 
 # The sync-free variants live in kwng.nosync; importable from here as before.
-from .nosync import bandwidth_tensor, kernel_matrices_nosync, nystrom_solve_nosync  # noqa: E402
+from kwng.nosync import bandwidth_tensor, kernel_matrices_nosync, nystrom_solve_nosync  # noqa: E402

@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from ._checks import check_int, check_points
-from .samples import _check_finite_counted, check_sample_resolution
+from kwng._checks import check_int, check_points
+from kwng.samples import _check_finite_counted, check_sample_resolution
 
 __all__ = ["check_grad", "check_samples", "check_basis", "report_degenerate"]
 
@@ -128,3 +128,15 @@ def report_degenerate(diagnostics: dict, direction: torch.Tensor, grad: torch.Te
             "parameters at these samples); the bandwidth is probably far from the "
             f"spread of the samples (bandwidth {diagnostics.get('bandwidth')!r})",
             RuntimeWarning, stacklevel=stacklevel)
+
+
+def relative_error(estimate, exact) -> float:
+    """``‖estimate - exact‖ / ‖exact‖`` (the error measure of the paper's Figs. 1, 5, 6)."""
+    e = torch.as_tensor(estimate, dtype=torch.float64).cpu()
+    x = torch.as_tensor(exact, dtype=torch.float64).cpu()
+    if e.shape != x.shape:
+        raise ValueError(f"estimate and exact must have the same shape, got {tuple(e.shape)} and {tuple(x.shape)}")
+    nx = float(torch.linalg.vector_norm(x))
+    if nx == 0:
+        raise ValueError("exact must be non-zero for a relative error")
+    return float(torch.linalg.vector_norm(e - x)) / nx

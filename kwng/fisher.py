@@ -42,16 +42,21 @@ from typing import Callable
 
 import torch
 
-from ._checks import check_choice, check_int, check_points, check_positive
-from .estimator import (
+from kwng._checks import check_choice, check_int, check_points, check_positive
+from kwng.estimator import (
     KWNGResult,
     _with_bandwidth,
     draw_basis,
     jacobian_from_sampler,
     nystrom_solve,
 )
-from .estimator_checks import check_basis, check_grad, check_samples, report_degenerate
-from .fisher_exact import (  # noqa: F401  (moved; re-exported under the old path)
+from kwng.estimator_checks import (
+    check_basis,
+    check_grad,
+    check_samples,
+    report_degenerate,
+)
+from kwng.fisher_exact import (  # noqa: F401  (moved; re-exported under the old path)
     _check_density_model,
     fisher_matrix,
     fisher_matrix_mc,
@@ -59,8 +64,8 @@ from .fisher_exact import (  # noqa: F401  (moved; re-exported under the old pat
     log_density,
     scores,
 )
-from .kernels import Kernel
-from .solve import default_rcond
+from kwng.kernels import Kernel
+from kwng.solve import default_rcond
 
 __all__ = [
     "FISHER_JACOBIANS",
@@ -255,7 +260,7 @@ def kernel_fisher_metric(
 
 def _basis_features(Y: torch.Tensor, kernel: Kernel):
     """The feature map of :func:`fisher_brute_force`: row ``x`` to ``(k(Y_m, x))_m``."""
-    from .kernels import GaussianKernel
+    from kwng.kernels import GaussianKernel
 
     def features(Xs: torch.Tensor) -> torch.Tensor:  # (n, M): k(Y_m, x) for each row x
         sq = ((Xs[:, None, :] - Y[None, :, :]) ** 2).sum(-1)

@@ -1,5 +1,4 @@
-"""Exact Fisher–Rao quantities of the small models (:mod:`kwng.fisher`, which re-exports
-every name): log-densities, scores, the Fisher information matrix (closed form and Monte
+"""Exact Fisher–Rao quantities of the small models (the references of :mod:`kwng.fisher`): log-densities, scores, the Fisher information matrix (closed form and Monte
 Carlo) and the exact Fisher natural gradient, the references the kernel estimator is
 checked against. Moved out of :mod:`kwng.fisher` to keep each module short.
 """
@@ -10,14 +9,39 @@ import math
 
 import torch
 
-from ._checks import check_finite, check_int, check_points
-from .models import HyperSphereModel, ImplicitModel, LogNormalModel, NormalModel
-from .theory import normal_fisher_matrix
+from kwng._checks import check_finite, check_int, check_points
+from kwng.models import HyperSphereModel, ImplicitModel, LogNormalModel, NormalModel
 
 
 # --------------------------------------------------------------------------------------
 # Exact Fisher information and natural gradient (Def. 1), Monte Carlo Fisher from scores
 # --------------------------------------------------------------------------------------
+def normal_fisher_matrix(model: NormalModel, theta: torch.Tensor) -> torch.Tensor:
+    """Fisher information matrix (Def. 1) of ``N(μ, LLᵀ)`` in the coordinates ``θ = (μ, vech L)``
+    of :class:`~kwng.NormalModel`: ``G_F = diag(Σ⁻¹, [½ tr(Σ⁻¹ ∂_aΣ Σ⁻¹ ∂_bΣ)]_{a,b})`` with
+    ``∂_aΣ = E_a Lᵀ + L E_aᵀ``."""
+    if not isinstance(model, NormalModel):
+        raise ValueError(f"model must be a kwng.NormalModel, got {type(model).__name__}")
+    _, L = model.split(theta)
+    L = L.detach().to(torch.float64)
+    Sigma = L @ L.T
+    Sinv = torch.linalg.inv(Sigma)
+    d = model.d
+    rows, cols = torch.tril_indices(d, d)
+    dS = []
+    for i, j in zip(rows.tolist(), cols.tolist()):
+        E = torch.zeros(d, d, dtype=torch.float64)
+        E[i, j] = 1.0
+        dS.append(E @ L.T + L @ E.T)
+    n = len(dS)
+    G = torch.zeros(d + n, d + n, dtype=torch.float64)
+    G[:d, :d] = Sinv
+    for a in range(n):
+        for b in range(n):
+            G[d + a, d + b] = 0.5 * torch.trace(Sinv @ dS[a] @ Sinv @ dS[b])
+    return G
+
+
 def _check_density_model(model: ImplicitModel) -> None:
     if isinstance(model, HyperSphereModel):
         raise ValueError(
@@ -71,7 +95,7 @@ def scores(model: ImplicitModel, theta: torch.Tensor, X: torch.Tensor) -> torch.
 def fisher_matrix(model: ImplicitModel, theta: torch.Tensor) -> torch.Tensor:
     """Exact Fisher information ``G_F(θ)`` (Def. 1) of the normal or log-normal model.
 
-    Normal: :func:`kwng.theory.normal_fisher_matrix` (``θ = (μ, vech L)``, full
+    Normal: :func:`kwng.fisher_exact.normal_fisher_matrix` (``θ = (μ, vech L)``, full
     covariance). Log-normal (``θ = (μ, s)``, ``X = exp(μ + s ⊙ Z)``): the Fisher
     information is invariant under the diffeomorphism ``exp``, so it is that of
     ``N(μ, diag s²)``: ``diag(1/s², 2/s²)``. The hyper-sphere is rejected: it has no

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_points, check_positive
+from kwng._checks import check_points, check_positive
 
 __all__ = [
     "Kernel",

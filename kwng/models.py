@@ -20,7 +20,7 @@ import numpy as np
 import scipy.linalg
 import torch
 
-from ._checks import check_int, check_positive
+from kwng._checks import check_int, check_positive
 
 __all__ = ["ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
            "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords"]

@@ -1,4 +1,4 @@
-"""Sync-free variants of the estimator for training loops on GPU (``kwng.precond``,
+"""Sync-free variants of the estimator for training loops on GPU (``kwng.engine.precond``,
 ``mode="fast"``).
 
 :func:`kwng.kernel_matrices` and :func:`kwng.nystrom_solve` validate their inputs and
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from . import solve
-from ._checks import check_choice, check_positive
-from .kernels import BANDWIDTH_RULES, Kernel, bandwidth_from_rule, coord_matrices
-from .solve import DAMPING_FLOOR, DAMPINGS
+from kwng import solve
+from kwng._checks import check_choice, check_positive
+from kwng.kernels import BANDWIDTH_RULES, Kernel, bandwidth_from_rule, coord_matrices
+from kwng.solve import DAMPING_FLOOR, DAMPINGS
 
 __all__ = ["bandwidth_tensor", "kernel_matrices_nosync", "nystrom_solve_nosync"]
 

@@ -3,7 +3,7 @@ dimensions.
 
 Arbel, Gretton, Li & Montúfar (ICLR 2020), §3.2–3.3. Every caller of the estimator goes
 through this module: the validated :func:`kwng.nystrom_solve` (host-side diagnostics),
-the sync-free :func:`kwng.estimator.nystrom_solve_nosync` of the preconditioner, the
+the sync-free :func:`kwng.nosync.nystrom_solve_nosync` of the preconditioner, the
 batched synthetic sweeps of :mod:`kwng.batched` and the Fisher–Rao estimator of
 ``kwng.fisher``. The functions here do not validate their inputs (the callers do) and
 never wait for the device, except where a function says so.
@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import triton_ops
+from kwng.engine import triton_ops
 
 __all__ = ["DAMPINGS", "METHODS", "WHITENINGS", "DAMPING_FLOOR", "default_rcond",
            "eig_whitening", "cholesky_whitening", "damping_vector", "stable_solve",
@@ -59,7 +59,7 @@ def default_rcond(M: int, dtype: torch.dtype) -> float:
 
 def _left_mul(W: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
     """``W T`` in ``T``'s dtype (a float32 ``T`` on the GPU: one Triton pass,
-    :func:`kwng.triton_ops.small_matmul`)."""
+    :func:`kwng.engine.triton_ops.small_matmul`)."""
     if triton_ops.solve_available(T):
         return triton_ops.small_matmul(W, T)
     return W.to(T.dtype) @ T
@@ -67,7 +67,7 @@ def _left_mul(W: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
 
 def _weighted_gram(Tt: torch.Tensor, Dinv: torch.Tensor) -> torch.Tensor:
     """``T̃ D⁻¹ T̃ᵀ`` in float64 (a float32 ``T̃`` on the GPU:
-    :func:`kwng.triton_ops.weighted_gram`, float64 sums of float32 partial sums)."""
+    :func:`kwng.engine.triton_ops.weighted_gram`, float64 sums of float32 partial sums)."""
     if triton_ops.solve_available(Tt):
         return triton_ops.weighted_gram(Tt, Dinv)
     return ((Tt * Dinv[..., None, :]) @ Tt.mT).to(_F64)

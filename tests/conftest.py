@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kwng
-from kwng.experiments.synthetic import draw_theta
+from kwng.experiments.synthetic_setup import draw_theta
 
 PROBLEMS = ("normal", "lognormal", "sphere")
 

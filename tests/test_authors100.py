@@ -16,7 +16,7 @@ A100 = ROOT / "results" / "cifar" / "authors100"
 
 
 def test_lm_state_is_updated_in_place():
-    from kwng.lm import LevenbergMarquardt
+    from kwng.engine.lm import LevenbergMarquardt
 
     lm = LevenbergMarquardt(1.0, interval=1, omega=0.5)
     ids = {k: id(getattr(lm, k)) for k in ("eps", "ratio", "_r_max", "_loss", "_pred")}
@@ -30,8 +30,8 @@ def test_lm_state_is_updated_in_place():
 
 
 def test_epoch_draws_equal_the_per_batch_draws():
-    from kwng.data import GPUAugmentedData, normalize
-    from kwng.data_augment import augment_batch
+    from kwng.experiments.cifar.augment import augment_batch, normalize
+    from kwng.experiments.cifar.data import GPUAugmentedData
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 255, (300, 32, 32, 3), dtype=np.uint8)
@@ -47,7 +47,7 @@ def test_epoch_draws_equal_the_per_batch_draws():
 
 
 def test_epoch_stats_accumulate_in_place_and_reset():
-    from kwng.experiments.cifar_metrics import EpochStats
+    from kwng.experiments.cifar.metrics import EpochStats
 
     s = EpochStats(torch.device("cpu"), num_classes=3)
     ptr = s.loss_sum.data_ptr()
@@ -69,9 +69,9 @@ def test_epoch_stats_accumulate_in_place_and_reset():
 
 
 def test_evaluate_full_confusion_recall_precision_and_feature_norm():
-    from kwng.data import GPUAugmentedData
-    from kwng.experiments.cifar_metrics import evaluate, evaluate_full
-    from kwng.nets import ConditionedNetwork, tiny_cnn
+    from kwng.experiments.cifar.data import GPUAugmentedData
+    from kwng.experiments.cifar.metrics import evaluate, evaluate_full
+    from kwng.experiments.cifar.nets import ConditionedNetwork, tiny_cnn
 
     torch.manual_seed(0)
     rng = np.random.default_rng(1)
@@ -94,7 +94,7 @@ def test_evaluate_full_confusion_recall_precision_and_feature_norm():
 
 
 def test_step_runner_is_eager_without_cuda():
-    from kwng.experiments.cifar_capture import StepRunner
+    from kwng.experiments.cifar.capture import StepRunner
 
     calls = []
     r = StepRunner(lambda z, y: calls.append(z.shape), torch.device("cpu"), True,
@@ -106,7 +106,7 @@ def test_step_runner_is_eager_without_cuda():
 
 
 def test_authors_schedule_milestones():
-    from kwng.experiments.cifar_methods import milestones_for
+    from kwng.experiments.cifar.methods import milestones_for
 
     assert milestones_for(100, "authors") == [50]
     assert milestones_for(350, "authors") == [50, 100, 200, 300]
@@ -126,7 +126,7 @@ def test_numeric_settings_enter_the_identity_only_when_not_default():
 
 # ------------------------------------------------------------- the committed records
 def test_committed_authors100_records_are_complete():
-    from kwng.experiments.cifar_results import check_authors100
+    from kwng.experiments.cifar.results import check_authors100
 
     res = check_authors100(A100, tiers=(1, 2, 3))
     assert res["missing"] == [] and res["incomplete"] == [] and len(res["ok"]) == 13
@@ -138,7 +138,7 @@ def test_committed_authors100_records_are_complete():
 
 
 def test_committed_authors100_records_carry_the_protocol():
-    from kwng.experiments.cifar_results import load_authors100
+    from kwng.experiments.cifar.results import load_authors100
 
     recs = load_authors100(A100)
     for (tag, _cond, method, _seed), r in recs.items():

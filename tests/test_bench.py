@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kwng import bench
+from kwng.experiments.bench import step_cost as bench
 
 ARGS = [
     "--device",

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kwng import data as kdata
+from kwng.experiments.cifar import augment, methods, results, sweep, train
+from kwng.experiments.cifar import data as kdata
 
 
 def _fake(n: int, classes: int, seed: int = 0):
@@ -63,7 +64,7 @@ def test_bad_arguments():
 def test_augmentation_shapes_and_semantics():
     g = torch.Generator().manual_seed(0)
     x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).reshape(2, 3, 32, 32)
-    out = kdata.augment_batch(x, g)
+    out = augment.augment_batch(x, g)
     assert out.shape == x.shape
     # every output is a crop of the padded image, possibly flipped: check against a direct computation
     g = torch.Generator().manual_seed(0)
@@ -101,46 +102,43 @@ def _run_cfg(tmp_path, **kw):
 
 @pytest.mark.parametrize("method", ["sgd_momentum", "kwng"])
 def test_runner_exact_resume(tmp_path, method):
-    pytest.importorskip("kwng.precond")
-    from kwng.experiments import cifar
+    pytest.importorskip("kwng.engine.precond")
 
-    full = cifar.run(_run_cfg(tmp_path / "a", method=method), progress=False)
-    part = cifar.run(_run_cfg(tmp_path / "b", method=method, stop_after_epoch=1), progress=False)
+    full = train.run(_run_cfg(tmp_path / "a", method=method), progress=False)
+    part = train.run(_run_cfg(tmp_path / "b", method=method, stop_after_epoch=1), progress=False)
     assert len(part["epochs"]) == 1 and not part["complete"]
     cfg_b = _run_cfg(tmp_path / "b", method=method)
-    assert cifar.checkpoint_path_for(cfg_b).is_file()
-    resumed = cifar.run(cfg_b, progress=False)
+    assert train.checkpoint_path_for(cfg_b).is_file()
+    resumed = train.run(cfg_b, progress=False)
     assert resumed["complete"] and len(resumed["epochs"]) == 2
-    assert not cifar.checkpoint_path_for(cfg_b).is_file()  # removed once complete
+    assert not train.checkpoint_path_for(cfg_b).is_file()  # removed once complete
     keys = ["steps", "lr", "train_loss", "train_acc", "test_loss", "test_acc"]
     if method == "kwng":
         keys += ["eps", "fallbacks"]
     for ra, rb in zip(full["epochs"], resumed["epochs"]):
         assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}
-    rdir = cifar.run_dir_for(cfg_b)
+    rdir = train.run_dir_for(cfg_b)
     assert (rdir / "metrics.json").is_file() and (rdir / "provenance.json").is_file()
-    again = cifar.run(cfg_b, progress=False)  # finished runs are skipped
+    again = train.run(cfg_b, progress=False)  # finished runs are skipped
     assert again["epochs"] == resumed["epochs"]
 
 
 def test_selection_rule(tmp_path):
-    from kwng.experiments import cifar
-    from kwng.provenance import atomic_write_json
+    from kwng.experiments.provenance import atomic_write_json
 
     root = tmp_path / "sel"
     for lr, acc, loss in ((1.0, 0.3, 1.5), (0.1, 0.4, 1.2), (0.01, 0.4, 1.1), (10.0, 0.1, float("nan"))):
         rec = {"config": {"dataset": "cifar10", "conditioning": "ill", "method": "sgd"}, "lr": lr, "complete": True,
                "diverged": loss != loss, "epochs": [{"test_acc": acc, "train_loss": loss, "steps": 5}]}
         atomic_write_json(root / f"lr{lr:g}" / "cifar10" / "ill" / "sgd" / "seed0" / "metrics.json", rec)
-    out = cifar.select_lrs(root)
+    out = results.select_lrs(root)
     assert out["selected"]["cifar10/ill/sgd"]["lr"] == 0.01  # tie on accuracy -> lower training loss
     assert (root / "selected.json").is_file()
 
 
 def test_selection_grows_by_method_but_refuses_a_change(tmp_path):
-    from kwng.experiments import cifar
     from kwng.experiments.guard import ConfigMismatchError
-    from kwng.provenance import atomic_write_json, read_json
+    from kwng.experiments.provenance import atomic_write_json, read_json
 
     root = tmp_path / "sel"
 
@@ -154,36 +152,35 @@ def test_selection_grows_by_method_but_refuses_a_change(tmp_path):
 
     short_run("sgd", 0.1, 0.4)
     short_run("sgd", 0.01, 0.3)
-    cifar.select_lrs(root)
+    results.select_lrs(root)
     short_run("kfac", 1.0, 0.5)  # a later part of the suite adds a method
-    cifar.select_lrs(root)
+    results.select_lrs(root)
     sel = read_json(root / "selected.json")["selected"]
     assert sel["cifar10/ill/sgd"]["lr"] == 0.1 and sel["cifar10/ill/kfac"]["lr"] == 1.0
     assert not list(root.glob("selected.json.backup-*"))  # nothing to back up
     short_run("sgd", 0.01, 0.9)  # a changed short run would change a selected step
     with pytest.raises(ConfigMismatchError, match="selected.json"):
-        cifar.select_lrs(root)
+        results.select_lrs(root)
     assert read_json(root / "selected.json")["selected"]["cifar10/ill/sgd"]["lr"] == 0.1
 
 
 def test_plans_cover_the_study():
-    from kwng.experiments import cifar
 
-    main = cifar.build_plan("main", epochs=5)
+    main = sweep.build_plan("main", epochs=5)
     names = {(j["conditioning"], j["method"], j["seed"]) for j in main}
     for m in ("sgd", "adam", "kwng"):
         for c in ("ill", "well"):
             assert {(c, m, s) for s in (0, 1, 2)} <= names
     assert len(main) == len(names) == 18 + 14 + 6
-    sel = cifar.build_plan("select")
-    assert len(sel) == len(cifar.SELECT_METHODS) * 2 * len(cifar.LR_GRID)
+    sel = sweep.build_plan("select")
+    assert len(sel) == len(methods.SELECT_METHODS) * 2 * len(methods.LR_GRID)
 
 
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
 def test_kfac_wrapper_step_keeps_bn_stats(kind):
     pytest.importorskip("nngeometry")
-    from kwng.baselines import KFACPreconditioner, bn_state
-    from kwng.nets import DiagonalConditioning, tiny_cnn
+    from kwng.experiments.cifar.baselines import KFACPreconditioner, bn_state
+    from kwng.experiments.cifar.nets import DiagonalConditioning, tiny_cnn
 
     torch.manual_seed(0)
     model = tiny_cnn(10)
@@ -218,8 +215,8 @@ def test_kfac_wrapper_step_keeps_bn_stats(kind):
 
 def test_kfac_leaves_batchnorm_gradient_plain():
     pytest.importorskip("nngeometry")
-    from kwng.baselines import KFACPreconditioner
-    from kwng.nets import tiny_cnn
+    from kwng.experiments.cifar.baselines import KFACPreconditioner
+    from kwng.experiments.cifar.nets import tiny_cnn
 
     torch.manual_seed(1)
     model = tiny_cnn(10)
@@ -241,15 +238,14 @@ def test_committed_claim_suite_complete():
     import re
     from pathlib import Path
 
-    from kwng.experiments import cifar
 
     root = Path(__file__).resolve().parent.parent / "results" / "cifar" / "claim"
-    status = cifar.check_claim(root, min_epochs=30)
+    status = results.check_claim(root, min_epochs=30)
     assert not status["missing"] and not status["incomplete"] and not status["diverged"]
-    plan = cifar.build_plan("claim", epochs=30, with_ablations=False)
+    plan = sweep.build_plan("claim", epochs=30, with_ablations=False)
     assert len(status["ok"]) == len(plan) == 18
     sel = json.loads((root / "selection" / "selected.json").read_text())["selected"]
-    for (c, m, s), rec in cifar.load_results(root, "cifar10").items():
+    for (c, m, s), rec in results.load_results(root, "cifar10").items():
         name = f"{c}/{m}/seed{s}"
         prov = json.loads((root / "cifar10" / c / m / f"seed{s}" / "provenance.json")
                           .read_text())
@@ -260,7 +256,7 @@ def test_committed_claim_suite_complete():
         assert all(len(r["test_acc_per_class"]) == 10 for r in rec["epochs"]), name
         assert rec["lr"] == sel[f"cifar10/{c}/{m}"]["lr"], name
     timing = json.loads((root / "timing" / "timing.json").read_text())["methods"]
-    assert set(cifar.CLAIM_METHODS) <= set(timing)
+    assert set(methods.CLAIM_METHODS) <= set(timing)
 
 
 def test_committed_results_complete():
@@ -270,32 +266,30 @@ def test_committed_results_complete():
     import json
     from pathlib import Path
 
-    from kwng.experiments import cifar
 
     root = Path(__file__).resolve().parent.parent / "results" / "cifar"
     assert (root / "cifar10").is_dir() and (root / "selection" / "selected.json").is_file()
-    res = cifar.check_results(root, "cifar10")
+    res = results.check_results(root, "cifar10")
     assert not res["missing"] and not res["incomplete"], res
-    assert sorted(res["cut"]) == sorted(cifar.BUDGET_CUT), res["cut"]
-    assert len(res["ok"]) + len(res["cut"]) == len(cifar.build_plan("main"))
+    assert sorted(res["cut"]) == sorted(results.BUDGET_CUT), res["cut"]
+    assert len(res["ok"]) + len(res["cut"]) == len(sweep.build_plan("main"))
     epochs = json.loads((root / "schedule.json").read_text())["epochs"]
-    recs = cifar.load_results(root, "cifar10")
+    recs = results.load_results(root, "cifar10")
     for (c, m, s), rec in recs.items():
         name = f"{c}/{m}/seed{s}"
         prov = json.loads((root / "cifar10" / c / m / f"seed{s}" / "provenance.json").read_text())
         assert prov["config"]["method"] == m and prov["config"]["seed"] == s and prov["device"], name
         assert rec["config"]["epochs"] == epochs, name
-        want = cifar.BUDGET_CUT.get(name, epochs)
-        assert len(rec["epochs"]) == want and rec["complete"] == (name not in cifar.BUDGET_CUT), name
+        want = results.BUDGET_CUT.get(name, epochs)
+        assert len(rec["epochs"]) == want and rec["complete"] == (name not in results.BUDGET_CUT), name
         assert [r["epoch"] for r in rec["epochs"]] == list(range(1, want + 1)), name
 
 
 def test_check_results_budget_cut(tmp_path):
     """The allow-list accepts a cut run only with its documented epoch count."""
-    from kwng.experiments import cifar
-    from kwng.provenance import atomic_write_json
+    from kwng.experiments.provenance import atomic_write_json
 
-    plan = cifar.build_plan("main", epochs=6)
+    plan = sweep.build_plan("main", epochs=6)
     cut = "ill/kwng_m20/seed0"
     for j in plan:
         name = f"{j['conditioning']}/{j['method']}/seed{j['seed']}"
@@ -304,19 +298,23 @@ def test_check_results_budget_cut(tmp_path):
         rows = [{"epoch": k + 1, "test_acc": 0.5} for k in range(n)]
         atomic_write_json(d / "metrics.json", {"config": {"epochs": 6}, "complete": n == 6, "epochs": rows})
         atomic_write_json(d / "provenance.json", {})
-    res = cifar.check_results(tmp_path, "cifar10", allow_cut={cut: 3})
+    res = results.check_results(tmp_path, "cifar10", allow_cut={cut: 3})
     assert res["cut"] == [cut] and not res["incomplete"] and not res["missing"]
-    assert cifar.check_results(tmp_path, "cifar10", allow_cut={cut: 4})["incomplete"] == [cut]
-    assert cifar.check_results(tmp_path, "cifar10", allow_cut={})["incomplete"] == [cut]
+    assert results.check_results(tmp_path, "cifar10", allow_cut={cut: 4})["incomplete"] == [cut]
+    assert results.check_results(tmp_path, "cifar10", allow_cut={})["incomplete"] == [cut]
     (tmp_path / "cifar10" / "well" / "sgd" / "seed1" / "provenance.json").unlink()
-    assert cifar.check_results(tmp_path, "cifar10", allow_cut={cut: 3})["missing"] == ["well/sgd/seed1"]
+    assert results.check_results(tmp_path, "cifar10", allow_cut={cut: 3})["missing"] == ["well/sgd/seed1"]
 
 
 # ----------------------------------------------------------------------------------- the claim suite
 def _two_networks(seed: int = 0, d: int = 5, condition: float = 1e4):
     """Network A: ``z ↦ U h(z)`` (U inside). Network B: the same body with the last layer's rows
     multiplied by ``U`` and no U: the same function, reparametrised. Float64 for exact comparisons."""
-    from kwng.nets import ConditionedNetwork, DiagonalConditioning, mlp
+    from kwng.experiments.cifar.nets import (
+        ConditionedNetwork,
+        DiagonalConditioning,
+        mlp,
+    )
 
     torch.manual_seed(seed)
     body = mlp(6, d, hidden=8, depth=1).double()
@@ -420,7 +418,6 @@ def test_authors_eps_convention():
     """ε_ours = √N ε_authors: the authors' direction (whitening by (CCᵀ/N)^{-1/2}, D = 1/(‖T̃‖ + 1e-8),
     ε I in the M × M system), written out independently here, equals ours with the converted ε."""
     from kwng.estimator import draw_basis, nystrom_solve
-    from kwng.experiments import cifar
     from kwng.kernels import make_kernel
 
     A, _, _, _ = _two_networks(seed=5)
@@ -434,72 +431,70 @@ def test_authors_eps_convention():
     D = 1.0 / (Tt.norm(dim=0) + 1e-8)
     G = (Tt * D) @ Tt.T + eps_a * torch.eye(5, dtype=torch.float64)
     authors = D * (g - Tt.T @ torch.linalg.solve(G, Tt @ (D * g))) / eps_a
-    ours = nystrom_solve(T, CCt, K, g, N, eps=cifar.authors_eps(eps_a, N), damping="T_tilde").direction
+    ours = nystrom_solve(T, CCt, K, g, N, eps=methods.authors_eps(eps_a, N), damping="T_tilde").direction
     err = float((ours - authors).norm() / authors.norm())
     assert err < 1e-6, err
     same_nominal = nystrom_solve(T, CCt, K, g, N, eps=eps_a, damping="T_tilde").direction
     assert (same_nominal - authors).norm() / authors.norm() > 0.1
-    assert cifar.authors_eps(1e-5, 128) == pytest.approx(1e-5 * 128 ** 0.5)
+    assert methods.authors_eps(1e-5, 128) == pytest.approx(1e-5 * 128 ** 0.5)
     for bad in ((0.0, 128), (1e-5, 0), (float("nan"), 4), (1e-5, 2.5)):
         with pytest.raises(ValueError, match="eps|batch_size"):
-            cifar.authors_eps(*bad)
+            methods.authors_eps(*bad)
 
 
 def test_claim_protocol_plans_and_schedule():
-    from kwng.experiments import cifar
 
-    assert cifar.milestones_for(30, "claim") == [26] and cifar.milestones_for(60, "claim") == [51]
-    assert cifar.milestones_for(6, "study6") == [3, 4] and cifar.milestones_for(2, "constant") == []
+    assert methods.milestones_for(30, "claim") == [26] and methods.milestones_for(60, "claim") == [51]
+    assert methods.milestones_for(6, "study6") == [3, 4] and methods.milestones_for(2, "constant") == []
     for E in range(2, 200):
-        (m,) = cifar.milestones_for(E, "claim")
+        (m,) = methods.milestones_for(E, "claim")
         assert E - m == max(1, round(0.15 * E))  # the last ~15 % of the epochs at 0.1x
     with pytest.raises(ValueError, match="schedule"):
-        cifar.milestones_for(10, "cosine")
-    claim = cifar.build_plan("claim", epochs=30, with_ablations=False)
+        methods.milestones_for(10, "cosine")
+    claim = sweep.build_plan("claim", epochs=30, with_ablations=False)
     names = {(j["conditioning"], j["method"], j["seed"]) for j in claim}
-    assert len(claim) == len(names) == 2 * len(cifar.CLAIM_METHODS) + 2 * len(cifar.CLAIM_TWO_SEEDS) == 18
+    assert len(claim) == len(names) == 2 * len(methods.CLAIM_METHODS) + 2 * len(methods.CLAIM_TWO_SEEDS) == 18
     assert all(j["schedule"] == "claim" and j["epochs"] == 30 and "claim" in j["out"] for j in claim)
-    with_abl = cifar.build_plan("claim", epochs=30, with_ablations=True)
-    assert {j["method"] for j in with_abl} - {j["method"] for j in claim} == set(cifar.CLAIM_ABLATIONS)
-    sel = cifar.build_plan("claim_select", select_epochs=2)
-    assert len(sel) == len(cifar.CLAIM_METHODS) * 2 * len(cifar.LR_GRID)
+    with_abl = sweep.build_plan("claim", epochs=30, with_ablations=True)
+    assert {j["method"] for j in with_abl} - {j["method"] for j in claim} == set(methods.CLAIM_ABLATIONS)
+    sel = sweep.build_plan("claim_select", select_epochs=2)
+    assert len(sel) == len(methods.CLAIM_METHODS) * 2 * len(methods.LR_GRID)
     assert all(j["val_size"] > 0 and j["schedule"] == "constant" and j["epochs"] == 2 for j in sel)
-    spec = cifar.METHODS
+    spec = methods.METHODS
     assert spec["kwng"]["estimator_input"] == "scaled" and spec["kwng_samples_before_U"]["estimator_input"] == "logits"
     assert spec["diag_Ttilde"]["estimator_input"] == "scaled" and spec["diag_Ttilde"]["diagonal_only"]
     # balanced slots: every GPU gets a similar share of the expensive runs
-    slotted = cifar.assign_slots(claim, 4, 5)
+    slotted = sweep.assign_slots(claim, 4, 5)
     load = [0.0] * 4
     for j in slotted:
-        load[j["slot"] // 5] += cifar.job_cost(j)
+        load[j["slot"] // 5] += sweep.job_cost(j)
     assert len({j["slot"] for j in slotted}) == len(claim) and max(load) - min(load) <= 5.4 * 30 + 1e-9  # one KWNG run (cost per epoch x epochs)
 
 
 def test_check_claim(tmp_path):
-    from kwng.experiments import cifar
-    from kwng.provenance import atomic_write_json
+    from kwng.experiments.provenance import atomic_write_json
 
-    plan = cifar.build_plan("claim", epochs=30, with_ablations=False)
+    plan = sweep.build_plan("claim", epochs=30, with_ablations=False)
     for j in plan:
         d = tmp_path / "cifar10" / j["conditioning"] / j["method"] / f"seed{j['seed']}"
         rows = [{"epoch": k + 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 10} for k in range(30)]
         atomic_write_json(d / "metrics.json", {"config": {"epochs": 30, "schedule": "claim"}, "complete": True,
                                                "milestones": [26], "epochs": rows})
         atomic_write_json(d / "provenance.json", {})
-    res = cifar.check_claim(tmp_path)
+    res = results.check_claim(tmp_path)
     assert len(res["ok"]) == 18 and not res["missing"] and not res["incomplete"]
-    assert cifar.check_claim(tmp_path, min_epochs=31)["incomplete"]  # shorter than asked
+    assert results.check_claim(tmp_path, min_epochs=31)["incomplete"]  # shorter than asked
     d = tmp_path / "cifar10" / "ill" / "kwng" / "seed1"
     rec = {"config": {"epochs": 30, "schedule": "claim"}, "complete": False, "milestones": [26],
            "epochs": [{"epoch": 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 10}]}
     atomic_write_json(d / "metrics.json", rec)
-    assert cifar.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
+    assert results.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
     rec.update(complete=True, epochs=[{"epoch": k + 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 9}
                                       for k in range(30)])
     atomic_write_json(d / "metrics.json", rec)
-    assert cifar.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]  # per-class accuracy missing
+    assert results.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]  # per-class accuracy missing
     (tmp_path / "cifar10" / "well" / "adam" / "seed0" / "provenance.json").unlink()
-    assert cifar.check_claim(tmp_path)["missing"] == ["well/adam/seed0"]
+    assert results.check_claim(tmp_path)["missing"] == ["well/adam/seed0"]
 
 
 def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
@@ -507,19 +502,19 @@ def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
     and the record has the claim suite's per-epoch metrics."""
     import itertools
 
-    from kwng.experiments import cifar, cifar_train
+    from kwng.experiments.cifar import train as cifar_train
 
-    full = cifar.run(_run_cfg(tmp_path / "a", method="kwng", batch_size=50), progress=False)
+    full = train.run(_run_cfg(tmp_path / "a", method="kwng", batch_size=50), progress=False)
     calls = itertools.count()
     # the deadline test of the training loop lives in cifar_train (cifar.run is its run)
     monkeypatch.setattr(cifar_train, "_past", lambda deadline: deadline is not None and next(calls) >= 6)
-    part = cifar.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50, deadline=1.0), progress=False)
+    part = train.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50, deadline=1.0), progress=False)
     monkeypatch.undo()
     assert len(part["epochs"]) == 1 and part["stopped"] == "deadline"
-    ck = torch.load(cifar.checkpoint_path_for(_run_cfg(tmp_path / "b", method="kwng", batch_size=50)),
+    ck = torch.load(train.checkpoint_path_for(_run_cfg(tmp_path / "b", method="kwng", batch_size=50)),
                     weights_only=False)
     assert ck["epoch"] == 1 and ck["partial"]["batches"] == 2
-    resumed = cifar.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50), progress=False)
+    resumed = train.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50), progress=False)
 
     def strip(rows):
         return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
@@ -530,7 +525,7 @@ def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
     assert 0 < row["last_layer_update_share"] < 1 and row["eps_mean"] > 0
     # the committed sample's test split has 20 images per class
     assert sum(a * 20 for a in row["test_acc_per_class"]) == pytest.approx(row["test_acc"] * 200)
-    assert resumed["milestones"] == cifar.milestones_for(2, "claim") == [1]
+    assert resumed["milestones"] == methods.milestones_for(2, "claim") == [1]
 
 
 class _SameBatchProbe:
@@ -550,18 +545,17 @@ class _SameBatchProbe:
 
 
 def test_same_batch_loss_after_step_keeps_batchnorm_stats():
-    from kwng.baselines import bn_state
-    from kwng.experiments import cifar
-    from kwng.experiments.cifar_methods import KWNGStep
-    from kwng.experiments.cifar_metrics import EpochStats
+    from kwng.experiments.cifar.baselines import bn_state
+    from kwng.experiments.cifar.methods import KWNGStep
+    from kwng.experiments.cifar.metrics import EpochStats
 
-    cfg = cifar.RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
+    cfg = methods.RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
     torch.manual_seed(0)
-    model = cifar.build_model(cfg)
+    model = methods.build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = _SameBatchProbe()
     z, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    loss, out, info, _ = cifar.train_step(KWNGStep(model, opt, probe), model, z, y)
+    loss, out, info, _ = train.train_step(KWNGStep(model, opt, probe), model, z, y)
     stats_after_step = bn_state(model)
     assert len(probe.seen) == 1
     for k, v in bn_state(model).items():
@@ -574,9 +568,9 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     s.add_info({"eps": torch.tensor(3.0), "reduction_ratio": torch.tensor(0.5)})
     r = s.row()
     assert r["eps_mean"] == 2.0 and r["eps_last"] == 3.0 and r["reduction_ratio_mean"] == 0.5
-    if not cifar.lm_same_batch_available():
+    if not methods.lm_same_batch_available():
         with pytest.raises(ValueError, match="lm_rule"):
-            cifar.run(_run_cfg_claim(), progress=False)
+            train.run(_run_cfg_claim(), progress=False)
 
 
 def _run_cfg_claim():
@@ -588,9 +582,9 @@ def _run_cfg_claim():
 def _fake_claim_results(kwng_ill: float, small_ill: float):
     """Records of the claim suite: 10 classes, per-class accuracy; KWNG IC has ``kwng_ill`` overall and
     ``small_ill`` on the four classes with the smallest U_k."""
-    from kwng.plotting_cifar import class_scalings
+    from kwng.experiments.cifar.nets import DiagonalConditioning
 
-    U = class_scalings({})
+    U = DiagonalConditioning(10, 1e7).diag.double().numpy()
     small = np.argsort(U)[:4]
     out = {}
     for cond in ("ill", "well"):
@@ -609,7 +603,7 @@ def _fake_claim_results(kwng_ill: float, small_ill: float):
 
 
 def test_claim_verdict_rule():
-    from kwng import plotting_cifar as pcf
+    from kwng.plots import cifar as pcf
 
     holds = pcf.claim_verdict(_fake_claim_results(0.78, 0.7))
     assert holds["holds"] and holds["a_within"] and holds["b_above_sgd"] and holds["c_small_classes"]
@@ -636,16 +630,15 @@ def test_every_method_behind_one_step(method, family):
     """``make_step`` picks the family's adapter; its direction leaves the parameters alone
     (so the last-layer share may be measured around the whole step); a few steps on one
     batch lower that batch's loss."""
-    from kwng.experiments import cifar
-    from kwng.experiments.cifar_metrics import UpdateShare
+    from kwng.experiments.cifar.metrics import UpdateShare
 
     if family == "KFACStep":
         pytest.importorskip("nngeometry")
     lr = 0.01 if method == "adam" else 0.05
-    cfg = cifar.RunConfig(method=method, model="tiny", lr=lr, device="cpu")
+    cfg = methods.RunConfig(method=method, model="tiny", lr=lr, device="cpu")
     torch.manual_seed(0)
-    model = cifar.build_model(cfg)
-    step = cifar.make_step(cfg, model, cifar.build_optimizer(cfg, model, lr), torch.device("cpu"))
+    model = methods.build_model(cfg)
+    step = methods.make_step(cfg, model, methods.build_optimizer(cfg, model, lr), torch.device("cpu"))
     assert type(step).__name__ == family
     z, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
     before = [p.detach().clone() for p in model.parameters()]
@@ -653,14 +646,14 @@ def test_every_method_behind_one_step(method, family):
     step.direction(torch.nn.functional.cross_entropy(out, y), out, h, (z, y))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     share = UpdateShare(model)
-    losses = [float(cifar.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
+    losses = [float(train.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
     assert losses[-1] < losses[0]
 
 
 def test_scale_selects_the_small_run_settings(monkeypatch):
     """``KWNG_SCALE=small`` fills the single run's unset settings with ``SMALL_RUN``;
     ``full`` keeps the study's; explicit values always win."""
-    from kwng.experiments import cifar
+    from kwng.experiments.cifar import cli as cifar
 
     def cfg(*argv):
         return cifar.run_config_from_args(cifar._run_parser().parse_args(list(argv)))
@@ -673,4 +666,4 @@ def test_scale_selects_the_small_run_settings(monkeypatch):
     monkeypatch.setenv("KWNG_SCALE", "full")
     full = cfg()
     assert (full["model"], full["source"], full["epochs"], full["out"]) == (
-        "resnet18", "auto", 30, str(cifar.RESULTS))
+        "resnet18", "auto", 30, str(methods.RESULTS))

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwng import plotting_cifar as pc
-from kwng.experiments import cifar
+from kwng.experiments.cifar import methods, sweep
+from kwng.experiments.cifar import results as results_
+from kwng.plots import cifar as pc
 
 ROOT = Path(__file__).resolve().parents[1] / "results" / "cifar"
 CLAIM = ROOT / "claim"
@@ -29,7 +30,7 @@ PARTIAL = ROOT / "claim_partial"
 
 @pytest.fixture(scope="module")
 def claim():
-    results = cifar.load_results(CLAIM, "cifar10")
+    results = results_.load_results(CLAIM, "cifar10")
     E = min(len(r["epochs"]) for r in results.values())
     at_E = pc.at_epoch(results, E)
     return results, E, at_E
@@ -37,7 +38,7 @@ def claim():
 
 def test_claim_suite_complete(claim):
     results, E, _ = claim
-    status = cifar.check_claim(CLAIM, min_epochs=30)
+    status = results_.check_claim(CLAIM, min_epochs=30)
     assert E == 30 and not any(status[k] for k in ("missing", "incomplete", "diverged"))
     assert len(results) == 18
     for key in results:
@@ -52,7 +53,7 @@ def test_claim_suite_complete(claim):
 
 def test_claim_selection_grid():
     sel = json.loads((CLAIM / "selection" / "selected.json").read_text())
-    assert sel["grid"] == list(cifar.LR_GRID)
+    assert sel["grid"] == list(methods.LR_GRID)
 
 
 def test_claim_verdict_numbers(claim):
@@ -97,7 +98,7 @@ def test_claim_eps_dynamics_records(claim):
         assert pc.diag_series(r, "clipped").min() == 1.0
         if cond == "well":
             assert (ratio < 0).all()
-    pilot = cifar.load_results(PARTIAL, "cifar10")
+    pilot = results_.load_results(PARTIAL, "cifar10")
     for cond in ("ill", "well"):
         r = pilot[(cond, "kwng_lm_same_batch", 0)]
         ratio = pc.diag_series(r, "reduction_ratio")[:5]
@@ -109,7 +110,7 @@ def test_claim_eps_dynamics_records(claim):
 
 @pytest.fixture(scope="module")
 def six():
-    results = cifar.load_results(ROOT, "cifar10")
+    results = results_.load_results(ROOT, "cifar10")
     table = pc.final_accuracy_table(results)
     return results, table
 
@@ -120,14 +121,14 @@ def _final(table, cond, method):
 
 def test_six_epoch_records_complete(six):
     results, _ = six
-    status = cifar.check_results(ROOT, "cifar10")
+    status = results_.check_results(ROOT, "cifar10")
     sched = json.loads((ROOT / "schedule.json").read_text())
-    assert len(results) == len(cifar.build_plan("main")) == 38
+    assert len(results) == len(sweep.build_plan("main")) == 38
     assert (
         not status["missing"] and not status["incomplete"] and len(status["ok"]) == 36
     )
-    assert sorted(status["cut"]) == sorted(cifar.BUDGET_CUT)
-    assert set(cifar.BUDGET_CUT.values()) == {3}
+    assert sorted(status["cut"]) == sorted(results_.BUDGET_CUT)
+    assert set(results_.BUDGET_CUT.values()) == {3}
     E = sched["epochs"]
     assert E == 6 and {tuple(r["milestones"]) for r in results.values()} == {(3, 4)}
     assert {r["clip_norm"] for r in results.values()} == {1.0}
@@ -183,7 +184,7 @@ def test_six_epoch_final_table(six):
 def test_six_epoch_timing(six):
     results, _ = six
     timing = json.loads((ROOT / "timing" / "timing.json").read_text())
-    assert {j["method"] for j in cifar.build_plan("main")} <= set(timing["methods"])
+    assert {j["method"] for j in sweep.build_plan("main")} <= set(timing["methods"])
     slow = []
     for m, t in timing["methods"].items():
         shared = [

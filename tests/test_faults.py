@@ -28,16 +28,18 @@ import pytest
 import torch
 
 import kwng
-from kwng import data as kdata
-from kwng.experiments import cifar
 from kwng.experiments import synthetic as syn
+from kwng.experiments import synthetic_setup
+from kwng.experiments.cifar import cli as cifar
+from kwng.experiments.cifar import data as kdata
+from kwng.experiments.cifar import results, sweep, train
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 
 
 def _tiny_relerr(runs: int = 2) -> dict:
-    cfg = syn.relerr_config("small")
+    cfg = synthetic_setup.relerr_config("small")
     cfg.update(
         models=["sphere"],
         dims=[1, 2],
@@ -87,7 +89,7 @@ def test_sweep_refuses_another_configuration_and_force_backs_up(tmp_path):
     assert (
         len(backups) == 1 and _snapshot(backups[0]) == before
     )  # the old results, moved whole
-    assert {r["run"] for r in syn.load_rows(out / "sphere.csv")} == {0, 1, 2}
+    assert {r["run"] for r in synthetic_setup.load_rows(out / "sphere.csv")} == {0, 1, 2}
 
 
 def test_small_command_leaves_full_scale_results_alone(tmp_path):
@@ -115,7 +117,7 @@ def test_small_command_leaves_full_scale_results_alone(tmp_path):
 
 
 def test_flow_refuses_another_configuration(tmp_path):
-    cfg = syn.flow_config("small")
+    cfg = synthetic_setup.flow_config("small")
     cfg.update(
         d=2,
         iterations=2,
@@ -143,7 +145,7 @@ def test_cifar_run_never_overwrites_the_budget_cut_record(tmp_path):
     before = _snapshot(dst)
     cfg = _run_cfg(tmp_path, method="kwng_m20", conditioning="ill", max_steps=2)
     with pytest.raises(ValueError, match=r"differing keys: .*epochs.*model"):
-        cifar.run(cfg, progress=False)
+        train.run(cfg, progress=False)
     assert _snapshot(dst) == before
 
 
@@ -167,7 +169,7 @@ def test_cifar_run_same_configuration_without_checkpoint_is_refused(tmp_path):
         deadline=1.0,
     )
     with pytest.raises(ValueError, match="checkpoint .* is missing"):
-        cifar.run(cfg, progress=False)
+        train.run(cfg, progress=False)
     assert _snapshot(dst) == before
 
 
@@ -189,11 +191,11 @@ def test_schedule_never_replaces_a_different_file(tmp_path, caplog):
 
 # ----------------------------------------------------- 2. reruns compare the settings
 def test_resume_with_another_lr_is_refused(tmp_path):
-    cifar.run(_run_cfg(tmp_path, stop_after_epoch=1), progress=False)
-    rdir = cifar.run_dir_for(_run_cfg(tmp_path))
+    train.run(_run_cfg(tmp_path, stop_after_epoch=1), progress=False)
+    rdir = train.run_dir_for(_run_cfg(tmp_path))
     before = _snapshot(rdir)
     with pytest.raises(ValueError, match="differing keys: lr"):
-        cifar.run(_run_cfg(tmp_path, lr=0.01), progress=False)
+        train.run(_run_cfg(tmp_path, lr=0.01), progress=False)
     assert _snapshot(rdir) == before
     assert (
         cifar.main(
@@ -226,19 +228,19 @@ def test_resume_with_another_lr_is_refused(tmp_path):
 
 
 def test_finished_run_asked_with_other_settings_is_refused(tmp_path):
-    done = cifar.run(_run_cfg(tmp_path), progress=False)
+    done = train.run(_run_cfg(tmp_path), progress=False)
     assert done["complete"]
     assert (
-        cifar.run(_run_cfg(tmp_path), progress=False)["epochs"] == done["epochs"]
+        train.run(_run_cfg(tmp_path), progress=False)["epochs"] == done["epochs"]
     )  # same settings: skipped
     with pytest.raises(ValueError, match="differing keys: epochs"):
-        cifar.run(_run_cfg(tmp_path, epochs=3), progress=False)
+        train.run(_run_cfg(tmp_path, epochs=3), progress=False)
     with pytest.raises(ValueError, match="differing keys: .*lr"):
-        cifar.run(_run_cfg(tmp_path, lr=0.05), progress=False)
+        train.run(_run_cfg(tmp_path, lr=0.05), progress=False)
     # --force keeps the old run in a dated backup
-    again = cifar.run(_run_cfg(tmp_path, epochs=3), progress=False, force=True)
+    again = train.run(_run_cfg(tmp_path, epochs=3), progress=False, force=True)
     assert again["complete"] and len(again["epochs"]) == 3
-    backups = list(cifar.run_dir_for(_run_cfg(tmp_path)).parent.glob("seed0.backup-*"))
+    backups = list(train.run_dir_for(_run_cfg(tmp_path)).parent.glob("seed0.backup-*"))
     assert (
         len(backups) == 1
         and json.loads((backups[0] / "metrics.json").read_text())["epochs"]
@@ -374,11 +376,11 @@ def test_non_finite_samples_are_reported_as_such(bad):
 # ----------------------------------------------------- 6. failures, bad rows, bad files
 def test_corrupt_metrics_does_not_stop_the_worker(tmp_path):
     jobs = [_run_cfg(tmp_path, method="sgd", seed=s, epochs=1) for s in (0, 1)]
-    bad = cifar.run_dir_for(jobs[0]) / "metrics.json"
+    bad = train.run_dir_for(jobs[0]) / "metrics.json"
     bad.parent.mkdir(parents=True)
     bad.write_text('{"config": {"epochs": 1}, "comple')  # truncated
-    failures = cifar.worker(jobs, "test", None)
-    assert json.loads((cifar.run_dir_for(jobs[1]) / "metrics.json").read_text())[
+    failures = sweep.worker(jobs, "test", None)
+    assert json.loads((train.run_dir_for(jobs[1]) / "metrics.json").read_text())[
         "complete"
     ]
     assert len(failures) == 1 and str(bad) in failures[0]["error"]
@@ -386,12 +388,12 @@ def test_corrupt_metrics_does_not_stop_the_worker(tmp_path):
 
 def test_sweep_exits_non_zero_listing_failures(tmp_path, caplog):
     jobs = [_run_cfg(tmp_path, method="sgd", seed=s, epochs=1) for s in (0, 1)]
-    bad = cifar.run_dir_for(jobs[1]) / "metrics.json"
+    bad = train.run_dir_for(jobs[1]) / "metrics.json"
     bad.parent.mkdir(parents=True)
     bad.write_text("not json")
-    rc = cifar.sweep(jobs, 0, 1, None, tmp_path / "plans" / "p.json")
+    rc = sweep.sweep(jobs, 0, 1, None, tmp_path / "plans" / "p.json")
     assert rc == 1
-    assert json.loads((cifar.run_dir_for(jobs[0]) / "metrics.json").read_text())[
+    assert json.loads((train.run_dir_for(jobs[0]) / "metrics.json").read_text())[
         "complete"
     ]
     assert str(bad) in caplog.text
@@ -419,7 +421,7 @@ def test_resume_recomputes_bad_csv_rows(tmp_path):
 
 
 def test_unreadable_files_are_named(tmp_path):
-    from kwng.provenance import read_json
+    from kwng.experiments.provenance import read_json
 
     f = tmp_path / "metrics.json"
     f.write_text('{"epochs": [1, 2')
@@ -429,27 +431,27 @@ def test_unreadable_files_are_named(tmp_path):
     rdir.mkdir(parents=True)
     (rdir / "metrics.json").write_text("")
     with pytest.raises(ValueError, match=str(rdir / "metrics.json")):
-        cifar.load_results(tmp_path / "res", "cifar10")
+        results.load_results(tmp_path / "res", "cifar10")
     csv_path = tmp_path / "sphere.csv"
     csv_path.write_text(
-        ",".join(syn.SWEEP_COLUMNS) + "\nsphere,N,1,100,10,1.0,zero,1.0,3,0.1\n"
+        ",".join(synthetic_setup.SWEEP_COLUMNS) + "\nsphere,N,1,100,10,1.0,zero,1.0,3,0.1\n"
     )
     with pytest.raises(ValueError, match=rf"{csv_path}:2.*'run'"):
-        syn.load_rows(csv_path)
+        synthetic_setup.load_rows(csv_path)
 
 
 def test_truncated_checkpoint_is_named(tmp_path):
     cfg = _run_cfg(tmp_path, stop_after_epoch=1)
-    cifar.run(cfg, progress=False)
-    ck = cifar.checkpoint_path_for(cfg)
+    train.run(cfg, progress=False)
+    ck = train.checkpoint_path_for(cfg)
     blob = ck.read_bytes()
     ck.write_bytes(blob[: len(blob) // 2])
     with pytest.raises(Exception) as info:
-        cifar.run(_run_cfg(tmp_path), progress=False)
+        train.run(_run_cfg(tmp_path), progress=False)
     assert str(ck) in str(info.value)
-    rdir = cifar.run_dir_for(cfg)
+    rdir = train.run_dir_for(cfg)
     partial = (rdir / "metrics.json").read_bytes()
-    rec = cifar.run(
+    rec = train.run(
         _run_cfg(tmp_path), progress=False, force=True
     )  # restarts; the old files kept aside
     assert rec["complete"]

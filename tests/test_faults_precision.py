@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kwng
-from kwng.experiments.synthetic import draw_theta
+from kwng.experiments.synthetic_setup import draw_theta
 
 D, N, M = 3, 300, 20
 
@@ -62,7 +62,7 @@ def test_coarse_samples_warn_in_both_estimators(name):
     shifted = lambda t: sampler(t) + 300.0  # noqa: E731  (float16 at ~300: 1 % steps
     with pytest.warns(RuntimeWarning, match="rounded"):
         res = ESTIMATORS[name](theta, grad, shifted)
-    assert res.diagnostics["sample_resolution"] > kwng.estimator.RESOLUTION_WARN
+    assert res.diagnostics["sample_resolution"] > kwng.samples.RESOLUTION_WARN
 
 
 def test_all_degenerate_columns_warn_instead_of_a_silent_zero():

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 import kwng
-from kwng import data as kdata
-from kwng.lm import LevenbergMarquardt
+from kwng.engine.lm import LevenbergMarquardt
+from kwng.experiments import synthetic_setup
+from kwng.experiments.cifar import data as kdata
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,8 +160,9 @@ if not torch.cuda.is_available():
 
 
 def _main(module: str):
-    from kwng import bench
-    from kwng.experiments import cifar, fisher, synthetic
+    from kwng.experiments import fisher, synthetic
+    from kwng.experiments.bench import step_cost as bench
+    from kwng.experiments.cifar import cli as cifar
 
     return {"cifar": cifar.main, "bench": bench.main, "relerr": synthetic.main,
             "fisher": fisher.main}[module]
@@ -196,7 +198,7 @@ def test_data_root_at_small_scale_says_which_model_trains(tmp_path, caplog,
                                                           monkeypatch):
     import shutil
 
-    from kwng.experiments import cifar
+    from kwng.experiments.cifar import cli as cifar
 
     monkeypatch.setenv("KWNG_SCALE", "small")
     root = tmp_path / "cifar10_jpeg.npz"  # a copy: its decode cache goes beside it
@@ -215,7 +217,7 @@ def test_data_root_at_small_scale_says_which_model_trains(tmp_path, caplog,
 
 
 def test_provenance_command_can_be_typed_again(monkeypatch):
-    from kwng import provenance
+    from kwng.experiments import provenance
 
     spec = types.SimpleNamespace(name="kwng.experiments.__main__")
     monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=spec))
@@ -254,7 +256,7 @@ def _interrupt_then_resume(monkeypatch, module, name: str, kill_at: int, run,
 def test_interrupted_sweep_time_is_counted(tmp_path, monkeypatch):
     from kwng.experiments import synthetic as syn
 
-    cfg = syn.relerr_config("small")
+    cfg = synthetic_setup.relerr_config("small")
     cfg.update(models=["sphere"], dims=[1, 2], N_values=[60], N_fixed=60,
                M_values=[5], runs=2)
     _interrupt_then_resume(monkeypatch, syn, "_compute_point", 3,

@@ -19,8 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments import cifar, cifar_sweep, guard
-from kwng.provenance import ResultFileError
+from kwng.experiments import fisher_flow, fisher_sweep, guard, synthetic_setup
+from kwng.experiments.cifar import cli as cifar
+from kwng.experiments.cifar import sweep as cifar_sweep
+from kwng.experiments.cifar import train
+from kwng.experiments.provenance import ResultFileError
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -45,7 +48,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 def finished_run(tmp_path_factory) -> Path:
     """A finished tiny run (lr 0.1, 2 epochs); tests copy it."""
     tmp = tmp_path_factory.mktemp("finished")
-    rec = cifar.run(_run_cfg(tmp), progress=False)
+    rec = train.run(_run_cfg(tmp), progress=False)
     assert rec["complete"]
     return tmp
 
@@ -56,7 +59,7 @@ def _copy_finished(finished_run: Path, tmp_path: Path) -> Path:
     for name in ("res", "ck"):
         if (finished_run / name).exists():
             shutil.copytree(finished_run / name, tmp_path / name)
-    return cifar.run_dir_for(_run_cfg(tmp_path))
+    return train.run_dir_for(_run_cfg(tmp_path))
 
 
 def test_sweep_refuses_to_skip_a_run_of_another_configuration(finished_run, tmp_path):
@@ -92,7 +95,7 @@ def test_sweep_force_backs_up_the_other_configuration(finished_run, tmp_path):
 def test_sweep_cli_refuses_with_rc_2_naming_the_run(finished_run, tmp_path, caplog,
                                                     monkeypatch):
     rdir = _copy_finished(finished_run, tmp_path)
-    monkeypatch.setattr("kwng.experiments.cifar.CHECKPOINTS", tmp_path / "ckroot")
+    monkeypatch.setattr("kwng.experiments.cifar.methods.CHECKPOINTS", tmp_path / "ckroot")
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps([_run_cfg(tmp_path, lr=0.5, epochs=5)]))
     with caplog.at_level(logging.ERROR):
@@ -111,7 +114,7 @@ def test_malformed_identity_is_a_refusal(finished_run, tmp_path, identity):
     mp.write_text(json.dumps(rec))
     before = _snapshot(tmp_path)
     with pytest.raises(ResultFileError, match="identity"):
-        cifar.run(_run_cfg(tmp_path), progress=False)  # single-run path
+        train.run(_run_cfg(tmp_path), progress=False)  # single-run path
     assert not cifar_sweep._is_complete(_run_cfg(tmp_path))  # never skipped
     assert _snapshot(tmp_path) == before
 
@@ -155,10 +158,9 @@ def _values(rows: list[dict]) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def fisher_done(tmp_path_factory) -> Path:
-    from kwng.experiments import fisher as E
 
     out = tmp_path_factory.mktemp("fisher") / "out"
-    E.run_sweep(_tiny_fisher(), out, progress=False)
+    fisher_sweep.run_sweep(_tiny_fisher(), out, progress=False)
     return out
 
 
@@ -183,20 +185,19 @@ def test_fisher_resume_removes_and_recomputes_damaged_rows(fisher_done, tmp_path
                                                            caplog):
     import shutil
 
-    from kwng.experiments import fisher as E
 
     out = tmp_path / "out"
     shutil.copytree(fisher_done, out)
     path = out / "sweep.csv"
-    good = E.load_sweep(path)
+    good = fisher_sweep.load_sweep(path)
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(_damage(lines, how)))
     with pytest.raises(ResultFileError, match=str(path)):
-        E.load_sweep(path)
+        fisher_sweep.load_sweep(path)
     with caplog.at_level(logging.WARNING):
-        E.run_sweep(_tiny_fisher(), out, progress=False)
+        fisher_sweep.run_sweep(_tiny_fisher(), out, progress=False)
     assert f"{path}:" in caplog.text and "recomputed" in caplog.text
-    rows, problems, _ = E.checked_sweep_rows(path)
+    rows, problems, _ = fisher_sweep.checked_sweep_rows(path)
     assert problems == []
     assert _values(rows) == _values(good)  # the same draws, recomputed
 
@@ -205,18 +206,17 @@ def test_fisher_unreadable_sweep_csv_refused_or_backed_up_with_force(fisher_done
                                                                      tmp_path):
     import shutil
 
-    from kwng.experiments import fisher as E
 
     out = tmp_path / "out"
     shutil.copytree(fisher_done, out)
     path = out / "sweep.csv"
-    good = E.load_sweep(path)
+    good = fisher_sweep.load_sweep(path)
     path.write_text("abc\n")
     with pytest.raises(ResultFileError, match=f"{path}.*header.*--force"):
-        E.run_sweep(_tiny_fisher(), out, progress=False)
+        fisher_sweep.run_sweep(_tiny_fisher(), out, progress=False)
     assert path.read_text() == "abc\n"
-    E.run_sweep(_tiny_fisher(), out, progress=False, force=True)
-    assert _values(E.load_sweep(path)) == _values(good)
+    fisher_sweep.run_sweep(_tiny_fisher(), out, progress=False, force=True)
+    assert _values(fisher_sweep.load_sweep(path)) == _values(good)
     assert [p.read_text() for p in out.glob("sweep.csv.backup-*")] == ["abc\n"]
 
 
@@ -236,8 +236,8 @@ def test_fisher_cli_refuses_another_configuration_and_has_force(fisher_done, tmp
     assert "differing keys" in caplog.text and _snapshot(out) == before
     # --force moves this part's files only, to dated backups (checked on the tiny grid)
     other = dict(_tiny_fisher(), runs=1)
-    E.run_sweep(other, out, progress=False, force=True)
-    assert len(E.load_sweep(out / "sweep.csv")) == 2 * 2 * 1
+    fisher_sweep.run_sweep(other, out, progress=False, force=True)
+    assert len(fisher_sweep.load_sweep(out / "sweep.csv")) == 2 * 2 * 1
     olds = list(out.glob("sweep.csv.backup-*"))
     assert len(olds) == 1 and olds[0].read_bytes() == before["sweep.csv"]
     assert _has_force_option()
@@ -257,9 +257,8 @@ def _has_force_option() -> bool:
 
 # --------------------------------------------------------- 4. the other resume holes
 def _tiny_relerr() -> dict:
-    from kwng.experiments import synthetic as syn
 
-    cfg = syn.relerr_config("small")
+    cfg = synthetic_setup.relerr_config("small")
     cfg.update(models=["sphere"], dims=[1, 2], N_values=[60, 120], N_fixed=120,
                M_values=[5], runs=2)
     return cfg
@@ -281,18 +280,17 @@ def test_relerr_duplicated_row_is_actually_removed(tmp_path, caplog, copy_change
         dup = ",".join(f) + "\n"
     path.write_text("".join(lines + [dup]))
     with pytest.raises(ResultFileError, match="duplicate"):
-        syn.load_rows(path)
+        synthetic_setup.load_rows(path)
     with caplog.at_level(logging.WARNING):
         syn.run_sweep(_tiny_relerr(), out, progress=False)
     assert "removed" in caplog.text
     assert sorted(path.read_text().splitlines()) == sorted(good.splitlines())
-    assert len(syn.load_rows(path)) == len(lines) - 1
+    assert len(synthetic_setup.load_rows(path)) == len(lines) - 1
 
 
 def _tiny_flow() -> dict:
-    from kwng.experiments import synthetic as syn
 
-    cfg = syn.flow_config("small")
+    cfg = synthetic_setup.flow_config("small")
     cfg.update(d=2, iterations=3, kwng_variants={"kwng": {"N": 40, "M": 10}},
                steps={"wng": 0.1, "kwng": 0.1, "eg": 1e-2})
     return cfg
@@ -347,7 +345,7 @@ def test_nan_inside_a_flow_curve_fails_the_completeness_check(flow_done, tmp_pat
     j = next(k for k, ln in enumerate(lines) if ln.startswith("3,wng,"))
     lines[j] = "3,wng,nan\n"
     path.write_text("".join(lines))
-    assert syn.flow_problems(res / "flow", prov) == []
+    assert synthetic_setup.flow_problems(res / "flow", prov) == []
 
 
 def test_cifar_val_size_not_below_the_training_set_is_refused(tmp_path, caplog):
@@ -386,11 +384,11 @@ def test_fisher_flow_rerun_with_truncated_flow_csv_recomputes(tmp_path, caplog):
     cfg = E.flow_config("small")
     cfg.update(iterations=3, N=60, M=10)
     out = tmp_path / "fisher"
-    E.run_flow(cfg, out, progress=False)
+    fisher_flow.run_flow(cfg, out, progress=False)
     path = out / "flow.csv"
     good = path.read_text()
     path.write_text(good[: len(good) // 2])
     with caplog.at_level(logging.WARNING):
-        E.run_flow(cfg, out, progress=False)
+        fisher_flow.run_flow(cfg, out, progress=False)
     assert "recomputed" in caplog.text and str(path) in caplog.text
     assert path.read_text() == good

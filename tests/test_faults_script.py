@@ -1,8 +1,8 @@
-"""Fault case of issue 23, point 5: ``benchmarks/run_cifar_gpu.sh`` checks every
+"""Fault case of issue 23, point 5: ``scripts/run_cifar_gpu.sh`` checks every
 prerequisite before it touches anything and never moves tracked files.
 
 The script runs on the CPU (``GPUS=0``) in a temporary copy of the parts of the tree it
-uses (``kwng/``, ``benchmarks/``, ``results/cifar/``); the committed results are only
+uses (``kwng/``, ``scripts/``, ``results/cifar/``); the committed results are only
 copied."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _tree(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
-    for part in ("kwng", "benchmarks"):
+    for part in ("kwng", "scripts"):
         shutil.copytree(ROOT / part, repo / part,
                         ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "results" / "cifar", repo / "results" / "cifar")
@@ -46,17 +46,17 @@ def _script(repo: Path, tmp_path: Path, **env) -> subprocess.CompletedProcess:
     full.update(PY=sys.executable, GPUS="0", OUT=str(tmp_path / "out"), TIMING="0",
                 PYTHONPATH=str(repo))
     full.update(env)
-    return subprocess.run(["bash", "benchmarks/run_cifar_gpu.sh"], cwd=repo, env=full,
+    return subprocess.run(["bash", "scripts/run_cifar_gpu.sh"], cwd=repo, env=full,
                           capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("env, says", [
     ({}, ".data/cifar10_jpeg.npz not found"),
-    ({"DATA": "kwng/data_sample/cifar10_sample.npz", "GPUS": "two"},
+    ({"DATA": "kwng/experiments/cifar/data_sample/cifar10_sample.npz", "GPUS": "two"},
      "GPUS must be a non-negative integer"),
-    ({"DATA": "kwng/data_sample/cifar10_sample.npz", "EPOCHS": "auto"},
+    ({"DATA": "kwng/experiments/cifar/data_sample/cifar10_sample.npz", "EPOCHS": "auto"},
      "EPOCHS=auto needs CLAIM_BUDGET_S"),
-    ({"DATA": "kwng/data_sample/cifar10_sample.npz", "PY": "no-such-python"},
+    ({"DATA": "kwng/experiments/cifar/data_sample/cifar10_sample.npz", "PY": "no-such-python"},
      "python 'no-such-python' not found"),
 ])
 def test_missing_prerequisite_changes_nothing(tmp_path, env, says):
@@ -76,7 +76,7 @@ def test_a_call_keeps_tracked_files_in_place(tmp_path):
     repo = _tree(tmp_path)
     claim = repo / "results" / "cifar" / "claim"
     before = _snapshot(claim)
-    res = _script(repo, tmp_path, DATA="kwng/data_sample/cifar10_sample.npz", LIMIT="0",
+    res = _script(repo, tmp_path, DATA="kwng/experiments/cifar/data_sample/cifar10_sample.npz", LIMIT="0",
                   SET="model=tiny device=cpu")
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert "refused" in res.stdout and "differing keys" in res.stderr

@@ -9,9 +9,11 @@ import torch
 
 import kwng
 from kwng import fisher as F
+from kwng import fisher_exact
 from kwng.experiments import fisher as E
-from kwng.experiments.synthetic import draw_theta
-from kwng.theory import loglog_slope
+from kwng.experiments import fisher_flow, fisher_sweep
+from kwng.experiments.synthetic_setup import draw_theta
+from kwng.theory.nystrom import loglog_slope
 
 #: the keys every provenance record of the Fisher experiments carries
 PROVENANCE_KEYS = ("command", "config", "git_commit", "device", "date", "seeds",
@@ -83,7 +85,7 @@ def test_score_jacobian_puts_T_in_the_range_of_C_and_plain_equals_stable():
         damping="identity",
         basis_idx=torch.arange(30),
         jacobian="score",
-        score_fn=lambda t, X: F.scores(model, t, X),
+        score_fn=lambda t, X: fisher_exact.scores(model, t, X),
     )
     stable = F.kfng_gradient(sampler, theta, grad, method="stable", **kw)
     plain = F.kfng_gradient(sampler, theta, grad, method="plain", **kw)
@@ -117,8 +119,8 @@ def test_fisher_matrix_entry_by_entry_against_monte_carlo(name):
     # band: a false alarm has probability below 1e-5 per entry).
     model = kwng.make_model(name, 2)
     theta = draw_theta(name, 2, torch.Generator().manual_seed(4), 0.1)
-    G = F.fisher_matrix(model, theta)
-    Gmc, se = F.fisher_matrix_mc(
+    G = fisher_exact.fisher_matrix(model, theta)
+    Gmc, se = fisher_exact.fisher_matrix_mc(
         model, theta, 100_000, torch.Generator().manual_seed(5)
     )
     assert G.shape == Gmc.shape == (model.num_params,) * 2
@@ -132,15 +134,15 @@ def test_fisher_closed_forms():
     g = torch.zeros(model.num_params, dtype=torch.float64)
     g[:3] = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     # mean block: G_F⁻¹ = Σ, and the mean and covariance blocks decouple
-    nat = F.fisher_natural_gradient(model, theta, g)
+    nat = fisher_exact.fisher_natural_gradient(model, theta, g)
     assert torch.allclose(nat[:3], L @ L.T @ g[:3], atol=1e-10)
     assert torch.allclose(nat[3:], torch.zeros(6, dtype=torch.float64), atol=1e-10)
     # log-normal = normal with diagonal L (the Fisher metric is invariant under
     # x ↦ exp x)
     s = torch.tensor([0.7, -1.3], dtype=torch.float64)
     mu = torch.tensor([0.1, 0.2], dtype=torch.float64)
-    Gl = F.fisher_matrix(kwng.LogNormalModel(2), torch.cat([mu, s]))
-    Gn = F.fisher_matrix(
+    Gl = fisher_exact.fisher_matrix(kwng.LogNormalModel(2), torch.cat([mu, s]))
+    Gn = fisher_exact.fisher_matrix(
         kwng.NormalModel(2), kwng.NormalModel(2).join(mu, torch.diag(s))
     )
     keep = [0, 1, 2, 4]  # μ1, μ2, L11, L22 (drop L21)
@@ -163,9 +165,9 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_basis"):
         F.kfng_gradient(sampler, theta, grad, num_basis=41, eps=1.0, kernel=k)
     with pytest.raises(ValueError, match="no density"):
-        F.fisher_matrix(kwng.HyperSphereModel(2), torch.zeros(3, dtype=torch.float64))
+        fisher_exact.fisher_matrix(kwng.HyperSphereModel(2), torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="grad"):
-        F.fisher_natural_gradient(model, theta, grad[:2])
+        fisher_exact.fisher_natural_gradient(model, theta, grad[:2])
 
 
 # --------------------------------------------------------------------------------------
@@ -189,7 +191,7 @@ def test_error_decays_with_N(name):
             grad = 0.3 * torch.randn(
                 model.num_params, generator=g0, dtype=torch.float64
             )
-            exact = F.fisher_natural_gradient(model, theta, grad)
+            exact = fisher_exact.fisher_natural_gradient(model, theta, grad)
             gen = torch.Generator().manual_seed(1000 + r)
             Z = model.sample_latent(N, gen)
             est = F.kfng_gradient(
@@ -218,7 +220,7 @@ def test_sphere_kernel_fisher_metric_blows_up():
     # the exact G_F.
     cfg = E.sweep_config("small")
     rows = {
-        (m, N): E.compare_once(
+        (m, N): fisher_sweep.compare_once(
             m, {"panel": "N", "d": 2, "N": N, "M": int(2 * N**0.5)}, 0, cfg
         )
         for m in ("sphere", "normal")
@@ -241,8 +243,8 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
     cfg.update(
         models=["normal", "sphere"], N_values=[200], M_values=[10], N_fixed=200, runs=2
     )
-    E.run_sweep(cfg, tmp_path, progress=False)
-    rows = E.load_sweep(tmp_path / "sweep.csv")
+    fisher_sweep.run_sweep(cfg, tmp_path, progress=False)
+    rows = fisher_sweep.load_sweep(tmp_path / "sweep.csv")
     assert len(rows) == 2 * 2 * 2  # models × points × runs
     assert all(np.isfinite(r["err_wng"]) for r in rows)
     assert all(np.isfinite(r["err_fng"]) == (r["model"] != "sphere") for r in rows)
@@ -251,17 +253,17 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
         assert key in prov
     before = (tmp_path / "sweep.csv").read_text()
     prov_before = (tmp_path / "fisher-sweep.provenance.json").read_text()
-    E.run_sweep(cfg, tmp_path, progress=False)  # resume: nothing to do, nothing changed
+    fisher_sweep.run_sweep(cfg, tmp_path, progress=False)  # resume: nothing to do, nothing changed
     assert (tmp_path / "sweep.csv").read_text() == before
     assert (tmp_path / "fisher-sweep.provenance.json").read_text() == prov_before
     other = dict(cfg, runs=3)
     with pytest.raises(ValueError, match="another configuration"):
-        E.run_sweep(other, tmp_path, progress=False)
+        fisher_sweep.run_sweep(other, tmp_path, progress=False)
     assert (tmp_path / "sweep.csv").read_text() == before
     # the figures and the table read these rows
     import matplotlib.pyplot as plt
 
-    from kwng import plotting_fisher as P
+    from kwng.plots import fisher as P
 
     for fig in (
         P.plot_fisher_relerr(rows, models=("normal",)),
@@ -281,8 +283,8 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
 def test_flow_all_methods_decrease_the_loss(tmp_path):
     cfg = E.flow_config("small")
     cfg.update(iterations=8, N=200, M=28)
-    E.run_flow(cfg, tmp_path, progress=False)
-    flow = E.load_flow(tmp_path / "flow.csv")
+    fisher_flow.run_flow(cfg, tmp_path, progress=False)
+    flow = fisher_flow.load_flow(tmp_path / "flow.csv")
     for loss in ("w2", "kl"):
         for method in E.FLOW_METHODS:
             v = flow[loss][method]
@@ -297,7 +299,7 @@ def test_directory_provenance_gathers_the_parts(tmp_path):
         E.write_directory_provenance(tmp_path)
     cfg = E.flow_config("small")
     cfg.update(iterations=2, N=100, M=20)
-    flow = E.run_flow(cfg, tmp_path, progress=False)
+    flow = fisher_flow.run_flow(cfg, tmp_path, progress=False)
     rec = E.write_directory_provenance(tmp_path)
     assert set(rec["files"]) == {"fisher-flow.provenance.json"}
     on_disk = json.loads((tmp_path / "provenance.json").read_text())

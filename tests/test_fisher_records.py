@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kwng import plotting_fisher as P
-from kwng.experiments import fisher as E
-from kwng.provenance import read_json
-from kwng.theory import loglog_slope
+from kwng.experiments import fisher_flow, fisher_sweep
+from kwng.experiments.provenance import read_json
+from kwng.plots import fisher as P
+from kwng.theory.nystrom import loglog_slope
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "fisher"
 NS = [250, 500, 1000, 2000, 4000]
 
 
 def test_accuracy_next_to_kwng():
-    rows = E.load_sweep(RESULTS / "sweep.csv")
+    rows = fisher_sweep.load_sweep(RESULTS / "sweep.csv")
     dens = [r for r in rows if r["panel"] == "N" and r["model"] != "sphere"]
     at, sl = {}, {}
     for col in P.ESTIMATORS:
@@ -38,7 +38,7 @@ def test_accuracy_next_to_kwng():
 
 
 def test_flows_each_geometry_wins_on_its_divergence():
-    flow = E.load_flow(RESULTS / "flow.csv")
+    flow = fisher_flow.load_flow(RESULTS / "flow.csv")
     fin = {loss: {m: v[-1] for m, v in c.items()} for loss, c in flow.items()}
     w2, kl = fin["w2"], fin["kl"]
     assert w2["wng"] < 1e-3 * w2["fng"] and w2["kwng"] < w2["kfng"]

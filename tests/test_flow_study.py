@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kwng
-from kwng import theory
 from kwng.experiments import flow_study as fs
+from kwng.theory import wng as theory
 
 
 def _cfg(d=3):

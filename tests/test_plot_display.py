@@ -12,7 +12,7 @@ import matplotlib
 import nbformat
 import pytest
 
-from kwng import plotting
+from kwng.plots import synthetic as plotting
 
 ROWS = [
     dict(panel="sigma", d=d, bandwidth_spec=s, error=0.1 * s * d)
@@ -35,7 +35,7 @@ def test_every_figure_is_shown_in_a_kernel():
     from nbclient import NotebookClient
 
     cells = [
-        f"from kwng import plotting\nrows = {ROWS!r}",
+        f"from kwng.plots import synthetic as plotting\nrows = {ROWS!r}",
         "fig = plotting.plot_bandwidth({'a': rows})",
         "fig = plotting.plot_bandwidth({'a': rows})\n"
         "fig = plotting.plot_bandwidth({'b': rows})",

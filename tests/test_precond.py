@@ -8,11 +8,13 @@ import torch
 from torch import nn
 
 import kwng
-import kwng.replicate
-from kwng.estimator import kernel_matrices, kernel_matrices_nosync, nystrom_solve, nystrom_solve_nosync
-from kwng.lm import LevenbergMarquardt
-from kwng.nets import tiny_cnn
-from kwng.precond import KWNGPreconditioner, eps_from_authors
+import kwng.engine.replicate
+from kwng.estimator import kernel_matrices, nystrom_solve
+from kwng.nosync import kernel_matrices_nosync, nystrom_solve_nosync
+from kwng.engine.lm import LevenbergMarquardt
+from kwng.experiments.cifar.nets import tiny_cnn
+from kwng.engine.precond import KWNGPreconditioner
+from kwng.engine.config import eps_from_authors
 
 
 def _batch(N=24, seed=0, size=8):
@@ -88,7 +90,7 @@ def _replicated(model, z, y, C, **kw):
 
 def _resnet(seed=0):
     torch.manual_seed(seed)
-    return kwng.nets.ResNet18(10, widths=(4, 8, 8, 8)).double()
+    return kwng.experiments.cifar.nets.ResNet18(10, widths=(4, 8, 8, 8)).double()
 
 
 @pytest.mark.parametrize("fmt, layout", [(torch.contiguous_format, "model"),
@@ -136,7 +138,7 @@ def test_layout_auto_takes_channels_last_where_the_forward_allows_it(monkeypatch
     """``layout="auto"`` as on a GPU: channels_last for the ResNet; for a model that flattens with
     ``.view`` the check fails (logged, reason kept), the model's format is kept, and the check
     changes neither the running statistics nor the training flags. Exact either way."""
-    monkeypatch.setattr(kwng.replicate, "_auto_channels_last", lambda x: True)
+    monkeypatch.setattr(kwng.engine.replicate, "_auto_channels_last", lambda x: True)
     z, y = _batch(N=12, size=8)
     z = z.double()
     torch.manual_seed(0)
@@ -144,7 +146,7 @@ def test_layout_auto_takes_channels_last_where_the_forward_allows_it(monkeypatch
     C = torch.randn(3, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     plain = copy.deepcopy(model)
     g_ref, T_ref = _serial(plain, z, y, C)
-    with caplog.at_level(logging.WARNING, logger="kwng.replicate"):
+    with caplog.at_level(logging.WARNING, logger="kwng.engine.replicate"):
         (g, T), pc = _replicated(model, z, y, C, num_basis=3)
     assert pc.engine_layout == ("channels_last" if net == "resnet" else "model")
     if net == "view":
@@ -228,7 +230,7 @@ def test_unsupported_layers_and_foreign_outputs_use_serial_passes(caplog):
     assert "LayerNorm" in caplog.text
     d_ref, _, _ = _direction(model, "reference", z, y)
     assert torch.linalg.vector_norm(d_fast - d_ref) <= 1e-4 * torch.linalg.vector_norm(d_ref)
-    m2 = kwng.nets.mlp(5, 3)
+    m2 = kwng.experiments.cifar.nets.mlp(5, 3)
     pc2 = KWNGPreconditioner(m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1))
     X = m2(z) * m2[0].bias[:3]  # computed from the output *and* a parameter: not pulled back
     pc2.step(nn.functional.cross_entropy(X, y), X)
@@ -366,7 +368,7 @@ class TinyModel(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(5, 3)
-        self.head = kwng.nets.DiagonalConditioning(3, condition=1e3, top=1.0)
+        self.head = kwng.experiments.cifar.nets.DiagonalConditioning(3, condition=1e3, top=1.0)
 
     def forward(self, z):
         return self.lin(z)
@@ -553,7 +555,7 @@ def test_bf16_autocast_direction_is_as_accurate_as_a_bf16_gradient():
     direction's error against the float32 direction stays within twice the error that bf16 puts
     into the plain gradient itself in norm, and within four times in angle (1 − cosine)."""
     z, y = _batch(N=32, size=8)
-    model = kwng.nets.ResNet18(10, widths=(8, 8, 8, 8)).to(memory_format=torch.channels_last)
+    model = kwng.experiments.cifar.nets.ResNet18(10, widths=(8, 8, 8, 8)).to(memory_format=torch.channels_last)
     z = z.contiguous(memory_format=torch.channels_last)
 
     def run(amp, mode="fast"):

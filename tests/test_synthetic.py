@@ -8,6 +8,7 @@ import torch
 
 import kwng
 from kwng.batched import batched_kwng, sample_and_jacobian
+from kwng.experiments import provenance, synthetic_setup
 from kwng.experiments import synthetic as syn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _batch(name, d, R=3, N=200, M=20, seed=0):
     model = kwng.make_model(name, d)
     g = torch.Generator().manual_seed(seed)
-    Theta = torch.stack([syn.draw_theta(name, d, g) for _ in range(R)])
+    Theta = torch.stack([synthetic_setup.draw_theta(name, d, g) for _ in range(R)])
     G = 0.1 ** 0.5 * torch.randn(R, model.num_params, generator=g, dtype=torch.float64)
     Z = torch.randn(R, N, d, generator=g, dtype=torch.float64)
     idx = torch.stack([torch.randperm(N, generator=g)[:M] for _ in range(R)])
@@ -24,7 +25,7 @@ def _batch(name, d, R=3, N=200, M=20, seed=0):
     return model, Theta, G, Z, idx, crd
 
 
-@pytest.mark.parametrize("name", syn.MODELS)
+@pytest.mark.parametrize("name", synthetic_setup.MODELS)
 def test_closed_form_jacobian_matches_autograd(name):
     model, Theta, _, Z, _, _ = _batch(name, 3, R=2, N=7)
     X, B = sample_and_jacobian(model, Theta, Z)
@@ -34,7 +35,7 @@ def test_closed_form_jacobian_matches_autograd(name):
         assert torch.allclose(B[r], ref, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", syn.MODELS)
+@pytest.mark.parametrize("name", synthetic_setup.MODELS)
 @pytest.mark.parametrize("bandwidth,lam,damping", [(1.0, 0.0, "T_tilde"), ("mean_sq", 1e-3, "T"),
                                                    (0.7, 0.0, "identity")])
 def test_batched_equals_reference_estimator(name, bandwidth, lam, damping):
@@ -61,7 +62,7 @@ def test_batched_rejects_bad_input():
 
 
 def test_w2_gradient_matches_finite_differences():
-    cfg = syn.flow_config("small")
+    cfg = synthetic_setup.flow_config("small")
     model, theta, mu_t, Sigma_t = syn.flow_problem(dict(cfg, d=4))
     loss, grad = syn.normal_w2_and_grad(model, theta, mu_t, Sigma_t)
     assert loss == pytest.approx(kwng.gaussian_w2_squared(*model.split(theta)[:1], model.covariance(theta),
@@ -77,7 +78,7 @@ def test_w2_gradient_matches_finite_differences():
 
 
 def _tiny_relerr():
-    cfg = syn.relerr_config("small")
+    cfg = synthetic_setup.relerr_config("small")
     cfg.update(models=["sphere", "normal"], dims=[1, 2], N_values=[100, 200], N_fixed=200, M_values=[5, 20], runs=2)
     return cfg
 
@@ -87,7 +88,7 @@ def test_relerr_sweep_runs_and_resumes(tmp_path, monkeypatch):
     prov = syn.run_sweep(cfg, tmp_path / "relerr", progress=False)
     for key in syn.REQUIRED_PROVENANCE:
         assert key in prov
-    rows = syn.load_rows(tmp_path / "relerr" / "sphere.csv")
+    rows = synthetic_setup.load_rows(tmp_path / "relerr" / "sphere.csv")
     assert len(rows) == 2 * (2 + 2) * 2  # dims × (N values + M values) × runs
     assert all(np.isfinite(r["error"]) for r in rows)
     assert syn.check_results_complete("relerr", tmp_path, runs=2) == []
@@ -98,52 +99,52 @@ def test_relerr_sweep_runs_and_resumes(tmp_path, monkeypatch):
     assert calls == []
     # a missing point (interrupted run) is redone, and only that one
     rows = [r for r in rows if not (r["panel"] == "M" and r["d"] == 2 and r["M"] == 20)]
-    syn._write_rows(tmp_path / "relerr" / "sphere.csv", rows)
+    synthetic_setup._write_rows(tmp_path / "relerr" / "sphere.csv", rows)
     assert syn.check_results_complete("relerr", tmp_path, runs=2) != []
     syn.run_sweep(cfg, tmp_path / "relerr", progress=False)
     assert len(calls) == 1 and calls[0][1]["M"] == 20 and calls[0][1]["d"] == 2
 
 
 def test_bandwidth_sweep_and_plots(tmp_path):
-    cfg = syn.bandwidth_config("small")
+    cfg = synthetic_setup.bandwidth_config("small")
     cfg.update(models=["lognormal"], dims=[2], N_fixed=150, sigmas=[0.1, 10.0], runs=2)
     syn.run_sweep(cfg, tmp_path / "bandwidth", progress=False)
     assert syn.check_results_complete("bandwidth", tmp_path, runs=2) == []
-    from kwng import plotting
+    from kwng.plots import synthetic as plotting
 
-    fig = plotting.plot_bandwidth({"lognormal": syn.load_rows(tmp_path / "bandwidth" / "lognormal.csv")})
+    fig = plotting.plot_bandwidth({"lognormal": synthetic_setup.load_rows(tmp_path / "bandwidth" / "lognormal.csv")})
     assert len(fig.axes) == 1
     syn.run_sweep(_tiny_relerr(), tmp_path / "relerr", models=["sphere"], progress=False)
-    fig = plotting.plot_relerr(syn.load_rows(tmp_path / "relerr" / "sphere.csv"))
+    fig = plotting.plot_relerr(synthetic_setup.load_rows(tmp_path / "relerr" / "sphere.csv"))
     assert len(fig.axes) == 3
 
 
 def test_flow_small(tmp_path):
-    cfg = syn.flow_config("small")
+    cfg = synthetic_setup.flow_config("small")
     cfg.update(d=3, iterations=8, kwng_variants={"kwng": {"N": 64, "M": 30}}, steps={"wng": 0.1, "kwng": 0.1,
                                                                                      "eg": 1e-2})
     syn.run_flow(cfg, tmp_path / "flow", progress=False)
     assert syn.check_results_complete("flow", tmp_path) == []
-    fl = syn.load_flow(tmp_path / "flow")
+    fl = synthetic_setup.load_flow(tmp_path / "flow")
     assert set(fl["loss"]) == {"wng", "kwng", "eg"}
     assert fl["loss"]["wng"][-1] < 0.1 * fl["loss"]["wng"][0]  # WNG step 0.1 contracts W2² by ~0.64 a step
     assert fl["pca"]["wng"].shape == (9, 2)
-    from kwng import plotting
+    from kwng.plots import synthetic as plotting
 
     assert len(plotting.plot_flow(fl).axes) == 2
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="scale"):
-        syn.relerr_config("huge")
+        synthetic_setup.relerr_config("huge")
     with pytest.raises(ValueError, match="name"):
         syn.check_results_complete("nope", ".")
     with pytest.raises(ValueError, match="model_name"):
-        syn.draw_theta("cube", 2, torch.Generator())
+        synthetic_setup.draw_theta("cube", 2, torch.Generator())
 
 
 @pytest.mark.skipif(not (ROOT / "results" / "relerr" / "provenance.json").exists()
-                    or syn.read_json(ROOT / "results" / "relerr" / "provenance.json")["config"]["scale"] != "full",
+                    or provenance.read_json(ROOT / "results" / "relerr" / "provenance.json")["config"]["scale"] != "full",
                     reason="full-scale synthetic results not committed yet")
 @pytest.mark.parametrize("name", ["relerr", "bandwidth", "flow"])
 def test_committed_full_results_complete(name):

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwng import plotting
-from kwng.experiments import synthetic as syn
+from kwng.experiments import synthetic_setup
+from kwng.plots import synthetic as plotting
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -22,7 +22,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 def _rows(name):
     prov = json.loads((RESULTS / name / "provenance.json").read_text())
     return prov, {
-        m: syn.load_rows(RESULTS / name / f"{m}.csv") for m in prov["config"]["models"]
+        m: synthetic_setup.load_rows(RESULTS / name / f"{m}.csv") for m in prov["config"]["models"]
     }
 
 
@@ -84,7 +84,7 @@ def test_bandwidth_robustness():
 
 
 def test_flow_record():
-    flow = syn.load_flow(RESULTS / "flow")
+    flow = synthetic_setup.load_flow(RESULTS / "flow")
     wng = flow["loss"]["wng"]
     K = len(wng) - 1
     rate = np.exp(np.mean(np.log(wng[1:11] / wng[:10])))

@@ -1,4 +1,4 @@
-"""kwng.theory: each function against an independent computation (book's theory chapters)."""
+"""kwng.theory.wng: each function against an independent computation (book's theory chapters)."""
 
 import math
 
@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import kwng
-from kwng import theory as th
+from kwng import fisher_exact
+from kwng.theory import nystrom as nys
+from kwng.theory import wng as th
 
 
 def _normal(d=2, seed=0):
@@ -136,10 +138,10 @@ def test_normal_fisher_matches_kl_second_order():
         return 0.5 * (torch.trace(Sbi @ Sa) + dm @ Sbi @ dm - 2 + torch.logdet(Sb) - torch.logdet(Sa))
 
     t = 1e-4
-    quad = float(u @ th.normal_fisher_matrix(model, theta) @ u)
+    quad = float(u @ fisher_exact.normal_fisher_matrix(model, theta) @ u)
     assert abs(float(kl(theta, theta + t * u)) / t ** 2 - 0.5 * quad) < 1e-3 * quad
     with pytest.raises(ValueError, match="model"):
-        th.normal_fisher_matrix(kwng.HyperSphereModel(2), theta)
+        fisher_exact.normal_fisher_matrix(kwng.HyperSphereModel(2), theta)
 
 
 @pytest.mark.parametrize("metric", ["wasserstein", "fisher"])
@@ -150,7 +152,7 @@ def test_dual_optimum_equals_half_quadratic_form(metric):
     Z, w = th.gauss_hermite_latent(2, 8)
     opt = th.dual_optimum(lambda t: model.sample(t, Z), theta, u, th.polynomial_features(2, 2),
                           metric=metric, weights=w)
-    G = model.metric(theta) if metric == "wasserstein" else th.normal_fisher_matrix(model, theta)
+    G = model.metric(theta) if metric == "wasserstein" else fisher_exact.normal_fisher_matrix(model, theta)
     assert abs(opt.value - 0.5 * float(u @ G @ u)) < 1e-9 * opt.value
     # the objective at the optimal function equals the optimum, and is lower elsewhere
     f = lambda X: th.polynomial_features(2, 2)(X) @ opt.beta[:, None]  # noqa: E731
@@ -219,44 +221,44 @@ def _problem(N=40, d=2, seed=0):
 def test_brute_force_three_routes_agree(lam):
     """Prop. 4 (dual), Prop. 5/6 (closed form) and the minimax-exchanged metric route."""
     model, theta, grad, s = _problem()
-    r = th.rkhs_brute_force(s, theta, grad, eps=1e-2, lam=lam, kernel=kwng.GaussianKernel(1.0))
+    r = nys.rkhs_brute_force(s, theta, grad, eps=1e-2, lam=lam, kernel=kwng.GaussianKernel(1.0))
     assert kwng.relative_error(r.direction_dual, r.direction_closed) < 1e-5
     assert kwng.relative_error(r.direction_metric, r.direction_closed) < 1e-5
     assert r.alpha.shape == (40, 2)
     with pytest.raises(ValueError, match="eps"):
-        th.rkhs_brute_force(s, theta, grad, eps=0.0, lam=lam, kernel=kwng.GaussianKernel(1.0))
+        nys.rkhs_brute_force(s, theta, grad, eps=0.0, lam=lam, kernel=kwng.GaussianKernel(1.0))
 
 
 def test_brute_force_limits():
     """λ → ∞: Ĝ → 0 so ĝ → ∇L/ε; λ = 0 on the sphere: Ĝ → empirical E[∂hᵀ∂h]."""
     model, theta, grad, s = _problem()
-    r = th.rkhs_brute_force(s, theta, grad, eps=0.5, lam=1e8, kernel=kwng.GaussianKernel(1.0))
+    r = nys.rkhs_brute_force(s, theta, grad, eps=0.5, lam=1e8, kernel=kwng.GaussianKernel(1.0))
     assert kwng.relative_error(r.direction_closed, grad / 0.5) < 1e-6
     sph = kwng.HyperSphereModel(2)
     Z = sph.sample_latent(30, torch.Generator().manual_seed(0))
     ts = sph.random_params(torch.Generator().manual_seed(1))
-    r = th.rkhs_brute_force(lambda t: sph.sample(t, Z), ts, torch.ones(3, dtype=torch.float64), eps=1e-3,
+    r = nys.rkhs_brute_force(lambda t: sph.sample(t, Z), ts, torch.ones(3, dtype=torch.float64), eps=1e-3,
                             lam=1e-10, kernel=kwng.GaussianKernel(1.0))
     Gp = th.pullback_metric(lambda t: sph.sample(t, Z), ts)
     assert kwng.relative_error(r.metric, Gp) < 1e-3
 
 
 def test_full_derivative_basis_layout():
-    idx, coords = th.full_derivative_basis(torch.tensor([4, 7]), 3)
+    idx, coords = nys.full_derivative_basis(torch.tensor([4, 7]), 3)
     assert idx.tolist() == [4, 4, 4, 7, 7, 7] and coords.tolist() == [0, 1, 2, 0, 1, 2]
     with pytest.raises(ValueError, match="basis_idx"):
-        th.full_derivative_basis(torch.tensor([0.5]), 2)
+        nys.full_derivative_basis(torch.tensor([0.5]), 2)
 
 
 def test_sutherland_with_all_points_is_brute_force():
     model, theta, grad, s = _problem()
     kw = dict(eps=1e-2, lam=1e-2, kernel=kwng.GaussianKernel(1.0))
-    r = th.rkhs_brute_force(s, theta, grad, **kw)
-    su = th.sutherland_kwng_gradient(s, theta, grad, num_points=40, damping="identity", **kw)
+    r = nys.rkhs_brute_force(s, theta, grad, **kw)
+    su = nys.sutherland_kwng_gradient(s, theta, grad, num_points=40, damping="identity", **kw)
     assert su.diagnostics["num_functions"] == 80
     assert kwng.relative_error(su.direction, r.direction_closed) < 1e-6
     with pytest.raises(ValueError, match="num_points"):
-        th.sutherland_kwng_gradient(s, theta, grad, num_points=41, **kw)
+        nys.sutherland_kwng_gradient(s, theta, grad, num_points=41, **kw)
 
 
 def test_stable_as_printed_differs_and_sqrt_form_agrees():
@@ -269,27 +271,27 @@ def test_stable_as_printed_differs_and_sqrt_form_agrees():
     kw = dict(eps=0.1, lam=0.0, damping="identity")
     plain = kwng.nystrom_solve(T, CCt, K, grad, 100, method="plain", **kw).direction
     stable = kwng.nystrom_solve(T, CCt, K, grad, 100, method="stable", **kw).direction
-    printed = th.stable_as_printed(T, CCt, grad, 100, eps=0.1)
+    printed = nys.stable_as_printed(T, CCt, grad, 100, eps=0.1)
     assert kwng.relative_error(stable, plain) < 1e-8
     assert kwng.relative_error(printed, plain) > 1e-2
 
 
 def test_rates_and_schedule():
-    assert th.predicted_rate(th.well_specified_b(0.0)) == pytest.approx(0.25)
-    assert th.predicted_rate(th.well_specified_b(5.0)) == pytest.approx(1 / 3)
+    assert nys.predicted_rate(nys.well_specified_b(0.0)) == pytest.approx(0.25)
+    assert nys.predicted_rate(nys.well_specified_b(5.0)) == pytest.approx(1 / 3)
     for c in (0.0, 1.0, 3.0):
-        assert th.predicted_rate(th.misspecified_b(c)) == pytest.approx(1 / (4 + c))
-    sch = th.theory_schedule(1000, 2, 0.5)
+        assert nys.predicted_rate(nys.misspecified_b(c)) == pytest.approx(1 / (4 + c))
+    sch = nys.theory_schedule(1000, 2, 0.5)
     assert sch["num_basis"] == math.ceil(2 * 1000 ** 0.5 * math.log(1000))
     assert sch["lam"] == pytest.approx(1000 ** -0.5) and sch["eps"] == pytest.approx(1000 ** -0.25)
-    assert th.theory_schedule(100, 5, 0.5)["num_basis"] == 100
+    assert nys.theory_schedule(100, 5, 0.5)["num_basis"] == 100
     with pytest.raises(ValueError, match="b must"):
-        th.predicted_rate(2.0)
+        nys.predicted_rate(2.0)
 
 
 def test_cost_and_slope():
-    assert th.predicted_cost(10, 2, 3, 4) == 3 * 10 * 4 + 4 * 4 + 8
+    assert nys.predicted_cost(10, 2, 3, 4) == 3 * 10 * 4 + 4 * 4 + 8
     x = np.array([1.0, 2.0, 4.0])
-    assert th.loglog_slope(x, 3 * x ** 2) == pytest.approx(2.0)
+    assert nys.loglog_slope(x, 3 * x ** 2) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="positive"):
-        th.loglog_slope(x, -x)
+        nys.loglog_slope(x, -x)

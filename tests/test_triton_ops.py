@@ -1,4 +1,4 @@
-"""The Triton kernels of the fast KWNG step (:mod:`kwng.triton_ops`).
+"""The Triton kernels of the fast KWNG step (:mod:`kwng.engine.triton_ops`).
 
 The kernels run on the GPU; here Triton's interpreter runs them on CPU tensors
 (``TRITON_INTERPRET=1``, set before Triton is imported, hence the subprocess) and
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kwng import replicate_layers
+from kwng.engine import replicate_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Checks of :mod:`kwng.triton_ops` under Triton's interpreter, run by
+"""Checks of :mod:`kwng.engine.triton_ops` under Triton's interpreter, run by
 ``tests/test_triton_ops.py`` in a subprocess with ``TRITON_INTERPRET=1`` (the variable
 must be set before Triton is imported, so these cannot run in the main test process).
 
@@ -16,11 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-import kwng.nets
-import kwng.precond
-from kwng import replicate_layers, solve, triton_ops
+import kwng.engine.precond
+import kwng.experiments.cifar.nets
+from kwng import solve
+from kwng.engine import replicate_layers, triton_ops
+from kwng.engine.precond import KWNGPreconditioner
 from kwng.estimator import jacobian_from_outputs
-from kwng.precond import KWNGPreconditioner
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or triton_ops.triton is None,
@@ -123,7 +124,7 @@ def test_small_products_of_the_solve(M, q):
 
 def _model(seed=0, fmt=CL):
     torch.manual_seed(seed)
-    return kwng.nets.ResNet18(10, widths=(4, 8, 8, 8)).to(memory_format=fmt)
+    return kwng.experiments.cifar.nets.ResNet18(10, widths=(4, 8, 8, 8)).to(memory_format=fmt)
 
 
 def _batch(N=12, fmt=CL):
@@ -228,16 +229,16 @@ def test_a_summed_gradient_does_not_take_the_batch_norm_layout(monkeypatch):
 
 def test_fast_direction_with_unused_and_frozen_parameters_equals_reference(monkeypatch):
     """The whole fast step through the kernels (the replicated backward, then the fused
-    direction of kwng.triton_solve) on a model with an unused and a frozen parameter
+    direction of kwng.engine.triton_solve) on a model with an unused and a frozen parameter
     equals the reference direction."""
     seen = _calls(monkeypatch)
-    fused = kwng.precond.fused_direction
+    fused = kwng.engine.triton_solve.fused_direction
 
     def counted_fused(*a, **k):
         seen["fused"] = seen.get("fused", 0) + 1
         return fused(*a, **k)
 
-    monkeypatch.setattr(kwng.precond, "fused_direction", counted_fused)
+    monkeypatch.setattr(kwng.engine.precond, "fused_direction", counted_fused)
     z, y = _batch()
     dirs = {}
     for mode in ("fast", "reference"):
@@ -285,13 +286,13 @@ def _fused_case(damping, case):
 @pytest.mark.parametrize("damping", ["T_tilde", "T", "identity"])
 @pytest.mark.parametrize("case", ["plain", "degenerate", "lam", "nan_eps", "noclip"])
 def test_fused_direction_equals_the_pytorch_path(damping, case):
-    """The four kernels of kwng.triton_solve against nystrom_solve_nosync followed by
+    """The four kernels of kwng.engine.triton_solve against nystrom_solve_nosync followed by
     the preconditioner's safeguard and clipping: same direction (float32 rounding), same
     diagnostics; a non-finite direction (ε = NaN) falls back to the clipped g."""
     from types import SimpleNamespace
 
+    from kwng.engine.triton_solve import fused_available, fused_direction
     from kwng.nosync import nystrom_solve_nosync
-    from kwng.triton_solve import fused_available, fused_direction
 
     T, g, CCt, K, N, eps, lam, clip = _fused_case(damping, case)
     assert fused_available(T, g, damping)

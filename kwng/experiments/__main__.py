@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from . import EXPERIMENTS
+from kwng.experiments import EXPERIMENTS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,13 +39,9 @@ from pathlib import Path
 
 import torch
 
-from .. import config as _config
-from ..provenance import (
-    ResultFileError,
-    index_provenance,
-)
-from .cli_checks import path_problem
-from .fisher_flow import (  # noqa: F401  (moved; re-exported under the old path)
+from kwng import config as _config
+from kwng.experiments.cli_checks import path_problem
+from kwng.experiments.fisher_flow import (  # noqa: F401  (moved; re-exported under the old path)
     _direction,
     _flow_csv_problems,
     _flow_problem,
@@ -54,7 +50,7 @@ from .fisher_flow import (  # noqa: F401  (moved; re-exported under the old path
     normal_kl_and_grad,
     run_flow,
 )
-from .fisher_sweep import (  # noqa: F401  (moved; re-exported under the old path)
+from kwng.experiments.fisher_sweep import (  # noqa: F401  (moved; re-exported under the old path)
     BANDWIDTH,
     MODELS,
     SWEEP_COLUMNS,
@@ -71,7 +67,11 @@ from .fisher_sweep import (  # noqa: F401  (moved; re-exported under the old pat
     metric_vs_lambda,
     run_sweep,
 )
-from .guard import ConfigMismatchError
+from kwng.experiments.guard import ConfigMismatchError
+from kwng.experiments.provenance import (
+    ResultFileError,
+    index_provenance,
+)
 
 __all__ = [
     "MODELS",
@@ -158,7 +158,7 @@ PARTS = ("fisher-sweep", "fisher-flow")
 
 def write_directory_provenance(out: str | Path) -> dict:
     """``provenance.json`` of the results directory, gathered from the part records
-    (``<part>.provenance.json``) by :func:`kwng.provenance.index_provenance`."""
+    (``<part>.provenance.json``) by :func:`kwng.experiments.provenance.index_provenance`."""
     return index_provenance(out)
 
 

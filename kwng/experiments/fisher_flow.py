@@ -17,14 +17,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..estimator import kwng_gradient
-from ..fisher import fisher_natural_gradient, kfng_gradient
-from ..kernels import GaussianKernel
-from ..models import NormalModel
-from ..provenance import atomic_write_json, make_provenance
-from .fisher_sweep import _parse_bandwidth, _prepare_dir, _seed, _write_csv
-from .guard_csv import read_csv_checked
-from .synthetic import draw_theta, normal_w2_and_grad
+from kwng.estimator import kwng_gradient
+from kwng.experiments.fisher_sweep import (
+    _parse_bandwidth,
+    _prepare_dir,
+    _seed,
+    _write_csv,
+)
+from kwng.experiments.guard_csv import read_csv_checked
+from kwng.experiments.provenance import atomic_write_json, make_provenance
+from kwng.experiments.synthetic import normal_w2_and_grad
+from kwng.experiments.synthetic_setup import draw_theta
+from kwng.fisher import kfng_gradient
+from kwng.fisher_exact import fisher_natural_gradient
+from kwng.kernels import GaussianKernel
+from kwng.models import NormalModel
 
 # the logger of the experiment module this code came from (same records as before)
 log = logging.getLogger("kwng.experiments.fisher")

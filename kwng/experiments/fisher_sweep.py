@@ -21,28 +21,26 @@ from typing import Any
 
 import torch
 
-from ..estimator import draw_basis, jacobian_from_sampler, kwng_gradient
-from ..fisher import (
-    _bandwidth_for,
-    fisher_kernel_matrices,
-    fisher_matrix,
-    fisher_natural_gradient,
-    kernel_fisher_metric,
-    kfng_gradient,
-    scores,
-)
-from ..kernels import GaussianKernel
-from ..models import make_model
-from ..provenance import (
+from kwng.estimator import draw_basis, jacobian_from_sampler, kwng_gradient
+from kwng.experiments.guard import FORCE_HINT, ConfigMismatchError, backup, diff_keys
+from kwng.experiments.guard_csv import read_csv_checked
+from kwng.experiments.provenance import (
     ResultFileError,
     atomic_write_json,
     atomic_write_text,
     make_provenance,
     read_json,
 )
-from .guard import FORCE_HINT, ConfigMismatchError, backup, diff_keys
-from .guard_csv import read_csv_checked
-from .synthetic import draw_theta
+from kwng.experiments.synthetic_setup import draw_theta
+from kwng.fisher import (
+    _bandwidth_for,
+    fisher_kernel_matrices,
+    kernel_fisher_metric,
+    kfng_gradient,
+)
+from kwng.fisher_exact import fisher_matrix, fisher_natural_gradient, scores
+from kwng.kernels import GaussianKernel
+from kwng.models import make_model
 
 # the logger of the experiment module this code came from (same records as before)
 log = logging.getLogger("kwng.experiments.fisher")
@@ -69,7 +67,7 @@ SWEEP_COLUMNS = (
 )
 
 
-# Bandwidths as in the relerr study (kwng.experiments.synthetic.RELERR_BANDWIDTH): fixed
+# Bandwidths as in the relerr study (kwng.experiments.synthetic_setup.RELERR_BANDWIDTH): fixed
 # σ = 1 on the sphere (paper, Fig. 1), the heuristic σ = 0.5 · mean ‖X_n - Y_m‖²
 # elsewhere.
 BANDWIDTH = {"sphere": 1.0, "normal": "mean_sq:0.5", "lognormal": "mean_sq:0.5"}
@@ -309,7 +307,7 @@ def _row_problem(r: dict) -> str | None:
 def checked_sweep_rows(path: str | Path) -> tuple[list[dict], list[str], set[str]]:
     """The rows of ``sweep.csv`` a resume may trust, the problems of the others (file
     and line each) and the grid points (:func:`_key`) of the rejected rows that
-    parsed. Another header raises :class:`~kwng.provenance.ResultFileError`."""
+    parsed. Another header raises :class:`~kwng.experiments.provenance.ResultFileError`."""
     rejected: list[dict] = []
     rows, problems = read_csv_checked(
         path, SWEEP_COLUMNS, _SWEEP_CONVERTERS,
@@ -320,7 +318,7 @@ def checked_sweep_rows(path: str | Path) -> tuple[list[dict], list[str], set[str
 
 def load_sweep(path: str | Path) -> list[dict]:
     """Rows of ``sweep.csv`` with numbers converted (empty list if absent); a damaged
-    row raises :class:`~kwng.provenance.ResultFileError` naming the file and line."""
+    row raises :class:`~kwng.experiments.provenance.ResultFileError` naming the file and line."""
     rows, problems, _ = checked_sweep_rows(path)
     if problems:
         raise ResultFileError(

@@ -39,12 +39,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import config as _config
-from ..estimator import kwng_gradient
-from ..kernels import GaussianKernel
-from ..models import normal_wng_sigma_coords
-from ..provenance import atomic_write_json, index_provenance, make_provenance, read_json
-from .synthetic import flow_config, flow_problem, normal_w2_and_grad
+from kwng import config as _config
+from kwng.estimator import kwng_gradient
+from kwng.experiments.provenance import (
+    atomic_write_json,
+    index_provenance,
+    make_provenance,
+    read_json,
+)
+from kwng.experiments.synthetic import flow_problem, normal_w2_and_grad
+from kwng.experiments.synthetic_setup import flow_config
+from kwng.kernels import GaussianKernel
+from kwng.models import normal_wng_sigma_coords
 
 log = logging.getLogger(__name__)
 

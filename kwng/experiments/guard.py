@@ -7,7 +7,7 @@ never read silently.
   :class:`ConfigMismatchError` naming the directory and the differing keys. With
   ``force`` the old results are moved to a dated backup (:func:`backup`), never deleted.
 * Every read of a JSON file, a CSV and a checkpoint names the file when it fails
-  (:class:`kwng.provenance.ResultFileError`).
+  (:class:`kwng.experiments.provenance.ResultFileError`).
 * :func:`~kwng.experiments.guard_csv.read_csv_checked` validates every row of a result
   CSV (parseable, finite, unique key) and reports the bad ones, so that a resume
   recomputes them instead of trusting them.
@@ -23,10 +23,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..provenance import ResultFileError, atomic_write_json, read_json
-from .guard_csv import (  # noqa: F401  (moved; re-exported under the old path)
+from kwng.experiments.guard_csv import (  # noqa: F401  (moved; re-exported under the old path)
     read_csv_checked,
 )
+from kwng.experiments.provenance import ResultFileError, atomic_write_json, read_json
 
 __all__ = [
     "ConfigMismatchError",
@@ -328,7 +328,7 @@ def check_existing_run(
     checkpoint is gone (starting over would overwrite them: the budget-cut records are
     such runs). With ``force`` the old directory and checkpoint are moved to a dated
     backup instead. An unreadable ``metrics.json`` raises
-    :class:`~kwng.provenance.ResultFileError` naming it (backed up with ``force``)."""
+    :class:`~kwng.experiments.provenance.ResultFileError` naming it (backed up with ``force``)."""
     rdir, ckpt_path = Path(rdir), Path(ckpt_path)
     mp = rdir / "metrics.json"
     if not mp.is_file():

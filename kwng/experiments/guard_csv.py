@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..provenance import ResultFileError
+from kwng.experiments.provenance import ResultFileError
 
 
 def _parse_row(

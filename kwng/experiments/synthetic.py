@@ -31,16 +31,16 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .. import config as _config
-from ..batched import batched_kwng
-from ..estimator import kwng_gradient
-from ..kernels import GaussianKernel
-from ..models import NormalModel, gaussian_w2_squared, make_model
-from ..provenance import ResultFileError, read_json, write_provenance
-from .cli_checks import device_problem, path_problem
-from .guard import ConfigMismatchError
+from kwng import config as _config
+from kwng.batched import batched_kwng
+from kwng.estimator import kwng_gradient
+from kwng.kernels import GaussianKernel
+from kwng.models import NormalModel, gaussian_w2_squared, make_model
+from kwng.experiments.provenance import ResultFileError, read_json, write_provenance
+from kwng.experiments.cli_checks import device_problem, path_problem
+from kwng.experiments.guard import ConfigMismatchError
 # moved to kwng.experiments.synthetic_setup; re-exported under the old path
-from .synthetic_setup import (  # noqa: F401
+from kwng.experiments.synthetic_setup import (  # noqa: F401
     MODELS, SWEEP_COLUMNS, RELERR_BANDWIDTH, relerr_config,
     bandwidth_config, flow_config, _seed, draw_theta, _parse_bandwidth,
     _sweep_points, _point_key, _CONVERTERS, _row_key, load_rows, checked_rows,

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import config as _config
-from ..models import NormalModel, make_model
-from ..provenance import ResultFileError, atomic_write_text, read_json
-from .guard import prepare_result_dir, read_csv_checked
+from kwng import config as _config
+from kwng.experiments.guard import prepare_result_dir
+from kwng.experiments.guard_csv import read_csv_checked
+from kwng.experiments.provenance import ResultFileError, atomic_write_text, read_json
+from kwng.models import NormalModel, make_model
 
 MODELS = ("sphere", "normal", "lognormal")
 SWEEP_COLUMNS = ("model", "panel", "d", "N", "M", "bandwidth_spec", "run", "bandwidth", "rank", "error")
@@ -156,7 +157,7 @@ def _row_key(r: dict) -> tuple[str, int]:
 def load_rows(path: str | Path) -> list[dict]:
     """Rows of a sweep CSV as dicts with numeric fields converted (empty list if absent).
 
-    Raises :class:`kwng.provenance.ResultFileError` naming the file and line when a row does not
+    Raises :class:`kwng.experiments.provenance.ResultFileError` naming the file and line when a row does not
     parse or repeats a run (non-finite errors are data and are returned)."""
     rows, problems = read_csv_checked(path, SWEEP_COLUMNS, _CONVERTERS, _row_key)
     if problems:

@@ -1,0 +1,1 @@
+"""The deep-learning engine: the preconditioner and what makes its step fast."""

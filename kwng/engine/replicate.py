@@ -1,0 +1,393 @@
+"""One backward pass for ``M + 1`` cotangents: the replicated-batch engine of the
+preconditioner.
+
+A KWNG step needs the Euclidean gradient ``g = ∇_θ L`` and the ``M`` rows
+``T_m = Σ_n (C_{m,n}/N)ᵀ ∂X_n/∂θ`` of Prop. 5: ``R = M + 1`` vector–Jacobian products of
+the same network at the same batch. Serial backward passes (``mode="reference"``) launch
+``R`` small backward passes; a ``vmap`` over the backward relays out every activation.
+This module does it as **one** backward pass of an ``R·N`` batch:
+
+* the model's forward (train mode, grad enabled) runs on the input repeated ``R`` times,
+  so every activation has ``R`` identical copies stacked along the batch dimension;
+* each ``Conv2d``/``Linear`` (its class swapped for a subclass that knows the engine)
+  computes its output on the first copy only and repeats it (the copies are identical,
+  so the forward costs one batch of matrix work, not ``R``);
+* each ``BatchNorm`` normalises with the statistics of one copy (exactly the statistics
+  the un-replicated model sees, so ``X`` and the running averages are the model's own)
+  and, in the backward pass, reduces over each copy separately — batch norm couples the
+  samples of a copy, never two copies;
+* the backward pass receives the stacked cotangent ``(∂L/∂X, C_1/N, …, C_M/N)`` and
+  every layer propagates all ``R·N`` signals at once; the weight gradient of copy ``r``
+  is formed from the layer's input (one copy) and copy ``r``'s output gradient. On the
+  GPU a convolution does this in one call, with the copies' output gradients stacked
+  along the output channels (``replicate_layers.STACKED_WGRAD``); elsewhere in ``R``
+  calls on slices of the output gradient.
+
+On the GPU the passes that PyTorch operations would spread over many kernels are Triton
+kernels (:mod:`kwng.engine.triton_ops`): the per-copy batch-norm backward (two passes over the
+``R``-fold gradient instead of seven), the ``R``-fold repeat of an activation (read
+once) and the relayout for the stacked weight gradients. A batch norm that follows a
+convolution writes its input gradient in both layouts, so that convolution needs no
+relayout (handed over through ``_State.handoff``, checked by memory, shape, strides and
+version: a gradient that autograd summed from several consumers is relaid instead).
+A step on the paper's ResNet-18 costs about one forward and backward pass at batch
+``R·N`` (``python -m kwng.experiments.bench.step_cost``; the deep-learning chapter gives the table).
+
+Copy ``0`` gives ``g`` (also returned to autograd, so a plain ``loss.backward()`` on a
+replicated forward still leaves the true gradient in ``p.grad``), copies ``1..M`` give
+``T``. Everything is exact: the test-suite compares it with serial
+``torch.autograd.grad`` calls.
+
+Supported: every trainable parameter must be the ``weight``/``bias`` of a ``Conv2d``
+(``groups = 1``, zero padding), ``Linear`` or ``BatchNorm1d/2d``; other modules (ReLU,
+pooling, residual additions, any parameter-free function) run unchanged at batch
+``R·N``. Dropout in training mode would draw different masks per copy and is refused.
+:func:`unsupported_reason` says why a model cannot use the engine; the preconditioner
+then falls back to serial passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from kwng._checks import check_choice
+from kwng.engine.replicate_layers import (  # noqa: F401  (re-exported: the old import path)
+    _BatchNorm,
+    _compute_dtype,
+    _Conv,
+    _first_copy,
+    _format,
+    _Linear,
+    _repeat,
+    _rows,
+    _split,
+    _State,
+)
+
+__all__ = ["LAYOUTS", "ReplicatedEngine", "channels_last_failure", "unsupported_reason"]
+
+log = logging.getLogger(__name__)
+
+
+_BN = (nn.BatchNorm1d, nn.BatchNorm2d)
+
+#: Accepted values of ``layout``, the memory format of the replicated activations.
+#: ``"auto"`` is channels_last for a model with 4-D inputs on the GPU whose forward runs
+#: on channels_last tensors, ``"model"`` the model's own format, ``"channels_last"``
+#: always channels_last (an error if the forward cannot run on such tensors).
+LAYOUTS = ("auto", "model", "channels_last")
+
+
+def _auto_channels_last(x: torch.Tensor) -> bool:
+    """Whether ``layout="auto"`` tries channels_last for the 4-D input ``x``: on the GPU
+    (on the CPU the model's format is kept)."""
+    return x.is_cuda
+
+
+def _one_sample(a: Any, batch: int) -> Any:
+    """The first sample of a batch argument (channels_last if 4-D); others unchanged."""
+    if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != batch:
+        return a
+    one = a[:1]
+    return one.contiguous(memory_format=torch.channels_last) if a.dim() == 4 else one
+
+
+def channels_last_failure(model: nn.Module, args: tuple) -> str | None:
+    """``None`` if ``model``'s forward runs on the first sample of ``args`` made
+    channels_last, else the error it raised (a ``.view`` that flattens a feature map,
+    say). Run once, in eval mode and without gradients, so no batch-norm statistics or
+    other training state change."""
+    batch = args[0].shape[0]
+    one = tuple(_one_sample(a, batch) for a in args)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            model.forward(*one)
+    except Exception as e:  # noqa: BLE001  (any error: the layout is not used)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        for m, training in modes:
+            m.training = training
+    return None
+
+
+def unsupported_reason(model: nn.Module, params: list[torch.Tensor]) -> str | None:
+    """``None`` if every parameter of ``params`` lives in a layer the engine batches,
+    else why not."""
+    owned: set[int] = set()
+    taken = [name or "model" for name, mod in model.named_modules()
+             if isinstance(mod, _Swapped)]
+    if taken:
+        return (
+            f"the model already carries a KWNG preconditioner's engine (layer "
+            f"{taken[0]} is patched): one fast-mode preconditioner per model; call "
+            "remove_hooks() on the old one first"
+        )
+    for name, mod in model.named_modules():
+        own = list(mod.parameters(recurse=False))
+        if type(mod) not in _SWAP:
+            if own:
+                return (
+                    f"{name or 'model'}: parameters of a {type(mod).__name__} "
+                    "(the engine batches the exact types Conv2d, Linear, BatchNorm1d "
+                    "and BatchNorm2d)"
+                )
+            continue
+        if isinstance(mod, nn.Conv2d) and (
+            mod.groups != 1
+            or mod.padding_mode != "zeros"
+            or isinstance(mod.padding, str)
+        ):
+            return (
+                f"{name}: Conv2d with groups={mod.groups}, "
+                f"padding_mode={mod.padding_mode!r}, padding={mod.padding!r} "
+                "(the engine takes groups=1 and numeric zero padding)"
+            )
+        owned.update(id(p) for p in own)
+    for p in params:
+        if id(p) not in owned:
+            return "a trainable parameter that no Conv2d/Linear/BatchNorm owns"
+    return None
+
+
+class ReplicatedEngine:
+    """Patch ``model`` so that a training forward runs on ``R`` copies of the batch.
+
+    Use: ``engine = ReplicatedEngine(model, copies)``; while ``engine.enabled``, a
+    forward call of ``model`` in train mode with grad enabled runs replicated and
+    returns the first copy's output ``X`` (a view of the ``(R·N, d)`` output
+    ``outputs``). :meth:`backward` then takes the ``(R·N, d)`` stacked cotangent and
+    returns ``{id(p): (R, *p.shape)}``. :meth:`remove` restores the model's own forward
+    methods.
+
+    ``layout`` (one of :data:`LAYOUTS`) is the memory format of the ``R``-fold
+    activations. On an H100, cuDNN runs fp32 convolutions of NCHW tensors with
+    channels_last kernels and converts the tensors to and from that format around each
+    call: 4.8 ms of a 29.4 ms fast step on the paper's ResNet-18, N = 128, M = 5
+    (``kwng/experiments/bench/profile_step.py``; 23.7 ms without them). ``"auto"`` therefore runs
+    the replicated forward and backward of a model with 4-D CUDA inputs in channels_last
+    whatever the model's own format (the values are the same up to rounding; the
+    gradients returned have the parameters' shapes). It is decided at the first
+    replicated forward, by :func:`channels_last_failure`: a model whose forward fails on
+    channels_last tensors keeps its own format, with a logged warning
+    (``layout_failure`` says why).
+    """
+
+    def __init__(self, model: nn.Module, copies: int, layout: str = "auto") -> None:
+        self.model = model
+        self.layout = check_choice(layout, "layout", LAYOUTS)
+        self.layout_failure: str | None = None
+        self._layout_chosen = layout == "model"
+        self.state = _State(copies=copies)
+        self.outputs: torch.Tensor | None = None
+        self.first: torch.Tensor | None = None
+        self.enabled = True
+        self._patched: list[nn.Module] = []
+        for mod in model.modules():
+            if type(mod) in _SWAP:
+                mod.__class__ = _SWAP[type(mod)]
+                mod._kwng_state = self.state
+                self._patched.append(mod)
+        # found once, not in every forward (every dropout kind: Dropout, Dropout2d, ...)
+        self._dropouts = [
+            m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)
+        ]
+        self._pre = model.register_forward_pre_hook(self._pre_hook)
+        self._post = model.register_forward_hook(self._post_hook)
+
+    def _pre_hook(self, module: nn.Module, args: tuple):
+        st = self.state
+        st.active = bool(
+            self.enabled
+            and module.training
+            and torch.is_grad_enabled()
+            and args
+            and isinstance(args[0], torch.Tensor)
+        )
+        if not st.active:
+            return None
+        for m in self._dropouts:
+            if m.training and m.p > 0:
+                raise ValueError(
+                    f"{type(m).__name__}(p={m.p}) in training mode: the replicated "
+                    "KWNG forward would draw a different mask per copy; "
+                    "use mode='reference' or p=0"
+                )
+        st.batch = args[0].shape[0]
+        if not self._layout_chosen:
+            st.active = False  # the layers run their own forward in the check
+            self._choose_layout(module, args)
+            st.active = True
+        R = st.copies
+        new = tuple(
+            a.repeat((R,) + (1,) * (a.dim() - 1))
+            if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == st.batch
+            else a
+            for a in args
+        )
+        if (
+            args[0].dim() == 4
+            and args[0].is_contiguous(memory_format=torch.channels_last)
+            and not args[0].is_contiguous()
+        ):
+            new = (new[0].contiguous(memory_format=torch.channels_last),) + new[1:]
+        return new
+
+    def _choose_layout(self, model: nn.Module, args: tuple) -> None:
+        """Set ``state.layout`` at the first replicated forward (see the class); a
+        refused ``layout="channels_last"`` stays undecided (the next forward raises
+        again)."""
+        x = args[0]
+        if x.dim() != 4 or (self.layout == "auto" and not _auto_channels_last(x)):
+            self._layout_chosen = True
+            return
+        if _format(x) != torch.channels_last:
+            failure = channels_last_failure(model, args)
+            if failure is not None:
+                if self.layout == "channels_last":
+                    raise ValueError(
+                        "layout='channels_last': the model's forward fails on "
+                        f"channels_last inputs ({failure}); use layout='model' or "
+                        "'auto'"
+                    )
+                self.layout_failure = failure
+                log.warning(
+                    "KWNG fast mode: the model's forward fails on channels_last "
+                    "inputs (%s); the replicated pass keeps the model's format",
+                    failure,
+                )
+                self._layout_chosen = True
+                return
+        self.state.layout = torch.channels_last
+        self._layout_chosen = True
+
+    @property
+    def chosen_layout(self) -> str | None:
+        """``"channels_last"`` or ``"model"`` once the first replicated forward has
+        decided, else ``None``."""
+        if not self._layout_chosen:
+            return None
+        return "model" if self.state.layout is None else "channels_last"
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any):
+        st = self.state
+        if not st.active:
+            return None
+        st.active = False
+        if (
+            not isinstance(output, torch.Tensor)
+            or output.shape[0] != st.copies * st.batch
+        ):
+            raise ValueError(
+                "the replicated KWNG forward needs a model that returns one "
+                "(batch, d) tensor"
+            )
+        self.outputs = output
+        self.first = output[: st.batch]
+        return self.first
+
+    def __deepcopy__(self, memo: dict) -> ReplicatedEngine:
+        """A deep copy of the model (hooks included) gets a disabled engine: its hooks
+        do nothing."""
+        new = object.__new__(ReplicatedEngine)
+        new.model, new.state, new.outputs, new.first = None, _State(), None, None
+        new.layout, new.layout_failure, new._layout_chosen = "model", None, True
+        new.enabled, new._patched, new._pre, new._post = False, [], None, None
+        new._dropouts = []
+        memo[id(self)] = new
+        return new
+
+    def owns(self, outputs: torch.Tensor) -> bool:
+        """Whether ``outputs`` is the first copy of the latest replicated forward."""
+        return self.first is not None and outputs is self.first
+
+    def backward(
+        self, cotangent: torch.Tensor, params: list[torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """One backward pass of the stacked ``(R·N, d)`` cotangent; per-copy parameter
+        gradients."""
+        st = self.state
+        st.grads, st.handoff = {}, {}
+        Xs = self.outputs
+        if Xs is None:
+            raise ValueError(
+                "no replicated forward to differentiate: "
+                "call the model (train mode) first"
+            )
+        self.outputs = self.first = None
+        try:
+            torch.autograd.grad(Xs, params, cotangent.to(Xs.dtype), allow_unused=True)
+        finally:
+            st.handoff = {}  # layouts no convolution took (a gradient summed first)
+        return st.grads
+
+    def remove(self) -> None:
+        """Give the layers their own classes back and remove the hooks."""
+        for mod in self._patched:
+            mod.__class__ = _ORIGINAL[type(mod)]
+            del mod._kwng_state
+        self._patched = []
+        self._pre.remove()
+        self._post.remove()
+
+
+class _Swapped:
+    """Mixin of the swapped layer classes: the replicated computation while the engine's
+    forward is active, the layer's own otherwise; a deep copy is a plain layer of the
+    original class."""
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        cls = _ORIGINAL[type(self)]
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k != "_kwng_state":
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        st = _active(self, x)
+        return super().forward(x) if st is None else self._replicated(x, st)
+
+
+def _active(mod: nn.Module, x: torch.Tensor) -> _State | None:
+    st = mod._kwng_state
+    return st if st.active and x.shape[0] == st.copies * st.batch else None
+
+
+class _RConv2d(_Swapped, nn.Conv2d):
+    """``Conv2d`` that runs replicated while its engine's forward is active (same state,
+    same class otherwise: ``isinstance`` checks, ``state_dict`` and ``deepcopy`` see a
+    ``Conv2d``)."""
+
+    def _replicated(self, x: torch.Tensor, st: _State) -> torch.Tensor:
+        return _Conv.apply(x, self.weight, self.bias, self, st)
+
+
+class _RLinear(_Swapped, nn.Linear):
+    def _replicated(self, x: torch.Tensor, st: _State) -> torch.Tensor:
+        return _Linear.apply(x, self.weight, self.bias, st)
+
+
+class _RBatchNorm1d(_Swapped, nn.BatchNorm1d):
+    def _replicated(self, x: torch.Tensor, st: _State) -> torch.Tensor:
+        return _BatchNorm.apply(x, self.weight, self.bias, self, st)
+
+
+class _RBatchNorm2d(_Swapped, nn.BatchNorm2d):
+    _replicated = _RBatchNorm1d._replicated
+
+
+_SWAP = {
+    nn.Conv2d: _RConv2d,
+    nn.Linear: _RLinear,
+    nn.BatchNorm1d: _RBatchNorm1d,
+    nn.BatchNorm2d: _RBatchNorm2d,
+}
+_ORIGINAL = {v: k for k, v in _SWAP.items()}

@@ -1,0 +1,1 @@
+"""Benchmarks: timing and exactness measurements on a GPU."""

@@ -1,0 +1,181 @@
+"""Exactness of the fast (replicated) KWNG path against serial autograd on the paper's
+ResNet-18.
+
+For each configuration (fp32 NCHW / fp32 channels_last with TF32 off, bf16 autocast +
+channels_last) one batch in train mode: g and the M rows of T from the replicated
+backward vs serial ``torch.autograd.grad`` calls of the same model in fp32, and the
+final KWNG direction of both modes with the same basis. Prints relative errors and the
+cosine; ``--json`` writes them.
+
+    python -m kwng.experiments.bench.precond_exactness [--device cuda] [--batch 128] [--num-basis 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kwng.engine.precond import KWNGPreconditioner
+from kwng.estimator import jacobian_from_outputs
+from kwng.experiments.cifar.nets import resnet18
+from kwng.experiments.provenance import (
+    atomic_write_json,
+    index_provenance,
+    make_provenance,
+)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _direction(model, z, y, mode, amp, seed):
+    m = copy.deepcopy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    pc = KWNGPreconditioner(
+        m,
+        optimizer=opt,
+        mode=mode,
+        clip_norm=None,
+        adapt_eps=False,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    ctx = (
+        torch.autocast(z.device.type, dtype=amp)
+        if amp
+        else torch.autocast(z.device.type, enabled=False)
+    )
+    with ctx:
+        X = m(z)
+        loss = nn.functional.cross_entropy(X.float(), y)
+    pc.step(loss, X)
+    return torch.cat([p.grad.reshape(-1) for p in m.parameters()]), pc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--num-basis", type=int, default=5)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    # full fp32: TF32 (on by default for cuDNN convolutions) limits any agreement
+    # to ~1e-3
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if hasattr(
+        torch.backends.cudnn, "conv"
+    ):  # torch >= 2.9 also spells it per operation
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    print("TF32 off:", not torch.backends.cudnn.allow_tf32)
+    dev = torch.device(a.device)
+    torch.manual_seed(0)
+    model = resnet18(10).to(dev)
+    z = torch.randn(a.batch, 3, 32, 32, device=dev)
+    y = torch.randint(0, 10, (a.batch,), device=dev)
+    out: dict = {}
+    ref_dir, _ = _direction(model, z, y, "reference", None, 1)
+    if (
+        dev.type == "cuda"
+    ):  # float64 on the GPU: any difference beyond round-off is a bug
+        m64 = copy.deepcopy(model).double()
+        X64 = m64(z.double())
+        C64 = torch.randn(a.num_basis, a.batch, 10, device=dev, dtype=torch.float64)
+        T64 = jacobian_from_outputs(X64, list(m64.parameters()), C64, retain_graph=True)
+        e64 = copy.deepcopy(model).double()
+        pc64 = KWNGPreconditioner(e64, adapt_eps=False, num_basis=a.num_basis)
+        Xe = e64(z.double())
+        _, Te = pc64._gradients(
+            nn.functional.cross_entropy(Xe, y), Xe, C64, list(e64.parameters())
+        )
+        m32 = copy.deepcopy(model)
+        X32 = m32(z)
+        T32 = jacobian_from_outputs(
+            X32, list(m32.parameters()), C64.float(), retain_graph=True
+        )
+        out["float64"] = {
+            "rel_err_T_fast_vs_serial_fp64": _rel(Te, T64),
+            "rel_err_T_serial_fp32_vs_fp64": _rel(T32, T64),
+        }
+        print("float64", json.dumps(out["float64"]))
+    for name, fmt, amp in (
+        ("fp32_nchw", torch.contiguous_format, None),
+        ("fp32_channels_last", torch.channels_last, None),
+        ("bf16_channels_last", torch.channels_last, torch.bfloat16),
+    ):
+        m = copy.deepcopy(model).to(memory_format=fmt)
+        zz = z.contiguous(memory_format=fmt)
+        # g and T: replicated engine vs serial VJPs (fp32 reference model)
+        params = list(m.parameters())
+        plain = copy.deepcopy(model)
+        Xr = plain(z)
+        C = torch.randn(
+            a.num_basis,
+            a.batch,
+            10,
+            device=dev,
+            generator=torch.Generator(dev).manual_seed(2),
+        )
+        T_ref = jacobian_from_outputs(
+            Xr, list(plain.parameters()), C, retain_graph=True
+        )
+        g_ref = torch.cat(
+            [
+                g.reshape(-1)
+                for g in torch.autograd.grad(
+                    nn.functional.cross_entropy(Xr, y), list(plain.parameters())
+                )
+            ]
+        )
+        pc = KWNGPreconditioner(m, adapt_eps=False, num_basis=a.num_basis)
+        ctx = (
+            torch.autocast(dev.type, dtype=amp)
+            if amp
+            else torch.autocast(dev.type, enabled=False)
+        )
+        with ctx:
+            X = m(zz)
+            loss = nn.functional.cross_entropy(X.float(), y)
+        g, T = pc._gradients(loss, X, C, params)
+        d, pcd = _direction(m, zz, y, "fast", amp, 1)
+        sgd = copy.deepcopy(model).to(
+            memory_format=fmt
+        )  # plain autograd in this configuration
+        with ctx:
+            loss_s = nn.functional.cross_entropy(sgd(zz).float(), y)
+        g_sgd = torch.cat(
+            [
+                gr.reshape(-1)
+                for gr in torch.autograd.grad(loss_s, list(sgd.parameters()))
+            ]
+        )
+        out[name] = {
+            "rel_err_g": _rel(g, g_ref),
+            "rel_err_T": _rel(T, T_ref),
+            "rel_err_g_plain_autograd_same_config": _rel(g_sgd, g_ref),
+            "rel_err_direction_vs_reference_fp32": _rel(d, ref_dir),
+            "cosine_direction": float(
+                torch.nn.functional.cosine_similarity(
+                    d.double(), ref_dir.double(), dim=0
+                )
+            ),
+            "serial_steps": pcd.counters()["serial_steps"],
+        }
+        print(name, json.dumps(out[name]))
+    if a.json:
+        path = Path(a.json)
+        if path.exists():
+            raise SystemExit(f"{path} exists (a committed result?): use another --json")
+        prov = make_provenance(vars(a), seeds={"torch": 0}, device=str(dev))
+        atomic_write_json(path, {"results": out, "provenance": prov})
+        index_provenance(path.parent)
+
+
+if __name__ == "__main__":
+    main()

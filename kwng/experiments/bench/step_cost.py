@@ -1,0 +1,270 @@
+"""Cost of one training step: SGD vs KWNG, side by side, in one process on one device.
+
+Run ``python -m kwng.experiments.bench.step_cost`` on a GPU: the paper's ResNet-18 (Table 1) at batch ``N = 128``,
+CIFAR-shaped random inputs, in three configurations — fp32 NCHW, fp32 ``channels_last`` and
+bf16 autocast + ``channels_last`` — and for each configuration the rows
+
+* ``sgd``: zero_grad → forward → loss → ``loss.backward()`` → ``optimizer.step()``;
+* ``fwd_bwd_N`` and ``fwd_bwd_RN`` (``R = M + 1``): one forward + backward at batch ``N`` and at
+  batch ``R·N`` — the second is the hardware limit of a KWNG step, which needs ``R`` backward
+  passes over the same activations;
+* ``kwng_fast`` / ``kwng_reference``: :class:`kwng.KWNGPreconditioner` in each mode (``M`` = 5 and
+  20); ``diag_fast``: ``diagonal_only=True`` (``D⁻¹ g``, the ablation of App. D.3);
+* ``sgd_graph`` / ``kwng_fast_graph``: the step captured once in a CUDA graph and replayed
+  (possible for KWNG because the fast step never synchronises with the host); the step size
+  and the batch are then fixed at capture, as in any graph-captured training loop
+  (:func:`kwng.engine.capture.capture_step`).
+
+Each row is timed after warm-up steps, with a device synchronisation after every step; the median
+is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory.
+The table goes to ``results/benchmarks/step_cost.json`` with provenance; an existing file is kept
+unless ``--force`` (which moves it to a dated backup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kwng.engine.capture import capture_step
+from kwng.engine.precond import KWNGPreconditioner
+from kwng.engine.replicate import LAYOUTS
+from kwng.experiments.cifar.nets import mlp, resnet18
+from kwng.experiments.provenance import (
+    atomic_write_json,
+    index_provenance,
+    make_provenance,
+)
+
+__all__ = ["time_steps", "bench_config", "CONFIGS", "main"]
+
+log = logging.getLogger(__name__)
+
+CONFIGS = {"fp32_nchw": (torch.float32, torch.contiguous_format),
+           "fp32_channels_last": (torch.float32, torch.channels_last),
+           "bf16_channels_last": (torch.bfloat16, torch.channels_last)}
+ROWS = ("sgd", "sgd_graph", "fwd_bwd_N", "fwd_bwd_RN", "kwng_fast", "kwng_reference", "diag_fast",
+        "kwng_fast_graph")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(fn: Callable[[], None], device: torch.device, steps: int, warmup: int) -> list[float]:
+    """Wall times in ms of ``steps`` calls of ``fn`` after ``warmup`` calls, synchronising after each."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num_basis: int,
+               amp: torch.dtype | None, layout: str = "auto"
+               ) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    precond = None
+    graph = row.endswith("_graph")
+    row = row.removesuffix("_graph")
+    if row in ("kwng_fast", "kwng_reference", "diag_fast"):
+        precond = KWNGPreconditioner(model, optimizer=opt, num_basis=num_basis, eps=1e-5,
+                                     mode="reference" if row == "kwng_reference" else "fast",
+                                     diagonal_only=row == "diag_fast", layout=layout)
+    if row == "fwd_bwd_RN":
+        z = z.repeat((num_basis + 1,) + (1,) * (z.dim() - 1)).contiguous(
+            memory_format=torch.channels_last if z.is_contiguous(memory_format=torch.channels_last)
+            and not z.is_contiguous() else torch.contiguous_format)
+        y = y.repeat(num_basis + 1)
+
+    def autocast():
+        return (torch.autocast(z.device.type, dtype=amp, cache_enabled=False) if amp is not None
+                else contextlib.nullcontext())  # no weight-cast cache: a CUDA graph would replay freed memory
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with autocast():
+            X = model(z)
+            loss = loss_fn(X.float(), y)
+        if precond is None:
+            loss.backward()
+            if row != "sgd":
+                return
+        else:
+            precond.step(loss, X)
+        opt.step()
+
+    if graph:  # the whole step captured once and replayed: no Python or launch cost per step
+        if z.device.type != "cuda":
+            raise ValueError("the *_graph rows need a CUDA device")
+        return capture_step(step), precond
+    return step, precond
+
+
+def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precision: torch.dtype,
+                 memory_format: torch.memory_format, basis_sizes: tuple[int, ...], steps: int, warmup: int,
+                 rows: tuple[str, ...] = ROWS, layout: str = "auto") -> list[dict]:
+    """Time every row in one configuration; returns records with ``ratio_to_sgd`` (and, for the
+    KWNG rows, ``engine_layout``: the layout of the replicated pass, ``layout`` as resolved)."""
+    device = z.device
+    base = copy.deepcopy(model).to(memory_format=memory_format)
+    z = z.contiguous(memory_format=memory_format) if z.dim() == 4 else z
+    amp = None if precision == torch.float32 else precision
+    out = []
+    for row in rows:
+        for M in (basis_sizes if row not in ("sgd", "sgd_graph", "fwd_bwd_N") else (0,)):
+            m = copy.deepcopy(base).train()
+            if device.type == "cuda":  # before the step is built: emptying the cache after a
+                torch.cuda.empty_cache()  # capture also freed the cuBLAS workspace that the
+                torch.cuda.reset_peak_memory_stats(device)  # graph replays (illegal access)
+            step, precond = _make_step(row, m, z, y, max(M, 1), amp, layout)
+            times = time_steps(step, device, steps if row != "kwng_reference" else max(5, steps // 3), warmup)
+            rec = {"mode": row, "num_basis": M or None, "median_ms": statistics.median(times), "min_ms": min(times),
+                   "q25_ms": statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0],
+                   "q75_ms": statistics.quantiles(times, n=4)[2] if len(times) > 1 else times[0],
+                   "steps": len(times)}
+            if device.type == "cuda":
+                rec["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+            if precond is not None:
+                rec["engine_layout"] = precond.engine_layout
+                rec["counters"] = precond.counters()
+                precond.remove_hooks()
+            out.append(rec)
+            log.info("  %-15s M=%-3s %8.2f ms", row, M or "-", rec["median_ms"])
+    sgd = next((r["median_ms"] for r in out if r["mode"] == "sgd"), None)
+    for r in out:
+        r["ratio_to_sgd"] = None if sgd is None else r["median_ms"] / sgd
+    return out
+
+
+def _table(records: list[dict]) -> str:
+    lines = ["| precision | memory format | mode | M | median ms | × SGD | peak MiB | engine layout |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ratio = "" if r["ratio_to_sgd"] is None else f"{r['ratio_to_sgd']:.2f}"
+        mem = f"{r['peak_mem_mb']:.0f}" if "peak_mem_mb" in r else ""
+        lines.append(f"| {r['precision']} | {r['memory_format']} | {r['mode']} | {r['num_basis'] or ''} | "
+                     f"{r['median_ms']:.2f} | {ratio} | {mem} | {r.get('engine_layout') or ''} |")
+    return "\n".join(lines)
+
+
+def _write(path: Path, record: dict, force: bool) -> None:
+    if path.exists():
+        if not force:
+            raise SystemExit(f"{path} exists (a committed result?): pass --out elsewhere, or --force to move it "
+                             "to a dated backup first")
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        backup = path.with_name(f"{path.stem}.backup-{stamp}{path.suffix}")
+        path.rename(backup)
+        log.info("moved the old %s to %s", path, backup)
+    atomic_write_json(path, record)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The integer options and the device of :func:`main`, checked before any row runs."""
+    for name in ("batch", "steps", "image_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be an integer >= 0, got {args.warmup}")
+    if not args.out.strip():
+        p.error("--out must be a file path, got an empty string")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device must be a torch device such as cpu or cuda:0, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m kwng.experiments.bench.step_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default="resnet18", choices=("resnet18", "mlp"))
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--num-basis", default="5,20", help="comma list of M")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
+    p.add_argument("--rows", default=None, help=f"comma list of {list(ROWS)} (default: all; "
+                   "on a CPU all but the *_graph rows, which need CUDA)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--out", default="results/benchmarks/step_cost.json")
+    p.add_argument("--force", action="store_true", help="replace an existing --out (moved to a dated backup)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", default="auto", choices=LAYOUTS,
+                   help="layout of the fast path's replicated pass (KWNGPreconditioner's layout)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    device = _check_args(p, args)
+    configs = [c for c in args.configs.split(",") if c]
+    rows = tuple(r for r in (args.rows or ",".join(
+        r for r in ROWS if device.type == "cuda" or not r.endswith("_graph"))).split(",") if r)
+    for name, allowed, got in (("--configs", CONFIGS, configs), ("--rows", ROWS, rows)):
+        if set(got) - set(allowed) or not got:
+            p.error(f"{name} must be a comma list of {list(allowed)}, got {args.configs if name == '--configs' else args.rows!r}")
+    graph = [r for r in rows if r.endswith("_graph")]
+    if graph and device.type != "cuda":  # checked before any row runs
+        p.error(f"--rows {','.join(graph)} need a CUDA device, got --device {args.device}")
+    try:
+        basis_sizes = tuple(int(m) for m in args.num_basis.split(","))
+    except ValueError:
+        p.error(f"--num-basis must be a comma list of integers, got {args.num_basis!r}")
+    if any(m < 1 or m > args.batch for m in basis_sizes):
+        p.error(f"--num-basis entries must lie in [1, --batch={args.batch}], got {basis_sizes}")
+    out_path = Path(args.out)
+    if out_path.exists() and not args.force:
+        raise SystemExit(f"{out_path} exists (a committed result?): pass --out elsewhere, or --force")
+    torch.manual_seed(args.seed)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    if args.model == "resnet18":
+        model = resnet18(10).to(device)
+        z = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
+    else:
+        model = mlp(784, 10, hidden=256, depth=2).to(device)
+        z = torch.randn(args.batch, 784, device=device)
+    y = torch.randint(0, 10, (args.batch,), device=device)
+    config = vars(args).copy()
+    log.info("kwng.experiments.bench.step_cost: %s", config)
+    records = []
+    for name in configs:
+        precision, fmt = CONFIGS[name]
+        log.info("%s:", name)
+        for r in bench_config(model, z, y, precision=precision, memory_format=fmt, basis_sizes=basis_sizes,
+                              steps=args.steps, warmup=args.warmup, rows=rows, layout=args.layout):
+            r["precision"] = "bf16_autocast" if precision == torch.bfloat16 else "fp32"
+            r["memory_format"] = "channels_last" if fmt == torch.channels_last else "nchw"
+            records.append(r)
+    prov = make_provenance(config, seeds={"torch": args.seed}, device=str(device))
+    record = {"model": args.model, "q": sum(p.numel() for p in model.parameters()), "batch_size": args.batch,
+              "device": prov["device"], "torch": torch.__version__,
+              "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
+              "rows": records, "provenance": prov}
+    _write(out_path, record, args.force)
+    index_provenance(out_path.parent)
+    log.info("\n%s\nwrote %s", _table(records), out_path)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""The CIFAR study's result records: loading, completeness checks and the step-size
+selection rule (book chapter
+:ref:`experiments-cifar`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+from kwng.experiments import guard
+from kwng.experiments.cifar.data import NUM_CLASSES
+from kwng.experiments.cifar.methods import (
+    CONDITION_NUMBER,
+    CLAIM,
+    LR_GRID,
+    METHODS,
+    RESULTS,
+    SELECTION,
+    milestones_for,
+)
+from kwng.experiments.cifar.nets import DiagonalConditioning
+from kwng.experiments.cifar.sweep import build_plan
+from kwng.experiments.provenance import ResultFileError, atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
+
+
+def load_results(root: str | os.PathLike = RESULTS,
+                 dataset: str = "cifar10") -> dict[tuple, dict]:
+    """``{(conditioning, method, seed): metrics record}`` for the runs under
+    ``root/dataset``. An ill-conditioned record written before records carried the class
+    scalings ``U`` gets the study's default (:class:`DiagonalConditioning` with
+    :data:`CONDITION_NUMBER`), marked ``"U_source": "default"``."""
+    out = {}
+    for mp in sorted(Path(root, dataset).glob("*/*/seed*/metrics.json")):
+        rec = read_json(mp)  # names the file if it is not JSON
+        try:
+            c = rec["config"]
+            out[(c["conditioning"], c["method"], int(c["seed"]))] = rec
+            if c["conditioning"] == "ill" and not rec.get("U"):
+                rec["U"] = DiagonalConditioning(NUM_CLASSES, CONDITION_NUMBER).diag.tolist()
+                rec["U_source"] = "default"
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ResultFileError(f"{mp}: not a metrics record "
+                                  f"({type(exc).__name__}: {exc})") from exc
+    return out
+
+
+#: Runs of the committed ``main`` plan that the GPU budget cut short, with the number of
+#: epochs each reached (of 6). The sweep's deadline stopped them; their last checkpoint
+#: was not kept. They are reported as ``"cut"`` by :func:`check_results` (not
+#: ``"incomplete"``) only while their record has exactly this many finite epochs,
+#: ``complete = false`` and a provenance file.
+BUDGET_CUT = {"ill/kwng_m20/seed0": 3, "well/kwng_m20/seed0": 3}
+
+
+def _records(plan: list[dict], root: str | os.PathLike, dataset: str, res: dict):
+    """``(name, record)`` for each run of ``plan`` with both files; the others go to
+    ``res["missing"]``."""
+    for job in plan:
+        name = f"{job['conditioning']}/{job['method']}/seed{job['seed']}"
+        d = (Path(root) / dataset / job["conditioning"] / job["method"]
+             / f"seed{job['seed']}")
+        if not (d / "metrics.json").is_file() or not (d / "provenance.json").is_file():
+            res["missing"].append(name)
+            continue
+        yield name, read_json(d / "metrics.json")
+
+
+def check_results(root: str | os.PathLike = RESULTS, dataset: str = "cifar10",
+                  epochs: int | None = None,
+                  allow_cut: dict[str, int] | None = None) -> dict:
+    """Completeness of the committed results: for every run of the ``main`` plan,
+    whether its ``metrics.json`` and ``provenance.json`` exist, it is complete (or
+    diverged, recorded as such), and has one row per epoch with finite test accuracy.
+
+    ``allow_cut`` (default :data:`BUDGET_CUT` for CIFAR-10, none otherwise) maps run
+    names to the number of epochs they are documented to have reached; such a run goes
+    to ``"cut"`` if its record matches that exactly, to ``"incomplete"`` otherwise (a
+    complete run on the list is ``"ok"``). Returns
+    ``{"missing": [...], "incomplete": [...], "cut": [...], "ok": [...]}`` with run
+    names ``cond/method/seedk``."""
+    if allow_cut is None:
+        allow_cut = BUDGET_CUT if dataset == "cifar10" else {}
+    res: dict[str, list[str]] = {"missing": [], "incomplete": [], "cut": [], "ok": []}
+    plan = build_plan("main", dataset=dataset, epochs=epochs or 1)
+    for name, rec in _records(plan, root, dataset, res):
+        e = len(rec["epochs"])
+        want = epochs or rec["config"]["epochs"]
+        finite = all(math.isfinite(r["test_acc"]) for r in rec["epochs"])
+        good = rec.get("diverged") or (rec.get("complete") and e == want and finite)
+        cut = (name in allow_cut and not rec.get("complete") and e == allow_cut[name]
+               and e < want and finite)
+        res["ok" if good else "cut" if cut else "incomplete"].append(name)
+    return res
+
+
+def _claim_row_ok(rec: dict, k: int) -> bool:
+    """Every epoch recorded, in order, with finite test accuracy and ``k`` finite
+    per-class accuracies."""
+    rows, want = rec["epochs"], int(rec["config"]["epochs"])
+    per_class_ok = all(len(r.get("test_acc_per_class", [])) == k
+                       and all(math.isfinite(a) for a in r["test_acc_per_class"])
+                       for r in rows)
+    return bool(rec.get("complete") and len(rows) == want and per_class_ok
+                and [r["epoch"] for r in rows] == list(range(1, want + 1))
+                and all(math.isfinite(r["test_acc"]) for r in rows))
+
+
+def check_claim(root: str | os.PathLike = CLAIM, dataset: str = "cifar10",
+                min_epochs: int = 30) -> dict:
+    """Completeness of the claim suite (the ``claim`` plan without ablations), with no
+    exceptions: every run has ``metrics.json`` and ``provenance.json``,
+    ``schedule == "claim"`` with its milestone, at least ``min_epochs`` planned epochs,
+    all of them recorded (``complete``), finite test accuracy and a per-class test
+    accuracy (one finite number per class) in every epoch. A run that diverged
+    (non-finite training loss; it stops early) is listed under ``"diverged"`` instead of
+    ``"ok"``. Returns ``{"missing", "incomplete", "diverged", "ok"}`` with run names
+    ``cond/method/seedk``."""
+    if isinstance(min_epochs, bool) or not isinstance(min_epochs, int) \
+            or min_epochs < 1:
+        raise ValueError(f"min_epochs must be an integer >= 1, got {min_epochs!r}")
+    res: dict[str, list[str]] = {"missing": [], "incomplete": [], "diverged": [],
+                                 "ok": []}
+    plan = build_plan("claim", dataset=dataset, epochs=min_epochs, with_ablations=False)
+    for name, rec in _records(plan, root, dataset, res):
+        want = int(rec["config"]["epochs"])
+        proto = (rec["config"].get("schedule") == "claim"
+                 and rec.get("milestones") == milestones_for(want, "claim")
+                 and want >= min_epochs)
+        if proto and rec.get("diverged") and rec["epochs"]:
+            res["diverged"].append(name)
+        elif proto and _claim_row_ok(rec, NUM_CLASSES[dataset]):
+            res["ok"].append(name)
+        else:
+            res["incomplete"].append(name)
+    return res
+
+
+#: The per-epoch fields of the mechanism records (plan ``authors100``), per class
+#: recall and precision (``None`` where nothing was predicted as the class), row norms,
+#: logit scales ``U_k ‖W_k‖``, row movement (this epoch and cumulative);
+#: ``feature_norm`` (mean ``‖φ‖``) and the update share are scalars
+MECHANISM_FIELDS = ("test_acc_per_class", "test_precision_per_class",
+                    "last_layer_row_norms", "logit_scale", "row_movement",
+                    "cumulative_row_movement")
+
+
+def _mechanism_ok(rec: dict, k: int) -> bool:
+    """Every epoch carries the mechanism fields (``k`` numbers each; precision may be
+    NaN where a class was never predicted) and the record the final confusion
+    matrix."""
+    for r in rec["epochs"]:
+        for f in MECHANISM_FIELDS:
+            v = r.get(f)
+            if not isinstance(v, list) or len(v) != k:
+                return False
+            if not all((a is None and f == "test_precision_per_class")
+                       or (isinstance(a, (int, float)) and math.isfinite(a))
+                       for a in v):
+                return False
+        if not math.isfinite(r.get("feature_norm", math.nan)) or \
+                not math.isfinite(r.get("last_layer_update_share", math.nan)):
+            return False
+    cm = rec.get("confusion")
+    return (isinstance(cm, list) and len(cm) == k and all(len(x) == k for x in cm)
+            and sum(map(sum, cm)) == rec.get("eval_size"))
+
+
+def check_authors100(root: str | os.PathLike = RESULTS / "authors100",
+                     dataset: str = "cifar10", tiers: tuple[int, ...] = (1,)) -> dict:
+    """Completeness of the authors'-horizon study (plan ``authors100``) for the runs of
+    ``tiers``: each has ``metrics.json`` and ``provenance.json`` under
+    ``root/lr<lr>/``, the ``authors`` schedule with its milestones, the plan's
+    precision, every planned epoch recorded in order with finite test accuracy, and the
+    mechanism records (:data:`MECHANISM_FIELDS`, the confusion matrix). Returns
+    ``{"missing", "incomplete", "diverged", "ok"}`` with run names
+    ``lr<lr>/cond/method/seedk``."""
+    from kwng.experiments.cifar.sweep import _authors100_plan
+
+    res: dict[str, list[str]] = {"missing": [], "incomplete": [], "diverged": [],
+                                 "ok": []}
+    k = NUM_CLASSES[dataset]
+    for job in _authors100_plan({"dataset": dataset}, tiers):
+        sub = Path(job["out"]).relative_to(RESULTS / "authors100")
+        name = (f"{sub}/{job['conditioning']}/{job['method']}/seed{job['seed']}")
+        d = (Path(root) / sub / dataset / job["conditioning"] / job["method"]
+             / f"seed{job['seed']}")
+        if not (d / "metrics.json").is_file() or not (d / "provenance.json").is_file():
+            res["missing"].append(name)
+            continue
+        rec = read_json(d / "metrics.json")
+        want = int(job["epochs"])
+        proto = (rec.get("config", {}).get("schedule") == "authors"
+                 and rec.get("milestones") == milestones_for(want, "authors")
+                 and int(rec["config"].get("epochs", -1)) == want
+                 and rec.get("precision") == job["precision"]
+                 and float(rec.get("lr", -1)) == float(job["lr"]))
+        if proto and rec.get("diverged") and rec["epochs"]:
+            res["diverged"].append(name)
+        elif proto and _claim_row_ok(rec, k) and _mechanism_ok(rec, k):
+            res["ok"].append(name)
+        else:
+            res["incomplete"].append(name)
+    return res
+
+
+# -------------------------------------------------------------------------- selection
+#: the rule as written into ``selected.json`` (the text of the committed selections)
+SELECTION_RULE = (
+    "Apply the selection rule to the short runs under ``root``.\n\n    Rule: for each "
+    "(dataset, conditioning, method), the step size of :data:`LR_GRID` with the highest"
+    "\n    held-out accuracy at the end of the short run; runs that diverged "
+    "(non-finite loss) are excluded;\n    ties go to the lower final training loss.")
+
+
+def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True,
+               force: bool = False) -> dict:
+    """Apply the selection rule (:data:`SELECTION_RULE`) to the short runs under
+    ``root``: for each (dataset, conditioning, method), the step size of
+    :data:`LR_GRID` with the highest held-out accuracy at the end of the short run; runs
+    that diverged (non-finite loss) are excluded; ties go to the lower final training
+    loss. Writes ``root/selected.json``.
+    """
+    runs = sorted(Path(root).glob("lr*/*/*/*/seed*/metrics.json"))
+    if not runs:  # a mistyped root: nothing created, no empty selection written
+        raise FileNotFoundError(f"root {root} holds no selection runs "
+                                "(lr<lr>/<dataset>/<conditioning>/<method>/seed<k>/metrics.json)")
+    rows: dict[str, list] = {}
+    for mp in runs:
+        rec = read_json(mp)
+        c = rec["config"]
+        last = rec["epochs"][-1] if rec["epochs"] else None
+        ok = (last is not None and rec.get("complete") and not rec.get("diverged")
+              and math.isfinite(last["train_loss"]))
+        rows.setdefault(f"{c['dataset']}/{c['conditioning']}/{c['method']}", []).append(
+            {"lr": rec["lr"], "val_acc": last["test_acc"] if last else None,
+             "train_loss": last["train_loss"] if last else None, "ok": bool(ok),
+             "steps": last["steps"] if last else 0})
+    selected = {}
+    for key, rs in rows.items():
+        good = [r for r in rs if r["ok"]]
+        if not good:
+            continue
+        best = max(good, key=lambda r: (r["val_acc"], -r["train_loss"]))
+        selected[key] = {"lr": best["lr"], "val_acc": best["val_acc"],
+                         "candidates": sorted(rs, key=lambda r: -r["lr"])}
+    out = {"rule": SELECTION_RULE, "grid": list(LR_GRID),
+           "selected": selected,
+           "inherit": {m: s["lr_from"] for m, s in METHODS.items() if "lr_from" in s}}
+    if write:
+        _write_selection(Path(root) / "selected.json", out, force)
+    return out
+
+
+def _write_selection(path: Path, out: dict, force: bool) -> None:
+    """Write ``out`` to ``path``. A suite run in parts adds methods to an existing
+    selection: entries that are only added are written without ``force``; a changed
+    or removed entry (another rule, grid or step size) is refused unless ``force``
+    (then the old file is backed up)."""
+    if path.exists() and not force:
+        old = read_json(path)
+        before = old.get("selected", {})
+        added = {f"selected.{k}" for k in set(out["selected"]) - set(before)}
+        changed = [k for k in guard.diff_keys(old, out) if k not in added]
+        if not changed:
+            if guard.diff_keys(old, out):
+                log.info("%s: adding %s", path, sorted(added))
+                atomic_write_json(path, out)
+            return
+    guard.write_json_guarded(path, out, force)
+
+
+# ------------------------------------------------------------------ authors100 verdict
+def load_authors100(root: str | os.PathLike = RESULTS / "authors100",
+                    dataset: str = "cifar10") -> dict[tuple, dict]:
+    """``{(tag, conditioning, method, seed): metrics record}`` for the runs under
+    ``root`` (``tag`` = ``lr<lr>`` or ``fp32/lr<lr>``)."""
+    out = {}
+    root = Path(root)
+    for mp in sorted(root.glob(f"**/{dataset}/*/*/seed*/metrics.json")):
+        rec = read_json(mp)
+        rel = mp.relative_to(root).parts
+        tag = "/".join(rel[:rel.index(dataset)])
+        c = rec["config"]
+        out[(tag, c["conditioning"], c["method"], int(c["seed"]))] = rec
+    return out
+
+
+def authors100_verdict(records: dict[tuple, dict], within: float = 0.05,
+                       above_sgd: float = 0.20, class_ratio: float = 0.5,
+                       small_u: float = 1e-3, learned: float = 0.5) -> dict:
+    """The decision rule of the authors'-horizon study, fixed before its results were
+    read into the book (issue 20): the three criteria of the 30-epoch claim suite,
+    evaluated at the last epoch (100), plus a fourth. With ``a`` the final test accuracy
+    (mean over the seeds present) of ``kwng`` at the authors' step 10:
+
+    1. ``|a_WC − a_IC| ≤ within``;
+    2. ``a_IC − a_SGD ≥ above_sgd``, ``a_SGD`` the better of IC ``sgd`` at its selected
+       step (0.1) and at 10× (1) — the fair baseline;
+    3. on every class with ``U_k ≤ small_u``, IC ``kwng``'s recall (the per-class test
+       accuracy, mean over seeds) is at least ``class_ratio`` times WC ``kwng``'s;
+    4. the two classes with the smallest ``U_k`` reach recall ≥ ``learned`` and
+       precision ≥ ``learned`` in IC ``kwng`` (mean over seeds).
+
+    The claim holds if all four hold; ``None`` where a run is missing. ``records`` as
+    :func:`load_authors100`."""
+    import numpy as np
+
+    def final(tag, cond, method, key="test_acc"):
+        rows = [r["epochs"][-1][key] for (t, c, m, _), r in sorted(records.items())
+                if t == tag and c == cond and m == method and r["epochs"]]
+        if not rows:
+            return None
+        arr = np.array([[np.nan if v is None else v for v in x] if isinstance(x, list)
+                        else x for x in rows], dtype=float)
+        return arr.mean(axis=0)
+
+    k_ill, k_well = final("lr10", "ill", "kwng"), final("lr10", "well", "kwng")
+    sgds = {t: final(t, "ill", "sgd") for t in ("lr0.1", "lr1")}
+    sgd_ok = {t: float(v) for t, v in sgds.items() if v is not None}
+    out: dict = {"kwng_ill": None if k_ill is None else float(k_ill),
+                 "kwng_well": None if k_well is None else float(k_well),
+                 "sgd_ill_by_step": sgd_ok,
+                 "sgd_ill": max(sgd_ok.values(), default=None),
+                 "c1_within": None, "c2_above_sgd": None, "c3_small_classes": None,
+                 "c4_two_smallest_learned": None}
+    if k_ill is not None and k_well is not None:
+        out["c1_within"] = bool(abs(float(k_well) - float(k_ill)) <= within)
+    if k_ill is not None and out["sgd_ill"] is not None:
+        out["c2_above_sgd"] = bool(float(k_ill) - out["sgd_ill"] >= above_sgd)
+    ill = [r for (t, c, m, _), r in records.items()
+           if t == "lr10" and c == "ill" and m == "kwng"]
+    if ill and ill[0].get("U"):
+        U = np.array(ill[0]["U"])
+        small = np.flatnonzero(U <= small_u)
+        small = small[np.argsort(U[small])]
+        rec_ill = final("lr10", "ill", "kwng", "test_acc_per_class")
+        rec_well = final("lr10", "well", "kwng", "test_acc_per_class")
+        prec_ill = final("lr10", "ill", "kwng", "test_precision_per_class")
+        out.update(small_classes=small.tolist(), U_small=U[small].tolist())
+        if rec_ill is not None and rec_well is not None:
+            out["recall_ill"] = rec_ill[small].tolist()
+            out["recall_well"] = rec_well[small].tolist()
+            out["c3_small_classes"] = bool(np.all(rec_ill[small]
+                                                  >= class_ratio * rec_well[small]))
+        if rec_ill is not None and prec_ill is not None:
+            two = small[:2]
+            out["precision_ill"] = prec_ill[small].tolist()
+            out["c4_two_smallest_learned"] = bool(
+                np.all(rec_ill[two] >= learned) and np.all(prec_ill[two] >= learned))
+    parts = (out["c1_within"], out["c2_above_sgd"], out["c3_small_classes"],
+             out["c4_two_smallest_learned"])
+    out["holds"] = None if any(p is None for p in parts) else all(parts)
+    return out

@@ -1,0 +1,442 @@
+"""One CIFAR run: the training loop, evaluation, checkpoints and the per-epoch record
+(book chapter :ref:`experiments-cifar`).
+
+:func:`run` trains one :class:`~kwng.experiments.cifar.methods.RunConfig` to completion
+(or to ``stop_after_epoch`` / ``max_steps`` / ``deadline``), resuming exactly from its
+checkpoint; every method takes its step through
+:class:`~kwng.experiments.cifar.methods.MethodStep` (:func:`train_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kwng.experiments import guard
+from kwng.experiments.cifar.capture import StepRunner
+from kwng.experiments.cifar.data import NUM_CLASSES, GPUAugmentedData, load_cifar
+from kwng.experiments.cifar.methods import (
+    CLIP_NORM,
+    SELECTION,
+    MethodStep,
+    RunConfig,
+    build_model,
+    build_optimizer,
+    device_for,
+    make_step,
+    milestones_for,
+)
+from kwng.experiments.cifar.metrics import EpochStats, UpdateShare, evaluate_full
+from kwng.experiments.provenance import atomic_write_json, read_json, write_provenance
+
+log = logging.getLogger(__name__)
+
+
+def _as_config(cfg: dict) -> RunConfig:
+    return cfg if isinstance(cfg, RunConfig) else RunConfig(**cfg)
+
+
+def run_dir_for(cfg: dict) -> Path:
+    """``<out>/<dataset>/<conditioning>/<method>/seed<k>``: where a run writes."""
+    cfg = _as_config(cfg)
+    return (Path(cfg["out"]) / cfg["dataset"] / cfg["conditioning"] / cfg["method"]
+            / f"seed{cfg['seed']}")
+
+
+def checkpoint_path_for(cfg: dict) -> Path:
+    """The run's checkpoint, under ``checkpoint_dir`` (an absolute run directory is
+    hashed)."""
+    cfg = _as_config(cfg)
+    rd = run_dir_for(cfg)
+    if rd.is_absolute():
+        rd = Path("abs") / hashlib.sha1(str(rd).encode()).hexdigest()[:16]
+    return Path(cfg["checkpoint_dir"]) / rd / "checkpoint.pt"
+
+
+def resolve_lr(cfg: RunConfig) -> float:
+    """The step size: a number, or the one chosen by ``select`` for the method (or its
+    ``lr_from``)."""
+    if cfg["lr"] != "selected":
+        return float(cfg["lr"])
+    path = Path(cfg["selection_file"] or SELECTION / "selected.json")
+    if not path.is_file():
+        raise FileNotFoundError(f"lr='selected' needs {path} (run `cifar select` "
+                                "first) or pass --lr")
+    table = read_json(path)["selected"]
+    base = cfg.spec.get("lr_from", cfg["method"])
+    key = f"{cfg['dataset']}/{cfg['conditioning']}/{base}"
+    if key not in table:
+        raise KeyError(f"no selected step size for {key} in {path}")
+    return float(table[key]["lr"])
+
+
+def _split_data(cfg: RunConfig):
+    """Training / evaluation arrays. With ``val_size`` > 0 (step-size selection) the
+    evaluation set is held out of the training set (the test set is not looked at);
+    ``train_subset`` keeps that many."""
+    x, y = load_cifar(cfg["dataset"], "train", cfg["data_root"], cfg["source"],
+                      cfg["download"])
+    if cfg["val_size"] and cfg["val_size"] >= len(x):
+        raise ValueError(f"val_size must be smaller than the training set ({len(x)} "
+                         f"images), got {cfg['val_size']}: nothing left to train on")
+    if cfg["val_size"]:
+        perm = np.random.default_rng(12345).permutation(len(x))
+        val, rest = perm[:cfg["val_size"]], perm[cfg["val_size"]:]
+        if cfg["train_subset"]:
+            rest = rest[:cfg["train_subset"]]
+        return x[rest], y[rest], x[val], y[val]
+    if cfg["train_subset"]:
+        keep = np.random.default_rng(12345).permutation(len(x))[:cfg["train_subset"]]
+        x, y = x[np.sort(keep)], y[np.sort(keep)]
+    xt, yt = load_cifar(cfg["dataset"], "test", cfg["data_root"], cfg["source"],
+                        cfg["download"])
+    return x, y, xt, yt
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())  # map_location may have moved it
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fast_cuda(device: torch.device) -> None:
+    """cuDNN autotuning and TF32 matrix products on a CUDA device."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def autocast_for(device: torch.device, precision: str):
+    """The forward's autocast context: bf16 without a weight-cast cache (a CUDA graph
+    would replay freed memory), or none for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+    return contextlib.nullcontext()
+
+
+def train_step(method: MethodStep, model: nn.Module, z: torch.Tensor, yb: torch.Tensor,
+               share: UpdateShare | None = None, precision: str = "fp32"
+               ) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
+    """One training step of any method: forward (in ``precision``), then
+    ``method.step`` (direction clipped to
+    :data:`~kwng.experiments.cifar.methods.CLIP_NORM`, ``optimizer.step()``).
+    Returns ``(loss, outputs, info, last-layer share)``; the share is measured around
+    the whole update (the direction leaves the parameters unchanged). Never waits for
+    the device, so a CUDA graph can record it."""
+    method.optimizer.zero_grad(set_to_none=True)
+    with autocast_for(z.device, precision):
+        h, outputs = model.forward_both(z)
+        loss = F.cross_entropy(outputs.float(), yb)
+    if share is not None:
+        share.before()
+    info = method.step(loss, outputs, hidden=h, batch=(z, yb))
+    frac = share.after() if share is not None else None
+    return loss, outputs, info, frac
+
+
+def _save_checkpoint(path: Path, ck: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(ck, tmp)
+    os.replace(tmp, path)
+
+
+def _past(deadline: float | None) -> bool:
+    """Whether the Unix time ``deadline`` has passed (checked once per batch by
+    :func:`run`)."""
+    return deadline is not None and time.time() > deadline
+
+
+def _identity(cfg: RunConfig, lr: float) -> dict:
+    from kwng.experiments.cifar.data import source_fingerprint
+
+    try:
+        data = source_fingerprint(cfg["dataset"], cfg["data_root"], cfg["source"])
+    except FileNotFoundError:
+        if not cfg["download"]:
+            raise
+        data = None  # fetched by this run; not compared
+    return guard.run_identity(cfg, lr, cfg.batch, cfg.spec, data)
+
+
+# ---------------------------------------------------------------------------------- run
+class _Run:
+    """The state of one run between its setup and its last epoch."""
+
+    def __init__(self, cfg: RunConfig, lr: float, identity: dict) -> None:
+        self.cfg, self.rdir, self.ckpt = cfg, run_dir_for(cfg), checkpoint_path_for(cfg)
+        self.device = device = device_for(cfg["device"])
+        torch.manual_seed(cfg["seed"])
+        np.random.seed(cfg["seed"])
+        random.seed(cfg["seed"])
+        fast_cuda(device)
+        x, y, xt, yt = _split_data(cfg)
+        self.train = GPUAugmentedData(x, y, cfg["dataset"], device)
+        self.test = GPUAugmentedData(xt, yt, cfg["dataset"], device)
+        self.model = build_model(cfg).to(device)
+        # KFAC/EKFAC stay NCHW: nngeometry views their gradients as NCHW tensors
+        self.channels_last = (cfg["channels_last"]
+                              and cfg.spec.get("precond") not in ("kfac", "ekfac"))
+        if self.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.optimizer = build_optimizer(cfg, self.model, lr)
+        milestones = milestones_for(cfg["epochs"], cfg["schedule"])
+        self.scheduler = torch.optim.lr_scheduler.MultiStepLR(
+            self.optimizer, milestones=milestones, gamma=0.1)
+        self.method = make_step(cfg, self.model, self.optimizer, device)
+        self.data_gen = torch.Generator().manual_seed(10_000 + cfg["seed"])
+        self.share = UpdateShare(self.model)
+        self.stats = EpochStats(device, NUM_CLASSES[cfg["dataset"]])
+        capture = cfg["capture"] and self.method.capturable
+        if cfg["capture"] and not capture and device.type == "cuda":
+            from kwng.experiments.cifar.capture import NOT_CAPTURABLE
+
+            log.warning("%s: method %s runs eagerly: %s", self.rdir, cfg["method"],
+                        NOT_CAPTURABLE.get(cfg.spec.get("precond", ""),
+                                           "not capturable"))
+        self.runner = StepRunner(self._step, device, capture,
+                                 lambda: self.optimizer.param_groups[0]["lr"])
+        self.trace: torch.Tensor | None = None  # per-step losses (trainer_timing)
+        self.record = self._new_record(lr, identity, milestones)
+        self.start_epoch, self.steps, self.time_train, self.partial = 0, 0, 0.0, None
+
+    def _step(self, z: torch.Tensor, yb: torch.Tensor) -> None:
+        """The whole training step, sums included (what a CUDA graph records)."""
+        loss, outputs, info, frac = train_step(self.method, self.model, z, yb,
+                                               self.share, self.cfg["precision"])
+        self.method.track(info, self.stats)
+        self.stats.add_step(loss, outputs, yb, frac, self.share.row_move)
+        if self.trace is not None:
+            self.trace_pos += 1
+            pos = (self.trace_pos.clamp(max=len(self.trace)) - 1).view(1)
+            self.trace.index_copy_(0, pos,
+                                   loss.detach().double().view(1))
+
+    def _new_record(self, lr: float, identity: dict, milestones: list[int]) -> dict:
+        cfg, model, pc = self.cfg, self.model, self.method.precond
+        scaled = cfg.spec.get("estimator_input", "scaled") == "scaled"
+        record = {
+            "config": dict(cfg), "identity": identity, "lr": lr,
+            "milestones": milestones,
+            "batch_size": cfg.batch, "method_spec": cfg.spec, "clip_norm": CLIP_NORM,
+            "epochs": [], "complete": False, "diverged": False,
+            "train_size": len(self.train), "eval_size": len(self.test),
+            "eval_split": ("validation (held out of train)" if cfg["val_size"]
+                           else "test"),
+            "samples": "U h (U inside the network)" if scaled else "h (before U)",
+            "U": (model.conditioning.diag.tolist() if model.conditioning is not None
+                  else None),
+            "precision": cfg["precision"], "channels_last": self.channels_last,
+            "capture": cfg["capture"] and self.method.capturable,
+            "lr_field": "the step size used during the epoch",
+            "confusion": None}
+        if pc is not None and hasattr(pc, "hyperparameters"):
+            record["precond"] = {k: v for k, v in pc.hyperparameters().items()
+                                 if isinstance(v, (int, float, str))}
+        return record
+
+    def resume(self, ck: dict) -> None:
+        self.model.load_state_dict(ck["model"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.scheduler.load_state_dict(ck["scheduler"])
+        if self.method.precond is not None:
+            self.method.precond.load_state_dict(ck["precond"])
+        self.data_gen.set_state(ck["data_gen"].cpu())
+        _set_rng_state(ck["rng"], self.device)
+        self.record = ck["record"]
+        self.start_epoch, self.steps = ck["epoch"], ck["steps"]
+        self.time_train, self.partial = ck["time_train"], ck.get("partial")
+        log.info("%s: resumed after epoch %d%s", self.rdir, self.start_epoch,
+                 f" and {self.partial['batches']} batches" if self.partial else "")
+
+    def checkpoint(self, epoch: int, partial: dict | None = None) -> None:
+        pc = self.method.precond
+        ck = {"model": self.model.state_dict(),
+              "optimizer": self.optimizer.state_dict(),
+              "scheduler": self.scheduler.state_dict(),
+              "precond": pc.state_dict() if pc is not None else None,
+              "data_gen": self.data_gen.get_state(), "rng": _rng_state(self.device),
+              "record": self.record, "epoch": epoch, "steps": self.steps,
+              "time_train": self.time_train}
+        if partial is not None:
+            ck["partial"] = partial
+        _save_checkpoint(self.ckpt, ck)
+
+    def train_epoch(self, epoch: int, total_steps: int, bar) -> bool:
+        """The steps of one epoch; ``False`` if the deadline stopped it
+        (checkpointed)."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        stats, skip, t_before = self.stats, 0, 0.0
+        stats.reset()
+        if self.partial is not None:  # resume mid-epoch: replay the epoch's draws
+            self.data_gen.set_state(self.partial["data_gen_epoch_start"].cpu())
+            stats.load_state_dict(self.partial["stats"])
+            skip, t_before = self.partial["batches"], self.partial["time_in_epoch"]
+            self.partial = None
+        gen_start = self.data_gen.get_state()
+        cl = self.channels_last
+        for b, (z, yb) in enumerate(self.train.batches(self.cfg.batch, self.data_gen)):
+            if b < skip:
+                continue
+            if _past(self.cfg["deadline"]):
+                sync(self.device)
+                self.checkpoint(epoch, {
+                    "batches": b, "stats": stats.state_dict(),
+                    "data_gen_epoch_start": gen_start,
+                    "time_in_epoch": t_before + time.perf_counter() - t0})
+                log.warning("%s: deadline reached in epoch %d after %d batches: "
+                            "checkpointed", self.rdir, epoch + 1, b)
+                self.record["stopped"] = "deadline"
+                return False
+            if cl:
+                z = z.contiguous(memory_format=torch.channels_last)
+            self.runner(z, yb)
+            stats.count(len(yb))
+            self.steps += 1
+            if bar is not None:
+                bar.update(1)
+            if self.steps % 50 == 0 and not bool(torch.isfinite(stats.loss_sum)):
+                break  # diverged: stop early (recorded by end_epoch)
+            if self.steps >= total_steps:
+                break
+        sync(self.device)
+        self.time_train += t_before + time.perf_counter() - t0
+        return True
+
+    def end_epoch(self, epoch: int, total_steps: int) -> bool:
+        """Evaluate, record the epoch (and checkpoint); ``True`` when the run is
+        over."""
+        from kwng.experiments.cifar.nets import last_linear
+
+        cfg, record = self.cfg, self.record
+        lr_epoch = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        te = time.perf_counter()
+        ev = evaluate_full(self.model, self.test, cfg["eval_batch_size"],
+                           NUM_CLASSES[cfg["dataset"]])
+        w = last_linear(self.model).weight.detach()
+        norms = torch.linalg.vector_norm(w.double(), dim=1).tolist()
+        u = record["U"] or [1.0] * len(norms)
+        move = self.stats.row_move.tolist()
+        prev = record["epochs"][-1].get("cumulative_row_movement") if record["epochs"] \
+            else None
+        row = {"epoch": epoch + 1, "steps": self.steps, "lr": lr_epoch,
+               **self.stats.row(),
+               "test_loss": ev["loss"], "test_acc": ev["acc"],
+               "test_acc_per_class": ev["recall"], "test_precision_per_class":
+               ev["precision"], "feature_norm": ev["feature_norm"],
+               "last_layer_row_norms": norms,
+               "logit_scale": [a * b for a, b in zip(u, norms)],
+               "row_movement": move,
+               "cumulative_row_movement": [a + b for a, b in
+                                           zip(prev or [0.0] * len(move), move)],
+               "time_train": self.time_train, "time_eval": time.perf_counter() - te}
+        record["confusion"] = ev["confusion"]
+        test_loss, test_acc = ev["loss"], ev["acc"]
+        row.update(self.method.epoch_fields(record["epochs"]))
+        record["epochs"].append(row)
+        finished = epoch + 1 == cfg["epochs"] or self.steps >= total_steps
+        if not math.isfinite(row["train_loss"]):
+            record["diverged"] = finished = True
+        record["complete"] = finished
+        record.pop("stopped", None)
+        log.info("%s epoch %d: train %.4f/%.3f test %.4f/%.3f (%.1fs)", self.rdir,
+                 epoch + 1, row["train_loss"], row["train_acc"], test_loss, test_acc,
+                 self.time_train)
+        if not finished:
+            self.checkpoint(epoch + 1)
+        atomic_write_json(self.rdir / "metrics.json", record)
+        if finished:
+            with contextlib.suppress(FileNotFoundError):
+                self.ckpt.unlink()
+        return finished
+
+    def train_all(self, progress: bool) -> dict:
+        cfg, E = self.cfg, self.cfg["epochs"]
+        nb = self.train.num_batches(cfg.batch)
+        total_steps = E * nb if cfg["max_steps"] is None else min(E * nb,
+                                                                   cfg["max_steps"])
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total_steps, initial=min(self.steps, total_steps),
+                       desc=str(self.rdir), leave=False, mininterval=5.0,
+                       file=sys.stderr)
+        self.model.train()
+        for epoch in range(self.start_epoch, E):
+            if self.steps >= total_steps or not self.train_epoch(epoch, total_steps,
+                                                                 bar):
+                break
+            if self.end_epoch(epoch, total_steps):
+                break
+            stop = cfg["stop_after_epoch"]
+            if stop is not None and epoch + 1 >= stop:
+                break
+        if bar is not None:
+            bar.close()
+        return self.record
+
+
+def run(cfg: RunConfig | dict, progress: bool = True, force: bool = False) -> dict:
+    """Train one configuration to completion (or to ``stop_after_epoch`` / ``max_steps``
+    / ``deadline``), resuming from its checkpoint if one exists. Returns the metrics
+    record (also written to disk).
+
+    A run directory written with another identity
+    (:func:`kwng.experiments.guard.run_identity`: step size, epochs, model, data, batch,
+    method spec, ...) is refused, never resumed, skipped or overwritten; so is an
+    unfinished record whose checkpoint is gone. ``force`` moves such results to a dated
+    backup and starts afresh.
+
+    At the ``deadline`` (a Unix time) the run checkpoints in the middle of its epoch,
+    with the epoch's partial sums and the data generator's state at the epoch start: the
+    resumed run replays the epoch's batch draws up to that point and continues exactly
+    where it stopped."""
+    cfg = cfg if isinstance(cfg, RunConfig) else RunConfig(**cfg)
+    rdir, ckpt_path = run_dir_for(cfg), checkpoint_path_for(cfg)
+    lr = resolve_lr(cfg)
+    identity = _identity(cfg, lr)
+    prev = guard.check_existing_run(rdir, ckpt_path, identity, force)
+    if prev is not None:
+        log.info("%s is complete: skipped", rdir)
+        return prev
+    state = _Run(cfg, lr, identity)
+    ck = guard.resume_checkpoint(ckpt_path, identity, state.device, force, rdir)
+    if ck is not None:
+        state.resume(ck)
+    write_provenance(rdir, dict(cfg), seeds={"seed": cfg["seed"],
+                                             "data": 10_000 + cfg["seed"]},
+                     device=str(state.device), lr=lr, method_spec=cfg.spec,
+                     resumed_from_epoch=state.start_epoch)
+    return state.train_all(progress)

@@ -1,0 +1,1 @@
+"""Figures and tables drawn from result files."""

@@ -1,0 +1,1 @@
+"""The theory companions: the chapters' reference computations."""
