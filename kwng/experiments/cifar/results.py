@@ -40,7 +40,7 @@ def load_results(root: str | os.PathLike = RESULTS,
             c = rec["config"]
             out[(c["conditioning"], c["method"], int(c["seed"]))] = rec
             if c["conditioning"] == "ill" and not rec.get("U"):
-                rec["U"] = DiagonalConditioning(NUM_CLASSES, CONDITION_NUMBER).diag.tolist()
+                rec["U"] = DiagonalConditioning(NUM_CLASSES[dataset], CONDITION_NUMBER).diag.tolist()
                 rec["U_source"] = "default"
         except (KeyError, TypeError, ValueError) as exc:
             raise ResultFileError(f"{mp}: not a metrics record "
