@@ -131,11 +131,13 @@ def report_degenerate(diagnostics: dict, direction: torch.Tensor, grad: torch.Te
 
 
 def relative_error(estimate, exact) -> float:
-    """``‖estimate - exact‖ / ‖exact‖`` (the error measure of the paper's Figs. 1, 5, 6)."""
+    """``‖estimate - exact‖ / ‖exact‖`` (the error measure of the paper's Figs. 1,
+    5, 6)."""
     e = torch.as_tensor(estimate, dtype=torch.float64).cpu()
     x = torch.as_tensor(exact, dtype=torch.float64).cpu()
     if e.shape != x.shape:
-        raise ValueError(f"estimate and exact must have the same shape, got {tuple(e.shape)} and {tuple(x.shape)}")
+        raise ValueError("estimate and exact must have the same shape, got "
+                         f"{tuple(e.shape)} and {tuple(x.shape)}")
     nx = float(torch.linalg.vector_norm(x))
     if nx == 0:
         raise ValueError("exact must be non-zero for a relative error")

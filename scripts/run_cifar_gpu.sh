@@ -142,13 +142,13 @@ plan_done() {  # prints 1 if every run of plan $1 is complete with the settings 
   SETS="${SELSET[*]}" $PY -c "
 import os, sys
 from kwng.experiments import guard
-from kwng.experiments.cifar import cli, sweep
-p = sweep.build_plan('$1', epochs=1, select_epochs=$SELECT_EPOCHS, data_root='$ROOT',
+from kwng.experiments.cifar import cli, plans, sweep
+p = plans.build_plan('$1', epochs=1, select_epochs=$SELECT_EPOCHS, data_root='$ROOT',
                      select_subset=${SELECT_SUBSET:-None}, select_val=5000,
                      methods='$METHODS'.split(',') if '$METHODS' else None)
 sets = cli._overrides([s for s in os.environ['SETS'].split() if s != '--set'])
 try:
-    print(int(all(sweep._is_complete({**j, **sets}) for j in p)))
+    print(int(all(sweep.is_complete({**j, **sets}) for j in p)))
 except guard.ConfigMismatchError as err:  # a finished run of other settings
     print(f'refused: {err}', file=sys.stderr)
     print(2)"

@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from kwng.experiments.cifar import augment, methods, results, sweep, train
+from kwng.experiments.cifar import (
+    augment,
+    methods,
+    plans,
+    results,
+    runtime,
+    steps,
+    train,
+)
 from kwng.experiments.cifar import data as kdata
 
 
@@ -108,16 +116,16 @@ def test_runner_exact_resume(tmp_path, method):
     part = train.run(_run_cfg(tmp_path / "b", method=method, stop_after_epoch=1), progress=False)
     assert len(part["epochs"]) == 1 and not part["complete"]
     cfg_b = _run_cfg(tmp_path / "b", method=method)
-    assert train.checkpoint_path_for(cfg_b).is_file()
+    assert runtime.checkpoint_path_for(cfg_b).is_file()
     resumed = train.run(cfg_b, progress=False)
     assert resumed["complete"] and len(resumed["epochs"]) == 2
-    assert not train.checkpoint_path_for(cfg_b).is_file()  # removed once complete
+    assert not runtime.checkpoint_path_for(cfg_b).is_file()  # removed once complete
     keys = ["steps", "lr", "train_loss", "train_acc", "test_loss", "test_acc"]
     if method == "kwng":
         keys += ["eps", "fallbacks"]
     for ra, rb in zip(full["epochs"], resumed["epochs"]):
         assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}
-    rdir = train.run_dir_for(cfg_b)
+    rdir = runtime.run_dir_for(cfg_b)
     assert (rdir / "metrics.json").is_file() and (rdir / "provenance.json").is_file()
     again = train.run(cfg_b, progress=False)  # finished runs are skipped
     assert again["epochs"] == resumed["epochs"]
@@ -166,13 +174,13 @@ def test_selection_grows_by_method_but_refuses_a_change(tmp_path):
 
 def test_plans_cover_the_study():
 
-    main = sweep.build_plan("main", epochs=5)
+    main = plans.build_plan("main", epochs=5)
     names = {(j["conditioning"], j["method"], j["seed"]) for j in main}
     for m in ("sgd", "adam", "kwng"):
         for c in ("ill", "well"):
             assert {(c, m, s) for s in (0, 1, 2)} <= names
     assert len(main) == len(names) == 18 + 14 + 6
-    sel = sweep.build_plan("select")
+    sel = plans.build_plan("select")
     assert len(sel) == len(methods.SELECT_METHODS) * 2 * len(methods.LR_GRID)
 
 
@@ -242,7 +250,7 @@ def test_committed_claim_suite_complete():
     root = Path(__file__).resolve().parent.parent / "results" / "cifar" / "claim"
     status = results.check_claim(root, min_epochs=30)
     assert not status["missing"] and not status["incomplete"] and not status["diverged"]
-    plan = sweep.build_plan("claim", epochs=30, with_ablations=False)
+    plan = plans.build_plan("claim", epochs=30, with_ablations=False)
     assert len(status["ok"]) == len(plan) == 18
     sel = json.loads((root / "selection" / "selected.json").read_text())["selected"]
     for (c, m, s), rec in results.load_results(root, "cifar10").items():
@@ -272,7 +280,7 @@ def test_committed_results_complete():
     res = results.check_results(root, "cifar10")
     assert not res["missing"] and not res["incomplete"], res
     assert sorted(res["cut"]) == sorted(results.BUDGET_CUT), res["cut"]
-    assert len(res["ok"]) + len(res["cut"]) == len(sweep.build_plan("main"))
+    assert len(res["ok"]) + len(res["cut"]) == len(plans.build_plan("main"))
     epochs = json.loads((root / "schedule.json").read_text())["epochs"]
     recs = results.load_results(root, "cifar10")
     for (c, m, s), rec in recs.items():
@@ -289,7 +297,7 @@ def test_check_results_budget_cut(tmp_path):
     """The allow-list accepts a cut run only with its documented epoch count."""
     from kwng.experiments.provenance import atomic_write_json
 
-    plan = sweep.build_plan("main", epochs=6)
+    plan = plans.build_plan("main", epochs=6)
     cut = "ill/kwng_m20/seed0"
     for j in plan:
         name = f"{j['conditioning']}/{j['method']}/seed{j['seed']}"
@@ -451,30 +459,30 @@ def test_claim_protocol_plans_and_schedule():
         assert E - m == max(1, round(0.15 * E))  # the last ~15 % of the epochs at 0.1x
     with pytest.raises(ValueError, match="schedule"):
         methods.milestones_for(10, "cosine")
-    claim = sweep.build_plan("claim", epochs=30, with_ablations=False)
+    claim = plans.build_plan("claim", epochs=30, with_ablations=False)
     names = {(j["conditioning"], j["method"], j["seed"]) for j in claim}
     assert len(claim) == len(names) == 2 * len(methods.CLAIM_METHODS) + 2 * len(methods.CLAIM_TWO_SEEDS) == 18
     assert all(j["schedule"] == "claim" and j["epochs"] == 30 and "claim" in j["out"] for j in claim)
-    with_abl = sweep.build_plan("claim", epochs=30, with_ablations=True)
+    with_abl = plans.build_plan("claim", epochs=30, with_ablations=True)
     assert {j["method"] for j in with_abl} - {j["method"] for j in claim} == set(methods.CLAIM_ABLATIONS)
-    sel = sweep.build_plan("claim_select", select_epochs=2)
+    sel = plans.build_plan("claim_select", select_epochs=2)
     assert len(sel) == len(methods.CLAIM_METHODS) * 2 * len(methods.LR_GRID)
     assert all(j["val_size"] > 0 and j["schedule"] == "constant" and j["epochs"] == 2 for j in sel)
     spec = methods.METHODS
     assert spec["kwng"]["estimator_input"] == "scaled" and spec["kwng_samples_before_U"]["estimator_input"] == "logits"
     assert spec["diag_Ttilde"]["estimator_input"] == "scaled" and spec["diag_Ttilde"]["diagonal_only"]
     # balanced slots: every GPU gets a similar share of the expensive runs
-    slotted = sweep.assign_slots(claim, 4, 5)
+    slotted = plans.assign_slots(claim, 4, 5)
     load = [0.0] * 4
     for j in slotted:
-        load[j["slot"] // 5] += sweep.job_cost(j)
+        load[j["slot"] // 5] += plans.job_cost(j)
     assert len({j["slot"] for j in slotted}) == len(claim) and max(load) - min(load) <= 5.4 * 30 + 1e-9  # one KWNG run (cost per epoch x epochs)
 
 
 def test_check_claim(tmp_path):
     from kwng.experiments.provenance import atomic_write_json
 
-    plan = sweep.build_plan("claim", epochs=30, with_ablations=False)
+    plan = plans.build_plan("claim", epochs=30, with_ablations=False)
     for j in plan:
         d = tmp_path / "cifar10" / j["conditioning"] / j["method"] / f"seed{j['seed']}"
         rows = [{"epoch": k + 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 10} for k in range(30)]
@@ -507,11 +515,11 @@ def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
     full = train.run(_run_cfg(tmp_path / "a", method="kwng", batch_size=50), progress=False)
     calls = itertools.count()
     # the deadline test of the training loop lives in cifar_train (cifar.run is its run)
-    monkeypatch.setattr(cifar_train, "_past", lambda deadline: deadline is not None and next(calls) >= 6)
+    monkeypatch.setattr(cifar_train, "past", lambda deadline: deadline is not None and next(calls) >= 6)
     part = train.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50, deadline=1.0), progress=False)
     monkeypatch.undo()
     assert len(part["epochs"]) == 1 and part["stopped"] == "deadline"
-    ck = torch.load(train.checkpoint_path_for(_run_cfg(tmp_path / "b", method="kwng", batch_size=50)),
+    ck = torch.load(runtime.checkpoint_path_for(_run_cfg(tmp_path / "b", method="kwng", batch_size=50)),
                     weights_only=False)
     assert ck["epoch"] == 1 and ck["partial"]["batches"] == 2
     resumed = train.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50), progress=False)
@@ -546,8 +554,8 @@ class _SameBatchProbe:
 
 def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     from kwng.experiments.cifar.baselines import bn_state
-    from kwng.experiments.cifar.methods import KWNGStep
     from kwng.experiments.cifar.metrics import EpochStats
+    from kwng.experiments.cifar.steps import KWNGStep
 
     cfg = methods.RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
     torch.manual_seed(0)
@@ -555,7 +563,7 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = _SameBatchProbe()
     z, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    loss, out, info, _ = train.train_step(KWNGStep(model, opt, probe), model, z, y)
+    loss, out, info, _ = runtime.train_step(KWNGStep(model, opt, probe), model, z, y)
     stats_after_step = bn_state(model)
     assert len(probe.seen) == 1
     for k, v in bn_state(model).items():
@@ -568,7 +576,7 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     s.add_info({"eps": torch.tensor(3.0), "reduction_ratio": torch.tensor(0.5)})
     r = s.row()
     assert r["eps_mean"] == 2.0 and r["eps_last"] == 3.0 and r["reduction_ratio_mean"] == 0.5
-    if not methods.lm_same_batch_available():
+    if not steps.lm_same_batch_available():
         with pytest.raises(ValueError, match="lm_rule"):
             train.run(_run_cfg_claim(), progress=False)
 
@@ -603,18 +611,20 @@ def _fake_claim_results(kwng_ill: float, small_ill: float):
 
 
 def test_claim_verdict_rule():
+    from kwng.experiments.cifar import verdicts
+    from kwng.experiments.cifar.methods import CLAIM_METHODS
     from kwng.plots import cifar as pcf
 
-    holds = pcf.claim_verdict(_fake_claim_results(0.78, 0.7))
+    holds = verdicts.claim_verdict(_fake_claim_results(0.78, 0.7))
     assert holds["holds"] and holds["a_within"] and holds["b_above_sgd"] and holds["c_small_classes"]
-    assert len(holds["small_classes"]) == 4 and max(holds["U_small"]) <= pcf.SMALL_U
+    assert len(holds["small_classes"]) == 4 and max(holds["U_small"]) <= verdicts.SMALL_U
     assert holds["drops"]["sgd"] == pytest.approx(0.5) and holds["drops"]["kfac"] is None
-    far = pcf.claim_verdict(_fake_claim_results(0.6, 0.7))
+    far = verdicts.claim_verdict(_fake_claim_results(0.6, 0.7))
     assert far["a_within"] is False and far["b_above_sgd"] is True and far["holds"] is False
-    small = pcf.claim_verdict(_fake_claim_results(0.78, 0.3))  # small-U classes at 0.3 < 0.5 * 0.8
+    small = verdicts.claim_verdict(_fake_claim_results(0.78, 0.3))  # small-U classes at 0.3 < 0.5 * 0.8
     assert small["c_small_classes"] is False and small["holds"] is False
-    assert pcf.claim_verdict({})["holds"] is None
-    fig = pcf.fig_per_class_vs_U(_fake_claim_results(0.78, 0.7))
+    assert verdicts.claim_verdict({})["holds"] is None
+    fig = pcf.fig_per_class_vs_U(_fake_claim_results(0.78, 0.7), CLAIM_METHODS)
     fig2 = pcf.fig_kwng_diagnostics(_fake_claim_results(0.78, 0.7))
     assert fig.axes[0].get_xscale() == "log" and len(fig2.axes) == 6
     import matplotlib.pyplot as plt
@@ -638,7 +648,7 @@ def test_every_method_behind_one_step(method, family):
     cfg = methods.RunConfig(method=method, model="tiny", lr=lr, device="cpu")
     torch.manual_seed(0)
     model = methods.build_model(cfg)
-    step = methods.make_step(cfg, model, methods.build_optimizer(cfg, model, lr), torch.device("cpu"))
+    step = steps.make_step(cfg, model, methods.build_optimizer(cfg, model, lr), torch.device("cpu"))
     assert type(step).__name__ == family
     z, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
     before = [p.detach().clone() for p in model.parameters()]
@@ -646,7 +656,7 @@ def test_every_method_behind_one_step(method, family):
     step.direction(torch.nn.functional.cross_entropy(out, y), out, h, (z, y))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     share = UpdateShare(model)
-    losses = [float(train.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
+    losses = [float(runtime.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
     assert losses[-1] < losses[0]
 
 

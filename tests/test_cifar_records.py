@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwng.experiments.cifar import methods, sweep
+from kwng.experiments.cifar import methods, plans, verdicts
 from kwng.experiments.cifar import results as results_
 from kwng.plots import cifar as pc
 
@@ -58,13 +58,13 @@ def test_claim_selection_grid():
 
 def test_claim_verdict_numbers(claim):
     _, _, at_E = claim
-    v = pc.claim_verdict(at_E)
+    v = verdicts.claim_verdict(at_E)
     pct = {k: round(100 * v[k], 1) for k in ("kwng_well", "kwng_ill", "sgd_ill")}
     assert pct == {"kwng_well": 86.0, "kwng_ill": 70.2, "sgd_ill": 44.3}, pct
     assert not v["a_within"] and v["b_above_sgd"] and not v["c_small_classes"]
     assert v["holds"] is False
     assert max(v["per_class_ill"][:2]) < 0.01 and min(v["per_class_well"][:2]) > 0.9
-    table = pc.final_accuracy_table(at_E, methods=pc.CLAIM_METHODS)
+    table = pc.final_accuracy_table(at_E, methods=methods.CLAIM_ALL)
     ill = {m: round(100 * table[m]["ill"]["mean"], 1) for m in table}
     assert (ill["diag_Ttilde"], ill["adam"], ill["kfac"]) == (70.1, 60.6, 63.3), ill
     drops = {m: round(100 * d, 1) for m, d in v["drops"].items() if d is not None}
@@ -84,7 +84,7 @@ def test_claim_wc_kwng_and_samples_before_u_are_one_algorithm(claim):
     # with U = I the samples before and after U are the same: only the step differs
     lr = {m: results[("well", m, 0)]["lr"] for m in ("kwng", "kwng_samples_before_U")}
     assert lr == {"kwng": 0.1, "kwng_samples_before_U": 1.0}, lr
-    table = pc.final_accuracy_table(at_E, methods=pc.CLAIM_METHODS)
+    table = pc.final_accuracy_table(at_E, methods=methods.CLAIM_ALL)
     assert round(100 * table["kwng_samples_before_U"]["well"]["mean"], 1) == 88.4
 
 
@@ -111,7 +111,7 @@ def test_claim_eps_dynamics_records(claim):
 @pytest.fixture(scope="module")
 def six():
     results = results_.load_results(ROOT, "cifar10")
-    table = pc.final_accuracy_table(results)
+    table = pc.final_accuracy_table(results, methods.MAIN_METHODS + methods.ABLATIONS)
     return results, table
 
 
@@ -123,7 +123,7 @@ def test_six_epoch_records_complete(six):
     results, _ = six
     status = results_.check_results(ROOT, "cifar10")
     sched = json.loads((ROOT / "schedule.json").read_text())
-    assert len(results) == len(sweep.build_plan("main")) == 38
+    assert len(results) == len(plans.build_plan("main")) == 38
     assert (
         not status["missing"] and not status["incomplete"] and len(status["ok"]) == 36
     )
@@ -184,7 +184,7 @@ def test_six_epoch_final_table(six):
 def test_six_epoch_timing(six):
     results, _ = six
     timing = json.loads((ROOT / "timing" / "timing.json").read_text())
-    assert {j["method"] for j in sweep.build_plan("main")} <= set(timing["methods"])
+    assert {j["method"] for j in plans.build_plan("main")} <= set(timing["methods"])
     slow = []
     for m, t in timing["methods"].items():
         shared = [
@@ -204,7 +204,7 @@ def test_six_epoch_timing(six):
 def test_six_epoch_ablation(six):
     _, table = six
     k_ill = _final(table, "ill", "kwng")
-    abl = {m: _final(table, "ill", m) for m in pc.ABLATION_METHODS[1:]}
+    abl = {m: _final(table, "ill", m) for m in methods.ABLATIONS}
     assert all(abs(a - k_ill) < 0.03 for a in abl.values())
     assert max(abl, key=abl.get) == "kwng_damping_identity"
     assert abl["kwng_damping_identity"] - k_ill > 0.01
@@ -262,7 +262,7 @@ def test_six_epoch_eps_floor_and_clipping(six):
 
 def test_six_epoch_claims(six):
     results, table = six
-    full = [m for m in pc.MAIN_METHODS if m != "kwng_m20"]
+    full = [m for m in methods.MAIN_METHODS if m != "kwng_m20"]
     euclid = ["sgd", "sgd_momentum", "sgd_momentum_wd", "adam"]
     well = {m: _final(table, "well", m) for m in full}
     ill = {m: _final(table, "ill", m) for m in full}

@@ -32,7 +32,7 @@ from kwng.experiments import synthetic as syn
 from kwng.experiments import synthetic_setup
 from kwng.experiments.cifar import cli as cifar
 from kwng.experiments.cifar import data as kdata
-from kwng.experiments.cifar import results, sweep, train
+from kwng.experiments.cifar import results, runtime, sweep, train
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -89,7 +89,8 @@ def test_sweep_refuses_another_configuration_and_force_backs_up(tmp_path):
     assert (
         len(backups) == 1 and _snapshot(backups[0]) == before
     )  # the old results, moved whole
-    assert {r["run"] for r in synthetic_setup.load_rows(out / "sphere.csv")} == {0, 1, 2}
+    rows = synthetic_setup.load_rows(out / "sphere.csv")
+    assert {r["run"] for r in rows} == {0, 1, 2}
 
 
 def test_small_command_leaves_full_scale_results_alone(tmp_path):
@@ -192,7 +193,7 @@ def test_schedule_never_replaces_a_different_file(tmp_path, caplog):
 # ----------------------------------------------------- 2. reruns compare the settings
 def test_resume_with_another_lr_is_refused(tmp_path):
     train.run(_run_cfg(tmp_path, stop_after_epoch=1), progress=False)
-    rdir = train.run_dir_for(_run_cfg(tmp_path))
+    rdir = runtime.run_dir_for(_run_cfg(tmp_path))
     before = _snapshot(rdir)
     with pytest.raises(ValueError, match="differing keys: lr"):
         train.run(_run_cfg(tmp_path, lr=0.01), progress=False)
@@ -240,7 +241,8 @@ def test_finished_run_asked_with_other_settings_is_refused(tmp_path):
     # --force keeps the old run in a dated backup
     again = train.run(_run_cfg(tmp_path, epochs=3), progress=False, force=True)
     assert again["complete"] and len(again["epochs"]) == 3
-    backups = list(train.run_dir_for(_run_cfg(tmp_path)).parent.glob("seed0.backup-*"))
+    rdir = runtime.run_dir_for(_run_cfg(tmp_path))
+    backups = list(rdir.parent.glob("seed0.backup-*"))
     assert (
         len(backups) == 1
         and json.loads((backups[0] / "metrics.json").read_text())["epochs"]
@@ -376,11 +378,11 @@ def test_non_finite_samples_are_reported_as_such(bad):
 # ----------------------------------------------------- 6. failures, bad rows, bad files
 def test_corrupt_metrics_does_not_stop_the_worker(tmp_path):
     jobs = [_run_cfg(tmp_path, method="sgd", seed=s, epochs=1) for s in (0, 1)]
-    bad = train.run_dir_for(jobs[0]) / "metrics.json"
+    bad = runtime.run_dir_for(jobs[0]) / "metrics.json"
     bad.parent.mkdir(parents=True)
     bad.write_text('{"config": {"epochs": 1}, "comple')  # truncated
     failures = sweep.worker(jobs, "test", None)
-    assert json.loads((train.run_dir_for(jobs[1]) / "metrics.json").read_text())[
+    assert json.loads((runtime.run_dir_for(jobs[1]) / "metrics.json").read_text())[
         "complete"
     ]
     assert len(failures) == 1 and str(bad) in failures[0]["error"]
@@ -388,12 +390,12 @@ def test_corrupt_metrics_does_not_stop_the_worker(tmp_path):
 
 def test_sweep_exits_non_zero_listing_failures(tmp_path, caplog):
     jobs = [_run_cfg(tmp_path, method="sgd", seed=s, epochs=1) for s in (0, 1)]
-    bad = train.run_dir_for(jobs[1]) / "metrics.json"
+    bad = runtime.run_dir_for(jobs[1]) / "metrics.json"
     bad.parent.mkdir(parents=True)
     bad.write_text("not json")
     rc = sweep.sweep(jobs, 0, 1, None, tmp_path / "plans" / "p.json")
     assert rc == 1
-    assert json.loads((train.run_dir_for(jobs[0]) / "metrics.json").read_text())[
+    assert json.loads((runtime.run_dir_for(jobs[0]) / "metrics.json").read_text())[
         "complete"
     ]
     assert str(bad) in caplog.text
@@ -434,7 +436,8 @@ def test_unreadable_files_are_named(tmp_path):
         results.load_results(tmp_path / "res", "cifar10")
     csv_path = tmp_path / "sphere.csv"
     csv_path.write_text(
-        ",".join(synthetic_setup.SWEEP_COLUMNS) + "\nsphere,N,1,100,10,1.0,zero,1.0,3,0.1\n"
+        ",".join(synthetic_setup.SWEEP_COLUMNS)
+        + "\nsphere,N,1,100,10,1.0,zero,1.0,3,0.1\n"
     )
     with pytest.raises(ValueError, match=rf"{csv_path}:2.*'run'"):
         synthetic_setup.load_rows(csv_path)
@@ -443,13 +446,13 @@ def test_unreadable_files_are_named(tmp_path):
 def test_truncated_checkpoint_is_named(tmp_path):
     cfg = _run_cfg(tmp_path, stop_after_epoch=1)
     train.run(cfg, progress=False)
-    ck = train.checkpoint_path_for(cfg)
+    ck = runtime.checkpoint_path_for(cfg)
     blob = ck.read_bytes()
     ck.write_bytes(blob[: len(blob) // 2])
     with pytest.raises(Exception) as info:
         train.run(_run_cfg(tmp_path), progress=False)
     assert str(ck) in str(info.value)
-    rdir = train.run_dir_for(cfg)
+    rdir = runtime.run_dir_for(cfg)
     partial = (rdir / "metrics.json").read_bytes()
     rec = train.run(
         _run_cfg(tmp_path), progress=False, force=True

@@ -21,8 +21,8 @@ import pytest
 
 from kwng.experiments import fisher_flow, fisher_sweep, guard, synthetic_setup
 from kwng.experiments.cifar import cli as cifar
+from kwng.experiments.cifar import runtime, train
 from kwng.experiments.cifar import sweep as cifar_sweep
-from kwng.experiments.cifar import train
 from kwng.experiments.provenance import ResultFileError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +59,7 @@ def _copy_finished(finished_run: Path, tmp_path: Path) -> Path:
     for name in ("res", "ck"):
         if (finished_run / name).exists():
             shutil.copytree(finished_run / name, tmp_path / name)
-    return train.run_dir_for(_run_cfg(tmp_path))
+    return runtime.run_dir_for(_run_cfg(tmp_path))
 
 
 def test_sweep_refuses_to_skip_a_run_of_another_configuration(finished_run, tmp_path):
@@ -76,17 +76,17 @@ def test_sweep_refuses_to_skip_a_run_of_another_configuration(finished_run, tmp_
 
 def test_sweep_skips_a_finished_run_of_the_same_configuration(finished_run, tmp_path):
     rdir = _copy_finished(finished_run, tmp_path)
-    assert cifar_sweep._is_complete(_run_cfg(tmp_path))
+    assert cifar_sweep.is_complete(_run_cfg(tmp_path))
     # a record that claims completion for another configuration is not complete
     with pytest.raises(guard.ConfigMismatchError, match="differing keys: epochs"):
-        cifar_sweep._is_complete(_run_cfg(tmp_path, epochs=3))
+        cifar_sweep.is_complete(_run_cfg(tmp_path, epochs=3))
     assert (rdir / "metrics.json").is_file()
 
 
 def test_sweep_force_backs_up_the_other_configuration(finished_run, tmp_path):
     rdir = _copy_finished(finished_run, tmp_path)
     old = (rdir / "metrics.json").read_bytes()
-    assert not cifar_sweep._is_complete(_run_cfg(tmp_path, lr=0.5), force=True)
+    assert not cifar_sweep.is_complete(_run_cfg(tmp_path, lr=0.5), force=True)
     assert not rdir.exists()
     backups = list(rdir.parent.glob("seed0.backup-*"))
     assert len(backups) == 1 and (backups[0] / "metrics.json").read_bytes() == old
@@ -95,7 +95,8 @@ def test_sweep_force_backs_up_the_other_configuration(finished_run, tmp_path):
 def test_sweep_cli_refuses_with_rc_2_naming_the_run(finished_run, tmp_path, caplog,
                                                     monkeypatch):
     rdir = _copy_finished(finished_run, tmp_path)
-    monkeypatch.setattr("kwng.experiments.cifar.methods.CHECKPOINTS", tmp_path / "ckroot")
+    monkeypatch.setattr("kwng.experiments.cifar.methods.CHECKPOINTS",
+                        tmp_path / "ckroot")
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps([_run_cfg(tmp_path, lr=0.5, epochs=5)]))
     with caplog.at_level(logging.ERROR):
@@ -115,7 +116,7 @@ def test_malformed_identity_is_a_refusal(finished_run, tmp_path, identity):
     before = _snapshot(tmp_path)
     with pytest.raises(ResultFileError, match="identity"):
         train.run(_run_cfg(tmp_path), progress=False)  # single-run path
-    assert not cifar_sweep._is_complete(_run_cfg(tmp_path))  # never skipped
+    assert not cifar_sweep.is_complete(_run_cfg(tmp_path))  # never skipped
     assert _snapshot(tmp_path) == before
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = "kwng/experiments/cifar/data_sample/cifar10_sample.npz"
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -52,11 +53,11 @@ def _script(repo: Path, tmp_path: Path, **env) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("env, says", [
     ({}, ".data/cifar10_jpeg.npz not found"),
-    ({"DATA": "kwng/experiments/cifar/data_sample/cifar10_sample.npz", "GPUS": "two"},
+    ({"DATA": SAMPLE, "GPUS": "two"},
      "GPUS must be a non-negative integer"),
-    ({"DATA": "kwng/experiments/cifar/data_sample/cifar10_sample.npz", "EPOCHS": "auto"},
+    ({"DATA": SAMPLE, "EPOCHS": "auto"},
      "EPOCHS=auto needs CLAIM_BUDGET_S"),
-    ({"DATA": "kwng/experiments/cifar/data_sample/cifar10_sample.npz", "PY": "no-such-python"},
+    ({"DATA": SAMPLE, "PY": "no-such-python"},
      "python 'no-such-python' not found"),
 ])
 def test_missing_prerequisite_changes_nothing(tmp_path, env, says):
@@ -76,7 +77,7 @@ def test_a_call_keeps_tracked_files_in_place(tmp_path):
     repo = _tree(tmp_path)
     claim = repo / "results" / "cifar" / "claim"
     before = _snapshot(claim)
-    res = _script(repo, tmp_path, DATA="kwng/experiments/cifar/data_sample/cifar10_sample.npz", LIMIT="0",
+    res = _script(repo, tmp_path, DATA=SAMPLE, LIMIT="0",
                   SET="model=tiny device=cpu")
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert "refused" in res.stdout and "differing keys" in res.stderr

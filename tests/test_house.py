@@ -3,10 +3,13 @@
 * ``import kwng`` loads the core and the engine's preconditioner only: no theory, plot,
   experiment or GPU-kernel module (the kernels load on the first fast step on a GPU).
 * Folders are floors and imports only go down: core (``kwng/*.py``) < ``kwng/engine`` <
-  ``kwng/theory``, ``kwng/plots`` < ``kwng/experiments``; no import cycle between modules.
+  ``kwng/theory``, ``kwng/plots`` < ``kwng/experiments``; no import cycle between
+  modules.
 * No module over 400 lines, no function over 60.
-* One home per name: every ``from kwng.X import name`` in the package, the book's code cells
-  and the tests names the module that *defines* ``name`` (``from kwng import name`` only for
+* One home per name: every ``from kwng.X import name`` in the package, the book's code
+cells
+  and the tests names the module that *defines* ``name`` (``from kwng import name`` only
+  for
   the curated names of ``kwng/__init__.py``), and every ``alias.name`` on a kwng module
   alias reads a name that module defines; so no module re-exports another's names.
 """
@@ -44,8 +47,11 @@ MODULES = _modules()
 
 def _floor(mod: str) -> int:
     parts = mod.split(".")
-    return FLOORS.get(parts[1], 0) if len(parts) > 2 or (
-        len(parts) == 2 and parts[1] in FLOORS) else 0
+    return (
+        FLOORS.get(parts[1], 0)
+        if len(parts) > 2 or (len(parts) == 2 and parts[1] in FLOORS)
+        else 0
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,8 +64,12 @@ def _top_level(body, defs: set, imports: dict) -> None:
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             defs.add(n.name)
         elif isinstance(n, ast.Assign):
-            defs.update(x.id for t in n.targets for x in ast.walk(t) if isinstance(x, ast.Name))
-        elif isinstance(n, (ast.AnnAssign, ast.AugAssign)) and isinstance(n.target, ast.Name):
+            defs.update(
+                x.id for t in n.targets for x in ast.walk(t) if isinstance(x, ast.Name)
+            )
+        elif isinstance(n, (ast.AnnAssign, ast.AugAssign)) and isinstance(
+            n.target, ast.Name
+        ):
             defs.add(n.target.id)
         elif isinstance(n, ast.ImportFrom) and n.module:
             imports.update({a.asname or a.name: (n.module, a.name) for a in n.names})
@@ -78,9 +88,14 @@ def _defines(mod: str) -> frozenset[str]:
 
 
 def _kwng_imports(tree: ast.AST):
-    """``(lineno, module, name, alias)`` of every ``from kwng... import`` in ``tree``."""
+    """``(lineno, module, name, alias)`` of every ``from kwng... import`` in
+    ``tree``."""
     for n in ast.walk(tree):
-        if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").split(".")[0] == "kwng":
+        if (
+            isinstance(n, ast.ImportFrom)
+            and n.level == 0
+            and (n.module or "").split(".")[0] == "kwng"
+        ):
             for a in n.names:
                 yield n.lineno, n.module, a.name, a.asname or a.name
         elif isinstance(n, ast.Import):
@@ -89,9 +104,16 @@ def _kwng_imports(tree: ast.AST):
                     yield n.lineno, a.name, None, a.asname
 
 
-CURATED = frozenset(ast.literal_eval(next(
-    n.value for n in _tree("kwng").body
-    if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__")))
+CURATED = frozenset(
+    ast.literal_eval(
+        next(
+            n.value
+            for n in _tree("kwng").body
+            if isinstance(n, ast.Assign)
+            and getattr(n.targets[0], "id", "") == "__all__"
+        )
+    )
+)
 
 
 def _problems(source: str, where: str) -> list[str]:
@@ -108,46 +130,77 @@ def _problems(source: str, where: str) -> list[str]:
             if name not in CURATED:
                 out.append(f"{where}:{line}: {name} is not in kwng.__all__")
         elif name not in _defines(mod):
-            out.append(f"{where}:{line}: {mod} does not define {name} (import it from its home)")
+            out.append(
+                f"{where}:{line}: {mod} does not define {name} "
+                "(import it from its home)"
+            )
     rebound = {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)} | {
-        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        n.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
     aliases = {a: m for a, m in aliases.items() if a not in rebound}  # e.g. a parameter
     for n in ast.walk(tree):
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases:
+        if (
+            isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name)
+            and n.value.id in aliases
+        ):
             mod = aliases[n.value.id]
             if f"{mod}.{n.attr}" not in MODULES and n.attr not in _defines(mod):
-                out.append(f"{where}:{n.lineno}: {n.value.id}.{n.attr}: {mod} does not define it")
+                out.append(
+                    f"{where}:{n.lineno}: {n.value.id}.{n.attr}: "
+                    f"{mod} does not define it"
+                )
     return out
 
 
 def _chapter_code(path: Path) -> str:
-    cells = re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", path.read_text(), flags=re.S)
+    cells = re.findall(
+        r"```\{code-cell\}[^\n]*\n(.*?)```", path.read_text(), flags=re.S
+    )
     cells = [re.sub(r"\A---\n.*?\n---\n", "", c, flags=re.S) for c in cells]
     return "\n".join(re.sub(r"^[%!].*$", "", c, flags=re.M) for c in cells)
 
 
 def test_import_kwng_loads_no_theory_plots_experiments_or_gpu_kernels():
-    code = ("import sys, kwng; print(' '.join(m for m in sys.modules if m.startswith('kwng') "
-            "or m == 'triton' or m.startswith('triton.')))")
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True, cwd=ROOT).stdout.split()
-    bad = [m for m in loaded if m.startswith(("kwng.theory", "kwng.plots", "kwng.experiments"))
-           or "triton" in m]
+    code = (
+        "import sys, kwng; print(' '.join(m for m in sys.modules "
+        "if m.startswith('kwng') or m == 'triton' or m.startswith('triton.')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout.split()
+    bad = [
+        m
+        for m in loaded
+        if m.startswith(("kwng.theory", "kwng.plots", "kwng.experiments"))
+        or "triton" in m
+    ]
     assert not bad, f"import kwng loaded {bad}"
 
 
 def test_modules_and_functions_are_short():
-    long_modules = {m: n for m, f in MODULES.items()
-                    if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES}
+    long_modules = {
+        m: n
+        for m, f in MODULES.items()
+        if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     long_functions = [
         f"{m}.{n.name} ({n.end_lineno - n.lineno + 1} lines)"
-        for m in MODULES for n in ast.walk(_tree(m))
+        for m in MODULES
+        for n in ast.walk(_tree(m))
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
         and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long_modules and not long_functions, (
         f"modules over {MAX_MODULE_LINES} lines: {long_modules}; "
-        f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}")
+        f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+    )
 
 
 def _edges() -> dict[str, set[str]]:
@@ -162,8 +215,12 @@ def _edges() -> dict[str, set[str]]:
 
 def test_imports_only_go_down_and_never_in_a_circle():
     edges = _edges()
-    upward = [f"{a} -> {b}" for a, bs in edges.items() for b in bs
-              if _floor(b) > _floor(a) and a != "kwng"]  # the curated face may name any floor
+    upward = [
+        f"{a} -> {b}"
+        for a, bs in edges.items()
+        for b in bs
+        if _floor(b) > _floor(a) and a != "kwng"
+    ]  # the curated face may name any floor
     assert not upward, f"imports from a lower floor to a higher one: {upward}"
     state: dict[str, int] = {}
 
@@ -171,7 +228,7 @@ def test_imports_only_go_down_and_never_in_a_circle():
         state[m] = 1
         for b in sorted(edges[m]):
             if state.get(b) == 1:
-                pytest.fail("import cycle: " + " -> ".join(path[path.index(b):] + [b]))
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(b) :] + [b]))
             if b not in state:
                 visit(b, path + [b])
         state[m] = 2
@@ -195,8 +252,15 @@ def test_every_name_is_imported_from_its_one_home():
 
 def test_the_checker_catches_a_re_export():
     """A name imported through a module that only re-imports it is reported."""
-    src = "from kwng.estimator import check_sample_resolution\nfrom kwng import nosync\n"
-    assert _problems(src, "seed") == [
-        "seed:1: kwng.estimator does not define check_sample_resolution (import it from its home)"
-    ] or "kwng.samples" not in MODULES
+    src = (
+        "from kwng.estimator import check_sample_resolution\nfrom kwng import nosync\n"
+    )
+    assert (
+        _problems(src, "seed")
+        == [
+            "seed:1: kwng.estimator does not define check_sample_resolution "
+            "(import it from its home)"
+        ]
+        or "kwng.samples" not in MODULES
+    )
     assert _problems("from kwng import nosync as ns\nns.not_a_name\n", "seed")

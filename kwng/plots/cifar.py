@@ -15,7 +15,7 @@ For the claim suite (issue 10; records with per-class accuracy and KWNG diagnost
 
 * :func:`fig_per_class_vs_U` — per-class test accuracy against the class's scaling ``U_k`` (IC);
 * :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped fraction per epoch;
-* :func:`claim_verdict` — the decision rule fixed before the runs, evaluated on the records;
+* (the decision rule of the claim suite is :func:`kwng.experiments.cifar.results.claim_verdict`);
 * :func:`selection_table` — the step-size selection as a Markdown table.
 """
 
@@ -26,19 +26,10 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-__all__ = ["at_epoch", "MAIN_METHODS", "ABLATION_METHODS", "CLAIM_METHODS", "curves", "diag_series", "final_accuracy_table", "format_table",
+__all__ = ["at_epoch", "curves", "diag_series", "final_accuracy_table", "format_table",
            "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps", "fig_per_class_vs_U",
-           "fig_kwng_diagnostics", "claim_verdict", "selection_table", "class_scalings", "final_per_class",
-           "SMALL_U"]
+           "fig_kwng_diagnostics", "selection_table", "class_scalings", "final_per_class"]
 
-MAIN_METHODS = ("sgd", "sgd_momentum", "sgd_momentum_wd", "adam", "kfac", "ekfac", "kwng", "kwng_m20",
-                "kwng_momentum", "kwng_bigbatch")
-ABLATION_METHODS = ("kwng", "kwng_damping_identity", "kwng_damping_T", "diag_T", "diag_Ttilde", "kwng_rq",
-                    "kwng_scaled_logits")
-CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U", "diag_Ttilde",
-                 "kwng_lm_same_batch")
-#: Threshold of the decision rule (its small-scaling classes have U_k at most this).
-SMALL_U = 1e-3
 _COLORS = {"kwng_samples_before_U": "tab:orange", "kwng_lm_same_batch": "tab:pink",
            "sgd": "tab:blue", "sgd_momentum": "tab:cyan", "sgd_momentum_wd": "tab:olive", "adam": "tab:green",
            "kfac": "tab:purple", "ekfac": "tab:orange", "kwng": "tab:red", "kwng_m20": "tab:brown",
@@ -69,7 +60,7 @@ def curves(results: dict, conditioning: str, method: str, key: str) -> tuple[np.
     return np.arange(1, n + 1), vals
 
 
-def final_accuracy_table(results: dict, methods: Sequence[str] = MAIN_METHODS + ABLATION_METHODS[1:],
+def final_accuracy_table(results: dict, methods: Sequence[str],
                          conditionings: Sequence[str] = ("ill", "well")) -> dict:
     """``{method: {cond: {"mean", "min", "max", "std", "n", "epochs", "diverged"}}}`` of the last-epoch
     test accuracy (absent entries: no run)."""
@@ -142,7 +133,7 @@ def _label(results: dict, cond: str, method: str) -> str:
     return lab
 
 
-def fig_accuracy_per_epoch(results: dict, methods: Sequence[str] = MAIN_METHODS, title: str = ""):
+def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = ""):
     """Fig. 3: rows test / training accuracy, columns ill- / well-conditioned."""
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, squeeze=False)
     for j, cond in enumerate(("ill", "well")):
@@ -162,7 +153,7 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str] = MAIN_METHODS,
     return fig
 
 
-def fig_accuracy_vs_time(results: dict, methods: Sequence[str] = MAIN_METHODS, timing: dict | None = None,
+def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | None = None,
                          train_size: int = 50_000, title: str = ""):
     """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``: the cumulative
     training wall clock recorded by each run (mean over seeds), which includes the slow-down from other
@@ -196,7 +187,7 @@ def fig_accuracy_vs_time(results: dict, methods: Sequence[str] = MAIN_METHODS, t
     return fig
 
 
-def fig_ablation(results: dict, methods: Sequence[str] = ABLATION_METHODS):
+def fig_ablation(results: dict, methods: Sequence[str]):
     """Fig. 8: ill-conditioned case, KWNG against its variants (training and test accuracy per epoch)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), squeeze=False)
     for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
@@ -255,9 +246,11 @@ def final_per_class(results: dict, cond: str, method: str) -> np.ndarray | None:
     return np.mean([r["epochs"][-1]["test_acc_per_class"] for r in runs], axis=0)
 
 
-def fig_per_class_vs_U(results: dict, methods: Sequence[str] = CLAIM_METHODS, cond: str = "ill"):
+def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
+                       mark: float | None = None):
     """Final test accuracy of each class against its scaling ``U_k`` (log x), one line per method
-    (mean over seeds). A method invariant to the reparametrisation gives a flat line."""
+    (mean over seeds), with a dotted line at ``U_k = mark`` if given. A method invariant to the
+    reparametrisation gives a flat line."""
     U = class_scalings(results)
     order = np.argsort(U)
     fig, ax = plt.subplots(figsize=(8, 4.2))
@@ -267,7 +260,8 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str] = CLAIM_METHODS, co
             continue
         ax.semilogx(U[order], 100 * acc[order], marker="o", ms=4, lw=1.3, color=_COLORS.get(m),
                     ls=_STYLES.get(m, "-"), label=_label(results, cond, m))
-    ax.axvline(SMALL_U, color="k", lw=0.8, ls=":")
+    if mark is not None:
+        ax.axvline(mark, color="k", lw=0.8, ls=":")
     ax.set_xlabel("$U_k$ of the class (log scale)")
     ax.set_ylabel("test accuracy of the class (%)")
     ax.set_ylim(-3, 103)
@@ -344,37 +338,6 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
     return fig
 
 
-def claim_verdict(results: dict, within: float = 0.05, above_sgd: float = 0.20, class_ratio: float = 0.5,
-                  small_u: float = SMALL_U) -> dict:
-    """The decision rule of the claim suite, fixed before the runs (book chapter, "Decision rule"):
-    the claim holds if, in the final test accuracy (mean over seeds), (a) IC KWNG is within
-    ``within`` of WC KWNG, (b) IC KWNG is at least ``above_sgd`` above IC SGD, and (c) on every class
-    with ``U_k ≤ small_u``, IC KWNG's accuracy is at least ``class_ratio`` times WC KWNG's on that class.
-    Returns the numbers and the three booleans (``None`` where a run is missing)."""
-    table = final_accuracy_table(results, methods=CLAIM_METHODS)
-
-    def fin(m, c):
-        return table.get(m, {}).get(c, {}).get("mean")
-
-    k_ill, k_well, s_ill = fin("kwng", "ill"), fin("kwng", "well"), fin("sgd", "ill")
-    U = class_scalings(results)
-    small = np.flatnonzero(U <= small_u)
-    small = small[np.argsort(U[small])]  # ascending U_k
-    pc_ill, pc_well = final_per_class(results, "ill", "kwng"), final_per_class(results, "well", "kwng")
-    out = {"kwng_ill": k_ill, "kwng_well": k_well, "sgd_ill": s_ill, "small_classes": small.tolist(),
-           "U_small": U[small].tolist(), "a_within": None, "b_above_sgd": None, "c_small_classes": None,
-           "drops": {m: (fin(m, "well") - fin(m, "ill")) if fin(m, "well") is not None and fin(m, "ill") is not None
-                     else None for m in CLAIM_METHODS}}
-    if k_ill is not None and k_well is not None:
-        out["a_within"] = bool(abs(k_well - k_ill) <= within)
-    if k_ill is not None and s_ill is not None:
-        out["b_above_sgd"] = bool(k_ill - s_ill >= above_sgd)
-    if pc_ill is not None and pc_well is not None:
-        out["per_class_ill"], out["per_class_well"] = pc_ill[small].tolist(), pc_well[small].tolist()
-        out["c_small_classes"] = bool(np.all(pc_ill[small] >= class_ratio * pc_well[small]))
-    parts = (out["a_within"], out["b_above_sgd"], out["c_small_classes"])
-    out["holds"] = None if any(p is None for p in parts) else all(parts)
-    return out
 
 
 def selection_table(selected: dict) -> str:

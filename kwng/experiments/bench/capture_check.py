@@ -1,6 +1,7 @@
 """Does a training loop built on :func:`kwng.capture_step` train as the eager loop does?
 
-python -m kwng.experiments.bench.capture_check [--steps 40] [--config bf16_channels_last]
+python -m kwng.experiments.bench.capture_check [--steps 40] [--config
+bf16_channels_last]
 
 On a GPU, the paper's ResNet-18 (batch 128) is trained on four fixed random batches in
 turn, each copied into the captured step's static inputs before the replay, as a real

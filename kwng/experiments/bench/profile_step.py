@@ -1,10 +1,13 @@
 """Where the GPU time of a training step goes: kernel time per step, by kind of kernel.
 
-python -m kwng.experiments.bench.profile_step [--configs bf16_channels_last,fp32_channels_last]
+python -m kwng.experiments.bench.profile_step [--configs
+bf16_channels_last,fp32_channels_last]
     [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis 5] [--top 12] [--layout auto]
 
-For every (configuration, mode) it profiles a few steps of ``kwng.experiments.bench.step_cost._make_step``
-(the rows of ``python -m kwng.experiments.bench.step_cost``) with ``torch.profiler`` and prints the summed
+For every (configuration, mode) it profiles a few steps of
+``kwng.experiments.bench.step_cost._make_step``
+(the rows of ``python -m kwng.experiments.bench.step_cost``) with ``torch.profiler`` and
+prints the summed
 kernel time per step (the GPU work, whatever the host adds), split into kinds named
 from the kernel names (convolution forward, data and weight gradients, GEMM, batch norm,
 elementwise, reductions, copies), and the most expensive kernels. A tuning aid: the

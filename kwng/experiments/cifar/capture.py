@@ -14,7 +14,8 @@ The life of one batch shape, at one step size:
 1. the first ``warmup`` steps run eagerly on a side stream, on the same static input
    buffers the graph will read (optimizer state, cuDNN's algorithm choices and the
    fast path's buffers come into existence);
-2. the next step is recorded (:func:`kwng.engine.capture.record_graph`) and then replayed:
+2. the next step is recorded (:func:`kwng.engine.capture.record_graph`) and then
+replayed:
    recording runs nothing, so the replay is that step;
 3. every later step copies its batch into the static buffers and replays.
 

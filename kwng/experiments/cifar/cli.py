@@ -5,7 +5,8 @@ Two studies share this runner:
 
 * the **claim suite** (plans ``claim_select`` and ``claim``, results under
   ``results/cifar/claim/``): the methods of ``CLAIM_METHODS`` with the network
-  ``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`, ``U`` inside the network as
+  ``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`, ``U``
+  inside the network as
   in the authors' code, so the KWNG samples are ``U h_θ(z)``; ``kwng_samples_before_U``
   is the ablation on ``h_θ(z)``), the authors' ε convention
   (:func:`~kwng.experiments.cifar.methods.authors_eps`), step sizes chosen from
@@ -17,12 +18,13 @@ Two studies share this runner:
   before ``U``, our ε convention).
 
 Split by job: :mod:`kwng.experiments.cifar.methods` (method table, run configuration,
-construction of model, optimizer and preconditioner, the one step protocol
-:class:`~kwng.experiments.cifar.methods.MethodStep`),
+construction of model and optimizer), :mod:`~kwng.experiments.cifar.steps` (the one step
+protocol :class:`~kwng.experiments.cifar.steps.MethodStep`),
 :mod:`~kwng.experiments.cifar.train` (one run), :mod:`~kwng.experiments.cifar.metrics`
 (per-epoch measurements), :mod:`~kwng.experiments.cifar.sweep` (plans, workers, timing,
-schedule) and :mod:`~kwng.experiments.cifar.results` (loading, checks, selection rule).
-This module is the command line; it re-exports their names (``cifar.run``, ...).
+schedule), :mod:`~kwng.experiments.cifar.results` (loading, checks, selection rule) and
+:mod:`~kwng.experiments.cifar.verdicts` (the decision rules). This module is the command
+line.
 
 Commands (``python -m kwng.experiments cifar ...``):
 
@@ -68,71 +70,31 @@ from typing import Any
 
 from kwng import config
 from kwng.experiments import guard
+from kwng.experiments.cifar.commands import COMMANDS
 from kwng.experiments.cifar.data import DATASETS
-from kwng.experiments.cifar.methods import (  # noqa: F401  (re-exported: cifar.X)
-    BATCH_SIZE,
+from kwng.experiments.cifar.methods import (
     CHECKPOINTS,
     CLAIM,
-    CLAIM_ABLATIONS,
-    CLAIM_METHODS,
-    CLAIM_SELECTION,
-    CLAIM_TWO_SEEDS,
-    CLIP_NORM,
-    CONDITION_NUMBER,
     CONDITIONINGS,
-    EPS_AUTHORS,
-    EPS_BOUNDS_AUTHORS,
-    INFO_KEYS,
-    LR_GRID,
     METHODS,
-    MODELS,
     PRECISIONS,
     RESULTS,
     SCHEDULES,
-    SELECT_METHODS,
-    MethodStep,
     RunConfig,
-    authors_eps,
-    build_model,
-    build_optimizer,
-    lm_same_batch_available,
-    make_step,
-    milestones_for,
 )
-from kwng.experiments.cifar.metrics import evaluate  # noqa: F401
-from kwng.experiments.cifar.results import (  # noqa: F401
-    BUDGET_CUT,
-    check_claim,
-    check_results,
-    load_results,
-    select_lrs,
-)
-from kwng.experiments.cifar.sweep import (  # noqa: F401
-    _is_complete,
-    assign_slots,
-    build_plan,
-    job_cost,
-    schedule_epochs,
+from kwng.experiments.cifar.nets import NETWORKS
+from kwng.experiments.cifar.plans import build_plan
+from kwng.experiments.cifar.sweep import (
     sweep,
-    timing,
     worker,
 )
-from kwng.experiments.cifar.train import (  # noqa: F401
-    checkpoint_path_for,
-    resolve_lr,
+from kwng.experiments.cifar.train import (
     run,
-    run_dir_for,
-    train_step,
 )
 from kwng.experiments.cli_checks import device_problem, lr_arg, path_problem
 from kwng.experiments.provenance import ResultFileError, read_json
 
-__all__ = ["METHODS", "LR_GRID", "SELECT_METHODS", "CLAIM_METHODS", "CLAIM_TWO_SEEDS",
-           "CLAIM_ABLATIONS", "CONDITIONINGS", "SCHEDULES", "INFO_KEYS", "RunConfig",
-           "run", "run_dir_for", "authors_eps", "milestones_for", "evaluate",
-           "build_plan", "select_lrs", "check_results", "check_claim", "load_results",
-           "main", "BUDGET_CUT", "lm_same_batch_available", "MethodStep", "make_step",
-           "SMALL_RUN", "run_config_from_args"]
+__all__ = ["main", "SMALL_RUN", "run_config_from_args"]
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +137,7 @@ def _run_parser() -> argparse.ArgumentParser:
     add("--train-subset", type=int, default=None)
     add("--val-size", type=int, default=0)
     add("--max-steps", type=int, default=None)
-    add("--model", default=None, choices=MODELS,
+    add("--model", default=None, choices=tuple(NETWORKS),
         help="default: resnet18 (full scale), tiny (small)")
     add("--batch-size", type=int, default=None)
     add("--stop-after-epoch", type=int, default=None,
@@ -309,136 +271,6 @@ def _main_sweep(a: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------- select, timing, schedule, check
-def _main_select(p: argparse.ArgumentParser, rest: list[str]) -> int:
-    p.add_argument("--root", default=str(CLAIM_SELECTION))
-    a = p.parse_args(rest)
-    out = select_lrs(a.root, force=a.force)
-    for k, v in sorted(out["selected"].items()):
-        log.info("selected %s: lr=%g (held-out acc %.3f)", k, v["lr"], v["val_acc"])
-    return 0
-
-
-def _main_timing(p: argparse.ArgumentParser, rest: list[str]) -> int:
-    add = p.add_argument
-    add("--methods", default="claim")
-    add("--dataset", default="cifar10", choices=DATASETS)
-    add("--conditioning", default="ill", choices=CONDITIONINGS)
-    add("--steps", type=int, default=30)
-    add("--warmup", type=int, default=5)
-    add("--device", default=None)
-    add("--model", default="resnet18", choices=MODELS)
-    add("--out", default=str(CLAIM / "timing" / "timing.json"))
-    a = p.parse_args(rest)
-    methods = {"all": list(METHODS), "claim": list(CLAIM_METHODS)}.get(
-        a.methods, a.methods.split(","))
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"unknown methods {bad}; accepted: 'all', 'claim' or names "
-                         f"from {list(METHODS)}")
-    for f in (Path(a.out), Path(a.out).parent / "provenance.json"):
-        if f.exists() and not a.force:
-            raise guard.ConfigMismatchError(f"{f} exists; {guard.FORCE_HINT}")
-        if f.exists():
-            guard.backup(f)
-    timing(methods, a.dataset, a.conditioning, a.steps, a.warmup, a.device, Path(a.out),
-           a.model)
-    return 0
-
-
-def _main_trainer_timing(p: argparse.ArgumentParser, rest: list[str]) -> int:
-    from kwng.experiments.cifar.timing import trainer_timing
-
-    add = p.add_argument
-    add("--methods", default="sgd,adam,kfac,kwng")
-    add("--conditioning", default="ill", choices=CONDITIONINGS)
-    add("--precisions", default="bf16", help="comma list of fp32, bf16")
-    add("--epochs", type=int, default=2)
-    add("--trace-steps", type=int, default=256)
-    add("--data-root", default=None)
-    add("--source", default="auto", choices=("auto", "official", "jpeg", "sample"))
-    add("--model", default="resnet18", choices=MODELS)
-    add("--device", default=None)
-    add("--train-subset", type=int, default=None)
-    add("--out", default=str(RESULTS / "authors100" / "timing" / "trainer_timing.json"))
-    a = p.parse_args(rest)
-    res = trainer_timing(a.methods.split(","), Path(a.out), conditioning=a.conditioning,
-                         precisions=a.precisions.split(","), epochs=a.epochs,
-                         trace_steps=a.trace_steps, data_root=a.data_root,
-                         source=a.source, model=a.model, device=a.device,
-                         train_subset=a.train_subset, force=a.force)
-    for r in res["rows"]:
-        log.info("trainer timing %-12s %s %-8s epoch %.2f s (loop %.2f s, "
-                 "after %.2f s, "
-                 "%.2f ms/step)", r["method"], r["precision"], r["mode"],
-                 r["steady_epoch_s"], r["steady_train_s"], r["steady_after_s"],
-                 r["steady_ms_per_step"])
-    for t in res["loss_match"]:
-        log.info("loss match %s over %d steps: captured vs eager %.3g, eager vs eager "
-                 "%.3g", t["method"], t["steps"], t["max_rel_diff_captured_vs_eager"],
-                 t["max_rel_diff_eager_vs_eager"])
-    return 0
-
-
-def _main_schedule(p: argparse.ArgumentParser, rest: list[str]) -> int:
-    add = p.add_argument
-    add("--plan", default="claim", choices=("claim", "main"))
-    add("--budget-s", type=float, required=True)
-    add("--timing", default=str(RESULTS / "timing" / "timing.json"))
-    add("--concurrency-gain", type=float, default=1.0)
-    add("--gpus", type=int, default=1)
-    add("--procs-per-gpu", type=int, default=None)
-    add("--min-epochs", type=int, default=1)
-    add("--max-epochs", type=int, default=400)
-    add("--out", default=None, help="write the schedule here (default: print only)")
-    a = p.parse_args(rest)
-    plan = build_plan(a.plan)
-    e = schedule_epochs(Path(a.timing), plan, a.budget_s, a.concurrency_gain,
-                        a.min_epochs, a.max_epochs, gpus=a.gpus,
-                        procs_per_gpu=a.procs_per_gpu)
-    if a.out:
-        guard.write_json_guarded(a.out, {
-            "epochs": e, "budget_s": a.budget_s, "concurrency_gain": a.concurrency_gain,
-            "gpus": a.gpus, "timing": a.timing, "plan": a.plan, "runs": len(plan),
-            "milestones": milestones_for(e, a.plan if a.plan == "claim" else "study6")},
-            a.force)
-    log.info("schedule: %d epochs fit %.0f s for plan %s (%d runs)", e, a.budget_s,
-             a.plan, len(plan))
-    print(e)
-    return 0
-
-
-def _main_check(p: argparse.ArgumentParser, rest: list[str]) -> int:
-    p.add_argument("--suite", default="claim",
-                   choices=("claim", "study6", "authors100"))
-    p.add_argument("--tiers", default="1", help="authors100: comma list of tiers")
-    p.add_argument("--root", default=None,
-                   help="default: results/cifar/claim (claim), results/cifar (study6)")
-    p.add_argument("--dataset", default="cifar10", choices=DATASETS)
-    p.add_argument("--min-epochs", type=int, default=30)
-    a = p.parse_args(rest)
-    if a.suite == "authors100":
-        from kwng.experiments.cifar.results import check_authors100
-
-        res = check_authors100(a.root or RESULTS / "authors100", a.dataset,
-                               tuple(int(t) for t in a.tiers.split(",")))
-        print(json.dumps({k: len(v) for k, v in res.items()}), "not ok:",
-              json.dumps(res["missing"] + res["incomplete"]), "diverged:",
-              json.dumps(res["diverged"]))
-    elif a.suite == "claim":
-        res = check_claim(a.root or CLAIM, a.dataset, a.min_epochs)
-        print(json.dumps({k: len(v) for k, v in res.items()}), "not ok:",
-              json.dumps(res["missing"] + res["incomplete"]), "diverged:",
-              json.dumps(res["diverged"]))
-    else:
-        res = check_results(a.root or RESULTS, a.dataset)
-        print(json.dumps({k: len(v) for k, v in res.items()}),
-              json.dumps(res["missing"] + res["incomplete"]),
-              "cut by the budget (documented):", json.dumps(res["cut"]))
-    return 0 if not res["missing"] and not res["incomplete"] else 1
-
-
-_WRITERS = {"select": _main_select, "timing": _main_timing, "schedule": _main_schedule,
-            "check": _main_check, "trainer-timing": _main_trainer_timing}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if sub is None:
         return _main_run(rest)
     p = argparse.ArgumentParser(prog=f"python -m kwng.experiments cifar {sub}")
-    if sub not in _WRITERS and sub not in ("sweep", "worker"):
+    if sub not in COMMANDS and sub not in ("sweep", "worker"):
         raise ValueError(f"unknown cifar subcommand {sub!r}; use sweep, worker, "
                          "select, timing, trainer-timing, schedule or check")
     try:  # a refusal (other configuration, unreadable or missing file): rc 2, named
@@ -464,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--force", action="store_true", help="replace a different "
                        "existing output file (select, timing, schedule), moving it to "
                        "a dated backup first")
-        return _WRITERS[sub](p, rest)
+        return COMMANDS[sub](p, rest)
     except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
         log.error("refused: %s", exc)
         return 2

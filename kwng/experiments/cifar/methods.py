@@ -1,26 +1,28 @@
 """The CIFAR study's methods and run settings (book chapter :ref:`experiments-cifar`).
 
-The method table (:data:`METHODS`), the plans' method lists, the step-size grid, the
-authors' ε convention (:func:`authors_eps`), the configuration of one run
-(:class:`RunConfig`) and the construction of each method's model, optimizer and
-preconditioner. Every method takes its step through one protocol, :class:`MethodStep`
-(``step(loss, outputs, hidden=..., batch=...)``): one adapter per family (plain
-``torch.optim`` step, KFAC/EKFAC, KWNG), built once by :func:`make_step`; the training
-loop and ``cifar timing`` call it and nothing else.
+The method table (:data:`METHODS`, validated against :data:`OPTIMIZERS` and
+:data:`PRECONDITIONERS` whenever a :class:`RunConfig` is built), the plans' method
+lists,
+the step-size grid and schedules, the authors' ε convention (:func:`authors_eps`), the
+configuration of one run (:class:`RunConfig`) and the construction of each method's
+model and optimizer. Each method's step is built by :mod:`kwng.experiments.cifar.steps`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kwng.experiments.cifar.data import DATASETS, NUM_CLASSES
+from kwng.experiments.cifar.nets import (
+    NETWORKS,
+    ConditionedNetwork,
+    DiagonalConditioning,
+)
 
 CONDITIONINGS = ("well", "ill")
 LR_GRID = (10.0, 1.0, 0.1, 0.01, 0.001, 0.0001)
@@ -40,7 +42,8 @@ def authors_eps(eps: float, batch_size: int) -> float:
     ``batch_size``).
 
     The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε I`` to the ``M × M``
-    system; we whiten with ``(CCᵀ)^{-1/2}`` and add ``(ε/N) I`` (Prop. 6). Our ``T̃`` and
+    system; we whiten with ``(CCᵀ)^{-1/2}`` and add ``(ε/N) I`` (Prop. 6). Our ``T̃``
+    and
     ``D`` are theirs divided by ``√N``, and the two directions coincide when
     ``ε_ours = √N ε_authors`` (derivation in the book chapter :ref:`experiments-cifar`;
     tested in ``tests/test_cifar.py``). The bounds of the Levenberg–Marquardt rule
@@ -104,14 +107,19 @@ CLAIM_TWO_SEEDS = ("sgd", "kwng")
 #: run after the suite when the preconditioner supports them (not required by
 #: :func:`kwng.experiments.cifar.results.check_claim`)
 CLAIM_ABLATIONS = ("kwng_lm_same_batch",)
+#: every method of the claim suite, its ablation included (the order of its tables)
+CLAIM_ALL = CLAIM_METHODS + CLAIM_ABLATIONS
 #: the earlier study's method lists (its records were made with the definitions of that
 #: time: "kwng" and "diag_Ttilde" then took their samples before U with ε0 = 1e-5 in our
 #: convention)
 SELECT_METHODS = ("sgd", "sgd_momentum", "sgd_momentum_wd", "adam", "kfac", "ekfac",
                   "kwng", "kwng_momentum")
+#: the earlier study's main methods (the order of its figures and tables), those run
+#: with three seeds, the others with one seed in both conditionings, and its ablations
+MAIN_METHODS = ("sgd", "sgd_momentum", "sgd_momentum_wd", "adam", "kfac", "ekfac",
+                "kwng",                "kwng_m20", "kwng_momentum", "kwng_bigbatch")
 MAIN_SEEDED = ("sgd", "adam", "kwng")
-ONE_SEED_BOTH = ("sgd_momentum", "sgd_momentum_wd", "kfac", "ekfac", "kwng_m20",
-                 "kwng_momentum", "kwng_bigbatch")
+ONE_SEED_BOTH = tuple(m for m in MAIN_METHODS if m not in MAIN_SEEDED)
 ABLATIONS = ("kwng_damping_identity", "kwng_damping_T", "diag_T", "diag_Ttilde",
              "kwng_rq", "kwng_scaled_logits")
 #: the step-size schedules, "study6" ×0.1 after 50 % and 75 % of the epochs (the
@@ -130,7 +138,6 @@ PRECISIONS = ("fp32", "bf16")
 #: epoch mean and last value
 INFO_KEYS = ("eps", "reduction_ratio", "clipped", "fallback", "floored_columns",
              "floored_share")
-MODELS = ("resnet18", "tiny")
 
 RESULTS = Path("results") / "cifar"
 SELECTION = RESULTS / "selection"
@@ -183,7 +190,8 @@ class RunConfig(dict):
         "channels_last": False,
     }
     _CHOICES = (("dataset", DATASETS), ("conditioning", CONDITIONINGS),
-                ("method", tuple(METHODS)), ("schedule", SCHEDULES), ("model", MODELS),
+                ("method", tuple(METHODS)), ("schedule", SCHEDULES),
+                ("model", tuple(NETWORKS)),
                 ("precision", PRECISIONS))
 
     def __init__(self, **kwargs: Any) -> None:
@@ -213,6 +221,8 @@ class RunConfig(dict):
                                  f"got {self['lr']!r}")
             self["lr"] = lr
 
+        check_method_spec(self["method"], self.spec)
+
     @property
     def spec(self) -> dict[str, Any]:
         return METHODS[self["method"]]
@@ -220,6 +230,19 @@ class RunConfig(dict):
     @property
     def batch(self) -> int:
         return int(self["batch_size"] or self.spec.get("batch_size", BATCH_SIZE))
+
+
+def check_method_spec(name: str, spec: dict[str, Any]) -> None:
+    """Raise if the method ``name``'s settings name an optimizer or a preconditioner
+    that
+    the study does not build (with the accepted names)."""
+    if spec.get("optimizer") not in OPTIMIZERS:
+        raise ValueError(f"method {name!r}: optimizer must be one of "
+                         f"{sorted(OPTIMIZERS)}, "
+                         f"got {spec.get('optimizer')!r}")
+    if spec.get("precond", None) not in (None, *PRECONDITIONERS):
+        raise ValueError(f"method {name!r}: precond must be absent or one of "
+                         f"{PRECONDITIONERS}, got {spec.get('precond')!r}")
 
 
 def milestones_for(epochs: int, schedule: str) -> list[int]:
@@ -260,16 +283,6 @@ def movement_budget(lr: float, epochs: int, schedule: str, steps_per_epoch: int 
             for e in range(epochs)]
 
 
-def lm_same_batch_available() -> bool:
-    """Whether :class:`kwng.engine.precond.KWNGPreconditioner` accepts ``lm_rule`` (the
-    same-batch Levenberg–Marquardt variant of ``kwng_lm_same_batch``): a field of
-    :class:`kwng.engine.config.KWNGConfig`, which the preconditioner's keyword
-    arguments fill."""
-    from kwng.engine.config import KWNGConfig
-
-    return "lm_rule" in {f.name for f in dataclasses.fields(KWNGConfig)}
-
-
 # ------------------------------------------------------------------------ construction
 def device_for(name: str | None) -> torch.device:
     """``name``, or CUDA when available, else CPU."""
@@ -279,192 +292,37 @@ def device_for(name: str | None) -> torch.device:
 
 
 def build_model(cfg: RunConfig) -> nn.Module:
-    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`): ``U`` inside the
+    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`):
+    ``U`` inside the
     network (the identity for ``well``)."""
-    from kwng.experiments.cifar.nets import (
-        ConditionedNetwork,
-        DiagonalConditioning,
-        resnet18,
-        tiny_cnn,
-    )
-
     k = NUM_CLASSES[cfg["dataset"]]
-    body = resnet18(k) if cfg["model"] == "resnet18" else tiny_cnn(k)
+    body = NETWORKS[cfg["model"]](k)
     cond = (None if cfg["conditioning"] == "well"
             else DiagonalConditioning(k, CONDITION_NUMBER))
     return ConditionedNetwork(body, cond)
 
 
-def build_optimizer(cfg: RunConfig, model: nn.Module,
-                    lr: float) -> torch.optim.Optimizer:
-    """The method's ``torch.optim`` optimizer (SGD with its momentum and weight decay,
-    or Adam)."""
-    spec = cfg.spec
-    if spec["optimizer"] == "adam":
-        # capturable on CUDA (the step counter on the device) in eager runs too, so that
-        # an eager and a graph-captured run compute the same thing
-        cuda = next(model.parameters()).device.type == "cuda"
-        return torch.optim.Adam(model.parameters(), lr=lr, capturable=cuda)
+def _sgd(model: nn.Module, lr: float, spec: dict) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=lr,
                            momentum=spec.get("momentum", 0.0),
                            weight_decay=spec.get("weight_decay", 0.0))
 
 
-def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
-    from kwng.engine.precond import KWNGPreconditioner
-    from kwng.experiments.cifar.nets import ConditionedNetwork
-
-    spec = cfg.spec
-    kw: dict[str, Any] = {"eps": 1e-5}
-    if spec.get("eps_convention", "ours") == "authors":
-        n = cfg.batch
-        kw.update(eps=authors_eps(EPS_AUTHORS, n),
-                  eps_min=authors_eps(EPS_BOUNDS_AUTHORS[0], n),
-                  eps_max=authors_eps(EPS_BOUNDS_AUTHORS[1], n))
-    if "lm_rule" in spec:
-        if not lm_same_batch_available():
-            raise ValueError(f"method {cfg['method']!r} needs KWNGPreconditioner("
-                             "lm_rule=...), which this version of kwng.engine.precond does "
-                             "not accept")
-        kw["lm_rule"] = spec["lm_rule"]
-    # the fast path replicates the forward of the module the loop calls through
-    # __call__: the body h (ConditionedNetwork.forward_both calls it; U·h is then pulled
-    # back to it, U has no parameters)
-    net = model.body if isinstance(model, ConditionedNetwork) else model
-    return KWNGPreconditioner(
-        net, optimizer=optimizer, num_basis=spec["num_basis"], lam=0.0,
-        kernel=spec["kernel"], bandwidth="mean_sq", sigma0=1.0, damping=spec["damping"],
-        lm_interval=5, lm_omega=0.85, lm_low=0.25, lm_high=0.75, adapt_eps=True,
-        clip_norm=CLIP_NORM, mode="fast", diagonal_only=spec["diagonal_only"], **kw)
+def _adam(model: nn.Module, lr: float, spec: dict) -> torch.optim.Optimizer:
+    # capturable on CUDA (the step counter on the device) in eager runs too, so that an
+    # eager and a graph-captured run compute the same thing
+    cuda = next(model.parameters()).device.type == "cuda"
+    return torch.optim.Adam(model.parameters(), lr=lr, capturable=cuda)
 
 
-# ------------------------------------------------------------------- the step protocol
-class MethodStep:
-    """One training step's update for a method, given the loss of the mini-batch.
-
-    ``step(loss, outputs, hidden=h, batch=(z, y))`` computes the direction (clipped to
-    :data:`CLIP_NORM`), calls ``optimizer.step()`` and returns the step's diagnostics.
-    ``outputs`` are the network's outputs ``U h``, ``hidden`` the body's outputs ``h``,
-    ``batch`` the mini-batch. This base class is the plain ``torch.optim`` step (SGD,
-    SGD with momentum, Adam).
-    """
-
-    precond = None
-    #: whether the step can be recorded in a CUDA graph
-    #: (:class:`~kwng.experiments.cifar.capture.StepRunner`)
-    capturable = True
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(optimizer={type(self.optimizer).__name__})"
-
-    def direction(self, loss: torch.Tensor, outputs: torch.Tensor,
-                  hidden: torch.Tensor | None, batch: tuple | None) -> dict:
-        from kwng.experiments.cifar.baselines import clip_grad_norm
-
-        loss.backward()
-        clip_grad_norm(self.model.parameters(), CLIP_NORM)
-        return {}
-
-    def step(self, loss: torch.Tensor, outputs: torch.Tensor, *,
-             hidden: torch.Tensor | None = None, batch: tuple | None = None) -> dict:
-        info = self.direction(loss, outputs, hidden, batch)
-        self.optimizer.step()
-        return info
-
-    def track(self, info: dict, stats) -> None:
-        """Accumulate the step's diagnostics ``info`` for the epoch's record."""
-
-    def epoch_fields(self, rows: list[dict]) -> dict:
-        """Fields added to the epoch's row (``rows``: the rows recorded so far)."""
-        return {}
+#: the optimizers a method's ``"optimizer"`` names: name -> ``(model, lr, spec) ->
+#: torch.optim.Optimizer``
+OPTIMIZERS = {"sgd": _sgd, "adam": _adam}
+#: the preconditioners a method's ``"precond"`` names (absent: the optimizer alone)
+PRECONDITIONERS = ("kfac", "ekfac", "kwng")
 
 
-class KFACStep(MethodStep):
-    """KFAC or EKFAC (:class:`kwng.experiments.cifar.baselines.KFACPreconditioner`): needs ``batch``.
-    Not capturable (:data:`kwng.experiments.cifar.capture.NOT_CAPTURABLE` says why)."""
-
-    capturable = False
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 precond) -> None:
-        super().__init__(model, optimizer)
-        self.precond, self._fallbacks = precond, 0
-
-    def direction(self, loss, outputs, hidden, batch) -> dict:
-        if batch is None:
-            raise ValueError("batch must be the mini-batch (z, y) for KFAC/EKFAC")
-        return self.precond.step(loss, outputs, inputs=batch[0])
-
-    def track(self, info: dict, stats) -> None:
-        self._fallbacks += info["fallback"]
-
-    def epoch_fields(self, rows: list[dict]) -> dict:
-        prev = rows[-1]["fallbacks"] if rows else 0
-        out, self._fallbacks = {"fallbacks": prev + int(self._fallbacks)}, 0
-        return out
-
-
-class KWNGStep(MethodStep):
-    """KWNG (:class:`kwng.engine.precond.KWNGPreconditioner`) on the samples ``U h``
-    (``samples="scaled"``) or ``h`` (``"logits"``). With ``lm_rule == "same_batch"`` the
-    loss of the same mini-batch after the step (no grad, BatchNorm running statistics
-    restored) goes to the preconditioner: this needs ``batch``."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precond,
-                 samples: str = "scaled") -> None:
-        if samples not in ("scaled", "logits"):
-            raise ValueError(f"samples must be 'scaled' or 'logits', got {samples!r}")
-        super().__init__(model, optimizer)
-        self.precond, self.samples = precond, samples
-
-    def direction(self, loss, outputs, hidden, batch) -> dict:
-        if self.samples == "logits" and hidden is None:
-            raise ValueError("hidden must be the body's outputs h for samples='logits'")
-        return self.precond.step(loss, outputs if self.samples == "scaled" else hidden)
-
-    def step(self, loss, outputs, *, hidden=None, batch=None) -> dict:
-        info = super().step(loss, outputs, hidden=hidden, batch=batch)
-        if getattr(self.precond, "lm_rule", "authors") == "same_batch":
-            from kwng.experiments.cifar.baselines import bn_state, restore_bn_state
-
-            if batch is None:
-                raise ValueError("batch must be the mini-batch (z, y) for lm_rule "
-                                 "'same_batch'")
-            saved = bn_state(self.model)
-            with torch.no_grad():
-                loss_after = F.cross_entropy(self.model(batch[0]), batch[1])
-            restore_bn_state(self.model, saved)
-            self.precond.observe_loss_after_step(loss_after)
-        return info
-
-    def track(self, info: dict, stats) -> None:
-        stats.add_info(info)
-
-    def epoch_fields(self, rows: list[dict]) -> dict:
-        c = self.precond.counters()
-        return {"eps": self.precond.eps, "fallbacks": c["fallbacks"],
-                "clipped": c["clipped"], "ill_conditioned": c["ill_conditioned"],
-                "damping_floored": c["damping_floored"]}
-
-
-def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-              device: torch.device) -> MethodStep:
-    """The :class:`MethodStep` of ``cfg``'s method (the one place that dispatches on the
-    method's family)."""
-    kind = cfg.spec.get("precond")
-    if kind is None:
-        return MethodStep(model, optimizer)
-    if kind in ("kfac", "ekfac"):
-        from kwng.experiments.cifar.baselines import KFACPreconditioner
-
-        # U is inside the model (ConditionedNetwork): the Fisher's predictive logits are
-        # the outputs
-        pc = KFACPreconditioner(model, kind=kind, damping=1e-3, update_freq=100,
-                                diag_freq=1, output_fn=None, clip_norm=CLIP_NORM,
-                                device=device)
-        return KFACStep(model, optimizer, pc)
-    pc = _kwng_preconditioner(cfg, model, optimizer)
-    return KWNGStep(model, optimizer, pc, cfg.spec["estimator_input"])
+def build_optimizer(cfg: RunConfig, model: nn.Module,
+                    lr: float) -> torch.optim.Optimizer:
+    """The method's ``torch.optim`` optimizer, from :data:`OPTIMIZERS`."""
+    return OPTIMIZERS[cfg.spec["optimizer"]](model, lr, cfg.spec)

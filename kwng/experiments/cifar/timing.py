@@ -27,7 +27,8 @@ import torch
 from kwng.experiments import guard
 from kwng.experiments.cifar.capture import NOT_CAPTURABLE
 from kwng.experiments.cifar.methods import METHODS, RunConfig
-from kwng.experiments.cifar.train import _Run, sync
+from kwng.experiments.cifar.runtime import sync
+from kwng.experiments.cifar.train import Run
 from kwng.experiments.provenance import make_provenance
 
 __all__ = ["trainer_timing", "TIMING_LRS"]
@@ -45,7 +46,7 @@ def _config(method: str, capture: bool, common: dict, **extra: Any) -> RunConfig
 
 
 def _time_epochs(cfg: RunConfig, epochs: int) -> dict:
-    state = _Run(cfg, float(cfg["lr"]), identity={})
+    state = Run(cfg, float(cfg["lr"]), identity={})
     nb = state.train.num_batches(cfg.batch)
     total = epochs * nb
     rows = []
@@ -77,8 +78,8 @@ def _time_epochs(cfg: RunConfig, epochs: int) -> dict:
 
 def _trace(cfg: RunConfig, steps: int) -> list[float]:
     torch.backends.cudnn.deterministic = True
-    state = _Run(cfg, float(cfg["lr"]), identity={})
-    torch.backends.cudnn.benchmark = False  # _Run switched it on
+    state = Run(cfg, float(cfg["lr"]), identity={})
+    torch.backends.cudnn.benchmark = False  # Run switched it on
     state.trace = torch.full((steps,), math.nan, dtype=torch.float64,
                              device=state.device)
     state.trace_pos = torch.zeros((), dtype=torch.long, device=state.device)
@@ -95,6 +96,40 @@ def _trace(cfg: RunConfig, steps: int) -> list[float]:
 
 def _max_rel(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+
+
+
+def _epoch_rows(methods, precisions, epochs, common, tmp) -> list[dict]:
+    """Eager and captured epoch times of every method in every precision."""
+    rows = []
+    for prec in precisions:
+        for m in methods:
+            for capture in (False, True):
+                cfg = _config(m, capture, common, precision=prec,
+                              out=f"{tmp}/out/{prec}/{int(capture)}")
+                log.info("timing %s %s %s", m, prec, "captured" if capture else "eager")
+                rec = _time_epochs(cfg, epochs)
+                rows.append({"method": m, "precision": prec,
+                             "mode": "captured" if rec["captured"] else "eager",
+                             "asked_capture": capture, **rec})
+                if capture and not rec["captured"]:
+                    rows[-1]["why_eager"] = NOT_CAPTURABLE.get(
+                        METHODS[m].get("precond", ""), "not on CUDA")
+    return rows
+
+
+def _loss_match(m, prec, trace_steps, common, tmp) -> dict:
+    """The per-step losses of two eager runs and one captured run of method ``m``
+    (capturable methods only), and their largest relative differences."""
+    t = {}
+    for name, capture in (("eager", False), ("eager_again", False), ("captured", True)):
+        cfg = _config(m, capture, common, precision=prec, epochs=1,
+                      max_steps=trace_steps, out=f"{tmp}/trace/{name}")
+        t[name] = _trace(cfg, trace_steps)
+    return {"method": m, "precision": prec, "steps": trace_steps,
+            "max_rel_diff_captured_vs_eager": _max_rel(t["eager"], t["captured"]),
+            "max_rel_diff_eager_vs_eager": _max_rel(t["eager"], t["eager_again"]),
+            "loss_eager": t["eager"], "loss_captured": t["captured"]}
 
 
 def trainer_timing(methods: Sequence[str], out: Path, *, conditioning: str = "ill",
@@ -116,44 +151,15 @@ def trainer_timing(methods: Sequence[str], out: Path, *, conditioning: str = "il
     out = Path(out)
     if out.exists() and not force:
         raise guard.ConfigMismatchError(f"{out} exists; {guard.FORCE_HINT}")
-    rows, traces = [], []
     with tempfile.TemporaryDirectory(prefix="kwng-timing-") as tmp:
         common = {"conditioning": conditioning, "schedule": "authors",
                   "epochs": max(epochs, 1), "data_root": data_root, "source": source,
                   "model": model, "device": device, "out": f"{tmp}/out",
                   "checkpoint_dir": f"{tmp}/ck", "train_subset": train_subset,
                   "channels_last": True}
-        for prec in precisions:
-            for m in methods:
-                for capture in (False, True):
-                    cfg = _config(m, capture, common, precision=prec,
-                                  out=f"{tmp}/out/{prec}/{int(capture)}")
-                    log.info("timing %s %s %s", m, prec,
-                             "captured" if capture else "eager")
-                    rec = _time_epochs(cfg, epochs)
-                    rows.append({"method": m, "precision": prec,
-                                 "mode": "captured" if rec["captured"] else "eager",
-                                 "asked_capture": capture, **rec})
-                    if capture and not rec["captured"]:
-                        rows[-1]["why_eager"] = NOT_CAPTURABLE.get(
-                            METHODS[m].get("precond", ""), "not on CUDA")
-        prec = precisions[0]
-        for m in methods:
-            if METHODS[m].get("precond") not in (None, "kwng"):
-                continue  # not capturable: nothing to compare
-            t = {}
-            for name, capture in (("eager", False), ("eager_again", False),
-                                  ("captured", True)):
-                cfg = _config(m, capture, common, precision=prec, epochs=1,
-                              max_steps=trace_steps,
-                              out=f"{tmp}/trace/{name}")
-                t[name] = _trace(cfg, trace_steps)
-            traces.append({"method": m, "precision": prec, "steps": trace_steps,
-                           "max_rel_diff_captured_vs_eager":
-                           _max_rel(t["eager"], t["captured"]),
-                           "max_rel_diff_eager_vs_eager":
-                           _max_rel(t["eager"], t["eager_again"]),
-                           "loss_eager": t["eager"], "loss_captured": t["captured"]})
+        rows = _epoch_rows(methods, precisions, epochs, common, tmp)
+        traces = [_loss_match(m, precisions[0], trace_steps, common, tmp)
+                  for m in methods if METHODS[m].get("precond") in (None, "kwng")]
     dev = str(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
     result = {"rows": rows, "loss_match": traces, "device": dev,
               "config": {"methods": list(methods), "conditioning": conditioning,

@@ -4,192 +4,55 @@
 :func:`run` trains one :class:`~kwng.experiments.cifar.methods.RunConfig` to completion
 (or to ``stop_after_epoch`` / ``max_steps`` / ``deadline``), resuming exactly from its
 checkpoint; every method takes its step through
-:class:`~kwng.experiments.cifar.methods.MethodStep` (:func:`train_step`).
+:class:`~kwng.experiments.cifar.steps.MethodStep` (:func:`train_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
-import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from kwng.experiments import guard
 from kwng.experiments.cifar.capture import StepRunner
-from kwng.experiments.cifar.data import NUM_CLASSES, GPUAugmentedData, load_cifar
+from kwng.experiments.cifar.data import NUM_CLASSES, GPUAugmentedData
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
-    SELECTION,
-    MethodStep,
     RunConfig,
     build_model,
     build_optimizer,
     device_for,
-    make_step,
     milestones_for,
 )
 from kwng.experiments.cifar.metrics import EpochStats, UpdateShare, evaluate_full
-from kwng.experiments.provenance import atomic_write_json, read_json, write_provenance
+from kwng.experiments.cifar.runtime import (
+    checkpoint_path_for,
+    fast_cuda,
+    past,
+    resolve_lr,
+    rng_state,
+    run_dir_for,
+    run_identity_of,
+    save_checkpoint,
+    set_rng_state,
+    split_data,
+    sync,
+    train_step,
+)
+from kwng.experiments.cifar.steps import make_step
+from kwng.experiments.provenance import atomic_write_json, write_provenance
 
 log = logging.getLogger(__name__)
 
 
-def _as_config(cfg: dict) -> RunConfig:
-    return cfg if isinstance(cfg, RunConfig) else RunConfig(**cfg)
-
-
-def run_dir_for(cfg: dict) -> Path:
-    """``<out>/<dataset>/<conditioning>/<method>/seed<k>``: where a run writes."""
-    cfg = _as_config(cfg)
-    return (Path(cfg["out"]) / cfg["dataset"] / cfg["conditioning"] / cfg["method"]
-            / f"seed{cfg['seed']}")
-
-
-def checkpoint_path_for(cfg: dict) -> Path:
-    """The run's checkpoint, under ``checkpoint_dir`` (an absolute run directory is
-    hashed)."""
-    cfg = _as_config(cfg)
-    rd = run_dir_for(cfg)
-    if rd.is_absolute():
-        rd = Path("abs") / hashlib.sha1(str(rd).encode()).hexdigest()[:16]
-    return Path(cfg["checkpoint_dir"]) / rd / "checkpoint.pt"
-
-
-def resolve_lr(cfg: RunConfig) -> float:
-    """The step size: a number, or the one chosen by ``select`` for the method (or its
-    ``lr_from``)."""
-    if cfg["lr"] != "selected":
-        return float(cfg["lr"])
-    path = Path(cfg["selection_file"] or SELECTION / "selected.json")
-    if not path.is_file():
-        raise FileNotFoundError(f"lr='selected' needs {path} (run `cifar select` "
-                                "first) or pass --lr")
-    table = read_json(path)["selected"]
-    base = cfg.spec.get("lr_from", cfg["method"])
-    key = f"{cfg['dataset']}/{cfg['conditioning']}/{base}"
-    if key not in table:
-        raise KeyError(f"no selected step size for {key} in {path}")
-    return float(table[key]["lr"])
-
-
-def _split_data(cfg: RunConfig):
-    """Training / evaluation arrays. With ``val_size`` > 0 (step-size selection) the
-    evaluation set is held out of the training set (the test set is not looked at);
-    ``train_subset`` keeps that many."""
-    x, y = load_cifar(cfg["dataset"], "train", cfg["data_root"], cfg["source"],
-                      cfg["download"])
-    if cfg["val_size"] and cfg["val_size"] >= len(x):
-        raise ValueError(f"val_size must be smaller than the training set ({len(x)} "
-                         f"images), got {cfg['val_size']}: nothing left to train on")
-    if cfg["val_size"]:
-        perm = np.random.default_rng(12345).permutation(len(x))
-        val, rest = perm[:cfg["val_size"]], perm[cfg["val_size"]:]
-        if cfg["train_subset"]:
-            rest = rest[:cfg["train_subset"]]
-        return x[rest], y[rest], x[val], y[val]
-    if cfg["train_subset"]:
-        keep = np.random.default_rng(12345).permutation(len(x))[:cfg["train_subset"]]
-        x, y = x[np.sort(keep)], y[np.sort(keep)]
-    xt, yt = load_cifar(cfg["dataset"], "test", cfg["data_root"], cfg["source"],
-                        cfg["download"])
-    return x, y, xt, yt
-
-
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-             "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"].cpu())  # map_location may have moved it
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA only)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def fast_cuda(device: torch.device) -> None:
-    """cuDNN autotuning and TF32 matrix products on a CUDA device."""
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-
-def autocast_for(device: torch.device, precision: str):
-    """The forward's autocast context: bf16 without a weight-cast cache (a CUDA graph
-    would replay freed memory), or none for fp32."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
-    return contextlib.nullcontext()
-
-
-def train_step(method: MethodStep, model: nn.Module, z: torch.Tensor, yb: torch.Tensor,
-               share: UpdateShare | None = None, precision: str = "fp32"
-               ) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
-    """One training step of any method: forward (in ``precision``), then
-    ``method.step`` (direction clipped to
-    :data:`~kwng.experiments.cifar.methods.CLIP_NORM`, ``optimizer.step()``).
-    Returns ``(loss, outputs, info, last-layer share)``; the share is measured around
-    the whole update (the direction leaves the parameters unchanged). Never waits for
-    the device, so a CUDA graph can record it."""
-    method.optimizer.zero_grad(set_to_none=True)
-    with autocast_for(z.device, precision):
-        h, outputs = model.forward_both(z)
-        loss = F.cross_entropy(outputs.float(), yb)
-    if share is not None:
-        share.before()
-    info = method.step(loss, outputs, hidden=h, batch=(z, yb))
-    frac = share.after() if share is not None else None
-    return loss, outputs, info, frac
-
-
-def _save_checkpoint(path: Path, ck: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(ck, tmp)
-    os.replace(tmp, path)
-
-
-def _past(deadline: float | None) -> bool:
-    """Whether the Unix time ``deadline`` has passed (checked once per batch by
-    :func:`run`)."""
-    return deadline is not None and time.time() > deadline
-
-
-def _identity(cfg: RunConfig, lr: float) -> dict:
-    from kwng.experiments.cifar.data import source_fingerprint
-
-    try:
-        data = source_fingerprint(cfg["dataset"], cfg["data_root"], cfg["source"])
-    except FileNotFoundError:
-        if not cfg["download"]:
-            raise
-        data = None  # fetched by this run; not compared
-    return guard.run_identity(cfg, lr, cfg.batch, cfg.spec, data)
-
-
 # ---------------------------------------------------------------------------------- run
-class _Run:
+class Run:
     """The state of one run between its setup and its last epoch."""
 
     def __init__(self, cfg: RunConfig, lr: float, identity: dict) -> None:
@@ -199,7 +62,7 @@ class _Run:
         np.random.seed(cfg["seed"])
         random.seed(cfg["seed"])
         fast_cuda(device)
-        x, y, xt, yt = _split_data(cfg)
+        x, y, xt, yt = split_data(cfg)
         self.train = GPUAugmentedData(x, y, cfg["dataset"], device)
         self.test = GPUAugmentedData(xt, yt, cfg["dataset"], device)
         self.model = build_model(cfg).to(device)
@@ -271,7 +134,7 @@ class _Run:
         if self.method.precond is not None:
             self.method.precond.load_state_dict(ck["precond"])
         self.data_gen.set_state(ck["data_gen"].cpu())
-        _set_rng_state(ck["rng"], self.device)
+        set_rng_state(ck["rng"], self.device)
         self.record = ck["record"]
         self.start_epoch, self.steps = ck["epoch"], ck["steps"]
         self.time_train, self.partial = ck["time_train"], ck.get("partial")
@@ -284,12 +147,12 @@ class _Run:
               "optimizer": self.optimizer.state_dict(),
               "scheduler": self.scheduler.state_dict(),
               "precond": pc.state_dict() if pc is not None else None,
-              "data_gen": self.data_gen.get_state(), "rng": _rng_state(self.device),
+              "data_gen": self.data_gen.get_state(), "rng": rng_state(self.device),
               "record": self.record, "epoch": epoch, "steps": self.steps,
               "time_train": self.time_train}
         if partial is not None:
             ck["partial"] = partial
-        _save_checkpoint(self.ckpt, ck)
+        save_checkpoint(self.ckpt, ck)
 
     def train_epoch(self, epoch: int, total_steps: int, bar) -> bool:
         """The steps of one epoch; ``False`` if the deadline stopped it
@@ -308,7 +171,7 @@ class _Run:
         for b, (z, yb) in enumerate(self.train.batches(self.cfg.batch, self.data_gen)):
             if b < skip:
                 continue
-            if _past(self.cfg["deadline"]):
+            if past(self.cfg["deadline"]):
                 sync(self.device)
                 self.checkpoint(epoch, {
                     "batches": b, "stats": stats.state_dict(),
@@ -426,12 +289,12 @@ def run(cfg: RunConfig | dict, progress: bool = True, force: bool = False) -> di
     cfg = cfg if isinstance(cfg, RunConfig) else RunConfig(**cfg)
     rdir, ckpt_path = run_dir_for(cfg), checkpoint_path_for(cfg)
     lr = resolve_lr(cfg)
-    identity = _identity(cfg, lr)
+    identity = run_identity_of(cfg, lr)
     prev = guard.check_existing_run(rdir, ckpt_path, identity, force)
     if prev is not None:
         log.info("%s is complete: skipped", rdir)
         return prev
-    state = _Run(cfg, lr, identity)
+    state = Run(cfg, lr, identity)
     ck = guard.resume_checkpoint(ckpt_path, identity, state.device, force, rdir)
     if ck is not None:
         state.resume(ck)

@@ -1,0 +1,299 @@
+"""The CIFAR study's plans, lists of runs (the claim suite, its selection, the authors'
+horizon, the earlier 6-epoch study), and how their runs are spread over GPU slots by
+estimated cost."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from kwng.experiments.cifar.methods import (
+    ABLATIONS,
+    AUTHORS100,
+    AUTHORS100_RUNS,
+    AUTHORS100_SETTINGS,
+    BATCH_SIZE,
+    CLAIM,
+    CLAIM_ABLATIONS,
+    CLAIM_METHODS,
+    CLAIM_SELECTION,
+    CLAIM_TWO_SEEDS,
+    LR_GRID,
+    MAIN_SEEDED,
+    METHODS,
+    ONE_SEED_BOTH,
+    SELECT_METHODS,
+    SELECTION,
+)
+from kwng.experiments.cifar.steps import lm_same_batch_available
+from kwng.experiments.provenance import (
+    read_json,
+)
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------ plans
+#: rough cost of one step relative to SGD (H200, batch 128;
+#: results/cifar/timing/timing.json), used only to spread the runs of a plan over the
+#: GPUs when no timing file is given
+REL_COST = {
+    "sgd": 1.0,
+    "sgd_momentum": 1.0,
+    "sgd_momentum_wd": 1.05,
+    "adam": 1.4,
+    "kfac": 1.7,
+    "ekfac": 11.0,
+    "kwng_m20": 16.7,
+    "kwng_bigbatch": 16.3,
+    "kwng_lm_same_batch": 5.8,
+    "kwng_basis20": 16.7,
+}
+
+
+_KWNG_REL_COST = 5.4
+
+
+def job_cost(job: dict, timing: dict | None = None) -> float:
+    """Relative cost of a run of ``job`` (per epoch, times its ``epochs`` when given;
+    the timing file's seconds per step if given)."""
+    m = job["method"]
+    epochs = int(job.get("epochs", 1))
+    if timing is not None and m in timing:
+        steps = math.ceil(50_000 / timing[m].get("batch_size", BATCH_SIZE))
+        return float(timing[m]["sec_per_step"]) * steps * epochs
+    kwng = METHODS[m].get("precond") == "kwng"
+    return REL_COST.get(m, _KWNG_REL_COST if kwng else 1.0) * epochs
+
+
+def assign_slots(
+    plan: list[dict], gpus: int, procs_per_gpu: int, timing: dict | None = None
+) -> list[dict]:
+    """The plan with a ``slot`` (worker index ``g · procs_per_gpu + p``) for each of
+    the first runs, chosen greedily (most expensive run first, to the GPU with the least
+    load and a free worker) so that every GPU gets a similar total cost; runs beyond the
+    number of workers get no slot (taken by the first worker to finish)."""
+    gpus = max(gpus, 1)
+    order = sorted(range(len(plan)), key=lambda i: -job_cost(plan[i], timing))
+    load, used = [0.0] * gpus, [0] * gpus
+    out = [dict(j) for j in plan]
+    for i in order:
+        free = [g for g in range(gpus) if used[g] < procs_per_gpu]
+        if not free:
+            break
+        g = min(free, key=lambda g: (load[g], g))
+        out[i]["slot"] = g * procs_per_gpu + used[g]
+        used[g] += 1
+        load[g] += job_cost(plan[i], timing)
+    return out
+
+
+def _grid(methods: Sequence[str], common: dict, out: Path, **settings) -> list[dict]:
+    """Every method × {ill, well} × :data:`LR_GRID`, seed 0, results under
+    ``out/lr<lr>``."""
+    return [
+        {
+            **common,
+            "conditioning": cond,
+            "method": m,
+            "seed": 0,
+            "lr": lr,
+            **settings,
+            "out": str(out / f"lr{lr:g}"),
+        }
+        for cond in ("ill", "well")
+        for m in methods
+        for lr in LR_GRID
+    ]
+
+
+def _seeded(
+    base: dict,
+    methods: Sequence[str],
+    seed: int,
+    conds: Sequence[str] = ("ill", "well"),
+) -> list[dict]:
+    """Seed ``seed`` of each method in each conditioning (method-major order)."""
+    return [
+        {**base, "conditioning": c, "method": m, "seed": seed}
+        for m in methods
+        for c in conds
+    ]
+
+
+def _claim_plan(common: dict, epochs: int, with_ablations: bool | None) -> list[dict]:
+    base = {
+        **common,
+        "epochs": epochs,
+        "lr": "selected",
+        "schedule": "claim",
+        "out": str(CLAIM),
+        "selection_file": str(CLAIM_SELECTION / "selected.json"),
+    }
+    jobs = _seeded(base, CLAIM_METHODS, 0) + _seeded(base, CLAIM_TWO_SEEDS, 1)
+    if with_ablations is None:
+        with_ablations = lm_same_batch_available()
+    if with_ablations:
+        jobs += _seeded(base, CLAIM_ABLATIONS, 0)
+    return jobs
+
+
+def authors100_out(lr: float, settings: dict) -> Path:
+    """Where a run of the plan ``authors100`` writes:
+    ``results/cifar/authors100/lr<lr>``
+    (``.../fp32/lr<lr>`` for the precision control)."""
+    tag = f"lr{lr:g}"
+    return AUTHORS100 / ("fp32" if settings.get("precision") == "fp32" else "") / tag
+
+
+def authors100_plan(common: dict, tiers: Sequence[int] = (1, 2, 3)) -> list[dict]:
+    """The runs of :data:`AUTHORS100_RUNS` of ``tiers``, in tier order."""
+    jobs = []
+    for tier, m, cond, lr, seed, epochs, extra in AUTHORS100_RUNS:
+        if tier not in tiers:
+            continue
+        jobs.append(
+            {
+                **common,
+                **AUTHORS100_SETTINGS,
+                **extra,
+                "method": m,
+                "conditioning": cond,
+                "lr": lr,
+                "seed": seed,
+                "epochs": epochs,
+                "out": str(authors100_out(lr, extra)),
+            }
+        )
+    return jobs
+
+
+def _main_plan(common: dict, epochs: int) -> list[dict]:
+    base = {**common, "epochs": epochs, "lr": "selected", "schedule": "study6"}
+    jobs = []
+    for seed in (0, 1, 2):
+        for cond in ("ill", "well"):
+            jobs += _seeded(base, MAIN_SEEDED, seed, (cond,))
+    for cond in ("ill", "well"):
+        jobs += _seeded(base, ONE_SEED_BOTH, 0, (cond,))
+    return jobs + _seeded(base, ABLATIONS, 0, ("ill",))
+
+
+def build_plan(
+    name: str,
+    dataset: str = "cifar10",
+    epochs: int = 6,
+    select_steps: int = 120,
+    select_subset: int | None = 10_000,
+    select_val: int = 2_000,
+    data_root: str | None = None,
+    select_epochs: int = 2,
+    with_ablations: bool | None = None,
+    methods: Sequence[str] | None = None,
+) -> list[dict]:
+    """Run lists (only the runs of ``methods``, when given: a suite run in parts).
+
+    * ``claim_select``: every method of :data:`CLAIM_METHODS` × {ill, well} ×
+      :data:`LR_GRID`, each ``select_epochs`` epochs at a constant step on the training
+      set minus ``select_val`` held-out images (on ``select_subset`` of the rest if
+      given), scored on the held-out images; results under
+      ``results/cifar/claim/selection/lr<lr>/``.
+    * ``claim``: the claim suite, ``epochs`` epochs with the ``claim`` schedule and the
+      step sizes of ``claim_select``, in priority order: seed 0 of every method of
+      :data:`CLAIM_METHODS` in both conditionings, seed 1 of :data:`CLAIM_TWO_SEEDS`,
+      then :data:`CLAIM_ABLATIONS` (seed 0, both conditionings) when ``with_ablations``
+      (default: when the preconditioner supports them).
+    * ``select`` and ``main``: the plans of the earlier 6-epoch study. ``select``: every
+      method of :data:`~kwng.experiments.cifar.methods.SELECT_METHODS` ×
+      {ill, well} × :data:`LR_GRID` for
+      ``select_steps`` steps on ``select_subset`` training images, evaluated on
+      ``select_val`` held-out training images. ``main``: seed 0 of sgd/adam/kwng in both
+      conditionings, seeds 1–2 of those, seed 0 of the other methods in both
+      conditionings, the ablations (ill only).
+    * ``authors100``: the authors'-horizon study (:data:`AUTHORS100_RUNS` of tiers 1–3,
+      every run with its own epochs and step size; ``epochs`` is not used; the plan
+      ``authors100_all`` adds tier 4), results under
+      ``results/cifar/authors100/lr<lr>/``.
+    * a path to a JSON list of run settings.
+    """
+    if methods is not None:
+        unknown = sorted(set(methods) - set(METHODS))
+        if unknown:
+            raise ValueError(
+                f"methods must be names from {sorted(METHODS)}, got {unknown}"
+            )
+        jobs = build_plan(
+            name,
+            dataset,
+            epochs,
+            select_steps,
+            select_subset,
+            select_val,
+            data_root,
+            select_epochs,
+            with_ablations,
+        )
+        return [j for j in jobs if j["method"] in set(methods)]
+    return _named_plan(
+        name,
+        {"dataset": dataset, "data_root": data_root},
+        epochs,
+        select_steps,
+        select_subset,
+        select_val,
+        select_epochs,
+        with_ablations,
+    )
+
+
+def _named_plan(
+    name,
+    common,
+    epochs,
+    select_steps,
+    select_subset,
+    select_val,
+    select_epochs,
+    with_ablations,
+) -> list[dict]:
+    if name == "claim_select":
+        return _grid(
+            CLAIM_METHODS,
+            common,
+            CLAIM_SELECTION,
+            epochs=select_epochs,
+            schedule="constant",
+            train_subset=select_subset,
+            val_size=select_val,
+        )
+    if name == "claim":
+        return _claim_plan(common, epochs, with_ablations)
+    if name == "select":
+        jobs = _grid(
+            SELECT_METHODS,
+            common,
+            SELECTION,
+            epochs=100,
+            max_steps=select_steps,
+            train_subset=select_subset,
+            val_size=select_val,
+            schedule="study6",
+        )
+        # expensive methods first so that they do not form the tail
+        order = {"ekfac": 0, "kfac": 1, "kwng": 2, "kwng_momentum": 3}
+        return sorted(jobs, key=lambda j: order.get(j["method"], 9))
+    if name == "main":
+        return _main_plan(common, epochs)
+    if name in ("authors100", "authors100_all"):
+        return authors100_plan(
+            common, (1, 2, 3, 4) if name.endswith("all") else (1, 2, 3)
+        )
+    path = Path(name)
+    if path.is_file():
+        return list(read_json(path))
+    raise ValueError(
+        "plan must be 'claim_select', 'claim', 'select', 'main', "
+        f"'authors100' or a JSON file of run settings, got {name!r}"
+    )

@@ -1,0 +1,244 @@
+"""The step protocol of the CIFAR study: every method takes its step through
+:class:`MethodStep` (``step(loss, outputs, hidden=..., batch=...)``), one adapter per
+family (a plain ``torch.optim`` step, KFAC/EKFAC, KWNG), built once by
+:func:`make_step`;
+the training loop and ``cifar timing`` call it and nothing else."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kwng.experiments.cifar.methods import (
+    CLIP_NORM,
+    EPS_AUTHORS,
+    EPS_BOUNDS_AUTHORS,
+    RunConfig,
+    authors_eps,
+)
+
+
+def lm_same_batch_available() -> bool:
+    """Whether :class:`kwng.engine.precond.KWNGPreconditioner` accepts ``lm_rule`` (the
+    same-batch Levenberg–Marquardt variant of ``kwng_lm_same_batch``): a field of
+    :class:`kwng.engine.config.KWNGConfig`, which the preconditioner's keyword
+    arguments fill."""
+    from kwng.engine.config import KWNGConfig
+
+    return "lm_rule" in {f.name for f in dataclasses.fields(KWNGConfig)}
+
+
+def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
+    from kwng.engine.precond import KWNGPreconditioner
+    from kwng.experiments.cifar.nets import ConditionedNetwork
+
+    spec = cfg.spec
+    kw: dict[str, Any] = {"eps": 1e-5}
+    if spec.get("eps_convention", "ours") == "authors":
+        n = cfg.batch
+        kw.update(
+            eps=authors_eps(EPS_AUTHORS, n),
+            eps_min=authors_eps(EPS_BOUNDS_AUTHORS[0], n),
+            eps_max=authors_eps(EPS_BOUNDS_AUTHORS[1], n),
+        )
+    if "lm_rule" in spec:
+        if not lm_same_batch_available():
+            raise ValueError(
+                f"method {cfg['method']!r} needs KWNGPreconditioner("
+                "lm_rule=...), which this version of kwng.engine.precond does "
+                "not accept"
+            )
+        kw["lm_rule"] = spec["lm_rule"]
+    # the fast path replicates the forward of the module the loop calls through
+    # __call__: the body h (ConditionedNetwork.forward_both calls it; U·h is then pulled
+    # back to it, U has no parameters)
+    net = model.body if isinstance(model, ConditionedNetwork) else model
+    return KWNGPreconditioner(
+        net,
+        optimizer=optimizer,
+        num_basis=spec["num_basis"],
+        lam=0.0,
+        kernel=spec["kernel"],
+        bandwidth="mean_sq",
+        sigma0=1.0,
+        damping=spec["damping"],
+        lm_interval=5,
+        lm_omega=0.85,
+        lm_low=0.25,
+        lm_high=0.75,
+        adapt_eps=True,
+        clip_norm=CLIP_NORM,
+        mode="fast",
+        diagonal_only=spec["diagonal_only"],
+        **kw,
+    )
+
+
+# ------------------------------------------------------------------- the step protocol
+class MethodStep:
+    """One training step's update for a method, given the loss of the mini-batch.
+
+    ``step(loss, outputs, hidden=h, batch=(z, y))`` computes the direction (clipped to
+    :data:`CLIP_NORM`), calls ``optimizer.step()`` and returns the step's diagnostics.
+    ``outputs`` are the network's outputs ``U h``, ``hidden`` the body's outputs ``h``,
+    ``batch`` the mini-batch. This base class is the plain ``torch.optim`` step (SGD,
+    SGD with momentum, Adam).
+    """
+
+    precond = None
+    #: whether the step can be recorded in a CUDA graph
+    #: (:class:`~kwng.experiments.cifar.capture.StepRunner`)
+    capturable = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(optimizer={type(self.optimizer).__name__})"
+
+    def direction(
+        self,
+        loss: torch.Tensor,
+        outputs: torch.Tensor,
+        hidden: torch.Tensor | None,
+        batch: tuple | None,
+    ) -> dict:
+        from kwng.experiments.cifar.baselines import clip_grad_norm
+
+        loss.backward()
+        clip_grad_norm(self.model.parameters(), CLIP_NORM)
+        return {}
+
+    def step(
+        self,
+        loss: torch.Tensor,
+        outputs: torch.Tensor,
+        *,
+        hidden: torch.Tensor | None = None,
+        batch: tuple | None = None,
+    ) -> dict:
+        info = self.direction(loss, outputs, hidden, batch)
+        self.optimizer.step()
+        return info
+
+    def track(self, info: dict, stats) -> None:
+        """Accumulate the step's diagnostics ``info`` for the epoch's record."""
+
+    def epoch_fields(self, rows: list[dict]) -> dict:
+        """Fields added to the epoch's row (``rows``: the rows recorded so far)."""
+        return {}
+
+
+class KFACStep(MethodStep):
+    """KFAC or EKFAC (:class:`kwng.experiments.cifar.baselines.KFACPreconditioner`):
+    needs ``batch``.
+    Not capturable (:data:`kwng.experiments.cifar.capture.NOT_CAPTURABLE` says why)."""
+
+    capturable = False
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, precond
+    ) -> None:
+        super().__init__(model, optimizer)
+        self.precond, self._fallbacks = precond, 0
+
+    def direction(self, loss, outputs, hidden, batch) -> dict:
+        if batch is None:
+            raise ValueError("batch must be the mini-batch (z, y) for KFAC/EKFAC")
+        return self.precond.step(loss, outputs, inputs=batch[0])
+
+    def track(self, info: dict, stats) -> None:
+        self._fallbacks += info["fallback"]
+
+    def epoch_fields(self, rows: list[dict]) -> dict:
+        prev = rows[-1]["fallbacks"] if rows else 0
+        out, self._fallbacks = {"fallbacks": prev + int(self._fallbacks)}, 0
+        return out
+
+
+class KWNGStep(MethodStep):
+    """KWNG (:class:`kwng.engine.precond.KWNGPreconditioner`) on the samples ``U h``
+    (``samples="scaled"``) or ``h`` (``"logits"``). With ``lm_rule == "same_batch"`` the
+    loss of the same mini-batch after the step (no grad, BatchNorm running statistics
+    restored) goes to the preconditioner: this needs ``batch``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precond,
+        samples: str = "scaled",
+    ) -> None:
+        if samples not in ("scaled", "logits"):
+            raise ValueError(f"samples must be 'scaled' or 'logits', got {samples!r}")
+        super().__init__(model, optimizer)
+        self.precond, self.samples = precond, samples
+
+    def direction(self, loss, outputs, hidden, batch) -> dict:
+        if self.samples == "logits" and hidden is None:
+            raise ValueError("hidden must be the body's outputs h for samples='logits'")
+        return self.precond.step(loss, outputs if self.samples == "scaled" else hidden)
+
+    def step(self, loss, outputs, *, hidden=None, batch=None) -> dict:
+        info = super().step(loss, outputs, hidden=hidden, batch=batch)
+        if getattr(self.precond, "lm_rule", "authors") == "same_batch":
+            from kwng.experiments.cifar.baselines import bn_state, restore_bn_state
+
+            if batch is None:
+                raise ValueError(
+                    "batch must be the mini-batch (z, y) for lm_rule 'same_batch'"
+                )
+            saved = bn_state(self.model)
+            with torch.no_grad():
+                loss_after = F.cross_entropy(self.model(batch[0]), batch[1])
+            restore_bn_state(self.model, saved)
+            self.precond.observe_loss_after_step(loss_after)
+        return info
+
+    def track(self, info: dict, stats) -> None:
+        stats.add_info(info)
+
+    def epoch_fields(self, rows: list[dict]) -> dict:
+        c = self.precond.counters()
+        return {
+            "eps": self.precond.eps,
+            "fallbacks": c["fallbacks"],
+            "clipped": c["clipped"],
+            "ill_conditioned": c["ill_conditioned"],
+            "damping_floored": c["damping_floored"],
+        }
+
+
+def make_step(
+    cfg: RunConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> MethodStep:
+    """The :class:`MethodStep` of ``cfg``'s method (the one place that dispatches on the
+    method's family)."""
+    kind = cfg.spec.get("precond")
+    if kind is None:
+        return MethodStep(model, optimizer)
+    if kind in ("kfac", "ekfac"):
+        from kwng.experiments.cifar.baselines import KFACPreconditioner
+
+        # U is inside the model (ConditionedNetwork): the Fisher's predictive logits are
+        # the outputs
+        pc = KFACPreconditioner(
+            model,
+            kind=kind,
+            damping=1e-3,
+            update_freq=100,
+            diag_freq=1,
+            output_fn=None,
+            clip_norm=CLIP_NORM,
+            device=device,
+        )
+        return KFACStep(model, optimizer, pc)
+    pc = _kwng_preconditioner(cfg, model, optimizer)
+    return KWNGStep(model, optimizer, pc, cfg.spec["estimator_input"])
