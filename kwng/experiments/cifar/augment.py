@@ -1,7 +1,6 @@
 """Augmentation of CIFAR image batches (:mod:`kwng.experiments.cifar.data`, which re-exports every name):
 normalisation, and the random crop with padding and horizontal flip used by
-:class:`kwng.experiments.cifar.data.GPUAugmentedData`. Moved out of
-:mod:`kwng.experiments.cifar.data` to keep each module
+:class:`kwng.experiments.cifar.data.GPUAugmentedData`. Moved out of :mod:`kwng.experiments.cifar.data` to keep each module
 short.
 """
 
@@ -10,8 +9,7 @@ from __future__ import annotations
 import torch
 
 
-# -------------------------------------------------------------------------------------
-# augmentation
+# ------------------------------------------------------------------------------------- augmentation
 def normalize(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """``uint8 (B, 3, H, W)`` → float, ``(x / 255 - mean) / std`` per channel."""
     return (x.float().div_(255.0) - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
@@ -46,10 +44,8 @@ def apply_augmentation(x: torch.Tensor, ox: torch.Tensor, oy: torch.Tensor,
 def augment_batch(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
     """Random crop of the ``pad``-zero-padded images and random horizontal flip, all on ``x.device``.
 
-    ``x`` is ``(B, C, H, W)`` (any dtype). The draws (crop offsets in ``[0, 2 pad]``,
-    flips) come from
-    the CPU ``generator`` (:func:`draw_augmentation`), so they do not depend on the
-    device and are
+    ``x`` is ``(B, C, H, W)`` (any dtype). The draws (crop offsets in ``[0, 2 pad]``, flips) come from
+    the CPU ``generator`` (:func:`draw_augmentation`), so they do not depend on the device and are
     reproducible after a resume.
     """
     ox, oy, flip = draw_augmentation(x.shape[0], generator, pad)

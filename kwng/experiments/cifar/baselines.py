@@ -1,38 +1,23 @@
 """KFAC and EKFAC preconditioners for the CIFAR study, as thin wrappers around nngeometry 0.4.
 
-The paper compares KWNG with KFAC (Martens & Grosse 2015; Grosse & Martens 2016) and
-EKFAC (George et
-al. 2018) with "a damping coefficient of 1e-3 and a frequency of reparametrization of
-100 updates"
-(App. D.2). nngeometry (by EKFAC's first author) represents the Monte-Carlo Fisher of a
-classifier in both
-forms (``PMatKFAC``, ``PMatEKFAC``) but has no optimizer; :class:`KFACPreconditioner`
-supplies the loop:
+The paper compares KWNG with KFAC (Martens & Grosse 2015; Grosse & Martens 2016) and EKFAC (George et
+al. 2018) with "a damping coefficient of 1e-3 and a frequency of reparametrization of 100 updates"
+(App. D.2). nngeometry (by EKFAC's first author) represents the Monte-Carlo Fisher of a classifier in both
+forms (``PMatKFAC``, ``PMatEKFAC``) but has no optimizer; :class:`KFACPreconditioner` supplies the loop:
 
-* the Fisher is that of the model's predictive distribution ``softmax(U h_θ(z))``:
-nngeometry's
-  ``FIM_MonteCarlo`` with ``variant="classif_logits"`` and one sampled label per input,
-  evaluated on the
+* the Fisher is that of the model's predictive distribution ``softmax(U h_θ(z))``: nngeometry's
+  ``FIM_MonteCarlo`` with ``variant="classif_logits"`` and one sampled label per input, evaluated on the
   current mini-batch, with the output transform ``U`` (``output_fn``) included;
-* only ``Conv2d`` and ``Linear`` layers are preconditioned; BatchNorm parameters keep
-the plain gradient;
-* the Kronecker factors (KFAC) or the Kronecker-factored eigenbasis (EKFAC) are
-recomputed every
-  ``update_freq`` (100) updates; EKFAC's diagonal scalings are re-estimated every
-  ``diag_freq`` (1) step;
-* the extra forward/backward passes run in training mode (batch statistics, as in the
-step itself) and
-  the BatchNorm running statistics are restored afterwards, so evaluation sees only the
-  training passes.
+* only ``Conv2d`` and ``Linear`` layers are preconditioned; BatchNorm parameters keep the plain gradient;
+* the Kronecker factors (KFAC) or the Kronecker-factored eigenbasis (EKFAC) are recomputed every
+  ``update_freq`` (100) updates; EKFAC's diagonal scalings are re-estimated every ``diag_freq`` (1) step;
+* the extra forward/backward passes run in training mode (batch statistics, as in the step itself) and
+  the BatchNorm running statistics are restored afterwards, so evaluation sees only the training passes.
 
-**Damping convention (``damping`` = 1e-3).** KFAC: nngeometry's
-``PMatKFAC.inverse(regul=damping)``,
-i.e. the factored Tikhonov damping of Martens & Grosse (2015, §6.3): ``A + π √damping
-I`` and
-``G + √damping / π I`` with ``π² = (tr A / dim A) / (tr G / dim G)``. EKFAC: ``(s +
-damping)^{-1}`` on
-the re-estimated eigenvalues ``s`` (``PMatEKFAC.solvePVec(regul=damping)``), as in
-George et al. (2018).
+**Damping convention (``damping`` = 1e-3).** KFAC: nngeometry's ``PMatKFAC.inverse(regul=damping)``,
+i.e. the factored Tikhonov damping of Martens & Grosse (2015, §6.3): ``A + π √damping I`` and
+``G + √damping / π I`` with ``π² = (tr A / dim A) / (tr G / dim G)``. EKFAC: ``(s + damping)^{-1}`` on
+the re-estimated eigenvalues ``s`` (``PMatEKFAC.solvePVec(regul=damping)``), as in George et al. (2018).
 The two are not the same damping; the step size is selected per method anyway.
 
 Usage, in the same loop shape as :class:`kwng.engine.precond.KWNGPreconditioner`::
@@ -60,8 +45,7 @@ log = logging.getLogger(__name__)
 
 def clip_grad_norm(params, clip_norm: float | None) -> torch.Tensor:
     """Scale the ``.grad`` of ``params`` so that their joint norm is at most ``clip_norm``; return the norm
-    before clipping as a 0-dim tensor (no host sync). ``clip_norm=None``: no clipping.
-    The same rule for
+    before clipping as a 0-dim tensor (no host sync). ``clip_norm=None``: no clipping. The same rule for
     every method of the study (KWNG clips its own direction in the same way)."""
     params = [p for p in params if p.grad is not None]
     if not params:
@@ -101,14 +85,10 @@ def _nngeometry():
 class KFACPreconditioner:
     """KFAC (``kind="kfac"``) or EKFAC (``kind="ekfac"``) natural-gradient preconditioning of ``p.grad``.
 
-    Parameters: ``model``; ``kind``; ``damping`` (> 0, see the module docstring for its
-    convention);
-    ``update_freq`` (≥ 1, steps between factor / eigenbasis refreshes); ``diag_freq`` (≥
-    1, EKFAC: steps
-    between re-estimates of the scalings); ``output_fn`` (maps the network's logits to
-    the logits of the
-    predictive distribution, e.g. the fixed ``U``; identity when ``None``);
-    ``clip_norm`` (the joint norm
+    Parameters: ``model``; ``kind``; ``damping`` (> 0, see the module docstring for its convention);
+    ``update_freq`` (≥ 1, steps between factor / eigenbasis refreshes); ``diag_freq`` (≥ 1, EKFAC: steps
+    between re-estimates of the scalings); ``output_fn`` (maps the network's logits to the logits of the
+    predictive distribution, e.g. the fixed ``U``; identity when ``None``); ``clip_norm`` (the joint norm
     bound applied to the final update, ``None`` for none); ``device``.
     """
 
@@ -141,8 +121,7 @@ class KFACPreconditioner:
         return (f"KFACPreconditioner(kind={self.kind!r}, damping={self.damping}, update_freq={self.update_freq}, "
                 f"diag_freq={self.diag_freq}, clip_norm={self.clip_norm}, layers={len(self.modules)})")
 
-    # -------------------------------------------------------------------------------------
-    # internals
+    # ------------------------------------------------------------------------------------- internals
     def _function(self, z: torch.Tensor) -> torch.Tensor:
         out = self.model(z)
         return self.output_fn(out) if self.output_fn is not None else out
@@ -172,15 +151,12 @@ class KFACPreconditioner:
             d[name] = (mod.weight.grad,) if mod.bias is None else (mod.weight.grad, mod.bias.grad)
         return PVector(self.layer_collection, dict_repr=d)
 
-    # ------------------------------------------------------------------------------------------
-    # step
+    # ------------------------------------------------------------------------------------------ step
     def step(self, loss: torch.Tensor, outputs: torch.Tensor | None = None, inputs: torch.Tensor | None = None) -> dict:
         """Backward ``loss``, replace the Conv/Linear gradients by the (E)KFAC direction, clip all gradients.
 
-        ``inputs`` (the mini-batch ``z``) is needed for the extra Fisher passes. Returns
-        a dict with
-        ``grad_norm`` (before clipping), ``refreshed`` and ``fallback`` (1 when the
-        direction was
+        ``inputs`` (the mini-batch ``z``) is needed for the extra Fisher passes. Returns a dict with
+        ``grad_norm`` (before clipping), ``refreshed`` and ``fallback`` (1 when the direction was
         non-finite and the plain gradient was used instead; logged).
         """
         if inputs is None:
@@ -221,8 +197,7 @@ class KFACPreconditioner:
         self.steps += 1
         return info
 
-    # ---------------------------------------------------------------------------------------
-    # state
+    # --------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """Step counter and current factors (enough for an exact resume)."""
         state: dict = {"steps": self.steps, "kind": self.kind}

@@ -15,8 +15,7 @@ The life of one batch shape, at one step size:
    buffers the graph will read (optimizer state, cuDNN's algorithm choices and the
    fast path's buffers come into existence);
 2. the next step is recorded (:func:`kwng.engine.capture.record_graph`) and then
-replayed:
-   recording runs nothing, so the replay is that step;
+   replayed: recording runs nothing, so the replay is that step;
 3. every later step copies its batch into the static buffers and replays.
 
 A step size is a Python number the recorded kernels hold as a constant (``torch.optim``

@@ -1,32 +1,20 @@
 """CIFAR-10 / CIFAR-100 data for the classification study (paper §4.2, App. D.2).
 
-Three sources, all returning ``uint8`` images of shape ``(N, 32, 32, 3)`` and ``int64``
-labels:
+Three sources, all returning ``uint8`` images of shape ``(N, 32, 32, 3)`` and ``int64`` labels:
 
-* the **official python-format archives** (``cifar-10-batches-py/data_batch_{1..5},
-test_batch``,
-  ``cifar-100-python/{train,test,meta}``), read with :func:`read_official_cifar` and,
-  where the user
+* the **official python-format archives** (``cifar-10-batches-py/data_batch_{1..5}, test_batch``,
+  ``cifar-100-python/{train,test,meta}``), read with :func:`read_official_cifar` and, where the user
   has internet and torchvision, downloaded by :func:`download_official`;
-* the **offline JPEG copy** of CIFAR-10 (``cifar10_jpeg.npz``: the original JPEG bytes
-of every image,
-  quality 75), decoded once with Pillow by :func:`load_jpeg_npz` and cached as ``.npy``
-  arrays keyed
-  by the npz's content hash (:func:`file_fingerprint`), so a replaced npz is decoded
-  again;
-* the **committed sample** (``kwng/experiments/cifar/data_sample/cifar10_sample.npz``:
-500 train + 200 test images taken
-  from the offline copy), read by :func:`load_sample`, for tests and the book's live
-  run.
+* the **offline JPEG copy** of CIFAR-10 (``cifar10_jpeg.npz``: the original JPEG bytes of every image,
+  quality 75), decoded once with Pillow by :func:`load_jpeg_npz` and cached as ``.npy`` arrays keyed
+  by the npz's content hash (:func:`file_fingerprint`), so a replaced npz is decoded again;
+* the **committed sample** (``kwng/experiments/cifar/data_sample/cifar10_sample.npz``: 500 train + 200 test images taken
+  from the offline copy), read by :func:`load_sample`, for tests and the book's live run.
 
-:func:`load_cifar` picks a source. :class:`GPUAugmentedData` keeps a whole training set
-on the compute
-device as ``uint8`` and does the paper's augmentation there (random crop of the 4-pixel
-zero-padded
-image, horizontal flip, per-channel normalisation), so that producing a batch costs a
-few kernel
-launches; its batch order and augmentation draws come from a seeded CPU
-:class:`torch.Generator`
+:func:`load_cifar` picks a source. :class:`GPUAugmentedData` keeps a whole training set on the compute
+device as ``uint8`` and does the paper's augmentation there (random crop of the 4-pixel zero-padded
+image, horizontal flip, per-channel normalisation), so that producing a batch costs a few kernel
+launches; its batch order and augmentation draws come from a seeded CPU :class:`torch.Generator`
 whose state is checkpointed for exact resume.
 """
 
@@ -60,8 +48,7 @@ log = logging.getLogger(__name__)
 
 DATASETS = ("cifar10", "cifar100")
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
-# Per-channel statistics of the official training sets on the [0, 1] scale (the usual
-# constants).
+# Per-channel statistics of the official training sets on the [0, 1] scale (the usual constants).
 CIFAR_MEAN = {"cifar10": (0.4914, 0.4822, 0.4465), "cifar100": (0.5071, 0.4865, 0.4409)}
 CIFAR_STD = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0.2762)}
 SAMPLE_PATH = Path(__file__).resolve().parent / "data_sample" / "cifar10_sample.npz"
@@ -71,8 +58,7 @@ _OFFICIAL_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python
 _JPEG_NAME = {"cifar10": "cifar10_jpeg.npz", "cifar100": "cifar100_jpeg.npz"}
 
 
-# -----------------------------------------------------------------------------------
-# official format
+# ----------------------------------------------------------------------------------- official format
 def _unpickle(path: Path) -> dict:
     try:
         with open(path, "rb") as fh:
@@ -91,10 +77,8 @@ def _get(d: dict, key: str):
 def read_official_cifar(directory: str | os.PathLike, dataset: str, split: str) -> tuple[np.ndarray, np.ndarray]:
     """Read one split of an official python-format archive.
 
-    ``directory`` is the extracted folder (``cifar-10-batches-py`` or
-    ``cifar-100-python``) or its parent.
-    CIFAR-100 uses the fine labels. Returns ``(x, y)``: ``uint8 (N, 32, 32, 3)`` and
-    ``int64 (N,)``.
+    ``directory`` is the extracted folder (``cifar-10-batches-py`` or ``cifar-100-python``) or its parent.
+    CIFAR-100 uses the fine labels. Returns ``(x, y)``: ``uint8 (N, 32, 32, 3)`` and ``int64 (N,)``.
     """
     check_choice(dataset, "dataset", DATASETS)
     check_choice(split, "split", ("train", "test"))
@@ -125,10 +109,8 @@ def write_official_cifar(directory: str | os.PathLike, dataset: str, x_train: np
                          x_test: np.ndarray, y_test: np.ndarray) -> Path:
     """Write arrays in the official python pickle layout (used by the tests to build tiny archives).
 
-    Mirrors the official files: ``bytes`` keys, ``data`` as ``uint8 (N, 3072)`` in
-    channel-major order,
-    CIFAR-10 training data split over five ``data_batch_k`` files, CIFAR-100 with
-    ``fine_labels``,
+    Mirrors the official files: ``bytes`` keys, ``data`` as ``uint8 (N, 3072)`` in channel-major order,
+    CIFAR-10 training data split over five ``data_batch_k`` files, CIFAR-100 with ``fine_labels``,
     ``coarse_labels`` and a ``meta`` file. Returns the archive folder.
     """
     check_choice(dataset, "dataset", DATASETS)
@@ -162,8 +144,7 @@ def write_official_cifar(directory: str | os.PathLike, dataset: str, x_train: np
 def download_official(root: str | os.PathLike, dataset: str) -> Path:
     """Download (and extract) the official archive through torchvision into ``root``.
 
-    Needs torchvision and internet access; raises ``RuntimeError`` otherwise (never
-    silently skipped).
+    Needs torchvision and internet access; raises ``RuntimeError`` otherwise (never silently skipped).
     """
     check_choice(dataset, "dataset", DATASETS)
     try:
@@ -177,12 +158,10 @@ def download_official(root: str | os.PathLike, dataset: str) -> Path:
     return root / _OFFICIAL_DIR[dataset]
 
 
-# ------------------------------------------------------------------------------------------
-# identity
+# ------------------------------------------------------------------------------------------ identity
 def file_fingerprint(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     """BLAKE2b-128 of the content of ``path`` (and its size): equal for equal files wherever they lie.
-    Remembered per process for an unchanged file (same path, inode, size and change
-    times): a
+    Remembered per process for an unchanged file (same path, inode, size and change times): a
     sweep checks the data of every run it would skip."""
     path = Path(path)
     st = path.stat()
@@ -218,8 +197,7 @@ def source_fingerprint(dataset: str, data_root: str | os.PathLike | None = None,
     return f"official:{h.hexdigest()}"
 
 
-# ------------------------------------------------------------------------------------------
-# JPEG npz
+# ------------------------------------------------------------------------------------------ JPEG npz
 def _write_decode_cache(x: np.ndarray, key: dict, path: Path, split: str, candidates: list[Path]) -> None:
     """Store the decoded images and their key in the first writable folder of ``candidates``
     (see :func:`load_jpeg_npz`)."""
@@ -243,16 +221,11 @@ def load_jpeg_npz(path: str | os.PathLike, split: str, cache_dir: str | os.PathL
                   official_order: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Decode one split of a JPEG npz (``{split}_jpeg``, ``{split}_offsets``, ``y_{split}``).
 
-    The decoded ``uint8`` array is cached as ``<stem>_<split>_x.npy`` in ``cache_dir``
-    (default: next to
-    the npz, or ``~/.cache/kwng`` if that folder is read-only) so that the decode (a few
-    seconds) happens
-    once. The cache is used only if its key file ``<stem>_<split>_x.key.json`` holds the
-    npz's current
-    :func:`file_fingerprint`; otherwise (npz replaced, key missing, shape wrong) it is
-    rebuilt.
-    With ``official_order`` and a ``train_official_perm`` key, training rows are put in
-    the order of the
+    The decoded ``uint8`` array is cached as ``<stem>_<split>_x.npy`` in ``cache_dir`` (default: next to
+    the npz, or ``~/.cache/kwng`` if that folder is read-only) so that the decode (a few seconds) happens
+    once. The cache is used only if its key file ``<stem>_<split>_x.key.json`` holds the npz's current
+    :func:`file_fingerprint`; otherwise (npz replaced, key missing, shape wrong) it is rebuilt.
+    With ``official_order`` and a ``train_official_perm`` key, training rows are put in the order of the
     official ``data_batch`` files.
     """
     check_choice(split, "split", ("train", "test"))
@@ -300,8 +273,7 @@ def load_sample(split: str, path: str | os.PathLike | None = None) -> tuple[np.n
     return _decode_jpegs(z[f"{split}_jpeg"], off, path), y
 
 
-# ------------------------------------------------------------------------------------------
-# dispatch
+# ------------------------------------------------------------------------------------------ dispatch
 def _default_roots() -> list[Path]:
     repo = Path(__file__).resolve().parent.parent
     roots = [repo / ".data", repo.parent / "shared" / "data", Path.home() / ".cache" / "kwng"]
@@ -313,10 +285,8 @@ def _default_roots() -> list[Path]:
 def find_source(dataset: str, data_root: str | os.PathLike | None = None) -> tuple[str, Path]:
     """Locate data for ``dataset``: ``("official", folder)`` or ``("jpeg", npz path)``.
 
-    An explicit ``data_root`` (a folder or an npz file) is the only place searched: if
-    it does not
-    exist or holds no data for ``dataset`` that is an error, never a silent fall-back to
-    other
+    An explicit ``data_root`` (a folder or an npz file) is the only place searched: if it does not
+    exist or holds no data for ``dataset`` that is an error, never a silent fall-back to other
     folders. Without it: ``$KWNG_DATA``, ``<repo>/.data``, ``<repo>/../shared/data`` and
     ``~/.cache/kwng``. Official archives are preferred to the JPEG copy.
     Raises ``FileNotFoundError`` listing the places searched.
@@ -342,10 +312,8 @@ def load_cifar(dataset: str, split: str, data_root: str | os.PathLike | None = N
                download: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Load ``(x, y)`` for ``dataset`` in {cifar10, cifar100} and ``split`` in {train, test}.
 
-    ``source``: ``"auto"`` (:func:`find_source`, downloading through torchvision into
-    ``data_root`` if
-    nothing is found and ``download``), ``"official"``, ``"jpeg"`` or ``"sample"``
-    (CIFAR-10 only).
+    ``source``: ``"auto"`` (:func:`find_source`, downloading through torchvision into ``data_root`` if
+    nothing is found and ``download``), ``"official"``, ``"jpeg"`` or ``"sample"`` (CIFAR-10 only).
     """
     check_choice(dataset, "dataset", DATASETS)
     check_choice(split, "split", ("train", "test"))
@@ -372,10 +340,8 @@ def load_cifar(dataset: str, split: str, data_root: str | os.PathLike | None = N
 class GPUAugmentedData:
     """A labelled image set held on ``device`` as ``uint8 (N, 3, 32, 32)``, with on-device augmentation.
 
-    ``x`` is ``uint8 (N, 32, 32, 3)`` (numpy or tensor), ``y`` integer labels.
-    :meth:`batches` yields
-    normalised float batches (augmented when ``augment``) in an order drawn from the CPU
-    ``generator``;
+    ``x`` is ``uint8 (N, 32, 32, 3)`` (numpy or tensor), ``y`` integer labels. :meth:`batches` yields
+    normalised float batches (augmented when ``augment``) in an order drawn from the CPU ``generator``;
     :meth:`eval_batches` yields the data in order without augmentation.
     """
 
@@ -404,10 +370,8 @@ class GPUAugmentedData:
                 drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One epoch of ``(z, y)`` batches: a fresh permutation, then per-batch crop/flip/normalise.
 
-        Every draw of the epoch (the permutation, then each batch's crop offsets and
-        flips, in that
-        order) is made on the CPU ``generator`` before the first batch and copied to the
-        device once:
+        Every draw of the epoch (the permutation, then each batch's crop offsets and flips, in that
+        order) is made on the CPU ``generator`` before the first batch and copied to the device once:
         the batches then cost no host-to-device copy (which would wait for the device)."""
         check_int(batch_size, "batch_size", 1)
         n = len(self)

@@ -1,22 +1,15 @@
 """Networks of the CIFAR study (paper App. D.2, Table 1) and small models for tests and the book.
 
-* :func:`resnet18` — one 3×3 convolution (64 channels), 8 residual blocks (two per width
-64, 128,
-  256, 512; each block two 3×3 convolutions with batch normalisation and ReLU; stride 2
-  at the
-  first block of widths 128/256/512), global average pooling and a linear layer. Its
-  output is
+* :func:`resnet18` — one 3×3 convolution (64 channels), 8 residual blocks (two per width 64, 128,
+  256, 512; each block two 3×3 convolutions with batch normalisation and ReLU; stride 2 at the
+  first block of widths 128/256/512), global average pooling and a linear layer. Its output is
   the logits ``x = h_θ(z)``: the samples of the implicit model.
 * :class:`DiagonalConditioning` — the fixed diagonal ``U`` of the ill-conditioned study;
   log-spaced diagonal from ``1e-6`` to ``10`` (condition number ``1e7``) by default.
-* :class:`ConditionedNetwork` — ``z ↦ U h_θ(z)``: ``U`` inside the network, as in the
-authors' code,
-  so that the network's outputs (the samples of the implicit model) are ``U h_θ(z)``;
-  the loss is
-  ``CE(U h_θ(z), y)`` either way. :meth:`ConditionedNetwork.forward_both` also returns
-  ``h_θ(z)``.
-* :func:`last_linear` — the last ``nn.Linear`` of a network (the layer that ``U``
-reparametrises).
+* :class:`ConditionedNetwork` — ``z ↦ U h_θ(z)``: ``U`` inside the network, as in the authors' code,
+  so that the network's outputs (the samples of the implicit model) are ``U h_θ(z)``; the loss is
+  ``CE(U h_θ(z), y)`` either way. :meth:`ConditionedNetwork.forward_both` also returns ``h_θ(z)``.
+* :func:`last_linear` — the last ``nn.Linear`` of a network (the layer that ``U`` reparametrises).
 * :func:`tiny_cnn`, :func:`mlp` — small models for tests and CPU examples.
 """
 
@@ -82,12 +75,9 @@ def resnet18(num_classes: int = 10) -> ResNet18:
 class DiagonalConditioning(nn.Module):
     """Multiply logits by a fixed diagonal ``U`` (a buffer, never trained).
 
-    ``condition`` is the ratio ``max U / min U``; ``U`` is log-spaced from ``top /
-    condition`` to
-    ``top`` (``top = 10``, ``condition = 1e7``: ``1e-6 … 10`` as in the authors' setup),
-    with the
-    entries in a fixed random order (``seed``) so that no class is systematically
-    favoured.
+    ``condition`` is the ratio ``max U / min U``; ``U`` is log-spaced from ``top / condition`` to
+    ``top`` (``top = 10``, ``condition = 1e7``: ``1e-6 … 10`` as in the authors' setup), with the
+    entries in a fixed random order (``seed``) so that no class is systematically favoured.
     ``condition = 1`` gives the identity (the well-conditioned case).
     """
 
@@ -118,12 +108,9 @@ class DiagonalConditioning(nn.Module):
 class ConditionedNetwork(nn.Module):
     """``z ↦ U h_θ(z)``: a network ``body`` (``h_θ``) followed by a fixed ``conditioning`` (``U``).
 
-    With ``U`` inside the network the samples of the implicit model are ``U h_θ(z)``, as
-    in the
-    authors' code. For a diagonal ``U`` and a last layer ``h_θ(z) = W φ(z) + b``, the
-    outputs are
-    ``(U W) φ(z) + U b``: ``U`` is a reparametrisation of the last layer, and a natural
-    gradient on
+    With ``U`` inside the network the samples of the implicit model are ``U h_θ(z)``, as in the
+    authors' code. For a diagonal ``U`` and a last layer ``h_θ(z) = W φ(z) + b``, the outputs are
+    ``(U W) φ(z) + U b``: ``U`` is a reparametrisation of the last layer, and a natural gradient on
     these samples is invariant to it (Prop. 1; book chapter :ref:`experiments-cifar`).
     ``conditioning=None`` is the identity (the well-conditioned case).
     """
