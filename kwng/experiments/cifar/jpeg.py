@@ -1,8 +1,7 @@
 """Reading a CIFAR JPEG npz (:mod:`kwng.experiments.cifar.data`): the checks of its
 arrays and the decode of its images. Each error names the file and the cause: a missing
-or damaged file,
-labels outside the classes, offsets that do not match the labels, an image that is not
-a JPEG."""
+or damaged file, labels outside the classes, offsets that do not match the labels, an
+image that is not a JPEG."""
 
 from __future__ import annotations
 
