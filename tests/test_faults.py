@@ -89,7 +89,8 @@ def test_sweep_refuses_another_configuration_and_force_backs_up(tmp_path):
     assert (
         len(backups) == 1 and _snapshot(backups[0]) == before
     )  # the old results, moved whole
-    assert {r["run"] for r in synthetic_setup.load_rows(out / "sphere.csv")} == {0, 1, 2}
+    rows = synthetic_setup.load_rows(out / "sphere.csv")
+    assert {r["run"] for r in rows} == {0, 1, 2}
 
 
 def test_small_command_leaves_full_scale_results_alone(tmp_path):
@@ -434,7 +435,8 @@ def test_unreadable_files_are_named(tmp_path):
         results.load_results(tmp_path / "res", "cifar10")
     csv_path = tmp_path / "sphere.csv"
     csv_path.write_text(
-        ",".join(synthetic_setup.SWEEP_COLUMNS) + "\nsphere,N,1,100,10,1.0,zero,1.0,3,0.1\n"
+        ",".join(synthetic_setup.SWEEP_COLUMNS)
+        + "\nsphere,N,1,100,10,1.0,zero,1.0,3,0.1\n"
     )
     with pytest.raises(ValueError, match=rf"{csv_path}:2.*'run'"):
         synthetic_setup.load_rows(csv_path)

@@ -164,7 +164,8 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_basis"):
         F.kfng_gradient(sampler, theta, grad, num_basis=41, eps=1.0, kernel=k)
     with pytest.raises(ValueError, match="no density"):
-        fisher_exact.fisher_matrix(kwng.HyperSphereModel(2), torch.zeros(3, dtype=torch.float64))
+        fisher_exact.fisher_matrix(
+            kwng.HyperSphereModel(2), torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="grad"):
         fisher_exact.fisher_natural_gradient(model, theta, grad[:2])
 
@@ -252,7 +253,8 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
         assert key in prov
     before = (tmp_path / "sweep.csv").read_text()
     prov_before = (tmp_path / "fisher-sweep.provenance.json").read_text()
-    fisher_sweep.run_sweep(cfg, tmp_path, progress=False)  # resume: nothing to do, nothing changed
+    # resume: nothing to do, nothing changed
+    fisher_sweep.run_sweep(cfg, tmp_path, progress=False)
     assert (tmp_path / "sweep.csv").read_text() == before
     assert (tmp_path / "fisher-sweep.provenance.json").read_text() == prov_before
     other = dict(cfg, runs=3)
