@@ -56,14 +56,6 @@ from kwng.estimator_checks import (
     check_samples,
     report_degenerate,
 )
-from kwng.fisher_exact import (  # noqa: F401  (moved; re-exported under the old path)
-    _check_density_model,
-    fisher_matrix,
-    fisher_matrix_mc,
-    fisher_natural_gradient,
-    log_density,
-    scores,
-)
 from kwng.kernels import Kernel
 from kwng.solve import default_rcond
 
@@ -74,11 +66,6 @@ __all__ = [
     "kfng_gradient",
     "kernel_fisher_metric",
     "fisher_brute_force",
-    "log_density",
-    "scores",
-    "fisher_matrix",
-    "fisher_natural_gradient",
-    "fisher_matrix_mc",
 ]
 
 log = logging.getLogger(__name__)
@@ -130,11 +117,6 @@ def fisher_jacobian_from_scores(C: torch.Tensor, S: torch.Tensor) -> torch.Tenso
             f"and {tuple(S.shape)}"
         )
     return C @ S.to(C.dtype) / C.shape[1]
-
-
-# The bandwidth rule of the Wasserstein estimator, one home; the name is kept for
-# kwng.experiments.fisher, which imports it.
-_bandwidth_for = _with_bandwidth
 
 
 def _check_kfng_args(theta, grad, eps, lam, jacobian, kernel, score_fn) -> None:
@@ -215,10 +197,8 @@ def kfng_gradient(
     kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
     C, K, CCt, Gx = fisher_kernel_matrices(X, basis_idx, kernel)  # float64
     T = _fisher_jacobian(jacobian, sampler, score_fn, theta, X, C, Gx)
-    res = nystrom_solve(
-        T, CCt, K, grad.to(T.dtype), N,
-        eps=eps, lam=lam, damping=damping, method=method, rcond=rcond,
-    )
+    res = nystrom_solve(T, CCt, K, grad.to(T.dtype), N, eps=eps, lam=lam,
+                        damping=damping, method=method, rcond=rcond)
     res.direction = res.direction.to(grad.dtype)
     res.diagnostics.update(
         d=d, bandwidth=kernel.bandwidth, kernel=repr(kernel), basis_idx=basis_idx,

@@ -1,6 +1,6 @@
-"""Exact Fisher–Rao quantities of the small models (the references of :mod:`kwng.fisher`): log-densities, scores, the Fisher information matrix (closed form and Monte
-Carlo) and the exact Fisher natural gradient, the references the kernel estimator is
-checked against. Moved out of :mod:`kwng.fisher` to keep each module short.
+"""Exact Fisher–Rao quantities of the small models: log-densities, scores, the Fisher
+information matrix (closed form and Monte Carlo) and the exact Fisher natural gradient,
+the references the kernel estimator of :mod:`kwng.fisher` is checked against.
 """
 
 from __future__ import annotations
@@ -12,16 +12,21 @@ import torch
 from kwng._checks import check_finite, check_int, check_points
 from kwng.models import HyperSphereModel, ImplicitModel, LogNormalModel, NormalModel
 
+__all__ = ["normal_fisher_matrix", "log_density", "scores", "fisher_matrix",
+           "fisher_natural_gradient", "fisher_matrix_mc"]
+
 
 # --------------------------------------------------------------------------------------
 # Exact Fisher information and natural gradient (Def. 1), Monte Carlo Fisher from scores
 # --------------------------------------------------------------------------------------
 def normal_fisher_matrix(model: NormalModel, theta: torch.Tensor) -> torch.Tensor:
-    """Fisher information matrix (Def. 1) of ``N(μ, LLᵀ)`` in the coordinates ``θ = (μ, vech L)``
-    of :class:`~kwng.NormalModel`: ``G_F = diag(Σ⁻¹, [½ tr(Σ⁻¹ ∂_aΣ Σ⁻¹ ∂_bΣ)]_{a,b})`` with
+    """Fisher information matrix (Def. 1) of ``N(μ, LLᵀ)`` in the coordinates
+    ``θ = (μ, vech L)`` of :class:`~kwng.NormalModel`:
+    ``G_F = diag(Σ⁻¹, [½ tr(Σ⁻¹ ∂_aΣ Σ⁻¹ ∂_bΣ)]_{a,b})`` with
     ``∂_aΣ = E_a Lᵀ + L E_aᵀ``."""
     if not isinstance(model, NormalModel):
-        raise ValueError(f"model must be a kwng.NormalModel, got {type(model).__name__}")
+        raise ValueError(
+            f"model must be a kwng.NormalModel, got {type(model).__name__}")
     _, L = model.split(theta)
     L = L.detach().to(torch.float64)
     Sigma = L @ L.T

@@ -16,14 +16,18 @@ Closed forms are computed in float64 with NumPy/SciPy and returned as torch floa
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+
 import numpy as np
 import scipy.linalg
 import torch
 
 from kwng._checks import check_int, check_positive
 
-__all__ = ["ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
-           "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords"]
+__all__ = ["ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "MODELS",
+           "make_model", "model_names", "gaussian_w2_squared", "lyapunov",
+           "normal_wng_sigma_coords"]
 
 
 def _np(x) -> np.ndarray:
@@ -64,6 +68,22 @@ class ImplicitModel:
         """``θ ~ N(0, variance · I_q)``, the protocol of the paper's synthetic experiments."""
         std = check_positive(variance, "variance") ** 0.5
         return std * torch.randn(self.num_params, generator=generator, dtype=dtype)
+
+    def reference_params(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The model's reference point ``θ₀``: ``0`` here; :class:`NormalModel` overrides it."""
+        return torch.zeros(self.num_params, dtype=dtype)
+
+    def params_near_reference(self, generator: torch.Generator | None = None,
+                              variance: float = 0.1,
+                              dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """A random parameter near the reference point: ``θ = θ₀ + ξ``, ``ξ`` drawn by
+        :meth:`random_params` (``N(0, variance · I_q)``, the paper's protocol).
+
+        ``θ₀ = 0`` for the sphere and the log-normal model (the paper's draw as stated) and
+        ``θ₀ = (μ = 0, L = I)`` for the normal model (:meth:`NormalModel.reference_params`).
+        The draw of the synthetic sweeps, the Fisher study, the flows and the chapters.
+        """
+        return self.random_params(generator, variance, dtype) + self.reference_params(dtype)
 
     def sample(self, theta: torch.Tensor, Z: torch.Tensor) -> torch.Tensor:
         """``X = h_θ(Z)``, differentiable in ``theta``; shape ``(N, d)``."""
@@ -157,18 +177,15 @@ class NormalModel(ImplicitModel):
         rows, cols = torch.tril_indices(self.d, self.d)
         return torch.cat([mu.reshape(-1), L[rows, cols]])
 
-    def params_near_identity(self, generator: torch.Generator | None = None,
-                             variance: float = 0.1,
-                             dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """``θ = (μ, vech(I + E))`` with ``μ`` and ``E`` drawn as in :meth:`random_params`.
+    def reference_params(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``θ₀ = (μ = 0, vech L = vech I)``: the standard normal.
 
-        The paper's draw ``θ ~ N(0, variance · I_q)`` puts ``L`` near zero, where ``Σ = LLᵀ``
-        is close to singular and finite differences or Lyapunov solves lose accuracy; adding
-        the identity to ``L`` keeps ``Σ`` well conditioned (the recipe the chapters and tests
-        use for a "generic" normal model).
+        The paper's draw ``θ ~ N(0, variance · I_q)`` around ``0`` puts ``L`` near zero, where
+        ``Σ = LLᵀ`` is close to singular and finite differences or Lyapunov solves lose
+        accuracy; drawing around ``L = I`` (:meth:`params_near_reference`) keeps ``Σ`` well
+        conditioned.
         """
-        mu, L = self.split(self.random_params(generator, variance, dtype))
-        return self.join(mu, L + torch.eye(self.d, dtype=L.dtype))
+        return self.join(torch.zeros(self.d, dtype=dtype), torch.eye(self.d, dtype=dtype))
 
     def covariance(self, theta: torch.Tensor) -> np.ndarray:
         _, L = self.split(theta)
@@ -342,11 +359,22 @@ class HyperSphereModel(ImplicitModel):
         return float(np.sum((a[:d] - b[:d]) ** 2) + (np.exp(a[d]) - np.exp(b[d])) ** 2)
 
 
-_MODELS = {"normal": NormalModel, "lognormal": LogNormalModel, "sphere": HyperSphereModel}
+#: The registry of the models by name (the one table; the studies take their names from it).
+MODELS: Mapping[str, type[ImplicitModel]] = MappingProxyType(
+    {"normal": NormalModel, "lognormal": LogNormalModel, "sphere": HyperSphereModel})
+
+
+def model_names(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` as a tuple, in their order, each checked against :data:`MODELS`: an unknown
+    name raises ``ValueError`` with the accepted names (a study's figure order is one)."""
+    names = tuple(names)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {unknown[0]!r}")
+    return names
 
 
 def make_model(name: str, d: int) -> ImplicitModel:
-    """Build a model by name: ``"normal"``, ``"lognormal"`` or ``"sphere"``."""
-    if name not in _MODELS:
-        raise ValueError(f"model must be one of {sorted(_MODELS)}, got {name!r}")
-    return _MODELS[name](d)
+    """Build a model by name: ``"normal"``, ``"lognormal"`` or ``"sphere"`` (:data:`MODELS`)."""
+    (name,) = model_names((name,))
+    return MODELS[name](d)

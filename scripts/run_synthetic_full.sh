@@ -11,9 +11,8 @@ echo "torch/device: $python_version"
 "$PY" - <<'PYEOF'
 # one estimate at d=10, N=5000, M=707 (float64) for the record
 import time, torch, kwng
-from kwng.experiments.synthetic_setup import draw_theta
 m = kwng.NormalModel(10); g = torch.Generator().manual_seed(0)
-th = draw_theta("normal", 10, g); gr = 0.1 ** 0.5 * torch.randn(m.num_params, generator=g, dtype=torch.float64)
+th = m.params_near_reference(g); gr = 0.1 ** 0.5 * torch.randn(m.num_params, generator=g, dtype=torch.float64)
 Z = m.sample_latent(5000, g).cuda()
 for rep in range(3):
     torch.cuda.synchronize(); t = time.perf_counter()

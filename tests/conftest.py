@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import kwng
-from kwng.experiments.synthetic_setup import draw_theta
+from kwng.models import MODELS
 
-PROBLEMS = ("normal", "lognormal", "sphere")
+PROBLEMS = tuple(MODELS)  # the registry: normal, lognormal, sphere
 
 
 @dataclass
@@ -56,7 +56,7 @@ def make_problem(name: str, *, d: int = 2, N: int, num_basis: int, eps: float,
     ``0.5 · mean ‖X_n - Y_m‖²`` otherwise (as the committed sweeps)."""
     model = kwng.make_model(name, d)
     g = torch.Generator().manual_seed(seed)
-    theta = draw_theta(name, d, g)
+    theta = model.params_near_reference(g)
     grad = 0.1 ** 0.5 * torch.randn(model.num_params, generator=g, dtype=torch.float64)
     Z = model.sample_latent(N, g)
     idx, coords = kwng.draw_basis(N, d, num_basis, g)

@@ -10,14 +10,13 @@ import pytest
 import torch
 
 import kwng
-from kwng.experiments.synthetic_setup import draw_theta
 
 D, N, M = 3, 300, 20
 
 
 def _problem(dtype=torch.float64, scale=1.0):
     model = kwng.make_model("normal", D)
-    theta = draw_theta("normal", D, torch.Generator().manual_seed(0), 0.1)
+    theta = model.params_near_reference(torch.Generator().manual_seed(0), 0.1)
     grad = torch.randn(model.num_params, dtype=torch.float64,
                        generator=torch.Generator().manual_seed(1))
     Z = model.sample_latent(N, torch.Generator().manual_seed(2)).to(dtype)

@@ -12,7 +12,6 @@ from kwng import fisher as F
 from kwng import fisher_exact
 from kwng.experiments import fisher as E
 from kwng.experiments import fisher_flow, fisher_sweep
-from kwng.experiments.synthetic_setup import draw_theta
 from kwng.theory.nystrom import loglog_slope
 
 #: the keys every provenance record of the Fisher experiments carries
@@ -22,7 +21,7 @@ PROVENANCE_KEYS = ("command", "config", "git_commit", "device", "date", "seeds",
 
 def _problem(name, d=2, N=40, M=8, seed=0):
     model = kwng.make_model(name, d)
-    theta = draw_theta(name, d, torch.Generator().manual_seed(seed), 0.1)
+    theta = model.params_near_reference(torch.Generator().manual_seed(seed), 0.1)
     grad = torch.randn(
         model.num_params,
         dtype=torch.float64,
@@ -118,7 +117,7 @@ def test_fisher_matrix_entry_by_entry_against_monte_carlo(name):
     # formulas); each entry must lie within 5 standard errors of the exact one (a 5σ
     # band: a false alarm has probability below 1e-5 per entry).
     model = kwng.make_model(name, 2)
-    theta = draw_theta(name, 2, torch.Generator().manual_seed(4), 0.1)
+    theta = model.params_near_reference(torch.Generator().manual_seed(4), 0.1)
     G = fisher_exact.fisher_matrix(model, theta)
     Gmc, se = fisher_exact.fisher_matrix_mc(
         model, theta, 100_000, torch.Generator().manual_seed(5)
@@ -129,7 +128,7 @@ def test_fisher_matrix_entry_by_entry_against_monte_carlo(name):
 
 def test_fisher_closed_forms():
     model = kwng.NormalModel(3)
-    theta = draw_theta("normal", 3, torch.Generator().manual_seed(6), 0.1)
+    theta = model.params_near_reference(torch.Generator().manual_seed(6), 0.1)
     _, L = model.split(theta)
     g = torch.zeros(model.num_params, dtype=torch.float64)
     g[:3] = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
@@ -165,7 +164,8 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_basis"):
         F.kfng_gradient(sampler, theta, grad, num_basis=41, eps=1.0, kernel=k)
     with pytest.raises(ValueError, match="no density"):
-        fisher_exact.fisher_matrix(kwng.HyperSphereModel(2), torch.zeros(3, dtype=torch.float64))
+        fisher_exact.fisher_matrix(
+            kwng.HyperSphereModel(2), torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="grad"):
         fisher_exact.fisher_natural_gradient(model, theta, grad[:2])
 
@@ -187,7 +187,7 @@ def test_error_decays_with_N(name):
         errs = []
         for r in range(6):
             g0 = torch.Generator().manual_seed(r)
-            theta = draw_theta(name, d, g0, 0.1)
+            theta = model.params_near_reference(g0, 0.1)
             grad = 0.3 * torch.randn(
                 model.num_params, generator=g0, dtype=torch.float64
             )
@@ -253,7 +253,8 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
         assert key in prov
     before = (tmp_path / "sweep.csv").read_text()
     prov_before = (tmp_path / "fisher-sweep.provenance.json").read_text()
-    fisher_sweep.run_sweep(cfg, tmp_path, progress=False)  # resume: nothing to do, nothing changed
+    # resume: nothing to do, nothing changed
+    fisher_sweep.run_sweep(cfg, tmp_path, progress=False)
     assert (tmp_path / "sweep.csv").read_text() == before
     assert (tmp_path / "fisher-sweep.provenance.json").read_text() == prov_before
     other = dict(cfg, runs=3)

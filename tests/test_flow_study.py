@@ -87,12 +87,19 @@ def test_rejects_bad_arguments():
         fs.run_variant_flow(p, {}, iterations=0, step=0.1)
 
 
-def test_params_near_identity_is_the_recipe():
+def test_params_near_reference_is_the_recipe():
+    """θ₀ + ξ: the normal model's draw is the paper's with I added to L (bit for bit,
+    the draw of the committed sweeps); the other models' draw is the paper's."""
     model = kwng.NormalModel(3)
     theta = model.random_params(torch.Generator().manual_seed(5))
     mu, L = model.split(theta)
     recipe = model.join(mu, L + torch.eye(3, dtype=L.dtype))
-    near = model.params_near_identity(torch.Generator().manual_seed(5))
+    near = model.params_near_reference(torch.Generator().manual_seed(5))
     torch.testing.assert_close(near, recipe, rtol=0, atol=0)
     _, L_near = model.split(near)
     assert float(torch.linalg.cond(L_near @ L_near.T)) < 10  # well conditioned
+    for name in ("lognormal", "sphere"):
+        other = kwng.make_model(name, 3)
+        torch.testing.assert_close(
+            other.params_near_reference(torch.Generator().manual_seed(5), 0.3),
+            other.random_params(torch.Generator().manual_seed(5), 0.3), rtol=0, atol=0)

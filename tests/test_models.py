@@ -12,10 +12,7 @@ D_VALUES = [1, 2, 4]
 def _setup(name, d, seed=0):
     model = kwng.make_model(name, d)
     g = torch.Generator().manual_seed(seed)
-    theta = model.random_params(g)
-    if name == "normal":  # keep Σ well away from singular for the finite differences
-        mu, L = model.split(theta)
-        theta = model.join(mu, L + torch.eye(d, dtype=L.dtype))
+    theta = model.params_near_reference(g)  # normal: Σ well away from singular
     grad = torch.randn(model.num_params, generator=g, dtype=torch.float64)
     return model, theta, grad
 

@@ -10,6 +10,8 @@ import kwng
 from kwng.batched import batched_kwng, sample_and_jacobian
 from kwng.experiments import provenance, synthetic_setup
 from kwng.experiments import synthetic as syn
+from kwng.experiments.guard_csv import write_csv_rows
+from kwng.models import MODELS, model_names
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _batch(name, d, R=3, N=200, M=20, seed=0):
     model = kwng.make_model(name, d)
     g = torch.Generator().manual_seed(seed)
-    Theta = torch.stack([synthetic_setup.draw_theta(name, d, g) for _ in range(R)])
+    Theta = torch.stack([model.params_near_reference(g) for _ in range(R)])
     G = 0.1 ** 0.5 * torch.randn(R, model.num_params, generator=g, dtype=torch.float64)
     Z = torch.randn(R, N, d, generator=g, dtype=torch.float64)
     idx = torch.stack([torch.randperm(N, generator=g)[:M] for _ in range(R)])
@@ -25,7 +27,7 @@ def _batch(name, d, R=3, N=200, M=20, seed=0):
     return model, Theta, G, Z, idx, crd
 
 
-@pytest.mark.parametrize("name", synthetic_setup.MODELS)
+@pytest.mark.parametrize("name", MODELS)
 def test_closed_form_jacobian_matches_autograd(name):
     model, Theta, _, Z, _, _ = _batch(name, 3, R=2, N=7)
     X, B = sample_and_jacobian(model, Theta, Z)
@@ -35,7 +37,7 @@ def test_closed_form_jacobian_matches_autograd(name):
         assert torch.allclose(B[r], ref, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", synthetic_setup.MODELS)
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("bandwidth,lam,damping", [(1.0, 0.0, "T_tilde"), ("mean_sq", 1e-3, "T"),
                                                    (0.7, 0.0, "identity")])
 def test_batched_equals_reference_estimator(name, bandwidth, lam, damping):
@@ -99,7 +101,7 @@ def test_relerr_sweep_runs_and_resumes(tmp_path, monkeypatch):
     assert calls == []
     # a missing point (interrupted run) is redone, and only that one
     rows = [r for r in rows if not (r["panel"] == "M" and r["d"] == 2 and r["M"] == 20)]
-    synthetic_setup._write_rows(tmp_path / "relerr" / "sphere.csv", rows)
+    write_csv_rows(tmp_path / "relerr" / "sphere.csv", synthetic_setup.SWEEP_COLUMNS, rows)
     assert syn.check_results_complete("relerr", tmp_path, runs=2) != []
     syn.run_sweep(cfg, tmp_path / "relerr", progress=False)
     assert len(calls) == 1 and calls[0][1]["M"] == 20 and calls[0][1]["d"] == 2
@@ -139,8 +141,10 @@ def test_bad_arguments():
         synthetic_setup.relerr_config("huge")
     with pytest.raises(ValueError, match="name"):
         syn.check_results_complete("nope", ".")
-    with pytest.raises(ValueError, match="model_name"):
-        synthetic_setup.draw_theta("cube", 2, torch.Generator())
+    with pytest.raises(ValueError, match=r"model must be one of \['lognormal', 'normal', 'sphere'\]"):
+        kwng.make_model("cube", 2)
+    with pytest.raises(ValueError, match="'cube'"):
+        model_names(("sphere", "cube"))
 
 
 @pytest.mark.skipif(not (ROOT / "results" / "relerr" / "provenance.json").exists()

@@ -22,7 +22,8 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 def _rows(name):
     prov = json.loads((RESULTS / name / "provenance.json").read_text())
     return prov, {
-        m: synthetic_setup.load_rows(RESULTS / name / f"{m}.csv") for m in prov["config"]["models"]
+        m: synthetic_setup.load_rows(RESULTS / name / f"{m}.csv")
+        for m in prov["config"]["models"]
     }
 
 

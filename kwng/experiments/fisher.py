@@ -41,53 +41,19 @@ import torch
 
 from kwng import config as _config
 from kwng.experiments.cli_checks import path_problem
-from kwng.experiments.fisher_flow import (  # noqa: F401  (moved; re-exported under the old path)
-    _direction,
-    _flow_csv_problems,
-    _flow_problem,
-    _flow_step,
-    load_flow,
-    normal_kl_and_grad,
-    run_flow,
-)
-from kwng.experiments.fisher_sweep import (  # noqa: F401  (moved; re-exported under the old path)
-    BANDWIDTH,
-    MODELS,
-    SWEEP_COLUMNS,
-    _key,
-    _parse_bandwidth,
-    _points,
-    _prepare_dir,
-    _relerr,
-    _seed,
-    _write_csv,
-    checked_sweep_rows,
-    compare_once,
-    load_sweep,
-    metric_vs_lambda,
-    run_sweep,
-)
+from kwng.experiments.fisher_flow import run_flow
+from kwng.experiments.fisher_sweep import FISHER_MODELS, run_sweep
 from kwng.experiments.guard import ConfigMismatchError
-from kwng.experiments.provenance import (
-    ResultFileError,
-    index_provenance,
-)
+from kwng.experiments.provenance import ResultFileError, index_provenance
+from kwng.experiments.synthetic_setup import RELERR_BANDWIDTH
 
 __all__ = [
-    "MODELS",
-    "SWEEP_COLUMNS",
-    "compare_once",
-    "metric_vs_lambda",
     "FLOW_METHODS",
     "LOSSES",
+    "PARTS",
     "sweep_config",
     "flow_config",
-    "run_sweep",
-    "run_flow",
-    "load_sweep",
-    "checked_sweep_rows",
-    "load_flow",
-    "normal_kl_and_grad",
+    "write_directory_provenance",
     "main",
 ]
 
@@ -106,7 +72,7 @@ def sweep_config(scale: str | None = None) -> dict:
     return {
         "experiment": "fisher-sweep",
         "scale": "full" if full else "small",
-        "models": list(MODELS),
+        "models": list(FISHER_MODELS),
         "dims": [2, 4] if full else [2],
         "N_values": [250, 500, 1000, 2000, 4000] if full else [250, 500, 1000],
         "N_fixed": 2000 if full else 1000,
@@ -118,7 +84,9 @@ def sweep_config(scale: str | None = None) -> dict:
         "damping": "T_tilde",
         "theta_variance": 0.1,
         "grad_variance": 0.1,
-        "bandwidth": dict(BANDWIDTH),
+        # as in the relerr study: fixed σ = 1 on the sphere (paper, Fig. 1), the
+        # heuristic σ = 0.5 · mean ‖X_n - Y_m‖² elsewhere
+        "bandwidth": dict(RELERR_BANDWIDTH),
         "seed": 14,
     }
 
@@ -145,7 +113,7 @@ def flow_config(scale: str | None = None) -> dict:
         "lam": 0.0,
         "lam_fisher": 1e-4,
         "damping": "T_tilde",
-        "bandwidth": BANDWIDTH["normal"],
+        "bandwidth": RELERR_BANDWIDTH["normal"],
         "theta_variance": 0.1,
         "target_mean_std": 1.0,
         "divergence_factor": 1e6,
@@ -158,52 +126,43 @@ PARTS = ("fisher-sweep", "fisher-flow")
 
 def write_directory_provenance(out: str | Path) -> dict:
     """``provenance.json`` of the results directory, gathered from the part records
-    (``<part>.provenance.json``) by :func:`kwng.experiments.provenance.index_provenance`."""
+    (``<part>.provenance.json``) by
+    :func:`kwng.experiments.provenance.index_provenance`."""
     return index_provenance(out)
 
 
 # --------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kwng.experiments fisher [--part sweep|flow|all] [--scale]
-    [--out]``."""
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m kwng.experiments fisher",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("name", choices=["fisher"])
-    ap.add_argument(
-        "--part",
-        choices=["sweep", "flow", "all", "provenance"],
-        default="all",
-        help="provenance: only (re)write the directory's provenance.json from the "
-        "part files",
-    )
-    ap.add_argument(
-        "--scale",
-        choices=list(_config.SCALES),
-        default=None,
-        help="grid size (default: $KWNG_SCALE, else small)",
-    )
-    ap.add_argument(
-        "--out",
-        default=None,
-        help="output directory (default _build/results/fisher-<scale>)",
-    )
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch CPU threads (default 1: the estimates are small; more threads only "
-        "contend on a shared 2-core machine)",
-    )
+    ap.add_argument("--part", choices=["sweep", "flow", "all", "provenance"],
+                    default="all", help="provenance: only (re)write the directory's "
+                    "provenance.json from the part files")
+    ap.add_argument("--scale", choices=list(_config.SCALES), default=None,
+                    help="grid size (default: $KWNG_SCALE, else small)")
+    ap.add_argument("--out", default=None,
+                    help="output directory (default _build/results/fisher-<scale>)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: the estimates are small; more "
+                    "threads only contend on a shared 2-core machine)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--force", action="store_true", help="move a part's results of "
                     "another configuration (or an unreadable sweep.csv) to dated "
                     "backups instead of refusing")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kwng.experiments fisher [--part sweep|flow|all] [--scale]
+    [--out]``."""
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.threads < 1:
         raise SystemExit(

@@ -1,9 +1,9 @@
-"""The ``flow`` part of the Fisher–Rao experiment (:mod:`kwng.experiments.fisher`,
-which re-exports every name; see its docstring for the protocol): natural-gradient
-descent of the normal model toward a target normal for the ``W2²`` and ``KL`` losses,
-with the exact and the kernel-estimated Wasserstein and Fisher natural gradients and the
-Euclidean one, and the reading and checking of ``flow.csv``. Moved out of
-:mod:`kwng.experiments.fisher` to keep each module short.
+"""The ``flow`` part of the Fisher–Rao experiment (see :mod:`kwng.experiments.fisher`
+for the protocol): natural-gradient descent of the normal model toward a target normal
+for the ``W2²`` and ``KL`` losses, with the exact and the kernel-estimated Wasserstein
+and Fisher natural gradients and the Euclidean one, and the reading and checking of
+``flow.csv``. The problem (start, target) is drawn as in the W2 flow of Fig. 2
+(:func:`kwng.experiments.synthetic.flow_problem`).
 """
 
 from __future__ import annotations
@@ -18,23 +18,22 @@ import numpy as np
 import torch
 
 from kwng.estimator import kwng_gradient
-from kwng.experiments.fisher_sweep import (
-    _parse_bandwidth,
-    _prepare_dir,
-    _seed,
-    _write_csv,
-)
-from kwng.experiments.guard_csv import read_csv_checked
+from kwng.experiments.grid import keyed_seed, parse_bandwidth
+from kwng.experiments.guard_csv import read_csv_checked, write_csv_rows
 from kwng.experiments.provenance import atomic_write_json, make_provenance
-from kwng.experiments.synthetic import normal_w2_and_grad
-from kwng.experiments.synthetic_setup import draw_theta
+from kwng.experiments.result_dir import prepare_result_dir
+from kwng.experiments.synthetic import flow_problem, normal_w2_and_grad
 from kwng.fisher import kfng_gradient
 from kwng.fisher_exact import fisher_natural_gradient
-from kwng.kernels import GaussianKernel
 from kwng.models import NormalModel
 
-# the logger of the experiment module this code came from (same records as before)
+__all__ = ["FLOW_COLUMNS", "normal_kl_and_grad", "run_flow", "load_flow"]
+
+# the logger of the experiment's command (the records name the command)
 log = logging.getLogger("kwng.experiments.fisher")
+
+FLOW_COLUMNS = ("loss", "method", "iteration", "value")
+
 
 def normal_kl_and_grad(
     model: NormalModel, theta: torch.Tensor, mu_t: np.ndarray, Sigma_t: np.ndarray
@@ -61,21 +60,6 @@ def normal_kl_and_grad(
     return float(kl.detach()), g.detach()
 
 
-def _flow_problem(
-    cfg: dict,
-) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.ndarray]:
-    d = cfg["d"]
-    model = NormalModel(d)
-    g = torch.Generator().manual_seed(cfg["seed"])
-    theta0 = draw_theta("normal", d, g, cfg["theta_variance"])
-    target = draw_theta("normal", d, g, cfg["theta_variance"])
-    target[:d] = cfg["target_mean_std"] * torch.randn(
-        d, generator=g, dtype=torch.float64
-    )
-    mu_t, L_t = model.split(target)
-    return model, theta0, mu_t.numpy(), (L_t @ L_t.T).numpy()
-
-
 def _direction(
     method: str,
     model: NormalModel,
@@ -91,19 +75,19 @@ def _direction(
         return model.wng(theta, grad)
     if method == "fng":
         return fisher_natural_gradient(model, theta, grad)
-    gen = torch.Generator().manual_seed(_seed(cfg["seed"], loss, method, it))
+    gen = torch.Generator().manual_seed(keyed_seed(cfg["seed"], loss, method, it))
     Z = model.sample_latent(cfg["N"], gen)
-    _, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"])
+    spec = parse_bandwidth(cfg["bandwidth"])
     lam = cfg["lam"] if method == "kwng" else cfg["lam_fisher"]
     kw = dict(
         num_basis=cfg["M"],
         eps=cfg["eps"],
         lam=lam,
-        kernel=GaussianKernel(1.0),
+        kernel=spec.kernel(),
         damping=cfg["damping"],
         generator=gen,
-        bandwidth=rule,
-        sigma0=sigma0,
+        bandwidth=spec.rule,
+        sigma0=spec.sigma0,
     )
     est = kwng_gradient if method == "kwng" else kfng_gradient
     return est(lambda t: model.sample(t, Z), theta, grad, **kw).direction
@@ -141,7 +125,7 @@ def _flow_csv_problems(path: Path, cfg: dict) -> list[str]:
     if not path.exists():
         return [f"{path} missing"]
     rows, problems = read_csv_checked(
-        path, ("loss", "method", "iteration", "value"),
+        path, FLOW_COLUMNS,
         {"iteration": int, "value": float},
         lambda r: (r["loss"], r["method"], r["iteration"]))
     for loss in cfg["losses"]:
@@ -153,6 +137,36 @@ def _flow_csv_problems(path: Path, cfg: dict) -> list[str]:
     return problems
 
 
+def _flow_rows(cfg: dict, progress: bool) -> tuple[list[dict], dict, np.ndarray,
+                                                    np.ndarray]:
+    """The rows of ``flow.csv`` (every loss, method and iteration), the stopped runs
+    (``(loss, method) -> iteration``) and the target ``(μ*, Σ*)``."""
+    from tqdm.auto import tqdm
+
+    model, theta0, mu_t, Sigma_t = flow_problem(cfg)
+    loss_fns = {"w2": normal_w2_and_grad, "kl": normal_kl_and_grad}
+    rows, stopped = [], {}
+    for loss in cfg["losses"]:
+        fn = loss_fns[loss]
+        loss0 = fn(model, theta0, mu_t, Sigma_t)[0]
+        for method in cfg["methods"]:
+            theta, value = theta0.clone(), loss0
+            step = cfg["eg_step"] if method == "eg" else cfg["step"]
+            rows.append({"loss": loss, "method": method, "iteration": 0,
+                         "value": value})
+            for it in tqdm(range(cfg["iterations"]), desc=f"flow {loss}/{method}",
+                           disable=not progress):
+                if (loss, method) not in stopped:
+                    theta, value = _flow_step(fn, model, theta, value, mu_t, Sigma_t,
+                                              step, method, cfg, it, loss, loss0,
+                                              stopped)
+                if (loss, method) in stopped:
+                    value = math.nan
+                rows.append({"loss": loss, "method": method, "iteration": it + 1,
+                             "value": value})
+    return rows, stopped, mu_t, Sigma_t
+
+
 def run_flow(cfg: dict, out: str | Path, progress: bool = True,
              force: bool = False) -> dict:
     """Natural-gradient descent ``θ ← θ - γ · direction`` toward the target for every
@@ -162,12 +176,11 @@ def run_flow(cfg: dict, out: str | Path, progress: bool = True,
     stopped and recorded as NaN from then on. A complete flow in ``out`` is left as it
     is; an interrupted or damaged one (``flow.csv`` missing or without every iteration,
     about 20 s of work at full scale) is redone whole."""
-    from tqdm.auto import tqdm
-
     if cfg.get("experiment") != "fisher-flow":
         raise ValueError("cfg must come from flow_config()")
     out = Path(out)
-    prev = _prepare_dir(out, cfg, force, (out / "flow.csv",))
+    prev = prepare_result_dir(out, cfg, force, part=cfg["experiment"],
+                              files=(out / "flow.csv",))
     damage = _flow_csv_problems(out / "flow.csv", cfg) if prev else []
     if prev and not damage:
         log.info("flow results already complete in %s", out)
@@ -176,61 +189,14 @@ def run_flow(cfg: dict, out: str | Path, progress: bool = True,
         log.warning("flow results in %s are incomplete or damaged (%s): the flow is "
                     "recomputed", out, "; ".join(damage[:3]))
     t0 = time.perf_counter()
-    model, theta0, mu_t, Sigma_t = _flow_problem(cfg)
-    loss_fns = {"w2": normal_w2_and_grad, "kl": normal_kl_and_grad}
-    rows, stopped = [], {}
-    for loss in cfg["losses"]:
-        fn = loss_fns[loss]
-        loss0 = fn(model, theta0, mu_t, Sigma_t)[0]
-        for method in cfg["methods"]:
-            theta, value = theta0.clone(), loss0
-            step = cfg["eg_step"] if method == "eg" else cfg["step"]
-            rows.append(
-                {"loss": loss, "method": method, "iteration": 0, "value": value}
-            )
-            for it in tqdm(
-                range(cfg["iterations"]),
-                desc=f"flow {loss}/{method}",
-                disable=not progress,
-            ):
-                if (loss, method) not in stopped:
-                    theta, value = _flow_step(
-                        fn,
-                        model,
-                        theta,
-                        value,
-                        mu_t,
-                        Sigma_t,
-                        step,
-                        method,
-                        cfg,
-                        it,
-                        loss,
-                        loss0,
-                        stopped,
-                    )
-                if (loss, method) in stopped:
-                    value = math.nan
-                rows.append(
-                    {
-                        "loss": loss,
-                        "method": method,
-                        "iteration": it + 1,
-                        "value": value,
-                    }
-                )
-    _write_csv(out / "flow.csv", ("loss", "method", "iteration", "value"), rows)
+    rows, stopped, mu_t, Sigma_t = _flow_rows(cfg, progress)
+    write_csv_rows(out / "flow.csv", FLOW_COLUMNS, rows)
     wall = time.perf_counter() - t0
     record = make_provenance(
-        cfg,
-        seeds={"base_seed": cfg["seed"]},
-        device="cpu",
-        wall_time_s=wall,
-        wall_time_total_s=wall,
-        threads=torch.get_num_threads(),
+        cfg, seeds={"base_seed": cfg["seed"]}, device="cpu", wall_time_s=wall,
+        wall_time_total_s=wall, threads=torch.get_num_threads(),
         diverged_at={f"{k[0]}/{k[1]}": v for k, v in stopped.items()},
-        target_mean=mu_t.tolist(),
-        target_cov=Sigma_t.tolist(),
+        target_mean=mu_t.tolist(), target_cov=Sigma_t.tolist(),
     )
     atomic_write_json(out / "fisher-flow.provenance.json", record)
     return record

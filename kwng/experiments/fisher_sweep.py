@@ -2,50 +2,49 @@
 
 For every grid point and run: KWNG against the exact WNG and the kernel Fisher estimate
 against the exact Fisher natural gradient (:func:`compare_once`), and the resumable
-sweep writing ``sweep.csv`` (:func:`run_sweep`); also the run helpers shared with the
-``flow`` part (seeds, bandwidth specs, result directories, CSV writing). Moved out of
-:mod:`kwng.experiments.fisher`, which re-exports every name; see its docstring for the
-protocol.
+sweep writing ``sweep.csv`` (:func:`run_sweep`); see :mod:`kwng.experiments.fisher` for
+the protocol. The grid (keyed seeds, bandwidth specs, panels) is that of the synthetic
+sweeps (:mod:`kwng.experiments.grid`).
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 import math
 import time
-import zlib
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from kwng.estimator import draw_basis, jacobian_from_sampler, kwng_gradient
-from kwng.experiments.guard import FORCE_HINT, ConfigMismatchError, backup, diff_keys
-from kwng.experiments.guard_csv import read_csv_checked
+from kwng.estimator import (
+    _with_bandwidth,
+    draw_basis,
+    jacobian_from_sampler,
+    kwng_gradient,
+)
+from kwng.estimator_checks import relative_error
+from kwng.experiments.grid import keyed_seed, panel_points, parse_bandwidth
+from kwng.experiments.guard import FORCE_HINT, backup
+from kwng.experiments.guard_csv import read_csv_checked, write_csv_rows
 from kwng.experiments.provenance import (
     ResultFileError,
     atomic_write_json,
-    atomic_write_text,
     make_provenance,
-    read_json,
 )
-from kwng.experiments.synthetic_setup import draw_theta
-from kwng.fisher import (
-    _bandwidth_for,
-    fisher_kernel_matrices,
-    kernel_fisher_metric,
-    kfng_gradient,
-)
+from kwng.experiments.result_dir import prepare_result_dir
+from kwng.fisher import fisher_kernel_matrices, kernel_fisher_metric, kfng_gradient
 from kwng.fisher_exact import fisher_matrix, fisher_natural_gradient, scores
-from kwng.kernels import GaussianKernel
-from kwng.models import make_model
+from kwng.models import make_model, model_names
 
-# the logger of the experiment module this code came from (same records as before)
+__all__ = ["FISHER_MODELS", "SWEEP_COLUMNS", "compare_once", "metric_vs_lambda",
+           "checked_sweep_rows", "load_sweep", "run_sweep"]
+
+# the logger of the experiment's command (the records name the command)
 log = logging.getLogger("kwng.experiments.fisher")
 
-MODELS = ("normal", "lognormal", "sphere")
+#: The models of the sweep (names of :data:`kwng.models.MODELS`), in the order of its
+#: figures and of the committed configuration: the two with a density, then the sphere.
+FISHER_MODELS = model_names(("normal", "lognormal", "sphere"))
 SWEEP_COLUMNS = (
     "model",
     "panel",
@@ -67,68 +66,11 @@ SWEEP_COLUMNS = (
 )
 
 
-# Bandwidths as in the relerr study (kwng.experiments.synthetic_setup.RELERR_BANDWIDTH): fixed
-# σ = 1 on the sphere (paper, Fig. 1), the heuristic σ = 0.5 · mean ‖X_n - Y_m‖²
-# elsewhere.
-BANDWIDTH = {"sphere": 1.0, "normal": "mean_sq:0.5", "lognormal": "mean_sq:0.5"}
-
-
-def _seed(*parts: Any) -> int:
-    return zlib.crc32("|".join(map(str, parts)).encode()) & 0x7FFFFFFF
-
-
-def _parse_bandwidth(spec: float | str) -> tuple[float | None, str | None, float]:
-    """``(fixed σ or None, rule or None, σ0)`` from ``1.0`` or ``"mean_sq:0.5"``."""
-    if isinstance(spec, str):
-        rule, _, s0 = spec.partition(":")
-        if rule not in ("mean_sq", "median"):
-            raise ValueError(
-                "bandwidth spec must be a number or '<mean_sq|median>:<sigma0>', "
-                f"got {spec!r}"
-            )
-        return None, rule, float(s0 or 1.0)
-    return float(spec), None, 1.0
-
-
-def _prepare_dir(out: Path, cfg: dict, force: bool = False,
-                 files: tuple[Path, ...] = ()) -> dict:
-    """Create ``out`` for ``cfg``; refuse a directory made with another configuration
-    (:class:`~kwng.experiments.guard.ConfigMismatchError` naming the file and the
-    differing keys) unless ``force``, which moves this part's config, provenance and
-    ``files`` to dated backups (nothing is deleted; the other part's files stay).
-    Returns the previous provenance (resume) or ``{}``."""
-    out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / f"{cfg['experiment']}.config.json"
-    prov = out / f"{cfg['experiment']}.provenance.json"
-    if cfg_path.exists():
-        old = read_json(cfg_path)
-        keys = diff_keys(old, cfg)
-        if not keys:
-            return read_json(prov) if prov.exists() else {}
-        msg = (f"{cfg_path} holds another configuration (differing keys: "
-               f"{', '.join(keys)})")
-        if not force:
-            raise ConfigMismatchError(f"{msg}; {FORCE_HINT}")
-        log.warning("%s; --force: moving this part's files to backups", msg)
-        for f in (cfg_path, prov, *files):
-            if f.exists():
-                backup(f)
-    atomic_write_json(cfg_path, cfg)
-    return {}
-
-
 # --------------------------------------------------------------------------------------
 # Sweep
 # --------------------------------------------------------------------------------------
 def _points(cfg: dict) -> list[dict]:
-    pts = []
-    for d in cfg["dims"]:
-        for N in cfg["N_values"]:
-            pts.append({"panel": "N", "d": d, "N": N, "M": min(N, int(d * N**0.5))})
-        for M in cfg["M_values"]:
-            if M <= cfg["N_fixed"]:
-                pts.append({"panel": "M", "d": d, "N": cfg["N_fixed"], "M": M})
-    return pts
+    return panel_points(cfg["dims"], cfg["N_values"], cfg["N_fixed"], cfg["M_values"])
 
 
 def _key(model: str, p: dict) -> str:
@@ -140,7 +82,7 @@ def _kernel_fisher_max(sampler, theta, idx, kernel, rule, sigma0, N, cfg) -> flo
     basis and bandwidth of :func:`compare_once`."""
     X = sampler(theta).detach()
     C, K, CCt, Gx = fisher_kernel_matrices(
-        X, idx, _bandwidth_for(kernel, X, idx, rule, sigma0)
+        X, idx, _with_bandwidth(kernel, X, idx, rule, sigma0)
     )
     G = kernel_fisher_metric(
         jacobian_from_sampler(sampler, theta, Gx), CCt, K, N, lam=cfg["lam"]
@@ -164,9 +106,9 @@ def _fisher_errors(row, model, sampler, theta, grad, idx, f, common, cfg) -> Non
     common["lam"] = cfg["lam_fisher"]
     fl = kfng_gradient(sampler, theta, grad, basis_idx=idx, **common)
     row.update(
-        err_fng=_relerr(f.direction, exact),
-        err_fng_score=_relerr(fs.direction, exact),
-        err_fng_lam=_relerr(fl.direction, exact),
+        err_fng=relative_error(f.direction, exact),
+        err_fng_score=relative_error(fs.direction, exact),
+        err_fng_lam=relative_error(fl.direction, exact),
         gf_exact_max=float(torch.linalg.eigvalsh(fisher_matrix(model, theta)).max()),
     )
 
@@ -177,23 +119,23 @@ def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
     points, against the exact natural gradients. Returns a row with the columns of
     ``SWEEP_COLUMNS``; the draws are keyed by ``(cfg["seed"], model, point, r)`` so
     any run can be redone alone."""
-    if model_name not in MODELS:
+    if model_name not in FISHER_MODELS:
         raise ValueError(
-            f"model_name must be one of {list(MODELS)}, got {model_name!r}"
+            f"model_name must be one of {list(FISHER_MODELS)}, got {model_name!r}"
         )
     d, N, M = p["d"], p["N"], p["M"]
     model = make_model(model_name, d)
-    g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, r))
-    theta = draw_theta(model_name, d, g, cfg["theta_variance"])
+    g = torch.Generator().manual_seed(keyed_seed(cfg["seed"], model_name, d, r))
+    theta = model.params_near_reference(g, cfg["theta_variance"])
     grad = cfg["grad_variance"] ** 0.5 * torch.randn(
         model.num_params, generator=g, dtype=torch.float64
     )
-    gz = torch.Generator().manual_seed(_seed(cfg["seed"], _key(model_name, p), r))
+    gz = torch.Generator().manual_seed(keyed_seed(cfg["seed"], _key(model_name, p), r))
     Z = model.sample_latent(N, gz)
     idx, coords = draw_basis(N, d, M, gz)
     sampler = lambda t: model.sample(t, Z)  # noqa: E731
-    sigma, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"][model_name])
-    kernel = GaussianKernel(1.0 if sigma is None else sigma)
+    spec = parse_bandwidth(cfg["bandwidth"][model_name])
+    kernel, rule, sigma0 = spec.kernel(), spec.rule, spec.sigma0
     common = dict(
         num_basis=M, eps=cfg["eps"], lam=cfg["lam"], kernel=kernel,
         damping=cfg["damping"], bandwidth=rule, sigma0=sigma0,
@@ -213,7 +155,7 @@ def compare_once(model_name: str, p: dict, r: int, cfg: dict) -> dict:
         "M": M,
         "run": r,
         "bandwidth": float(f.diagnostics["bandwidth"]),
-        "err_wng": _relerr(w.direction, model.wng(theta, grad)),
+        "err_wng": relative_error(w.direction, model.wng(theta, grad)),
         "fng_norm": float(f.direction.norm() / grad.norm()),
         "range_residual": float(f.diagnostics["range_residual"]),
         "time_wng_s": t1 - t0,
@@ -242,9 +184,9 @@ def metric_vs_lambda(
     ``G_F`` (NaN on the sphere). Where the Fisher metric exists ``Ĝ_F`` converges as
     ``λ → 0``; on the sphere it grows like ``1/λ`` until the float64 truncation of the
     pseudo-inverse stops it."""
-    if model_name not in MODELS:
+    if model_name not in FISHER_MODELS:
         raise ValueError(
-            f"model_name must be one of {list(MODELS)}, got {model_name!r}"
+            f"model_name must be one of {list(FISHER_MODELS)}, got {model_name!r}"
         )
     if not lams or any(float(v) < 0 for v in lams):
         raise ValueError(
@@ -252,17 +194,16 @@ def metric_vs_lambda(
         )
     p = {"panel": "N", "d": d, "N": N, "M": M}
     model = make_model(model_name, d)
-    g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, run))
-    theta = draw_theta(model_name, d, g, cfg["theta_variance"])
-    gz = torch.Generator().manual_seed(_seed(cfg["seed"], _key(model_name, p), run))
+    g = torch.Generator().manual_seed(keyed_seed(cfg["seed"], model_name, d, run))
+    theta = model.params_near_reference(g, cfg["theta_variance"])
+    key = _key(model_name, p)
+    gz = torch.Generator().manual_seed(keyed_seed(cfg["seed"], key, run))
     Z = model.sample_latent(N, gz)
     idx, _ = draw_basis(N, d, M, gz)
     sampler = lambda t: model.sample(t, Z)  # noqa: E731
-    sigma, rule, sigma0 = _parse_bandwidth(cfg["bandwidth"][model_name])
+    spec = parse_bandwidth(cfg["bandwidth"][model_name])
     X = sampler(theta).detach()
-    kernel = _bandwidth_for(
-        GaussianKernel(1.0 if sigma is None else sigma), X, idx, rule, sigma0
-    )
+    kernel = _with_bandwidth(spec.kernel(), X, idx, spec.rule, spec.sigma0)
     C, K, CCt, Gx = fisher_kernel_matrices(X, idx, kernel)
     T = jacobian_from_sampler(sampler, theta, Gx)
     values = [
@@ -281,11 +222,6 @@ def metric_vs_lambda(
     return values, exact
 
 
-def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.to(torch.float64), b.to(torch.float64)
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
-
-
 _SWEEP_CONVERTERS = {k: (int if k in ("d", "N", "M", "run") else float)
                      for k in SWEEP_COLUMNS if k not in ("model", "panel")}
 _ALWAYS_FINITE = ("bandwidth", "err_wng", "fng_norm", "gf_max", "range_residual",
@@ -295,7 +231,7 @@ _FISHER_COLUMNS = ("err_fng", "err_fng_lam", "err_fng_score", "gf_exact_max")
 
 def _row_problem(r: dict) -> str | None:
     """What is wrong with a parsed ``sweep.csv`` row beyond parsing (or ``None``)."""
-    if r["model"] not in MODELS or r["panel"] not in ("N", "M"):
+    if r["model"] not in FISHER_MODELS or r["panel"] not in ("N", "M"):
         return f"model {r['model']!r} / panel {r['panel']!r} is not of this sweep"
     if r["model"] != "sphere":
         bad = [k for k in _FISHER_COLUMNS if not math.isfinite(r[k])]
@@ -307,7 +243,8 @@ def _row_problem(r: dict) -> str | None:
 def checked_sweep_rows(path: str | Path) -> tuple[list[dict], list[str], set[str]]:
     """The rows of ``sweep.csv`` a resume may trust, the problems of the others (file
     and line each) and the grid points (:func:`_key`) of the rejected rows that
-    parsed. Another header raises :class:`~kwng.experiments.provenance.ResultFileError`."""
+    parsed. Another header raises
+    :class:`~kwng.experiments.provenance.ResultFileError`."""
     rejected: list[dict] = []
     rows, problems = read_csv_checked(
         path, SWEEP_COLUMNS, _SWEEP_CONVERTERS,
@@ -318,23 +255,13 @@ def checked_sweep_rows(path: str | Path) -> tuple[list[dict], list[str], set[str
 
 def load_sweep(path: str | Path) -> list[dict]:
     """Rows of ``sweep.csv`` with numbers converted (empty list if absent); a damaged
-    row raises :class:`~kwng.experiments.provenance.ResultFileError` naming the file and line."""
+    row raises :class:`~kwng.experiments.provenance.ResultFileError` naming the file
+    and line."""
     rows, problems, _ = checked_sweep_rows(path)
     if problems:
         raise ResultFileError(
             f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5]))
     return rows
-
-
-def _write_csv(path: Path, columns, rows: list[dict]) -> None:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow(
-            {k: (f"{r[k]:.10g}" if isinstance(r[k], float) else r[k]) for k in columns}
-        )
-    atomic_write_text(path, buf.getvalue())
 
 
 def run_sweep(cfg: dict, out: str | Path, progress: bool = True,
@@ -353,7 +280,7 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True,
         raise ValueError("cfg must come from sweep_config()")
     out = Path(out)
     path = out / "sweep.csv"
-    prev = _prepare_dir(out, cfg, force, (path,))
+    prev = prepare_result_dir(out, cfg, force, part=cfg["experiment"], files=(path,))
     try:
         rows, problems, damaged = checked_sweep_rows(path)
     except ResultFileError as exc:  # not this sweep's file: refused, or moved away
@@ -379,7 +306,7 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True,
         log.info("sweep already complete in %s", out)
         return prev
     if problems:  # the damaged rows leave the file even when nothing is recomputed
-        _write_csv(path, SWEEP_COLUMNS, rows)
+        write_csv_rows(path, SWEEP_COLUMNS, rows)
     t0 = time.perf_counter()
     def provenance(**extra) -> dict:  # with the rows: an interrupted call still counts
         wall = time.perf_counter() - t0
@@ -393,6 +320,6 @@ def run_sweep(cfg: dict, out: str | Path, progress: bool = True,
 
     for m, p in tqdm(todo, desc="fisher sweep", disable=not progress):
         rows.extend(compare_once(m, p, r, cfg) for r in range(cfg["runs"]))
-        _write_csv(path, SWEEP_COLUMNS, rows)
+        write_csv_rows(path, SWEEP_COLUMNS, rows)
         provenance(in_progress=True)
     return provenance()

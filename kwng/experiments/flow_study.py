@@ -41,6 +41,7 @@ import torch
 
 from kwng import config as _config
 from kwng.estimator import kwng_gradient
+from kwng.experiments.grid import parse_bandwidth
 from kwng.experiments.provenance import (
     atomic_write_json,
     index_provenance,
@@ -49,7 +50,6 @@ from kwng.experiments.provenance import (
 )
 from kwng.experiments.synthetic import flow_problem, normal_w2_and_grad
 from kwng.experiments.synthetic_setup import flow_config
-from kwng.kernels import GaussianKernel
 from kwng.models import normal_wng_sigma_coords
 
 log = logging.getLogger(__name__)
@@ -201,9 +201,7 @@ def make_problem(parametrisation: str, cfg: dict) -> Problem:
 
 def _kwng(problem: Problem, theta, grad, settings: dict, generator: torch.Generator):
     Z = torch.randn(settings["N"], problem.d, generator=generator, dtype=torch.float64)
-    bw = settings["bandwidth"]
-    rule = bw if isinstance(bw, str) else None
-    kernel = GaussianKernel(1.0 if rule else float(bw))
+    spec = parse_bandwidth(settings["bandwidth"])  # σ0: the study's own setting
     return kwng_gradient(
         lambda t: problem.sample(t, Z),
         theta,
@@ -211,8 +209,8 @@ def _kwng(problem: Problem, theta, grad, settings: dict, generator: torch.Genera
         num_basis=settings["M"],
         eps=settings["eps"],
         lam=settings["lam"],
-        kernel=kernel,
-        bandwidth=rule,
+        kernel=spec.kernel(),
+        bandwidth=spec.rule,
         sigma0=settings["sigma0"],
         damping=settings["damping"],
         generator=generator,

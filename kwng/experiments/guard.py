@@ -2,9 +2,10 @@
 never read silently.
 
 * A result directory records the configuration that produced it (``config.json`` for the
-  synthetic sweeps, the ``identity`` of ``metrics.json`` for a CIFAR run). A rerun
-  compares its configuration with the record: equal -> resume or skip; different ->
-  :class:`ConfigMismatchError` naming the directory and the differing keys. With
+  synthetic sweeps, prepared by :func:`kwng.experiments.result_dir.prepare_result_dir`,
+  the ``identity`` of ``metrics.json`` for a CIFAR run). A rerun compares its
+  configuration with the record (:func:`diff_keys`): equal -> resume or skip; different
+  -> :class:`ConfigMismatchError` naming the directory and the differing keys. With
   ``force`` the old results are moved to a dated backup (:func:`backup`), never deleted.
 * Every read of a JSON file, a CSV and a checkpoint names the file when it fails
   (:class:`kwng.experiments.provenance.ResultFileError`).
@@ -23,19 +24,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kwng.experiments.guard_csv import (  # noqa: F401  (moved; re-exported under the old path)
-    read_csv_checked,
-)
 from kwng.experiments.provenance import ResultFileError, atomic_write_json, read_json
 
 __all__ = [
+    "FORCE_HINT",
     "ConfigMismatchError",
-    "ResultFileError",
     "diff_keys",
+    "describe_diff",
     "backup",
-    "prepare_result_dir",
     "write_json_guarded",
-    "read_csv_checked",
     "load_checkpoint",
     "check_run_record",
     "check_existing_run",
@@ -81,7 +78,7 @@ def diff_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix or "<root>"]
 
 
-def _describe(keys: Sequence[str], old: Any, new: Any, limit: int = 8) -> str:
+def describe_diff(keys: Sequence[str], old: Any, new: Any, limit: int = 8) -> str:
     """``lr: 0.1 -> 0.01; epochs: 6 -> 2`` for the first ``limit`` keys."""
     old, new = _normal(old), _normal(new)
 
@@ -114,48 +111,6 @@ def backup(path: str | os.PathLike) -> Path:
     os.replace(path, target)
     log.warning("moved %s to %s", path, target)
     return target
-
-
-def prepare_result_dir(
-    out: str | os.PathLike, cfg: dict, force: bool = False, record: str = "config.json"
-) -> dict:
-    """Make ``out`` ready for results of ``cfg`` without destroying anything.
-
-    * ``out`` absent or empty: created, ``cfg`` recorded in ``out/record``;
-    * ``out/record`` equal to ``cfg``: kept (resume); returns the previous
-      ``provenance.json`` or ``{}``;
-    * ``out/record`` different, or files but no record: :class:`ConfigMismatchError`
-      naming ``out`` and the differing keys, unless ``force``, which moves ``out`` to a
-      dated backup and starts afresh.
-    """
-    out = Path(out)
-    cfg_path = out / record
-    problem = None
-    if cfg_path.exists():
-        old = read_json(cfg_path)
-        keys = diff_keys(old, cfg)
-        if keys:
-            problem = (
-                f"{out} holds results of another configuration "
-                f"(differing keys: {', '.join(keys)}; {_describe(keys, old, cfg)})"
-            )
-    elif out.is_dir() and any(out.iterdir()):
-        problem = f"{out} holds files but no {record} recording their configuration"
-    if problem is not None:
-        if not force:
-            raise ConfigMismatchError(f"{problem}; {FORCE_HINT}")
-        log.warning("%s; --force: moving them to a backup", problem)
-        backup(out)
-    out.mkdir(parents=True, exist_ok=True)
-    prev = {}
-    if (
-        cfg_path.exists()
-    ):  # same configuration: left as it is (a finished rerun changes no file)
-        if (out / "provenance.json").exists():
-            prev = read_json(out / "provenance.json")
-    else:
-        atomic_write_json(cfg_path, cfg)
-    return prev
 
 
 def write_json_guarded(
@@ -221,7 +176,7 @@ def check_run_record(
     if keys and not force:
         raise ConfigMismatchError(
             f"{where} was produced with another configuration (differing keys: "
-            f"{', '.join(keys)}; {_describe(keys, old, new)}); {FORCE_HINT}"
+            f"{', '.join(keys)}; {describe_diff(keys, old, new)}); {FORCE_HINT}"
         )
     return keys
 
@@ -328,7 +283,8 @@ def check_existing_run(
     checkpoint is gone (starting over would overwrite them: the budget-cut records are
     such runs). With ``force`` the old directory and checkpoint are moved to a dated
     backup instead. An unreadable ``metrics.json`` raises
-    :class:`~kwng.experiments.provenance.ResultFileError` naming it (backed up with ``force``)."""
+    :class:`~kwng.experiments.provenance.ResultFileError` naming it (backed up with
+    ``force``)."""
     rdir, ckpt_path = Path(rdir), Path(ckpt_path)
     mp = rdir / "metrics.json"
     if not mp.is_file():

@@ -1,18 +1,37 @@
-"""Checked reading of result CSV files (:mod:`kwng.experiments.guard`, which re-exports
-every name): every row is parsed, checked and keyed, and each bad row is reported with
-its file and line. Moved out of :mod:`kwng.experiments.guard` to keep each module short.
+"""Result CSV files of the studies: written whole and atomically
+(:func:`write_csv_rows`), read back checked (:func:`read_csv_checked`: every row is
+parsed, checked and keyed, and each bad row is reported with its file and line), so that
+a resume recomputes what is damaged instead of trusting it.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kwng.experiments.provenance import ResultFileError
+from kwng.experiments.provenance import ResultFileError, atomic_write_text
+
+__all__ = ["write_csv_rows", "read_csv_checked"]
+
+
+def write_csv_rows(
+    path: str | os.PathLike, columns: Sequence[str], rows: list[dict]
+) -> None:
+    """Write ``rows`` (dicts holding ``columns``) to the CSV ``path`` atomically, floats
+    with 10 significant digits (``.10g``), every row ending in a newline."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow(
+            {k: (f"{r[k]:.10g}" if isinstance(r[k], float) else r[k]) for k in columns}
+        )
+    atomic_write_text(path, buf.getvalue())
 
 
 def _parse_row(
@@ -42,6 +61,22 @@ def _parse_row(
     return row, None
 
 
+def _split_csv(path: Path) -> tuple[list[str] | None, list[list[str]], bool]:
+    """``(header, rows of fields, cut_tail)`` of the CSV ``path``; ``cut_tail``: the
+    last row has no line end. An undecodable file raises :class:`ResultFileError`."""
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            text = fh.read()
+        reader = csv.reader(text.splitlines())
+        header = next(reader, None)
+        lines = list(reader)
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ResultFileError(f"{path}: not a readable CSV file ({exc})") from exc
+    # files are written whole, each row ending in a newline: a last row without one was
+    # cut short (possibly in the middle of a number that still parses)
+    return header, lines, bool(lines) and not text.endswith("\n")
+
+
 def read_csv_checked(
     path: str | os.PathLike,
     columns: Sequence[str],
@@ -64,17 +99,7 @@ def read_csv_checked(
     path = Path(path)
     if not path.exists():
         return [], []
-    try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            text = fh.read()
-        reader = csv.reader(text.splitlines())
-        header = next(reader, None)
-        lines = list(reader)
-    except (UnicodeDecodeError, csv.Error) as exc:
-        raise ResultFileError(f"{path}: not a readable CSV file ({exc})") from exc
-    # files are written whole, each row ending in a newline: a last row without one was
-    # cut short (possibly in the middle of a number that still parses)
-    cut_tail = bool(lines) and not text.endswith("\n")
+    header, lines, cut_tail = _split_csv(path)
     if header is None:
         return [], [f"{path}: empty file (no header)"]
     if list(header) != list(columns):

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ResultFileError", "atomic_write_text", "atomic_write_json", "read_json", "git_commit",
-           "device_name", "make_provenance", "write_provenance"]
+           "device_name", "run_command", "make_provenance", "index_provenance",
+           "write_provenance"]
 
 
 class ResultFileError(ValueError):

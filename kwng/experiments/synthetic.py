@@ -34,23 +34,29 @@ import torch
 from kwng import config as _config
 from kwng.batched import batched_kwng
 from kwng.estimator import kwng_gradient
-from kwng.kernels import GaussianKernel
-from kwng.models import NormalModel, gaussian_w2_squared, make_model
-from kwng.experiments.provenance import ResultFileError, read_json, write_provenance
 from kwng.experiments.cli_checks import device_problem, path_problem
+from kwng.experiments.grid import BandwidthSpec, keyed_seed, parse_bandwidth
 from kwng.experiments.guard import ConfigMismatchError
-# moved to kwng.experiments.synthetic_setup; re-exported under the old path
-from kwng.experiments.synthetic_setup import (  # noqa: F401
-    MODELS, SWEEP_COLUMNS, RELERR_BANDWIDTH, relerr_config,
-    bandwidth_config, flow_config, _seed, draw_theta, _parse_bandwidth,
-    _sweep_points, _point_key, _CONVERTERS, _row_key, load_rows, checked_rows,
-    _write_rows, _prepare_dir, _write_flow_csvs, _write_pca_csv, _read_flow_csv, load_flow,
+from kwng.experiments.guard_csv import write_csv_rows
+from kwng.experiments.provenance import ResultFileError, read_json, write_provenance
+from kwng.experiments.result_dir import prepare_result_dir
+from kwng.experiments.synthetic_setup import (
+    FIGURE_MODELS,
+    SWEEP_COLUMNS,
+    bandwidth_config,
+    checked_rows,
+    flow_config,
     flow_problems,
+    point_key,
+    relerr_config,
+    sweep_points,
+    write_flow_csvs,
+    write_pca_csv,
 )
+from kwng.models import NormalModel, gaussian_w2_squared, make_model
 
-__all__ = ["MODELS", "SWEEP_COLUMNS", "relerr_config", "bandwidth_config", "flow_config", "draw_theta",
-           "run_sweep", "run_flow", "load_rows", "check_results_complete", "normal_w2_and_grad",
-           "main"]
+__all__ = ["REQUIRED_PROVENANCE", "run_sweep", "flow_problem", "run_flow", "check_results_complete",
+           "normal_w2_and_grad", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +73,8 @@ def _compute_point(model_name: str, p: dict, cfg: dict, device: str, exact_cache
     if (model_name, d) not in exact_cache:
         thetas, grads, exact = [], [], []
         for r in range(R):
-            g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, r))
-            th = draw_theta(model_name, d, g, cfg["theta_variance"])
+            g = torch.Generator().manual_seed(keyed_seed(cfg["seed"], model_name, d, r))
+            th = model.params_near_reference(g, cfg["theta_variance"])
             gr = cfg["grad_variance"] ** 0.5 * torch.randn(model.num_params, generator=g, dtype=torch.float64)
             thetas.append(th)
             grads.append(gr)
@@ -79,21 +85,47 @@ def _compute_point(model_name: str, p: dict, cfg: dict, device: str, exact_cache
     idx = torch.empty(R, M, dtype=torch.long)
     crd = torch.empty(R, M, dtype=torch.long)
     for r in range(R):
-        g = torch.Generator().manual_seed(_seed(cfg["seed"], model_name, d, N, r))
+        g = torch.Generator().manual_seed(keyed_seed(cfg["seed"], model_name, d, N, r))
         Z[r] = torch.randn(N, d, generator=g, dtype=torch.float64)
-        gb = torch.Generator().manual_seed(_seed(cfg["seed"], _point_key(model_name, p), r))
+        gb = torch.Generator().manual_seed(keyed_seed(cfg["seed"], point_key(model_name, p), r))
         idx[r] = torch.randperm(N, generator=gb)[:M]
         crd[r] = torch.randint(0, d, (M,), generator=gb)
-    bw, sigma0 = _parse_bandwidth(p["bandwidth_spec"])
+    spec = parse_bandwidth(p["bandwidth_spec"])
     dev = torch.device(device)
     D, sig, rank = batched_kwng(model, Theta.to(dev), Grads.to(dev), Z.to(dev), idx.to(dev), crd.to(dev),
-                                eps=cfg["eps"], lam=cfg["lam"], bandwidth=bw, sigma0=sigma0,
+                                eps=cfg["eps"], lam=cfg["lam"], bandwidth=spec.bandwidth, sigma0=spec.sigma0,
                                 damping=cfg["damping"], mem_bytes=mem_bytes)
     D, sig, rank = D.cpu(), sig.cpu(), rank.cpu()
     err = torch.linalg.vector_norm(D - Exact, dim=1) / torch.linalg.vector_norm(Exact, dim=1)
     return [{"model": model_name, "panel": p["panel"], "d": d, "N": N, "M": M,
              "bandwidth_spec": str(p["bandwidth_spec"]), "run": r, "bandwidth": float(sig[r]),
              "rank": int(rank[r]), "error": float(err[r])} for r in range(R)]
+
+
+def _resume_rows(path: Path, cfg: dict, model_name: str) -> tuple[list[dict], list[dict]]:
+    """The rows of ``path`` a resume keeps and the grid points still to compute: every row is
+    checked (:func:`~kwng.experiments.synthetic_setup.checked_rows`); the points with bad rows
+    (truncated, non-finite, repeated) or fewer than ``cfg["runs"]`` runs are recomputed whole,
+    and the bad rows leave the file even when no point is."""
+    rejected: list[dict] = []
+    rows, problems = checked_rows(path, rejected)
+    if problems:
+        log.warning("%d bad row(s) in %s are removed and their points recomputed: %s", len(problems),
+                    path, "; ".join(problems[:5]))
+    damaged = {point_key(model_name, r) for r in rejected}  # a repeated run: which copy is right?
+    done: dict[str, int] = {}
+    for r in rows:
+        k = point_key(model_name, r)
+        done[k] = done.get(k, 0) + 1
+    points = sweep_points(cfg, model_name)
+    todo = [p for p in points
+            if done.get(point_key(model_name, p), 0) < cfg["runs"] or point_key(model_name, p) in damaged]
+    keys_todo = {point_key(model_name, p) for p in todo}
+    rows = [r for r in rows if point_key(model_name, r) not in keys_todo]  # drop partial points
+    if problems and not todo:
+        write_csv_rows(path, SWEEP_COLUMNS, rows)
+    log.info("%s/%s: %d of %d points to do", cfg["experiment"], model_name, len(todo), len(points))
+    return rows, todo
 
 
 def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[str] | None = None,
@@ -117,35 +149,18 @@ def run_sweep(cfg: dict, out: str | Path, device: str = "cpu", models: Iterable[
     if mem_gb <= 0:
         raise ValueError(f"mem_gb must be in (0, inf), got {mem_gb}")
     out = Path(out)
-    prev = _prepare_dir(out, cfg, force)
+    prev = prepare_result_dir(out, cfg, force)
     t0 = time.perf_counter()
     timings: dict[str, float] = dict(prev.get("timings_s", {}))
     exact_cache: dict = {}
     computed = 0
     for model_name in models:
         path = out / f"{model_name}.csv"
-        rejected: list[dict] = []
-        rows, problems = checked_rows(path, rejected)
-        if problems:
-            log.warning("%d bad row(s) in %s are removed and their points recomputed: %s", len(problems),
-                        path, "; ".join(problems[:5]))
-        damaged = {_point_key(model_name, r) for r in rejected}  # a repeated run: which copy is right?
-        done: dict[str, int] = {}
-        for r in rows:
-            k = _point_key(model_name, r)
-            done[k] = done.get(k, 0) + 1
-        points = _sweep_points(cfg, model_name)
-        todo = [p for p in points
-                if done.get(_point_key(model_name, p), 0) < cfg["runs"] or _point_key(model_name, p) in damaged]
-        keys_todo = {_point_key(model_name, p) for p in todo}
-        rows = [r for r in rows if _point_key(model_name, r) not in keys_todo]  # drop partial points
-        if problems and not todo:  # the bad rows leave the file even when no point is recomputed
-            _write_rows(path, rows)
-        log.info("%s/%s: %d of %d points to do", cfg["experiment"], model_name, len(todo), len(points))
+        rows, todo = _resume_rows(path, cfg, model_name)
         tm = time.perf_counter()
         for p in tqdm(todo, desc=f"{cfg['experiment']}:{model_name}", disable=not progress):
             rows.extend(_compute_point(model_name, p, cfg, device, exact_cache, mem_gb * 1e9))
-            _write_rows(path, rows)
+            write_csv_rows(path, SWEEP_COLUMNS, rows)
             computed += 1
             # the time so far, recorded with the rows: an interrupted call still counts
             wall = time.perf_counter() - t0
@@ -197,14 +212,14 @@ def flow_problem(cfg: dict) -> tuple[NormalModel, torch.Tensor, np.ndarray, np.n
     d = cfg["d"]
     model = NormalModel(d)
     g = torch.Generator().manual_seed(cfg["seed"])
-    theta0 = draw_theta("normal", d, g, cfg["theta_variance"])
-    target = draw_theta("normal", d, g, cfg["theta_variance"])
+    theta0 = model.params_near_reference(g, cfg["theta_variance"])
+    target = model.params_near_reference(g, cfg["theta_variance"])
     target[:d] = cfg["target_mean_std"] * torch.randn(d, generator=g, dtype=torch.float64)
     mu_t, L_t = model.split(target)
     return model, theta0, mu_t.numpy(), (L_t @ L_t.T).numpy()
 
 
-def _flow_direction(method, model, th, grad, cfg, it, dev, kernel, bw, sigma0) -> torch.Tensor:
+def _flow_direction(method, model, th, grad, cfg, it, dev, spec: BandwidthSpec) -> torch.Tensor:
     """The direction of ``method`` at ``th`` in :func:`run_flow` (EG, exact WNG or a KWNG variant)."""
     variants = cfg["kwng_variants"]
     if method == "eg":
@@ -213,12 +228,11 @@ def _flow_direction(method, model, th, grad, cfg, it, dev, kernel, bw, sigma0) -
         direction = model.wng(th, grad)
     else:
         N, M = variants[method]["N"], variants[method]["M"]
-        g = torch.Generator().manual_seed(_seed(cfg["seed"], method, it))
+        g = torch.Generator().manual_seed(keyed_seed(cfg["seed"], method, it))
         Z = model.sample_latent(N, g).to(dev)
         res = kwng_gradient(lambda t, Z=Z: model.sample(t, Z), th.to(dev), grad.to(dev), num_basis=M,
-                            eps=cfg["eps"], lam=cfg["lam"], kernel=kernel, generator=g,
-                            damping=cfg["damping"], bandwidth=bw if isinstance(bw, str) else None,
-                            sigma0=sigma0)
+                            eps=cfg["eps"], lam=cfg["lam"], kernel=spec.kernel(), generator=g,
+                            damping=cfg["damping"], bandwidth=spec.rule, sigma0=spec.sigma0)
         direction = res.direction.cpu()
     return direction
 
@@ -234,7 +248,7 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
     from tqdm.auto import tqdm
 
     out = Path(out)
-    prev = _prepare_dir(out, cfg, force)
+    prev = prepare_result_dir(out, cfg, force)
     if prev:
         damage = flow_problems(out, prev)
         if not damage:
@@ -245,8 +259,7 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
     t0 = time.perf_counter()
     model, theta0, mu_t, Sigma_t = flow_problem(cfg)
     variants = cfg["kwng_variants"]
-    bw, sigma0 = _parse_bandwidth(cfg["bandwidth"])
-    kernel = GaussianKernel(1.0 if isinstance(bw, str) else bw)
+    spec = parse_bandwidth(cfg["bandwidth"])
     dev = torch.device(device)
     methods = ["wng", *variants, "eg"]
     traj = {m: [theta0.clone()] for m in methods}
@@ -262,7 +275,7 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
                 continue
             _, grad = normal_w2_and_grad(model, th, mu_t, Sigma_t)
             try:
-                direction = _flow_direction(method, model, th, grad, cfg, it, dev, kernel, bw, sigma0)
+                direction = _flow_direction(method, model, th, grad, cfg, it, dev, spec)
                 new = th - cfg["steps"][method] * direction
                 loss = normal_w2_and_grad(model, new, mu_t, Sigma_t)[0]
                 ok = bool(torch.isfinite(new).all()) and np.isfinite(loss) and loss < cfg["divergence_factor"] * loss0
@@ -275,8 +288,8 @@ def run_flow(cfg: dict, out: str | Path, device: str = "cpu", progress: bool = T
                 new, loss = torch.full_like(th, float("nan")), float("nan")
             traj[method].append(new)
             losses[method].append(loss)
-    _write_flow_csvs(out, losses, traj, model)
-    svals = _write_pca_csv(out, traj)
+    write_flow_csvs(out, losses, traj, model)
+    svals = write_pca_csv(out, traj)
     wall = time.perf_counter() - t0
     explained = (svals[:2] ** 2 / (svals ** 2).sum()).tolist()
     return write_provenance(out, cfg, seeds={"base_seed": cfg["seed"]}, device=device, wall_time_s=wall,
@@ -313,10 +326,10 @@ def check_results_complete(name: str, results_dir: str | Path = "results", runs:
         count: dict[str, int] = {}
         for r in rows:
             if np.isfinite(r["error"]):
-                k = _point_key(model_name, r)
+                k = point_key(model_name, r)
                 count[k] = count.get(k, 0) + 1
-        for p in _sweep_points(cfg, model_name):
-            c = count.get(_point_key(model_name, p), 0)
+        for p in sweep_points(cfg, model_name):
+            c = count.get(point_key(model_name, p), 0)
             if c != cfg.get("runs"):
                 problems.append(f"{model_name} {p}: {c} runs")
     return problems
@@ -332,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("name", choices=["relerr", "bandwidth", "flow"])
     ap.add_argument("--scale", choices=list(_config.SCALES), default=None,
                     help="grid size (default: $KWNG_SCALE, else small)")
-    ap.add_argument("--model", nargs="+", choices=list(MODELS), default=None, help="models to run (sweeps)")
+    ap.add_argument("--model", nargs="+", choices=list(FIGURE_MODELS), default=None, help="models to run (sweeps)")
     ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     ap.add_argument("--out", default=None, help="output directory (default results/<name>)")
     ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound of one batch of runs")

@@ -1,31 +1,35 @@
 """Set-up of the synthetic experiments (:mod:`kwng.experiments.synthetic`).
 
-The configurations of the three commands, the random draws (keyed by grid point), the grid
-points of the sweeps and the result files (reading, checking, atomic writing). Moved
-out of :mod:`kwng.experiments.synthetic`, which re-exports every name; see its docstring for
-the protocol.
+The configurations of the three commands, the grid points of the sweeps and their result
+files (reading, checking, atomic writing); see :mod:`kwng.experiments.synthetic` for the
+protocol. The random draws are keyed by grid point (:func:`kwng.experiments.grid.keyed_seed`)
+and the parameters drawn near the model's reference point
+(:meth:`kwng.models.ImplicitModel.params_near_reference`).
 """
 
 from __future__ import annotations
 
-import csv
 import io
-import zlib
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from kwng import config as _config
-from kwng.experiments.guard import prepare_result_dir
+from kwng.experiments.grid import panel_points
 from kwng.experiments.guard_csv import read_csv_checked
 from kwng.experiments.provenance import ResultFileError, atomic_write_text, read_json
-from kwng.models import NormalModel, make_model
+from kwng.models import NormalModel, model_names
 
-MODELS = ("sphere", "normal", "lognormal")
+__all__ = ["FIGURE_MODELS", "SWEEP_COLUMNS", "RELERR_BANDWIDTH", "relerr_config",
+           "bandwidth_config", "flow_config", "sweep_points", "point_key", "load_rows",
+           "checked_rows", "write_flow_csvs", "write_pca_csv", "load_flow", "flow_problems"]
+
+#: The models of the sweeps (names of :data:`kwng.models.MODELS`) in the order of the paper's
+#: figures: the sphere (Fig. 1), then the normal and log-normal models (Fig. 5). The committed
+#: configurations record this order: changing it makes the guards refuse them.
+FIGURE_MODELS = model_names(("sphere", "normal", "lognormal"))
 SWEEP_COLUMNS = ("model", "panel", "d", "N", "M", "bandwidth_spec", "run", "bandwidth", "rank", "error")
-
 
 
 # Kernel bandwidth used by the relative-error study, per model. The sphere follows the paper
@@ -42,7 +46,7 @@ def relerr_config(scale: str | None = None) -> dict:
     full = _config.resolve(scale) == "full"
     return {
         "experiment": "relerr", "scale": "full" if full else "small",
-        "models": list(MODELS),
+        "models": list(FIGURE_MODELS),
         "dims": list(range(1, 11)) if full else [1, 3, 5],
         "N_values": [250, 500, 1000, 2000, 5000] if full else [250, 500, 1000],
         "N_fixed": 5000 if full else 1000,
@@ -58,7 +62,7 @@ def bandwidth_config(scale: str | None = None) -> dict:
     full = _config.resolve(scale) == "full"
     return {
         "experiment": "bandwidth", "scale": "full" if full else "small",
-        "models": list(MODELS),
+        "models": list(FIGURE_MODELS),
         "dims": list(range(1, 11)) if full else [1, 3, 5],
         "N_fixed": 5000 if full else 1000,
         "sigmas": [0.01, 0.1, 1.0, 10.0, 100.0, 1000.0] if full else [0.1, 1.0, 10.0, 100.0],
@@ -87,49 +91,16 @@ def flow_config(scale: str | None = None) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Random draws (all on the CPU, keyed by the grid point so that any point can be redone alone)
+# Grid points (the draws are keyed by them, so that any point can be redone alone)
 # --------------------------------------------------------------------------------------------
-def _seed(*parts: Any) -> int:
-    return zlib.crc32("|".join(map(str, parts)).encode()) & 0x7FFFFFFF
-
-
-def draw_theta(model_name: str, d: int, generator: torch.Generator, variance: float = 0.1) -> torch.Tensor:
-    """One random parameter of the accuracy studies: ``θ = θ₀ + ξ``, ``ξ ~ N(0, variance · I)``.
-
-    ``θ₀ = 0`` for the sphere and the log-normal model (the paper's protocol as stated), and
-    ``θ₀ = (μ = 0, L = I)`` for the normal model, where ``θ = ξ`` alone would put ``L`` near a
-    random small lower-triangular matrix and ``Σ = LLᵀ`` close to singular (see the chapter).
-    """
-    if model_name not in MODELS:
-        raise ValueError(f"model_name must be one of {list(MODELS)}, got {model_name!r}")
-    model = make_model(model_name, d)
-    theta = model.random_params(generator, variance)
-    if model_name == "normal":
-        rows, cols = torch.tril_indices(d, d)
-        theta[d:] += (rows == cols).to(theta.dtype)
-    return theta
-
-
-def _parse_bandwidth(spec: float | str) -> tuple[float | str, float]:
-    """``1.0`` -> fixed σ; ``"mean_sq:0.5"`` -> heuristic with σ0 = 0.5."""
-    if isinstance(spec, str):
-        rule, _, s0 = spec.partition(":")
-        if rule != "mean_sq":
-            raise ValueError(f"bandwidth spec must be a number or 'mean_sq:<sigma0>', got {spec!r}")
-        return "mean_sq", float(s0 or 1.0)
-    return float(spec), 1.0
-
-
-def _sweep_points(cfg: dict, model_name: str) -> list[dict]:
+def sweep_points(cfg: dict, model_name: str) -> list[dict]:
+    """The grid points of one model's ``relerr`` (panels ``N``, ``M``) or ``bandwidth``
+    (panel ``sigma``) sweep, each with its ``bandwidth_spec``."""
     pts = []
     if cfg["experiment"] == "relerr":
         bw = cfg["bandwidth"][model_name]
-        for d in cfg["dims"]:
-            for N in cfg["N_values"]:
-                pts.append({"panel": "N", "d": d, "N": N, "M": min(N, int(d * N ** 0.5)), "bandwidth_spec": bw})
-            for M in cfg["M_values"]:
-                if M <= cfg["N_fixed"]:
-                    pts.append({"panel": "M", "d": d, "N": cfg["N_fixed"], "M": M, "bandwidth_spec": bw})
+        pts = [{**p, "bandwidth_spec": bw}
+               for p in panel_points(cfg["dims"], cfg["N_values"], cfg["N_fixed"], cfg["M_values"])]
     elif cfg["experiment"] == "bandwidth":
         N = cfg["N_fixed"]
         for d in cfg["dims"]:
@@ -140,7 +111,8 @@ def _sweep_points(cfg: dict, model_name: str) -> list[dict]:
     return pts
 
 
-def _point_key(model_name: str, p: dict) -> str:
+def point_key(model_name: str, p: dict) -> str:
+    """The key of a grid point (or of a row): the seeds of its draws and its CSV rows."""
     return f"{model_name}|{p['panel']}|{p['d']}|{p['N']}|{p['M']}|{p['bandwidth_spec']}"
 
 
@@ -151,7 +123,7 @@ _CONVERTERS = {"d": int, "N": int, "M": int, "run": int, "rank": int, "bandwidth
 
 
 def _row_key(r: dict) -> tuple[str, int]:
-    return _point_key(r["model"], r), r["run"]
+    return point_key(r["model"], r), r["run"]
 
 
 def load_rows(path: str | Path) -> list[dict]:
@@ -173,24 +145,8 @@ def checked_rows(path: str | Path, rejected: list[dict] | None = None) -> tuple[
                             rejected=rejected)
 
 
-def _write_rows(path: Path, rows: list[dict]) -> None:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=SWEEP_COLUMNS, lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (f"{r[k]:.10g}" if isinstance(r[k], float) else r[k]) for k in SWEEP_COLUMNS})
-    atomic_write_text(path, buf.getvalue())
-
-
-def _prepare_dir(out: Path, cfg: dict, force: bool = False) -> dict:
-    """Create ``out`` or check that its recorded configuration is ``cfg`` (see
-    :func:`kwng.experiments.guard.prepare_result_dir`: another configuration is refused unless
-    ``force``, which moves it to a backup). Returns the previous provenance or ``{}``."""
-    return prepare_result_dir(out, cfg, force)
-
-
-def _write_flow_csvs(out: Path, losses: dict, traj: dict, model: NormalModel) -> None:
-    """``loss.csv`` and ``trajectories.csv`` of :func:`~kwng.experiments.synthetic.run_flow`."""
+def write_flow_csvs(out: Path, losses: dict, traj: dict, model: NormalModel) -> None:
+    """Write ``loss.csv`` and ``trajectories.csv`` of :func:`~kwng.experiments.synthetic.run_flow`."""
     buf = io.StringIO()
     buf.write("iteration,method,loss\n")
     for m, ls in losses.items():
@@ -205,7 +161,7 @@ def _write_flow_csvs(out: Path, losses: dict, traj: dict, model: NormalModel) ->
     atomic_write_text(out / "trajectories.csv", buf.getvalue())
 
 
-def _write_pca_csv(out: Path, traj: dict) -> np.ndarray:
+def write_pca_csv(out: Path, traj: dict) -> np.ndarray:
     """``pca.csv`` of :func:`~kwng.experiments.synthetic.run_flow`: the trajectories on the two leading principal directions
     of the (finite part of the) WNG trajectory. Returns the singular values."""
     W = torch.stack(traj["wng"]).numpy()

@@ -43,9 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     model = kwng.NormalModel(args.d)
     gen = torch.Generator().manual_seed(0)
-    theta = model.random_params(gen)
-    mu, L = model.split(theta)
-    theta = model.join(mu, L + torch.eye(args.d, dtype=L.dtype))
+    theta = model.params_near_reference(gen)  # L near the identity: Σ well conditioned
     grad = 0.1 ** 0.5 * torch.randn(model.num_params, generator=gen, dtype=torch.float64)
     Z = model.sample_latent(args.N, gen)
     exact = model.wng(theta, grad)
