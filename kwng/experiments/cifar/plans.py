@@ -181,18 +181,11 @@ def _main_plan(common: dict, epochs: int) -> list[dict]:
     return jobs + _seeded(base, ABLATIONS, 0, ("ill",))
 
 
-def build_plan(
-    name: str,
-    dataset: str = "cifar10",
-    epochs: int = 6,
-    select_steps: int = 120,
-    select_subset: int | None = 10_000,
-    select_val: int = 2_000,
-    data_root: str | None = None,
-    select_epochs: int = 2,
-    with_ablations: bool | None = None,
-    methods: Sequence[str] | None = None,
-) -> list[dict]:
+def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
+               select_steps: int = 120, select_subset: int | None = 10_000,
+               select_val: int = 2_000, data_root: str | None = None,
+               select_epochs: int = 2, with_ablations: bool | None = None,
+               methods: Sequence[str] | None = None) -> list[dict]:
     """Run lists (only the runs of ``methods``, when given: a suite run in parts).
 
     * ``claim_select``: every method of :data:`CLAIM_METHODS` × {ill, well} ×
@@ -206,8 +199,7 @@ def build_plan(
       then :data:`CLAIM_ABLATIONS` (seed 0, both conditionings) when ``with_ablations``
       (default: when the preconditioner supports them).
     * ``select`` and ``main``: the plans of the earlier 6-epoch study. ``select``: every
-      method of :data:`~kwng.experiments.cifar.methods.SELECT_METHODS` ×
-      {ill, well} × :data:`LR_GRID` for
+      method of :data:`SELECT_METHODS` × {ill, well} × :data:`LR_GRID` for
       ``select_steps`` steps on ``select_subset`` training images, evaluated on
       ``select_val`` held-out training images. ``main``: seed 0 of sgd/adam/kwng in both
       conditionings, seeds 1–2 of those, seed 0 of the other methods in both

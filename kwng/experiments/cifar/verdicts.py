@@ -23,14 +23,11 @@ def claim_verdict(
     small_u: float = SMALL_U,
 ) -> dict:
     """The decision rule of the claim suite, fixed before the runs (book chapter,
-    "Decision rule"):
-    the claim holds if, in the final test accuracy (mean over seeds), (a) IC KWNG is
-    within
-    ``within`` of WC KWNG, (b) IC KWNG is at least ``above_sgd`` above IC SGD, and (c)
-    on every class
-    with ``U_k ≤ small_u``, IC KWNG's accuracy is at least ``class_ratio`` times WC
-    KWNG's on that class.
-    Returns the numbers and the three booleans (``None`` where a run is missing)."""
+    "Decision rule"): the claim holds if, in the final test accuracy (mean over seeds),
+    (a) IC KWNG is within ``within`` of WC KWNG, (b) IC KWNG is at least ``above_sgd``
+    above IC SGD, and (c) on every class with ``U_k ≤ small_u``, IC KWNG's accuracy is at
+    least ``class_ratio`` times WC KWNG's on that class. Returns the numbers and the
+    three booleans (``None`` where a run is missing)."""
     table = final_accuracy_table(results, methods=CLAIM_ALL)
 
     def fin(m, c):
@@ -41,10 +38,8 @@ def claim_verdict(
     U = class_scalings(results) if has_U else np.zeros(0)
     small = np.flatnonzero(U <= small_u)
     small = small[np.argsort(U[small])]  # ascending U_k
-    pc_ill, pc_well = (
-        final_per_class(results, "ill", "kwng"),
-        final_per_class(results, "well", "kwng"),
-    )
+    pc_ill = final_per_class(results, "ill", "kwng")
+    pc_well = final_per_class(results, "well", "kwng")
     out = {
         "kwng_ill": k_ill,
         "kwng_well": k_well,
@@ -66,10 +61,8 @@ def claim_verdict(
     if k_ill is not None and s_ill is not None:
         out["b_above_sgd"] = bool(k_ill - s_ill >= above_sgd)
     if pc_ill is not None and pc_well is not None:
-        out["per_class_ill"], out["per_class_well"] = (
-            pc_ill[small].tolist(),
-            pc_well[small].tolist(),
-        )
+        out["per_class_ill"] = pc_ill[small].tolist()
+        out["per_class_well"] = pc_well[small].tolist()
         out["c_small_classes"] = bool(
             np.all(pc_ill[small] >= class_ratio * pc_well[small])
         )
