@@ -25,8 +25,8 @@ def claim_verdict(
     """The decision rule of the claim suite, fixed before the runs (book chapter,
     "Decision rule"): the claim holds if, in the final test accuracy (mean over seeds),
     (a) IC KWNG is within ``within`` of WC KWNG, (b) IC KWNG is at least ``above_sgd``
-    above IC SGD, and (c) on every class with ``U_k ≤ small_u``, IC KWNG's accuracy is at
-    least ``class_ratio`` times WC KWNG's on that class. Returns the numbers and the
+    above IC SGD, and (c) on every class with ``U_k ≤ small_u``, IC KWNG's accuracy is
+    at least ``class_ratio`` times WC KWNG's on that class. Returns the numbers and the
     three booleans (``None`` where a run is missing)."""
     table = final_accuracy_table(results, methods=CLAIM_ALL)
 
