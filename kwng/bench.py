@@ -41,7 +41,6 @@ from .cuda_graphs import capture_step
 from .nets import mlp, resnet18
 from .precond import KWNGPreconditioner
 from .provenance import atomic_write_json, index_provenance, make_provenance
-from .replicate import LAYOUTS
 
 __all__ = ["time_steps", "bench_config", "CONFIGS", "main"]
 
@@ -74,17 +73,16 @@ def time_steps(fn: Callable[[], None], device: torch.device, steps: int, warmup:
 
 
 def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num_basis: int,
-               amp: torch.dtype | None, layout: str = "auto"
-               ) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
+               amp: torch.dtype | None) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
     loss_fn = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     precond = None
     graph = row.endswith("_graph")
     row = row.removesuffix("_graph")
     if row in ("kwng_fast", "kwng_reference", "diag_fast"):
-        precond = KWNGPreconditioner(model, optimizer=opt, num_basis=num_basis, eps=1e-5,
+        precond = KWNGPreconditioner(model, lr=1e-3, num_basis=num_basis, eps=1e-5,
                                      mode="reference" if row == "kwng_reference" else "fast",
-                                     diagonal_only=row == "diag_fast", layout=layout)
+                                     diagonal_only=row == "diag_fast")
     if row == "fwd_bwd_RN":
         z = z.repeat((num_basis + 1,) + (1,) * (z.dim() - 1)).contiguous(
             memory_format=torch.channels_last if z.is_contiguous(memory_format=torch.channels_last)
@@ -117,9 +115,8 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num
 
 def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precision: torch.dtype,
                  memory_format: torch.memory_format, basis_sizes: tuple[int, ...], steps: int, warmup: int,
-                 rows: tuple[str, ...] = ROWS, layout: str = "auto") -> list[dict]:
-    """Time every row in one configuration; returns records with ``ratio_to_sgd`` (and, for the
-    KWNG rows, ``engine_layout``: the layout of the replicated pass, ``layout`` as resolved)."""
+                 rows: tuple[str, ...] = ROWS) -> list[dict]:
+    """Time every row in one configuration; returns records with ``ratio_to_sgd``."""
     device = z.device
     base = copy.deepcopy(model).to(memory_format=memory_format)
     z = z.contiguous(memory_format=memory_format) if z.dim() == 4 else z
@@ -131,7 +128,7 @@ def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precisio
             if device.type == "cuda":  # before the step is built: emptying the cache after a
                 torch.cuda.empty_cache()  # capture also freed the cuBLAS workspace that the
                 torch.cuda.reset_peak_memory_stats(device)  # graph replays (illegal access)
-            step, precond = _make_step(row, m, z, y, max(M, 1), amp, layout)
+            step, precond = _make_step(row, m, z, y, max(M, 1), amp)
             times = time_steps(step, device, steps if row != "kwng_reference" else max(5, steps // 3), warmup)
             rec = {"mode": row, "num_basis": M or None, "median_ms": statistics.median(times), "min_ms": min(times),
                    "q25_ms": statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0],
@@ -140,7 +137,6 @@ def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precisio
             if device.type == "cuda":
                 rec["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
             if precond is not None:
-                rec["engine_layout"] = precond.engine_layout
                 rec["counters"] = precond.counters()
                 precond.remove_hooks()
             out.append(rec)
@@ -152,13 +148,13 @@ def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precisio
 
 
 def _table(records: list[dict]) -> str:
-    lines = ["| precision | memory format | mode | M | median ms | × SGD | peak MiB | engine layout |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| precision | memory format | mode | M | median ms | × SGD | peak MiB |",
+             "|---|---|---|---|---|---|---|"]
     for r in records:
         ratio = "" if r["ratio_to_sgd"] is None else f"{r['ratio_to_sgd']:.2f}"
         mem = f"{r['peak_mem_mb']:.0f}" if "peak_mem_mb" in r else ""
         lines.append(f"| {r['precision']} | {r['memory_format']} | {r['mode']} | {r['num_basis'] or ''} | "
-                     f"{r['median_ms']:.2f} | {ratio} | {mem} | {r.get('engine_layout') or ''} |")
+                     f"{r['median_ms']:.2f} | {ratio} | {mem} |")
     return "\n".join(lines)
 
 
@@ -207,8 +203,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="results/benchmarks/step_cost.json")
     p.add_argument("--force", action="store_true", help="replace an existing --out (moved to a dated backup)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layout", default="auto", choices=LAYOUTS,
-                   help="layout of the fast path's replicated pass (KWNGPreconditioner's layout)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     device = _check_args(p, args)
@@ -247,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
         precision, fmt = CONFIGS[name]
         log.info("%s:", name)
         for r in bench_config(model, z, y, precision=precision, memory_format=fmt, basis_sizes=basis_sizes,
-                              steps=args.steps, warmup=args.warmup, rows=rows, layout=args.layout):
+                              steps=args.steps, warmup=args.warmup, rows=rows):
             r["precision"] = "bf16_autocast" if precision == torch.bfloat16 else "fp32"
             r["memory_format"] = "channels_last" if fmt == torch.channels_last else "nchw"
             records.append(r)
