@@ -32,13 +32,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _direction(model, z, y, mode, amp, seed):
     m = copy.deepcopy(model)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pc = KWNGPreconditioner(
         m,
-        optimizer=opt,
         mode=mode,
         clip_norm=None,
-        adapt_eps=False,
+        eps_schedule=None,
         generator=torch.Generator().manual_seed(seed),
     )
     ctx = (
@@ -85,7 +83,7 @@ def main() -> None:
         C64 = torch.randn(a.num_basis, a.batch, 10, device=dev, dtype=torch.float64)
         T64 = jacobian_from_outputs(X64, list(m64.parameters()), C64, retain_graph=True)
         e64 = copy.deepcopy(model).double()
-        pc64 = KWNGPreconditioner(e64, adapt_eps=False, num_basis=a.num_basis)
+        pc64 = KWNGPreconditioner(e64, eps_schedule=None, num_basis=a.num_basis)
         Xe = e64(z.double())
         _, Te = pc64._gradients(
             nn.functional.cross_entropy(Xe, y), Xe, C64, list(e64.parameters())
@@ -129,7 +127,7 @@ def main() -> None:
                 )
             ]
         )
-        pc = KWNGPreconditioner(m, adapt_eps=False, num_basis=a.num_basis)
+        pc = KWNGPreconditioner(m, eps_schedule=None, num_basis=a.num_basis)
         ctx = (
             torch.autocast(dev.type, dtype=amp)
             if amp

@@ -60,6 +60,17 @@ def test_bench_writes_one_row_per_mode_with_ratios(tmp_path):
     assert {"git_commit", "date", "config", "device"} <= set(rec["provenance"])
 
 
+def test_bench_times_the_kwng_rows_once_per_gpu_path(tmp_path, capsys):
+    args = ARGS[:-1] + ["sgd,kwng_fast", "--gpu-paths", "triton,compile"]
+    rec = bench.main(args + ["--out", str(tmp_path / "paths.json")])
+    assert [(r["mode"], r.get("gpu_path")) for r in rec["rows"]] == [
+        ("sgd", None), ("kwng_fast", "triton"), ("kwng_fast", "compile")]
+    with pytest.raises(SystemExit):
+        bench.main(args[:-1] + ["cudnn", "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert "--gpu-paths must be a comma list of ['triton', 'compile']" in err
+
+
 def test_bench_refuses_to_replace_a_result_and_checks_its_arguments(tmp_path, capsys):
     out = tmp_path / "step_cost.json"
     out.write_text("{}")
@@ -133,3 +144,26 @@ def test_capture_step_rejects_bad_input_and_a_missing_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             capture_step(lambda: None)
+
+
+def test_engine_parts_benchmark_writes_its_table(tmp_path):
+    """benchmarks/engine_parts.py on tiny shapes on the CPU (eager stands in for the
+    compiler): every part's columns, the rule's verdict slot and the provenance."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_parts.py"
+    spec = importlib.util.spec_from_file_location("engine_parts", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "engine_parts.json"
+    mod.main(["--device", "cpu", "--smoke", "--reps", "1", "--compile-backend", "eager",
+              "--batch", "4", "--copies", "3", "--json", str(out)])
+    rec = json.loads(out.read_text())
+    for dt in ("float32", "bfloat16"):
+        for part in ("repeat", "relayout", "bn_backward"):
+            ms = rec["parts"][dt][part]["ms"]
+            assert ms["eager"] > 0 and ms["compile"] > 0 and ms["triton"] is None
+    assert rec["parts"]["direction"]["ms"]["compile"] > 0
+    assert {"git_commit", "date", "config", "device"} <= set(rec["provenance"])
+    assert mod.verdict({"compile": 1.5, "triton": 1.0}, 21.8)["keep_kernel"] is False
+    assert mod.verdict({"compile": 2.5, "triton": 1.0}, 21.8)["keep_kernel"] is True

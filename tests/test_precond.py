@@ -118,7 +118,6 @@ def test_replicated_backward_with_an_unused_and_a_frozen_parameter():
     model = _resnet()
     model.unused = nn.Linear(3, 3).double()  # never called in forward
     C = torch.randn(4, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pc = KWNGPreconditioner(model, lr=0.1, num_basis=4, eps=1e-3, clip_norm=None,
                             generator=torch.Generator().manual_seed(5))
     ref_model = copy.deepcopy(model)
@@ -570,7 +569,6 @@ def test_config_object_and_keywords_build_the_same_preconditioner():
     import dataclasses
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = kwng.KWNGConfig(num_basis=3, eps=1e-3, damping="T", eps_schedule=LMSchedule(interval=2),
                           mode="reference")
     by_cfg = KWNGPreconditioner(model, lr=0.1, config=cfg)

@@ -1,5 +1,5 @@
-"""The step's direction (kwng.solve.safeguard, kwng.step_direction) and the functions the
-fast path compiles on CUDA (kwng.gpu_paths): the safeguard's rule, and that each
+"""The step's direction (kwng.solve.safeguard, kwng.step_direction) and the functions
+the fast path compiles on CUDA (kwng.gpu_paths): the safeguard's rule, and that each
 function traces into one graph (``fullgraph=True``, what ``torch.compile`` needs on the
 GPU) with the same values as eager."""
 
@@ -25,7 +25,9 @@ def test_safeguard_keeps_a_descent_direction_and_clips_it():
     assert torch.equal(s.direction, torch.tensor([1.0, 0.0])) and not bool(s.clipped)
 
 
-@pytest.mark.parametrize("bad", [[-1.0, 0.0], [0.0, 0.0], [math.nan, 1.0], [math.inf, 1.0]])
+@pytest.mark.parametrize(
+    "bad", [[-1.0, 0.0], [0.0, 0.0], [math.nan, 1.0], [math.inf, 1.0]]
+)
 def test_safeguard_falls_back_to_the_gradient(bad):
     """⟨g, ĝ⟩ ≤ 0 or a non-finite ĝ (a failed solve is NaN): the clipped gradient."""
     g = torch.tensor([3.0, 4.0])
@@ -65,8 +67,9 @@ def test_a_failed_solve_falls_back_to_the_gradient():
     (here ε < 0 makes it negative definite) gives the Euclidean gradient."""
     T, CCt, K, g, N = _problem()
     out = torch.empty_like(g)
-    info = direction_into(out, T, CCt, K, g, N, eps=torch.tensor(-1e12, dtype=torch.float64),
-                          lam=0.0, damping="T_tilde", rcond=None, clip_norm=None)
+    eps = torch.tensor(-1e12, dtype=torch.float64)
+    info = direction_into(out, T, CCt, K, g, N, eps=eps, lam=0.0, damping="T_tilde",
+                          rcond=None, clip_norm=None)
     assert bool(info["fallback"]) and torch.equal(out, g)
 
 

@@ -1,7 +1,7 @@
 """Checks of the Triton kernels (:mod:`kwng.triton_ops`, :mod:`kwng.triton_bn`,
-:mod:`kwng.triton_solve`) under Triton's interpreter, run by ``tests/test_triton_ops.py``
-in a subprocess with ``TRITON_INTERPRET=1`` (the variable must be set before Triton is
-imported, so these cannot run in the main test process).
+:mod:`kwng.triton_solve`) under Triton's interpreter, run by
+``tests/test_triton_ops.py`` in a subprocess with ``TRITON_INTERPRET=1`` (the variable
+must be set before Triton is imported, so these cannot run in the main test process).
 
 Every kernel is compared with the PyTorch function that defines it, and the fast KWNG
 path, which then goes through the kernels on CPU tensors, with serial autograd passes.

@@ -8,7 +8,7 @@ Two studies share this runner:
   ``z ↦ U h_θ(z)`` (:class:`kwng.nets.ConditionedNetwork`, ``U`` inside the network as
   in the authors' code, so the KWNG samples are ``U h_θ(z)``; ``kwng_samples_before_U``
   is the ablation on ``h_θ(z)``), the authors' ε convention
-  (:func:`~kwng.experiments.cifar_methods.authors_eps`), step sizes chosen from
+  (:func:`kwng.precond_config.eps_from_authors`), step sizes chosen from
   :data:`LR_GRID` by 2-epoch runs scored on a validation split of the training set, and
   one schedule for every method: constant step, ×0.1 for the last ~15 % of the epochs
   (:func:`~kwng.experiments.cifar_methods.milestones_for`);
@@ -93,10 +93,8 @@ from .cifar_methods import (  # noqa: F401  (re-exported: cifar.X)
     SELECT_METHODS,
     MethodStep,
     RunConfig,
-    authors_eps,
     build_model,
     build_optimizer,
-    lm_same_batch_available,
     make_step,
     milestones_for,
 )
@@ -129,9 +127,9 @@ from .cli_checks import device_problem, lr_arg, path_problem
 
 __all__ = ["METHODS", "LR_GRID", "SELECT_METHODS", "CLAIM_METHODS", "CLAIM_TWO_SEEDS",
            "CLAIM_ABLATIONS", "CONDITIONINGS", "SCHEDULES", "INFO_KEYS", "RunConfig",
-           "run", "run_dir_for", "authors_eps", "milestones_for", "evaluate",
+           "run", "run_dir_for", "milestones_for", "evaluate",
            "build_plan", "select_lrs", "check_results", "check_claim", "load_results",
-           "main", "BUDGET_CUT", "lm_same_batch_available", "MethodStep", "make_step",
+           "main", "BUDGET_CUT", "MethodStep", "make_step",
            "SMALL_RUN", "run_config_from_args"]
 
 log = logging.getLogger(__name__)

@@ -1,17 +1,16 @@
 """The CIFAR study's methods and run settings (book chapter :ref:`experiments-cifar`).
 
 The method table (:data:`METHODS`), the plans' method lists, the step-size grid, the
-authors' ε convention (:func:`authors_eps`), the configuration of one run
-(:class:`RunConfig`) and the construction of each method's model, optimizer and
-preconditioner. Every method takes its step through one protocol, :class:`MethodStep`
-(``step(loss, outputs, hidden=..., batch=...)``): one adapter per family (plain
-``torch.optim`` step, KFAC/EKFAC, KWNG), built once by :func:`make_step`; the training
-loop and ``cifar timing`` call it and nothing else.
+authors' ε (converted by :func:`kwng.precond_config.eps_from_authors`), the
+configuration of one run (:class:`RunConfig`) and the construction of each method's
+model, optimizer and preconditioner. Every method takes its step through one protocol,
+:class:`MethodStep` (``step(loss, outputs, hidden=..., batch=...)``): one adapter per
+family (plain ``torch.optim`` step, KFAC/EKFAC, KWNG), built once by :func:`make_step`;
+the training loop and ``cifar timing`` call it and nothing else.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -35,29 +34,10 @@ EPS_AUTHORS = 1e-5
 EPS_BOUNDS_AUTHORS = (1e-10, 1e5)
 
 
-def authors_eps(eps: float, batch_size: int) -> float:
-    """Our ``ε`` equal to the authors' ``ε``: ``ε_ours = √N · ε_authors`` (``N`` =
-    ``batch_size``).
-
-    The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε I`` to the ``M × M``
-    system; we whiten with ``(CCᵀ)^{-1/2}`` and add ``(ε/N) I`` (Prop. 6). Our ``T̃`` and
-    ``D`` are theirs divided by ``√N``, and the two directions coincide when
-    ``ε_ours = √N ε_authors`` (derivation in the book chapter :ref:`experiments-cifar`;
-    tested in ``tests/test_cifar.py``). The bounds of the Levenberg–Marquardt rule
-    convert the same way.
-    """
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
-            or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    return math.sqrt(batch_size) * float(eps)
-
-
 # method -> settings. "lr_from": the method whose selected step size it uses.
 # "estimator_input": the KWNG samples, "scaled" = U h (the network's outputs, as the
 # authors' code), "logits" = h (before U, as the paper's text). "eps_convention":
-# "authors" (authors_eps) or "ours" (ε0 = 1e-5).
+# "authors" (kwng.precond_config.eps_from_authors) or "ours" (ε0 = 1e-5).
 _KWNG = {"precond": "kwng", "num_basis": 5, "damping": "T_tilde", "kernel": "gaussian",
          "diagonal_only": False, "estimator_input": "scaled",
          "eps_convention": "authors"}
@@ -260,16 +240,6 @@ def movement_budget(lr: float, epochs: int, schedule: str, steps_per_epoch: int 
             for e in range(epochs)]
 
 
-def lm_same_batch_available() -> bool:
-    """Whether :class:`kwng.precond.KWNGPreconditioner` accepts ``lm_rule`` (the
-    same-batch Levenberg–Marquardt variant of ``kwng_lm_same_batch``): a field of
-    :class:`kwng.precond_config.KWNGConfig`, which the preconditioner's keyword
-    arguments fill."""
-    from ..precond_config import KWNGConfig
-
-    return "lm_rule" in {f.name for f in dataclasses.fields(KWNGConfig)}
-
-
 # ------------------------------------------------------------------------ construction
 def device_for(name: str | None) -> torch.device:
     """``name``, or CUDA when available, else CPU."""
@@ -306,31 +276,29 @@ def build_optimizer(cfg: RunConfig, model: nn.Module,
 
 
 def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
+    from ..lm import LMSchedule
     from ..nets import ConditionedNetwork
     from ..precond import KWNGPreconditioner
+    from ..precond_config import eps_from_authors
 
     spec = cfg.spec
-    kw: dict[str, Any] = {"eps": 1e-5}
+    eps, bounds = 1e-5, {}
     if spec.get("eps_convention", "ours") == "authors":
         n = cfg.batch
-        kw.update(eps=authors_eps(EPS_AUTHORS, n),
-                  eps_min=authors_eps(EPS_BOUNDS_AUTHORS[0], n),
-                  eps_max=authors_eps(EPS_BOUNDS_AUTHORS[1], n))
-    if "lm_rule" in spec:
-        if not lm_same_batch_available():
-            raise ValueError(f"method {cfg['method']!r} needs KWNGPreconditioner("
-                             "lm_rule=...), which this version of kwng.precond does "
-                             "not accept")
-        kw["lm_rule"] = spec["lm_rule"]
+        eps = eps_from_authors(EPS_AUTHORS, n)
+        bounds = {"eps_min": eps_from_authors(EPS_BOUNDS_AUTHORS[0], n),
+                  "eps_max": eps_from_authors(EPS_BOUNDS_AUTHORS[1], n)}
+    schedule = LMSchedule(interval=5, omega=0.85, low=0.25, high=0.75,
+                          rule=spec.get("lm_rule", "authors"), **bounds)
     # the fast path replicates the forward of the module the loop calls through
     # __call__: the body h (ConditionedNetwork.forward_both calls it; U·h is then pulled
     # back to it, U has no parameters)
     net = model.body if isinstance(model, ConditionedNetwork) else model
     return KWNGPreconditioner(
-        net, optimizer=optimizer, num_basis=spec["num_basis"], lam=0.0,
-        kernel=spec["kernel"], bandwidth="mean_sq", sigma0=1.0, damping=spec["damping"],
-        lm_interval=5, lm_omega=0.85, lm_low=0.25, lm_high=0.75, adapt_eps=True,
-        clip_norm=CLIP_NORM, mode="fast", diagonal_only=spec["diagonal_only"], **kw)
+        net, lr=lambda: optimizer.param_groups[0]["lr"], num_basis=spec["num_basis"],
+        eps=eps, lam=0.0, kernel=spec["kernel"], bandwidth="mean_sq", sigma0=1.0,
+        damping=spec["damping"], eps_schedule=schedule, clip_norm=CLIP_NORM,
+        mode="fast", diagonal_only=spec["diagonal_only"])
 
 
 # ------------------------------------------------------------------- the step protocol
@@ -404,7 +372,7 @@ class KFACStep(MethodStep):
 
 class KWNGStep(MethodStep):
     """KWNG (:class:`kwng.precond.KWNGPreconditioner`) on the samples ``U h``
-    (``samples="scaled"``) or ``h`` (``"logits"``). With ``lm_rule == "same_batch"`` the
+    (``samples="scaled"``) or ``h`` (``"logits"``). With the ε rule ``"same_batch"`` the
     loss of the same mini-batch after the step (no grad, BatchNorm running statistics
     restored) goes to the preconditioner: this needs ``batch``."""
 
@@ -422,11 +390,12 @@ class KWNGStep(MethodStep):
 
     def step(self, loss, outputs, *, hidden=None, batch=None) -> dict:
         info = super().step(loss, outputs, hidden=hidden, batch=batch)
-        if getattr(self.precond, "lm_rule", "authors") == "same_batch":
+        schedule = self.precond.config.eps_schedule
+        if schedule is not None and schedule.rule == "same_batch":
             from ..baselines import bn_state, restore_bn_state
 
             if batch is None:
-                raise ValueError("batch must be the mini-batch (z, y) for lm_rule "
+                raise ValueError("batch must be the mini-batch (z, y) for the ε rule "
                                  "'same_batch'")
             saved = bn_state(self.model)
             with torch.no_grad():

@@ -39,7 +39,6 @@ from .cifar_methods import (
     build_model,
     build_optimizer,
     device_for,
-    lm_same_batch_available,
     make_step,
 )
 from .cifar_metrics import UpdateShare
@@ -118,9 +117,7 @@ def _claim_plan(common: dict, epochs: int, with_ablations: bool | None) -> list[
     base = {**common, "epochs": epochs, "lr": "selected", "schedule": "claim",
             "out": str(CLAIM), "selection_file": str(CLAIM_SELECTION / "selected.json")}
     jobs = _seeded(base, CLAIM_METHODS, 0) + _seeded(base, CLAIM_TWO_SEEDS, 1)
-    if with_ablations is None:
-        with_ablations = lm_same_batch_available()
-    if with_ablations:
+    if with_ablations is None or with_ablations:
         jobs += _seeded(base, CLAIM_ABLATIONS, 0)
     return jobs
 
@@ -172,7 +169,7 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       step sizes of ``claim_select``, in priority order: seed 0 of every method of
       :data:`CLAIM_METHODS` in both conditionings, seed 1 of :data:`CLAIM_TWO_SEEDS`,
       then :data:`CLAIM_ABLATIONS` (seed 0, both conditionings) when ``with_ablations``
-      (default: when the preconditioner supports them).
+      (default: yes).
     * ``select`` and ``main``: the plans of the earlier 6-epoch study. ``select``: every
       method of :data:`~kwng.experiments.cifar_methods.SELECT_METHODS` ×
       {ill, well} × :data:`LR_GRID` for
