@@ -19,6 +19,8 @@ from torch import nn
 
 from .gpu_paths import compile_on_cuda, use_kernels
 
+__all__ = ["repeat_copies", "stack_copies", "stacked_wgrad"]
+
 
 @dataclass
 class _State:

@@ -261,7 +261,7 @@ class _Run:
             "confusion": None}
         if pc is not None and hasattr(pc, "hyperparameters"):
             record["precond"] = {k: v for k, v in pc.hyperparameters().items()
-                                 if isinstance(v, (int, float, str))}
+                                 if isinstance(v, (int, float, str, dict))}
         return record
 
     def resume(self, ck: dict) -> None:
