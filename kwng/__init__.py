@@ -37,7 +37,7 @@ from .kernels import (
     mean_sq_bandwidth,
     median_bandwidth,
 )
-from .lm import LevenbergMarquardt
+from .lm import LevenbergMarquardt, LMSchedule
 from .models import (
     HyperSphereModel,
     ImplicitModel,
@@ -65,7 +65,7 @@ __all__ = [
     "nystrom_solve_nosync", "kwng_gradient", "kwng_gradient_from_outputs",
     "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
     "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
-    "KWNGPreconditioner", "KWNGConfig", "LevenbergMarquardt", "eps_from_authors",
+    "KWNGPreconditioner", "KWNGConfig", "LevenbergMarquardt", "LMSchedule", "eps_from_authors",
     "capture_step", "relative_error",
 ]
 

@@ -197,10 +197,6 @@ class ReplicatedEngine:
         memo[id(self)] = new
         return new
 
-    def owns(self, outputs: torch.Tensor) -> bool:
-        """Whether ``outputs`` is the first copy of the latest replicated forward."""
-        return self.first is not None and outputs is self.first
-
     def backward(
         self, cotangent: torch.Tensor, params: list[torch.Tensor]
     ) -> dict[int, torch.Tensor]:

@@ -84,7 +84,7 @@ def _tiles(M: int) -> tuple[int, int]:
     return MP, max(128, 4096 // MP)
 
 
-def _norms(W32, T, damping, damping_floor):
+def _norms(W32, T, damping):
     """Pass 1: the column norms of ``T̃`` (``T`` for ``"T"``) and the floor below
     which a column is degenerate (``identity``: no norms, ``D = 1``)."""
     (M, q), dev = T.shape, T.device
@@ -97,7 +97,7 @@ def _norms(W32, T, damping, damping_floor):
     bmax = torch.empty(progs, dtype=torch.float32, device=dev)
     _norms_kernel[(progs,)](W32, T, norms, bmax, q, M=M, MP=MP, BQ=BQ,
                             TILDE=damping == "T_tilde")
-    low = damping_floor * bmax.amax()
+    low = solve.DAMPING_FLOOR * bmax.amax()
     return norms, torch.where(low > 0, low, thr)  # all columns zero: D = 1
 
 
@@ -148,7 +148,6 @@ def fused_direction(
     rcond: float | None,
     clip_norm: float | None,
     out: torch.Tensor,
-    damping_floor: float = solve.DAMPING_FLOOR,
 ) -> dict[str, torch.Tensor]:
     """The clipped KWNG direction written into ``out`` (``q``, any float dtype), and
     the 0-dim tensors of :data:`kwng.step_direction.INFO_KEYS` (the same values as
@@ -166,7 +165,7 @@ def fused_direction(
     W, ok, rank = solve.cholesky_whitening(CCt, rcond)
     W32 = W.to(torch.float32).contiguous()
     ident = damping == "identity"
-    norms, thr = _norms(W32, T, damping, damping_floor)
+    norms, thr = _norms(W32, T, damping)
     sol, failed = _solution(W, W32, T, K, g, norms, thr, eps.to(_F64), N, lam, ident)
     d, sums = _raw(W32, T, g, norms, thr, sol, eps, ident)
     info_out, coef = _epilogue(sums, failed, clip_norm)

@@ -595,3 +595,27 @@ def test_replicated_forward_refuses_every_dropout_kind():
     KWNGPreconditioner(model, lr=0.1)
     with pytest.raises(ValueError, match="Dropout2d"):
         model(torch.randn(8, 3, 6, 6))
+
+
+def test_load_state_dict_reads_a_state_saved_before_eps_schedule(caplog):
+    """A state saved with the old flat lm_*/adapt_eps/eps_min/eps_max hyperparameters loads
+    without a warning when they match; a differing value is logged."""
+    pc = KWNGPreconditioner(nn.Linear(3, 2), lr=0.1, num_basis=2)
+    state = pc.state_dict()
+    hp = dict(state["hyperparameters"])
+    s = hp.pop("eps_schedule")
+    old = {**hp, "lm_interval": s["interval"], "lm_omega": s["omega"], "lm_low": s["low"],
+           "lm_high": s["high"], "adapt_eps": True, "eps_min": s["eps_min"], "eps_max": s["eps_max"],
+           "lm_rule": s["rule"]}
+    with caplog.at_level("WARNING"):
+        pc.load_state_dict({**state, "hyperparameters": old})
+    assert "differ" not in caplog.text
+    with caplog.at_level("WARNING"):
+        pc.load_state_dict({**state, "hyperparameters": {**old, "lm_omega": 0.5}})
+    assert "differ" in caplog.text
+    fixed = KWNGPreconditioner(nn.Linear(3, 2), num_basis=2, eps_schedule=None, eps=1e6)
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # a fixed ε may lie outside the rule's bounds
+        fixed.load_state_dict({**fixed.state_dict(), "hyperparameters": {
+            **old, "eps": 1e6, "adapt_eps": False}})
+    assert "differ" not in caplog.text and fixed.eps == 1e6

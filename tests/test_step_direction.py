@@ -118,3 +118,16 @@ def test_compile_on_cuda_runs_eagerly_on_the_cpu_and_the_path_switch_is_checked(
     with pytest.raises(ValueError, match="gpu path must be one of"):
         with gpu_paths.use_gpu_path("cudnn"):
             pass
+
+
+def test_import_kwng_loads_no_triton_and_no_compiler():
+    """Triton and the compiler are loaded only by a fast step on CUDA (or the kernels'
+    checks), never by ``import kwng``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kwng; bad = [m for m in sys.modules if m.split('.')[0] == 'triton' "
+            "or m.startswith(('kwng.triton', 'torch._inductor'))]; print(bad); "
+            "sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
