@@ -71,9 +71,13 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 
 def compile_on_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled with ``torch.compile(fullgraph=True)`` when its first tensor
-    argument lives on CUDA, ``fn`` itself otherwise (see the module docstring). The
-    compiler is set up at the first CUDA call (``import kwng`` loads no compiler)."""
+    """``fn`` compiled with ``torch.compile`` when its first tensor argument lives on
+    CUDA, ``fn`` itself otherwise (see the module docstring). The compiler is set up at
+    the first CUDA call (``import kwng`` loads no compiler). Each function compiles
+    into one graph (``tests/test_step_direction.py`` traces them with
+    ``fullgraph=True``); it is not requested here, so a process that meets more shapes
+    than dynamo's recompile limit runs the further ones eagerly (dynamo logs it)
+    instead of failing."""
     compiled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
@@ -82,7 +86,7 @@ def compile_on_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
         if not first.is_cuda:
             return fn(*args, **kwargs)
         if not compiled:
-            compiled.append(torch.compile(fn, fullgraph=True, mode="default"))
+            compiled.append(torch.compile(fn, mode="default"))
         return compiled[0](*args, **kwargs)
 
     return call

@@ -126,7 +126,8 @@ def test_import_kwng_loads_no_triton_and_no_compiler():
     import subprocess
     import sys
 
-    code = ("import sys, kwng; bad = [m for m in sys.modules if m.split('.')[0] == 'triton' "
+    code = ("import sys, kwng; bad = [m for m in sys.modules "
+            "if m.split('.')[0] == 'triton' "
             "or m.startswith(('kwng.triton', 'torch._inductor'))]; print(bad); "
             "sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
