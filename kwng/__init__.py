@@ -8,7 +8,7 @@ The package behind the kwng book, in floors that import only downwards:
   closed-form WNG (:mod:`kwng.models`) and the kernel Fisher–Rao estimator (:mod:`kwng.fisher`).
 * :mod:`kwng.engine`: the deep-learning engine, :class:`KWNGPreconditioner` with its
   :class:`KWNGConfig`, drop-in between ``loss.backward`` and ``optimizer.step``.
-* :mod:`kwng.theory`: the theory chapters' reference computations.
+* :mod:`kwng.theory.wng`: the theory chapters' reference computations.
 * :mod:`kwng.plots`: figures and tables from result files.
 * :mod:`kwng.experiments`: the commands of the book's experiments (``python -m
   kwng.experiments <name>``), the CIFAR kit and the benchmarks.
@@ -21,7 +21,7 @@ each is defined in the module named in its docstring.
 from kwng.config import is_full, pick, scale
 from kwng.engine.capture import capture_step
 from kwng.engine.config import KWNGConfig, eps_from_authors
-from kwng.engine.lm import LevenbergMarquardt
+from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.estimator import (
     KWNGResult,
@@ -69,7 +69,7 @@ __all__ = [
     "nystrom_solve_nosync", "kwng_gradient", "kwng_gradient_from_outputs", "relative_error",
     "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
     "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
-    "KWNGPreconditioner", "KWNGConfig", "LevenbergMarquardt", "eps_from_authors",
+    "KWNGPreconditioner", "KWNGConfig", "LevenbergMarquardt", "LMSchedule", "eps_from_authors",
     "capture_step",
     "kfng_gradient", "kernel_fisher_metric", "fisher_matrix", "fisher_natural_gradient",
     "fisher_matrix_mc",

@@ -1,4 +1,5 @@
-"""The one place where the run scale of the book and the experiments is decided.
+"""The one place where the run scale of the book and the experiments is decided, and where
+the checkout lives.
 
 Set the environment variable ``KWNG_SCALE`` to ``small`` (the default: CPU, seconds per
 chapter) or ``full`` (GPU, the paper's sizes). Every chapter and experiment reads it through
@@ -8,9 +9,12 @@ chapter) or ``full`` (GPU, the paper's sizes). Every chapter and experiment read
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 SCALES = ("small", "full")
 ENV_VAR = "KWNG_SCALE"
+#: the repository checkout that holds this package (``results/``, ``.data/`` beside it)
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def scale() -> str:

@@ -3,7 +3,7 @@ dimensions.
 
 Arbel, Gretton, Li & Montúfar (ICLR 2020), §3.2–3.3. Every caller of the estimator goes
 through this module: the validated :func:`kwng.nystrom_solve` (host-side diagnostics),
-the sync-free :func:`kwng.nosync.nystrom_solve_nosync` of the preconditioner, the
+the sync-free :func:`kwng.estimator.nystrom_solve_nosync` of the preconditioner, the
 batched synthetic sweeps of :mod:`kwng.batched` and the Fisher–Rao estimator of
 ``kwng.fisher``. The functions here do not validate their inputs (the callers do) and
 never wait for the device, except where a function says so.
@@ -22,6 +22,11 @@ The steps of :func:`kwng_direction`:
    system, whose solution gives the correction ``T̃ᵀ w``;
 4. the combination ``ĝ = (D⁻¹∇L - D⁻¹ T̃ᵀ w) / ε`` (:func:`combine`) and the
    treatment of degenerate columns (:func:`loss_only_columns`).
+
+A training step then applies :func:`safeguard` (the Euclidean gradient where ``ĝ`` is
+not a descent direction, then the clipping): :func:`kwng_direction` followed by
+:func:`safeguard` is the one definition of the step's direction, which every fast path
+(compiled or hand-written kernels) must reproduce.
 """
 
 from __future__ import annotations
@@ -31,11 +36,10 @@ from typing import NamedTuple
 
 import torch
 
-from kwng.engine import triton_ops
-
 __all__ = ["DAMPINGS", "METHODS", "WHITENINGS", "DAMPING_FLOOR", "default_rcond",
            "eig_whitening", "cholesky_whitening", "damping_vector", "stable_solve",
-           "plain_solve", "combine", "loss_only_columns", "kwng_direction", "Direction"]
+           "plain_solve", "combine", "loss_only_columns", "kwng_direction", "Direction",
+           "safeguard", "Safeguarded"]
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +59,6 @@ def default_rcond(M: int, dtype: torch.dtype) -> float:
     """``M ·`` the machine epsilon of ``dtype``: the default relative eigenvalue
     threshold."""
     return M * torch.finfo(dtype).eps
-
-
-def _left_mul(W: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
-    """``W T`` in ``T``'s dtype (a float32 ``T`` on the GPU: one Triton pass,
-    :func:`kwng.engine.triton_ops.small_matmul`)."""
-    if triton_ops.solve_available(T):
-        return triton_ops.small_matmul(W, T)
-    return W.to(T.dtype) @ T
-
-
-def _weighted_gram(Tt: torch.Tensor, Dinv: torch.Tensor) -> torch.Tensor:
-    """``T̃ D⁻¹ T̃ᵀ`` in float64 (a float32 ``T̃`` on the GPU:
-    :func:`kwng.engine.triton_ops.weighted_gram`, float64 sums of float32 partial sums)."""
-    if triton_ops.solve_available(Tt):
-        return triton_ops.weighted_gram(Tt, Dinv)
-    return ((Tt * Dinv[..., None, :]) @ Tt.mT).to(_F64)
 
 
 def _mv(A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -188,11 +176,13 @@ def stable_solve(
     The ``r × r`` system is assembled and solved in float64 by Cholesky. It is positive
     definite in exact arithmetic (``ε > 0``); if round-off breaks that and ``fallback``
     is True, the system is solved by least squares (logged; syncs with the host to find
-    out). Returns the correction (dtype of ``Tt``), the system ``A`` and a mask of
-    failed factorisations.
+    out); with ``fallback=False`` (no host sync) a failed factorisation gives no
+    solution: its correction is NaN, so the direction is not finite and
+    :func:`safeguard` replaces it by the Euclidean gradient. Returns the correction
+    (dtype of ``Tt``), the system ``A`` and a mask of failed factorisations.
     """
     eye = torch.eye(Tt.shape[-2], dtype=_F64, device=Tt.device)
-    A = _weighted_gram(Tt, Dinv) + (eps / N) * eye
+    A = ((Tt * Dinv[..., None, :]) @ Tt.mT).to(_F64) + (eps / N) * eye
     if lam > 0:
         A = A + lam * eps * (W @ K.to(_F64) @ W.mT)
     v = _mv(Tt, Dg).to(_F64)
@@ -203,6 +193,8 @@ def stable_solve(
         w = torch.linalg.lstsq(A, v[..., None]).solution
     else:
         w = torch.cholesky_solve(v[..., None], L)
+        if not fallback:  # a failed factor's "solution" is not one: mark it NaN
+            w = torch.where(failed[..., None, None], torch.nan, w)
     w = w.to(Tt.dtype)  # (..., r, 1); the product below keeps its layout (bit-stable)
     correction = Tt.T @ w[:, 0] if Tt.dim() == 2 else (Tt.mT @ w)[..., 0]
     return correction, A, failed
@@ -323,7 +315,7 @@ def kwng_direction(
     M = T.shape[-2]
     rcond = default_rcond(M, CCt.dtype) if rcond is None else rcond
     W, ok, rank, S = _whiten(CCt, whitening, rcond)  # also the rank for plain + "T"
-    Tt = _left_mul(W, T) if method == "stable" or damping == "T_tilde" else None
+    Tt = W.to(T.dtype) @ T if method == "stable" or damping == "T_tilde" else None
     Dvec, low, zero = damping_vector(damping, T, Tt, damping_floor)
     Dinv = 1.0 / Dvec
     Dg = Dinv * grad
@@ -346,3 +338,42 @@ def kwng_direction(
     share = share / sq.sum(-1, dtype=_F64).clamp(min=tiny)
     n_loss_only = (zero & (grad != 0)).sum(-1)
     return Direction(direction, rank, A, failed, low.sum(-1), share, n_loss_only, ok, S)
+
+
+class Safeguarded(NamedTuple):
+    """What :func:`safeguard` returns (0-dim tensors besides ``direction``)."""
+
+    direction: torch.Tensor
+    dot: torch.Tensor
+    fallback: torch.Tensor
+    clipped: torch.Tensor
+    grad_norm: torch.Tensor
+    direction_norm: torch.Tensor
+
+
+def safeguard(
+    g: torch.Tensor, direction: torch.Tensor, clip_norm: float | None
+) -> Safeguarded:
+    """The step's direction from the KWNG direction ``ĝ`` (``direction``) and the
+    Euclidean gradient ``g`` (both ``(q,)``): ``g`` where ``⟨g, ĝ⟩ ≤ 0`` or ``ĝ`` is not
+    finite (a failed solve of :func:`kwng_direction` without fallback is NaN), then
+    scaled down to norm ``clip_norm`` if longer (``None``: no clipping). No host sync.
+
+    Returns the direction, ``⟨g, ĝ⟩`` after both (float64), whether the fallback and
+    the clipping happened, ``‖g‖`` and the final ``‖ĝ‖``.
+    """
+    dot = torch.dot(g.to(_F64), direction.to(_F64))
+    bad = ~(dot > 0) | ~torch.isfinite(direction).all()
+    direction = torch.where(bad, g, direction)
+    dot = torch.where(bad, torch.dot(g.to(_F64), g.to(_F64)), dot)
+    grad_norm = torch.linalg.vector_norm(g)
+    norm = torch.linalg.vector_norm(direction)
+    clipped = torch.zeros((), dtype=torch.bool, device=g.device)
+    if clip_norm is not None:
+        clipped = norm > clip_norm
+        scale = torch.where(clipped, clip_norm / norm.clamp(min=1e-30),
+                            torch.ones_like(norm))
+        direction = direction * scale
+        dot = dot * scale.to(dot.dtype)
+        norm = norm * scale
+    return Safeguarded(direction, dot, bad, clipped, grad_norm, norm)

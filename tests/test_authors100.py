@@ -16,9 +16,9 @@ A100 = ROOT / "results" / "cifar" / "authors100"
 
 
 def test_lm_state_is_updated_in_place():
-    from kwng.engine.lm import LevenbergMarquardt
+    from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 
-    lm = LevenbergMarquardt(1.0, interval=1, omega=0.5)
+    lm = LevenbergMarquardt(1.0, LMSchedule(interval=1, omega=0.5))
     ids = {k: id(getattr(lm, k)) for k in ("eps", "ratio", "_r_max", "_loss", "_pred")}
     for loss in (3.0, 2.9, 2.95, 2.0):
         eps = lm.update(torch.tensor(loss))

@@ -57,10 +57,18 @@ def test_bench_writes_one_row_per_mode_with_ratios(tmp_path):
     assert (
         fast["counters"]["serial_steps"] == 0
     )  # the replicated engine ran, not the fallback
-    assert fast["engine_layout"] == "model"  # layout="auto" keeps NCHW on the CPU
-    ref = next(r for r in rec["rows"] if r["mode"] == "kwng_reference")
-    assert ref["engine_layout"] is None
     assert {"git_commit", "date", "config", "device"} <= set(rec["provenance"])
+
+
+def test_bench_times_the_kwng_rows_once_per_gpu_path(tmp_path, capsys):
+    args = ARGS[:-1] + ["sgd,kwng_fast", "--gpu-paths", "triton,compile"]
+    rec = bench.main(args + ["--out", str(tmp_path / "paths.json")])
+    assert [(r["mode"], r.get("gpu_path")) for r in rec["rows"]] == [
+        ("sgd", None), ("kwng_fast", "triton"), ("kwng_fast", "compile")]
+    with pytest.raises(SystemExit):
+        bench.main(args[:-1] + ["cudnn", "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert "--gpu-paths must be a comma list of ['triton', 'compile']" in err
 
 
 def test_bench_refuses_to_replace_a_result_and_checks_its_arguments(tmp_path, capsys):
@@ -74,9 +82,6 @@ def test_bench_refuses_to_replace_a_result_and_checks_its_arguments(tmp_path, ca
             ["--device", "cpu", "--rows", "turbo", "--out", str(tmp_path / "x.json")]
         )
     assert "--rows must be a comma list" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["--device", "cpu", "--layout", "nhwc", "--out", str(out)])
-    assert "--layout: invalid choice: 'nhwc'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(
             ["--device", "cpu", "--num-basis", "0", "--out", str(tmp_path / "x.json")]
@@ -112,9 +117,6 @@ def test_committed_step_cost_table_is_complete_and_traceable():
                 assert r["median_ms"] > 0 and r["steps"] >= 5
                 assert r["ratio_to_sgd"] == pytest.approx(r["median_ms"] / sgd)
                 assert r["peak_mem_mb"] > 0
-                if mode in ("kwng_fast", "diag_fast", "kwng_fast_graph"):
-                    # on the GPU the replicated pass runs channels_last (layout="auto")
-                    assert r["engine_layout"] == "channels_last"
 
 
 def test_committed_exactness_record_is_traceable():
@@ -142,3 +144,22 @@ def test_capture_step_rejects_bad_input_and_a_missing_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             capture_step(lambda: None)
+
+
+def test_engine_parts_benchmark_writes_its_table(tmp_path):
+    """kwng.experiments.bench.engine_parts on tiny shapes on the CPU (eager stands in for
+    the compiler): every part's columns, the rule's verdict slot and the provenance."""
+    from kwng.experiments.bench import engine_parts as mod
+
+    out = tmp_path / "engine_parts.json"
+    mod.main(["--device", "cpu", "--smoke", "--reps", "1", "--compile-backend", "eager",
+              "--batch", "4", "--copies", "3", "--json", str(out)])
+    rec = json.loads(out.read_text())
+    for dt in ("float32", "bfloat16"):
+        for part in ("repeat", "relayout", "bn_backward"):
+            ms = rec["parts"][dt][part]["ms"]
+            assert ms["eager"] > 0 and ms["compile"] > 0 and ms["triton"] is None
+    assert rec["parts"]["direction"]["ms"]["compile"] > 0
+    assert {"git_commit", "date", "config", "device"} <= set(rec["provenance"])
+    assert mod.verdict({"compile": 1.5, "triton": 1.0}, 21.8)["keep_kernel"] is False
+    assert mod.verdict({"compile": 2.5, "triton": 1.0}, 21.8)["keep_kernel"] is True

@@ -423,6 +423,7 @@ def test_kwng_direction_on_Uh_batch_both_ways():
 
 
 def test_authors_eps_convention():
+    from kwng.engine.config import eps_from_authors
     """ε_ours = √N ε_authors: the authors' direction (whitening by (CCᵀ/N)^{-1/2}, D = 1/(‖T̃‖ + 1e-8),
     ε I in the M × M system), written out independently here, equals ours with the converted ε."""
     from kwng.estimator import draw_basis, nystrom_solve
@@ -439,15 +440,15 @@ def test_authors_eps_convention():
     D = 1.0 / (Tt.norm(dim=0) + 1e-8)
     G = (Tt * D) @ Tt.T + eps_a * torch.eye(5, dtype=torch.float64)
     authors = D * (g - Tt.T @ torch.linalg.solve(G, Tt @ (D * g))) / eps_a
-    ours = nystrom_solve(T, CCt, K, g, N, eps=methods.authors_eps(eps_a, N), damping="T_tilde").direction
+    ours = nystrom_solve(T, CCt, K, g, N, eps=eps_from_authors(eps_a, N), damping="T_tilde").direction
     err = float((ours - authors).norm() / authors.norm())
     assert err < 1e-6, err
     same_nominal = nystrom_solve(T, CCt, K, g, N, eps=eps_a, damping="T_tilde").direction
     assert (same_nominal - authors).norm() / authors.norm() > 0.1
-    assert methods.authors_eps(1e-5, 128) == pytest.approx(1e-5 * 128 ** 0.5)
+    assert eps_from_authors(1e-5, 128) == pytest.approx(1e-5 * 128 ** 0.5)
     for bad in ((0.0, 128), (1e-5, 0), (float("nan"), 4), (1e-5, 2.5)):
         with pytest.raises(ValueError, match="eps|batch_size"):
-            methods.authors_eps(*bad)
+            eps_from_authors(*bad)
 
 
 def test_claim_protocol_plans_and_schedule():
@@ -539,9 +540,11 @@ def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
 class _SameBatchProbe:
     """A stand-in preconditioner with the same-batch LM hook: records what the trainer passes."""
 
-    lm_rule = "same_batch"
-
     def __init__(self):
+        from kwng.engine.config import KWNGConfig
+        from kwng.engine.lm import LMSchedule
+
+        self.config = KWNGConfig(eps_schedule=LMSchedule(rule="same_batch"))
         self.seen = []
 
     def step(self, loss, outputs):
@@ -576,15 +579,6 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     s.add_info({"eps": torch.tensor(3.0), "reduction_ratio": torch.tensor(0.5)})
     r = s.row()
     assert r["eps_mean"] == 2.0 and r["eps_last"] == 3.0 and r["reduction_ratio_mean"] == 0.5
-    if not steps.lm_same_batch_available():
-        with pytest.raises(ValueError, match="lm_rule"):
-            train.run(_run_cfg_claim(), progress=False)
-
-
-def _run_cfg_claim():
-    return {"source": "sample", "model": "tiny", "batch_size": 50, "epochs": 1, "lr": 0.1, "device": "cpu",
-            "out": "/nonexistent-out", "checkpoint_dir": "/nonexistent-ck", "train_subset": 100,
-            "method": "kwng_lm_same_batch"}
 
 
 def _fake_claim_results(kwng_ill: float, small_ill: float):

@@ -186,11 +186,11 @@ def test_command_errors_name_option_and_cause(tmp_path, capsys, monkeypatch, cas
 # --------------------------------------------------------------- the smaller items
 def test_a_second_fast_preconditioner_on_one_model_is_refused():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    first = kwng.KWNGPreconditioner(model, num_basis=4, eps=1e-3, adapt_eps=False)
+    first = kwng.KWNGPreconditioner(model, num_basis=4, eps=1e-3, eps_schedule=None)
     with pytest.raises(ValueError, match="already carries a KWNG preconditioner"):
-        kwng.KWNGPreconditioner(model, num_basis=4, eps=1e-3, adapt_eps=False)
+        kwng.KWNGPreconditioner(model, num_basis=4, eps=1e-3, eps_schedule=None)
     first.remove_hooks()  # the documented way out
-    second = kwng.KWNGPreconditioner(model, num_basis=4, eps=1e-3, adapt_eps=False)
+    second = kwng.KWNGPreconditioner(model, num_basis=4, eps=1e-3, eps_schedule=None)
     assert second._engine is not None  # fast mode, not serial passes
 
 

@@ -264,3 +264,12 @@ def test_the_checker_catches_a_re_export():
         or "kwng.samples" not in MODULES
     )
     assert _problems("from kwng import nosync as ns\nns.not_a_name\n", "seed")
+
+
+def test_the_api_page_documents_every_module():
+    """``book/api.md`` has an ``automodule`` for every module of the package (a new module
+    cannot be left out of the reference)."""
+    page = (ROOT / "book" / "api.md").read_text()
+    documented = set(re.findall(r"^\.\. automodule:: ([\w.]+)$", page, flags=re.M))
+    missing = sorted(m for m, f in MODULES.items() if f.stem != "__main__" and m not in documented)
+    assert not missing, f"book/api.md lacks: {missing}"

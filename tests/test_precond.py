@@ -1,7 +1,6 @@
 """KWNGPreconditioner: agreement of the modes with the estimator, descent, training, LM rule, state, errors."""
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import kwng
 import kwng.engine.replicate
 from kwng.estimator import kernel_matrices, nystrom_solve
 from kwng.nosync import kernel_matrices_nosync, nystrom_solve_nosync
-from kwng.engine.lm import LevenbergMarquardt
+from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.experiments.cifar.nets import tiny_cnn
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.engine.config import eps_from_authors
@@ -33,7 +32,7 @@ def _direction(model, mode, z, y, seed=3, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kw.setdefault("clip_norm", None)
     kw.setdefault("eps", 1e-3)
-    pc = KWNGPreconditioner(model, optimizer=opt, mode=mode, generator=torch.Generator().manual_seed(seed), **kw)
+    pc = KWNGPreconditioner(model, lr=0.1, mode=mode, generator=torch.Generator().manual_seed(seed), **kw)
     opt.zero_grad()
     X = model(z)
     loss = nn.functional.cross_entropy(X, y)
@@ -82,7 +81,7 @@ def _serial(model, z, y, C):
 
 def _replicated(model, z, y, C, **kw):
     params = [p for p in model.parameters() if p.requires_grad]
-    pc = KWNGPreconditioner(model, adapt_eps=False, mode="fast", **kw)
+    pc = KWNGPreconditioner(model, eps_schedule=None, mode="fast", **kw)
     X = model(z)
     loss = nn.functional.cross_entropy(X, y)
     return pc._gradients(loss, X, C, params), pc
@@ -93,80 +92,23 @@ def _resnet(seed=0):
     return kwng.experiments.cifar.nets.ResNet18(10, widths=(4, 8, 8, 8)).double()
 
 
-@pytest.mark.parametrize("fmt, layout", [(torch.contiguous_format, "model"),
-                                         (torch.channels_last, "model"),
-                                         (torch.contiguous_format, "channels_last")])
-def test_replicated_backward_equals_serial_vjps_on_a_batchnorm_resnet(fmt, layout):
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_replicated_backward_equals_serial_vjps_on_a_batchnorm_resnet(fmt):
     """g and T of one replicated backward equal serial autograd VJPs on a BN ResNet in train mode
-    (float64: to round-off), and the forward leaves X and the running statistics as a plain forward;
-    also for an NCHW model whose replicated pass runs in channels_last."""
+    (float64: to round-off), in both memory formats, and the forward leaves X and the running
+    statistics exactly as a plain forward."""
     z, y = _batch(N=12, size=8)
     z = z.double().contiguous(memory_format=fmt)
     model = _resnet().to(memory_format=fmt)
     C = torch.randn(5, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     plain = copy.deepcopy(model)
     g_ref, T_ref = _serial(plain, z, y, C)
-    (g, T), pc = _replicated(model, z, y, C, layout=layout)
+    (g, T), pc = _replicated(model, z, y, C)
     assert pc.counters()["serial_steps"] == 0
-    assert pc.engine_layout == layout
     assert torch.allclose(T, T_ref, rtol=1e-10, atol=1e-13)
     assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
-    _same_state(model, plain, exact=layout == "model")  # channels_last: convolutions in another order
-
-
-def _same_state(model, plain, exact):
     for (k, v), v_ref in zip(model.state_dict().items(), plain.state_dict().values()):
-        assert torch.equal(v, v_ref) if exact else torch.allclose(v, v_ref, rtol=1e-12, atol=1e-15), k
-
-
-class _FlattensWithView(nn.Module):
-    """Flattens a feature map with ``.view``: its forward fails on channels_last tensors."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.head = nn.Linear(4 * 8 * 8, 10)
-
-    def forward(self, z):
-        h = torch.relu(self.bn(self.conv(z)))
-        return self.head(h.view(h.shape[0], -1))
-
-
-@pytest.mark.parametrize("net", ["resnet", "view"])
-def test_layout_auto_takes_channels_last_where_the_forward_allows_it(monkeypatch, caplog, net):
-    """``layout="auto"`` as on a GPU: channels_last for the ResNet; for a model that flattens with
-    ``.view`` the check fails (logged, reason kept), the model's format is kept, and the check
-    changes neither the running statistics nor the training flags. Exact either way."""
-    monkeypatch.setattr(kwng.engine.replicate, "_auto_channels_last", lambda x: True)
-    z, y = _batch(N=12, size=8)
-    z = z.double()
-    torch.manual_seed(0)
-    model = (_resnet() if net == "resnet" else _FlattensWithView()).double()
-    C = torch.randn(3, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    plain = copy.deepcopy(model)
-    g_ref, T_ref = _serial(plain, z, y, C)
-    with caplog.at_level(logging.WARNING, logger="kwng.engine.replicate"):
-        (g, T), pc = _replicated(model, z, y, C, num_basis=3)
-    assert pc.engine_layout == ("channels_last" if net == "resnet" else "model")
-    if net == "view":
-        assert "view size is not compatible" in pc._engine.layout_failure
-        assert "keeps the model's format" in caplog.text
-    assert all(m.training for m in model.modules())
-    _same_state(model, plain, exact=net == "view")
-    assert torch.allclose(T, T_ref, rtol=1e-10, atol=1e-13)
-    assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
-
-
-def test_layout_is_checked():
-    model = _FlattensWithView().double()
-    with pytest.raises(ValueError, match=r"layout must be one of \['auto', 'model', 'channels_last'\]"):
-        KWNGPreconditioner(model, adapt_eps=False, layout="nhwc")
-    KWNGPreconditioner(model, adapt_eps=False, layout="channels_last")
-    z, _ = _batch(N=4, size=8)
-    for _ in range(2):  # refused every time, never silently run in the model's format
-        with pytest.raises(ValueError, match="layout='channels_last': the model's forward fails"):
-            model(z.double())
+        assert torch.equal(v, v_ref), k
 
 
 def test_replicated_backward_with_an_unused_and_a_frozen_parameter():
@@ -177,11 +119,10 @@ def test_replicated_backward_with_an_unused_and_a_frozen_parameter():
     model = _resnet()
     model.unused = nn.Linear(3, 3).double()  # never called in forward
     C = torch.randn(4, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pc = KWNGPreconditioner(model, optimizer=opt, num_basis=4, eps=1e-3, clip_norm=None,
+    pc = KWNGPreconditioner(model, lr=0.1, num_basis=4, eps=1e-3, clip_norm=None,
                             generator=torch.Generator().manual_seed(5))
     ref_model = copy.deepcopy(model)
-    pc_ref = KWNGPreconditioner(ref_model, optimizer=torch.optim.SGD(ref_model.parameters(), lr=0.1),
+    pc_ref = KWNGPreconditioner(ref_model, lr=0.1,
                                 num_basis=4, eps=1e-3, clip_norm=None, mode="reference",
                                 generator=torch.Generator().manual_seed(5))
     for m, p in ((model, pc), (ref_model, pc_ref)):
@@ -208,7 +149,7 @@ def test_loss_with_a_direct_parameter_term_keeps_the_full_gradient():
     model = _resnet()
     ref = copy.deepcopy(model)
     C = torch.randn(3, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    pc = KWNGPreconditioner(model, adapt_eps=False, num_basis=3)
+    pc = KWNGPreconditioner(model, eps_schedule=None, num_basis=3)
     X = model(z)
     loss = nn.functional.cross_entropy(X, y) + 0.1 * model.linear.weight.square().sum()
     g, _ = pc._gradients(loss, X, C, list(model.parameters()))
@@ -231,7 +172,7 @@ def test_unsupported_layers_and_foreign_outputs_use_serial_passes(caplog):
     d_ref, _, _ = _direction(model, "reference", z, y)
     assert torch.linalg.vector_norm(d_fast - d_ref) <= 1e-4 * torch.linalg.vector_norm(d_ref)
     m2 = kwng.experiments.cifar.nets.mlp(5, 3)
-    pc2 = KWNGPreconditioner(m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1))
+    pc2 = KWNGPreconditioner(m2, lr=0.1)
     X = m2(z) * m2[0].bias[:3]  # computed from the output *and* a parameter: not pulled back
     pc2.step(nn.functional.cross_entropy(X, y), X)
     assert pc2.counters()["serial_steps"] == 1
@@ -248,7 +189,7 @@ def test_outputs_computed_from_the_model_output_without_parameters_stay_on_the_f
     dirs = {}
     for mode in ("fast", "reference"):
         m = copy.deepcopy(model)
-        pc = KWNGPreconditioner(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), mode=mode, eps=1e-3,
+        pc = KWNGPreconditioner(m, lr=0.1, mode=mode, eps=1e-3,
                                 clip_norm=None, generator=torch.Generator().manual_seed(0))
         X = m(z) * U
         pc.step(nn.functional.cross_entropy(X, y), X)
@@ -260,7 +201,7 @@ def test_outputs_computed_from_the_model_output_without_parameters_stay_on_the_f
 
 def test_replicated_forward_refuses_dropout():
     model = nn.Sequential(nn.Linear(5, 6), nn.Dropout(0.5), nn.Linear(6, 3))
-    KWNGPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    KWNGPreconditioner(model, lr=0.1)
     with pytest.raises(ValueError, match="Dropout"):
         model(torch.randn(8, 5))
     model.eval()
@@ -273,7 +214,7 @@ def test_plain_backward_on_a_replicated_forward_gives_the_true_gradient():
     z = z.double()
     model = _resnet()
     ref = copy.deepcopy(model)
-    KWNGPreconditioner(model, adapt_eps=False)
+    KWNGPreconditioner(model, eps_schedule=None)
     nn.functional.cross_entropy(model(z), y).backward()
     nn.functional.cross_entropy(ref(z), y).backward()
     for a, b in zip(model.parameters(), ref.parameters()):
@@ -382,7 +323,7 @@ def test_tiny_model_loss_goes_down_in_20_steps(mode):
     z = torch.randn(64, 5, generator=g)
     y = (z[:, 0] > 0).long() + (z[:, 1] > 0).long()
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
-    pc = KWNGPreconditioner(model, optimizer=opt, num_basis=5, eps=1e-2, mode=mode,
+    pc = KWNGPreconditioner(model, lr=lambda: opt.param_groups[0]["lr"], num_basis=5, eps=1e-2, mode=mode,
                             generator=torch.Generator().manual_seed(2))
     losses = []
     for _ in range(20):
@@ -398,7 +339,7 @@ def test_tiny_model_loss_goes_down_in_20_steps(mode):
 
 def _lm(ratios_high: bool, steps=10, interval=5, rule="authors"):
     """Feed a loss sequence whose reduction ratio r is known; return the schedule after ``steps``."""
-    lm = LevenbergMarquardt(1e-3, interval=interval, rule=rule)
+    lm = LevenbergMarquardt(1e-3, LMSchedule(interval=interval, rule=rule))
     loss = torch.tensor(10.0, dtype=torch.float64)
     for _ in range(steps):
         lm.update(loss)
@@ -421,7 +362,7 @@ def test_levenberg_marquardt_moves_eps_the_right_way(rule):
     assert int(good.downs) == 2 and int(bad.ups) == 2
     assert float(good.ratio) == pytest.approx(2.0) and float(bad.ratio) == pytest.approx(-0.2)
     # between the thresholds nothing changes: r = 0.25 / (½ · 1 · 1) = 0.5
-    lm = LevenbergMarquardt(1e-3, interval=1)
+    lm = LevenbergMarquardt(1e-3, LMSchedule(interval=1))
     lm.update(torch.tensor(1.0))
     lm.record(1.0, torch.tensor(1.0))
     lm.update(torch.tensor(0.75))
@@ -429,7 +370,7 @@ def test_levenberg_marquardt_moves_eps_the_right_way(rule):
 
 
 def test_eps_stays_within_bounds_and_rules_are_checked():
-    lm = LevenbergMarquardt(1e-10, interval=1)
+    lm = LevenbergMarquardt(1e-10, LMSchedule(interval=1))
     lm.update(torch.tensor(1.0))
     lm.record(1.0, torch.tensor(1.0))
     lm.update(torch.tensor(0.0))  # r = 2 > 3/4 but ε is at eps_min
@@ -437,12 +378,12 @@ def test_eps_stays_within_bounds_and_rules_are_checked():
     with pytest.raises(ValueError, match="same_batch"):
         lm.observe(torch.tensor(0.0))
     with pytest.raises(ValueError, match="rule"):
-        LevenbergMarquardt(1e-3, rule="next")
+        LMSchedule(rule="next")
 
 
 def test_lm_state_dict_round_trip():
     lm = _lm(True, steps=7)
-    lm2 = LevenbergMarquardt(1e-3, interval=5)
+    lm2 = LevenbergMarquardt(1e-3, LMSchedule(interval=5))
     lm2.load_state_dict(lm.state_dict())
     assert lm2.state_dict() == lm.state_dict()
     with pytest.raises(ValueError, match="missing"):
@@ -455,7 +396,7 @@ def test_state_dict_round_trip():
     _, _, pc = _direction(model, "fast", z, y)
     pc.lm.eps = pc.lm.eps * 3
     state = pc.state_dict()
-    pc2 = KWNGPreconditioner(copy.deepcopy(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    pc2 = KWNGPreconditioner(copy.deepcopy(model), lr=0.1,
                              mode="fast", eps=1e-3, clip_norm=None)
     pc2.load_state_dict(state)
     assert pc2.state_dict() == state
@@ -472,7 +413,7 @@ def test_same_batch_rule_in_a_training_loop():
     z = torch.randn(64, 5)
     y = (z[:, 0] > 0).long()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    pc = KWNGPreconditioner(model, optimizer=opt, eps=1e-2, lm_rule="same_batch", lm_interval=1)
+    pc = KWNGPreconditioner(model, lr=0.5, eps=1e-2, eps_schedule=LMSchedule(interval=1, rule="same_batch"))
     for _ in range(6):
         opt.zero_grad()
         X = model(z)
@@ -493,30 +434,31 @@ def test_eps_from_authors_converts_by_sqrt_batch():
 
 def test_repr_lists_hyperparameters():
     model = nn.Linear(3, 2)
-    r = repr(KWNGPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), num_basis=3))
-    for key in ("num_basis=3", "eps=1e-05", "damping='T_tilde'", "lm_omega=0.85", "mode='fast'", "q=8"):
+    r = repr(KWNGPreconditioner(model, lr=0.1, num_basis=3))
+    for key in ("num_basis=3", "eps=1e-05", "damping='T_tilde'", "'omega': 0.85", "mode='fast'", "q=8"):
         assert key in r
 
 
 @pytest.mark.parametrize("kw, match", [
     ({"num_basis": 0}, "num_basis"), ({"eps": -1.0}, "eps"), ({"eps": 1e6}, "eps"), ({"lam": -0.1}, "lam"),
     ({"kernel": "laplace"}, "kernel"), ({"bandwidth": "silverman"}, "bandwidth"), ({"bandwidth": -1.0}, "bandwidth"),
-    ({"sigma0": 0.0}, "sigma0"), ({"damping": "full"}, "damping"), ({"lm_interval": 0}, "lm_interval"),
-    ({"lm_omega": 1.5}, "lm_omega"), ({"lm_low": 0.9}, "lm_low"), ({"clip_norm": 0.0}, "clip_norm"),
-    ({"mode": "ensemble"}, "mode"), ({"lm_rule": "next"}, "lm_rule"),
-    ({"diagonal_only": True, "damping": "identity"}, "diagonal_only"),
-    ({"generator": 3}, "generator"), ({"optimizer": None}, "optimizer"),
+    ({"sigma0": 0.0}, "sigma0"), ({"damping": "full"}, "damping"), ({"eps_schedule": "lm"}, "eps_schedule"),
+    ({"eps_schedule": LMSchedule(eps_max=1e-6)}, r"eps must lie in \[eps_min, eps_max\]"),
+    ({"clip_norm": 0.0}, "clip_norm"), ({"mode": "ensemble"}, "mode"), ({"rcond": -1.0}, "rcond"),
+    ({"diagonal_only": True, "damping": "identity"}, "diagonal_only"), ({"diagonal_only": 1}, "diagonal_only"),
+    ({"generator": 3}, "generator"), ({"lr": None}, "lr is required"), ({"lr": -0.1}, "lr"),
+    ({"optimizer": None}, "optimizer= is no longer taken"), ({"lm_omega": 0.5}, "unknown hyperparameter"),
 ])
 def test_bad_hyperparameters_raise(kw, match):
     model = nn.Linear(3, 2)
-    kw = {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1), **kw}
+    kw = {"lr": 0.1, **kw}
     with pytest.raises(ValueError, match=match):
         KWNGPreconditioner(model, **kw)
 
 
 def test_outputs_that_are_not_a_batch_matrix_are_rejected():
     model = nn.Conv2d(3, 4, 3)
-    pc = KWNGPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    pc = KWNGPreconditioner(model, lr=0.1)
     out = model(torch.randn(8, 3, 6, 6))  # (8, 4, 4, 4)
     loss = out.square().mean()
     with pytest.raises(ValueError, match=r"\(batch, d\)"):
@@ -544,7 +486,7 @@ def test_fallback_to_euclidean_gradient_is_counted():
     assert pc.counters()["fallbacks"] == 0
     # loss whose gradient is zero: ⟨g, ĝ⟩ = 0 ≤ 0 → fallback
     m2 = copy.deepcopy(model)
-    pc2 = KWNGPreconditioner(m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1), mode="fast")
+    pc2 = KWNGPreconditioner(m2, lr=0.1, mode="fast")
     X = m2(z)
     info = pc2.step(0.0 * X.sum(), X)
     assert bool(info["fallback"]) and pc2.counters()["fallbacks"] == 1
@@ -560,8 +502,8 @@ def test_bf16_autocast_direction_is_as_accurate_as_a_bf16_gradient():
 
     def run(amp, mode="fast"):
         m = copy.deepcopy(model)
-        pc = KWNGPreconditioner(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), mode=mode,
-                                eps=1e-3, clip_norm=None, adapt_eps=False,
+        pc = KWNGPreconditioner(m, lr=0.1, mode=mode,
+                                eps=1e-3, clip_norm=None, eps_schedule=None,
                                 generator=torch.Generator().manual_seed(4))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             X = m(z)
@@ -606,7 +548,7 @@ def test_loss_only_parameter_takes_a_scaled_euclidean_step(mode, caplog):
     torch.manual_seed(0)
     model = _TempModel()
     z, y = torch.randn(32, 5), torch.randint(0, 3, (32,))
-    pc = KWNGPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), mode=mode,
+    pc = KWNGPreconditioner(model, lr=0.1, mode=mode,
                             clip_norm=None, eps=1e-3, generator=torch.Generator().manual_seed(0))
     X = model(z)
     loss = nn.functional.cross_entropy(model.temp * X, y)
@@ -628,27 +570,53 @@ def test_config_object_and_keywords_build_the_same_preconditioner():
     import dataclasses
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = kwng.KWNGConfig(num_basis=3, eps=1e-3, damping="T", lm_interval=2, mode="reference")
-    by_cfg = KWNGPreconditioner(model, optimizer=opt, config=cfg)
-    by_kw = KWNGPreconditioner(model, optimizer=opt, num_basis=3, eps=1e-3, damping="T",
-                               lm_interval=2, mode="reference")
+    cfg = kwng.KWNGConfig(num_basis=3, eps=1e-3, damping="T", eps_schedule=LMSchedule(interval=2),
+                          mode="reference")
+    by_cfg = KWNGPreconditioner(model, lr=0.1, config=cfg)
+    by_kw = KWNGPreconditioner(model, lr=0.1, num_basis=3, eps=1e-3, damping="T",
+                               eps_schedule=LMSchedule(interval=2), mode="reference")
     assert by_cfg.hyperparameters() == by_kw.hyperparameters()
     assert by_cfg.state_dict() == by_kw.state_dict()
     assert by_cfg.config.num_basis == 3 and isinstance(by_cfg.config.kernel, kwng.Kernel)
     # keywords override fields of a given config
-    assert KWNGPreconditioner(model, optimizer=opt, config=cfg, num_basis=2).num_basis == 2
+    assert KWNGPreconditioner(model, lr=0.1, config=cfg, num_basis=2).config.num_basis == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.eps = 1.0
-    with pytest.raises(ValueError, match="lm_omega"):
-        kwng.KWNGConfig(lm_omega=1.5)
+    for bad, match in (({"omega": 1.5}, "omega"), ({"low": 0.9}, "low"), ({"interval": 0}, "interval"),
+                       ({"eps_min": 1.0, "eps_max": 0.5}, "eps_min"), ({"rule": "next"}, "rule")):
+        with pytest.raises(ValueError, match=match):
+            LMSchedule(**bad)
     with pytest.raises(ValueError, match="unknown hyperparameter"):
-        KWNGPreconditioner(model, optimizer=opt, num_basiss=3)
+        KWNGPreconditioner(model, lr=0.1, num_basiss=3)
 
 
 def test_replicated_forward_refuses_every_dropout_kind():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Dropout2d(0.3), nn.Flatten(),
                           nn.Linear(64, 2))
-    KWNGPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    KWNGPreconditioner(model, lr=0.1)
     with pytest.raises(ValueError, match="Dropout2d"):
         model(torch.randn(8, 3, 6, 6))
+
+
+def test_load_state_dict_reads_a_state_saved_before_eps_schedule(caplog):
+    """A state saved with the old flat lm_*/adapt_eps/eps_min/eps_max hyperparameters loads
+    without a warning when they match; a differing value is logged."""
+    pc = KWNGPreconditioner(nn.Linear(3, 2), lr=0.1, num_basis=2)
+    state = pc.state_dict()
+    hp = dict(state["hyperparameters"])
+    s = hp.pop("eps_schedule")
+    old = {**hp, "lm_interval": s["interval"], "lm_omega": s["omega"], "lm_low": s["low"],
+           "lm_high": s["high"], "adapt_eps": True, "eps_min": s["eps_min"], "eps_max": s["eps_max"],
+           "lm_rule": s["rule"]}
+    with caplog.at_level("WARNING"):
+        pc.load_state_dict({**state, "hyperparameters": old})
+    assert "differ" not in caplog.text
+    with caplog.at_level("WARNING"):
+        pc.load_state_dict({**state, "hyperparameters": {**old, "lm_omega": 0.5}})
+    assert "differ" in caplog.text
+    fixed = KWNGPreconditioner(nn.Linear(3, 2), num_basis=2, eps_schedule=None, eps=1e6)
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # a fixed ε may lie outside the rule's bounds
+        fixed.load_state_dict({**fixed.state_dict(), "hyperparameters": {
+            **old, "eps": 1e6, "adapt_eps": False}})
+    assert "differ" not in caplog.text and fixed.eps == 1e6

@@ -1,8 +1,9 @@
-"""Checks of :mod:`kwng.engine.triton_ops` under Triton's interpreter, run by
+"""Checks of the Triton kernels (:mod:`kwng.engine.triton_ops`, :mod:`kwng.engine.triton_bn`,
+:mod:`kwng.engine.triton_solve`) under Triton's interpreter, run by
 ``tests/test_triton_ops.py`` in a subprocess with ``TRITON_INTERPRET=1`` (the variable
 must be set before Triton is imported, so these cannot run in the main test process).
 
-Every kernel is compared with the PyTorch operations it replaces, and the fast KWNG
+Every kernel is compared with the PyTorch function that defines it, and the fast KWNG
 path, which then goes through the kernels on CPU tensors, with serial autograd passes.
 """
 
@@ -16,11 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-import kwng.engine.precond
+import kwng.engine.triton_solve
 import kwng.experiments.cifar.nets
 from kwng import solve
-from kwng.engine import replicate_layers, triton_ops
+from kwng.engine import replicate_layers, triton_bn, triton_ops
 from kwng.engine.precond import KWNGPreconditioner
+from kwng.engine.replicate_bn import bn_backward_torch
+from kwng.engine.step_direction import direction_into
 from kwng.estimator import jacobian_from_outputs
 
 pytestmark = pytest.mark.skipif(
@@ -31,12 +34,9 @@ CL = torch.channels_last
 
 
 def _bn_reference(d, x, mean, invstd, scale, use_batch):
-    S = x.shape[0]
-    xh = (x.double() - mean.double()) * invstd.double()
-    db, dg = d.double().sum(1), (d.double() * xh).sum(1)
-    dx = scale.double() * d.double()
-    if use_batch:
-        dx = dx - (scale * db)[:, None] / S - xh * (scale * dg)[:, None] / S
+    """The one definition (:func:`kwng.engine.replicate_bn.bn_backward_torch`) in float64."""
+    dx, dg, db, _ = bn_backward_torch(d.double(), x.double()[None], mean.double(),
+                                      invstd.double(), scale.double(), use_batch)
     return dx, dg, db
 
 
@@ -51,7 +51,7 @@ def test_bn_backward_equals_the_formulas(dtype, use_batch, shape):
     mean = x.float().mean(0)
     invstd = torch.rsqrt(x.float().var(0, unbiased=False) + 1e-5)
     scale = invstd * torch.randn(C, generator=g)
-    dx, dg, db, dxi = triton_ops.bn_backward(
+    dx, dg, db, dxi = triton_bn.bn_backward(
         d, x, mean, invstd, scale, use_batch, interleaved=True
     )
     assert torch.equal(dxi, dx.transpose(0, 1))  # the (S, R, C) layout, same values
@@ -73,7 +73,7 @@ def test_bn_backward_nchw_equals_the_formulas(dtype, use_batch, shape):
     mean = x.float().mean((0, 2))
     invstd = torch.rsqrt(x.float().var((0, 2), unbiased=False) + 1e-5)
     scale = invstd * torch.randn(C, generator=g)
-    dx, dg, db, dxi = triton_ops.bn_backward_nchw(
+    dx, dg, db, dxi = triton_bn.bn_backward_nchw(
         d, x, mean, invstd, scale, use_batch, interleaved=True
     )
     assert torch.equal(dxi, dx.transpose(0, 1))  # the (N, R, C, L) layout
@@ -104,24 +104,6 @@ def test_repeat_and_interleave_equal_their_pytorch_forms(fmt):
     assert torch.equal(got, ref) and got.is_contiguous(memory_format=fmt)
 
 
-@pytest.mark.parametrize("M,q", [(1, 50), (5, 1000), (20, 333)])
-def test_small_products_of_the_solve(M, q):
-    g = torch.Generator().manual_seed(M)
-    T, W, d = (
-        torch.randn(M, q, generator=g),
-        torch.randn(M, M, generator=g),
-        torch.rand(q),
-    )
-    assert triton_ops.solve_available(T)
-    ref = W.double() @ T.double()
-    got = solve._left_mul(W, T)
-    assert float((got.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
-    gram = (T.double() * d.double()) @ T.double().T
-    got = solve._weighted_gram(T, d)
-    assert got.dtype == torch.float64
-    assert float((got - gram).abs().max()) <= 1e-6 * float(gram.abs().max())
-
-
 def _model(seed=0, fmt=CL):
     torch.manual_seed(seed)
     return kwng.experiments.cifar.nets.ResNet18(10, widths=(4, 8, 8, 8)).to(memory_format=fmt)
@@ -136,19 +118,19 @@ def _batch(N=12, fmt=CL):
 def _calls(monkeypatch):
     """Count the kernel calls made through the engine."""
     seen = {"bn": 0, "bn_nchw": 0, "repeat": 0, "interleave": 0, "handed_off": 0}
-    for name, key in (
-        ("bn_backward", "bn"),
-        ("bn_backward_nchw", "bn_nchw"),
-        ("repeat", "repeat"),
-        ("interleave", "interleave"),
+    for mod, name, key in (
+        (triton_bn, "bn_backward", "bn"),
+        (triton_bn, "bn_backward_nchw", "bn_nchw"),
+        (triton_ops, "repeat", "repeat"),
+        (triton_ops, "interleave", "interleave"),
     ):
-        fn = getattr(triton_ops, name)
+        fn = getattr(mod, name)
 
         def counted(*a, _fn=fn, _key=key, **k):
             seen[_key] += 1
             return _fn(*a, **k)
 
-        monkeypatch.setattr(triton_ops, name, counted)
+        monkeypatch.setattr(mod, name, counted)
     handed = replicate_layers._handed_off
 
     def counted_handoff(dy, st):
@@ -157,11 +139,10 @@ def _calls(monkeypatch):
         return out
 
     monkeypatch.setattr(replicate_layers, "_handed_off", counted_handoff)
-    monkeypatch.setattr(replicate_layers, "STACKED_WGRAD", True)
     return seen
 
 
-def _g_and_T(model, z, y, C, layout="auto"):
+def _g_and_T(model, z, y, C):
     """g and T of the fast path and of serial autograd VJPs on a copy of ``model``."""
     plain = copy.deepcopy(model)
     X = plain(z)
@@ -170,28 +151,23 @@ def _g_and_T(model, z, y, C, layout="auto"):
     grads = torch.autograd.grad(loss, params, retain_graph=True)
     g_ref = torch.cat([t.reshape(-1) for t in grads])
     T_ref = jacobian_from_outputs(X, params, C, retain_graph=False)
-    pc = KWNGPreconditioner(model, num_basis=C.shape[0], adapt_eps=False, layout=layout)
+    pc = KWNGPreconditioner(model, num_basis=C.shape[0], eps_schedule=None)
     X = model(z)
     g, T = pc._gradients(nn.functional.cross_entropy(X, y), X, C, pc.params)
     return (g, g_ref), (T, T_ref)
 
 
-@pytest.mark.parametrize(
-    "fmt, layout",
-    [(CL, "model"), (torch.contiguous_format, "model"),
-     (torch.contiguous_format, "channels_last")],
-)
-def test_fast_path_through_the_kernels_equals_serial_vjps(monkeypatch, fmt, layout):
-    """fp32 BN ResNet in train mode, both layouts, and an NCHW model replicated in
-    channels_last: g and T of the replicated backward (batch norm, repeats and the
-    stacked weight gradients through the kernels, as on a GPU; every convolution takes
-    the layout its batch norm wrote) agree with serial autograd VJPs as closely as fp32
-    allows (1e-4)."""
+@pytest.mark.parametrize("fmt", [CL, torch.contiguous_format])
+def test_fast_path_through_the_kernels_equals_serial_vjps(monkeypatch, fmt):
+    """fp32 BN ResNet in train mode, both memory formats: g and T of the replicated
+    backward (batch norm, repeats and the stacked weight gradients through the kernels,
+    as on a GPU; every convolution takes the layout its batch norm wrote) agree with
+    serial autograd VJPs as closely as fp32 allows (1e-4)."""
     seen = _calls(monkeypatch)
     z, y = _batch(fmt=fmt)
     C = torch.randn(4, 12, 10, generator=torch.Generator().manual_seed(1))
-    pairs = _g_and_T(_model(fmt=fmt), z, y, C, layout)
-    nchw = fmt == torch.contiguous_format and layout == "model"
+    pairs = _g_and_T(_model(fmt=fmt), z, y, C)
+    nchw = fmt == torch.contiguous_format
     assert seen["bn_nchw" if nchw else "bn"] > 0 and seen["repeat"] > 0
     assert nchw or seen["bn_nchw"] == 0  # channels_last all through
     assert seen["handed_off"] == 20 and seen["interleave"] == 0  # 20 conv → BN pairs
@@ -238,16 +214,15 @@ def test_fast_direction_with_unused_and_frozen_parameters_equals_reference(monke
         seen["fused"] = seen.get("fused", 0) + 1
         return fused(*a, **k)
 
-    monkeypatch.setattr(kwng.engine.precond, "fused_direction", counted_fused)
+    monkeypatch.setattr(kwng.engine.triton_solve, "fused_direction", counted_fused)
     z, y = _batch()
     dirs = {}
     for mode in ("fast", "reference"):
         model = _model()
         model.unused = nn.Linear(3, 3)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         pc = KWNGPreconditioner(
             model,
-            optimizer=opt,
+            lr=0.1,
             num_basis=4,
             eps=1e-3,
             clip_norm=None,
@@ -277,43 +252,51 @@ def _fused_case(damping, case):
         T[:, 10:20] *= 1e-12
         g[5:10] = 0
         g[15:20] = 0
-    eps = torch.tensor(float("nan") if case == "nan_eps" else 1e-2, dtype=torch.float64)
+    eps = {"nan_eps": float("nan"), "failed": -1e12}.get(case, 1e-2)
     lam = 0.3 if case == "lam" else 0.0
     clip = None if case == "noclip" else 1.0
-    return T, g, C @ C.T, K, N, eps, lam, clip
+    return T, g, C @ C.T, K, N, torch.tensor(eps, dtype=torch.float64), lam, clip
 
 
-@pytest.mark.parametrize("damping", ["T_tilde", "T", "identity"])
-@pytest.mark.parametrize("case", ["plain", "degenerate", "lam", "nan_eps", "noclip"])
+@pytest.mark.parametrize("damping", solve.DAMPINGS)
+@pytest.mark.parametrize(
+    "case", ["plain", "degenerate", "lam", "nan_eps", "failed", "noclip"]
+)
 def test_fused_direction_equals_the_pytorch_path(damping, case):
-    """The four kernels of kwng.engine.triton_solve against nystrom_solve_nosync followed by
-    the preconditioner's safeguard and clipping: same direction (float32 rounding), same
-    diagnostics; a non-finite direction (ε = NaN) falls back to the clipped g."""
-    from types import SimpleNamespace
-
-    from kwng.engine.triton_solve import fused_available, fused_direction
-    from kwng.nosync import nystrom_solve_nosync
+    """The four kernels of kwng.engine.triton_solve against their one definition,
+    kwng.engine.step_direction.direction_into (nystrom_solve_nosync, then solve.safeguard), for
+    every damping of solve.DAMPINGS (a new one must be implemented or refused by the
+    kernels): same direction (float32 rounding), same diagnostics. A non-finite
+    direction (ε = NaN) and a failed Cholesky factorisation of the system (ε < 0) fall
+    back to the clipped g on both paths."""
+    from kwng.engine.triton_solve import (
+        FUSED_DAMPINGS,
+        fused_available,
+        fused_direction,
+    )
 
     T, g, CCt, K, N, eps, lam, clip = _fused_case(damping, case)
+    if damping not in FUSED_DAMPINGS:  # refused explicitly, never run as another one
+        with pytest.raises(ValueError, match="implements the dampings"):
+            fused_available(T, g, damping)
+        return
     assert fused_available(T, g, damping)
-    d, dg = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=lam, damping=damping)
-    d, dot, bad, clipped, gnorm, norm = KWNGPreconditioner._safeguard(
-        SimpleNamespace(clip_norm=clip), g, d
-    )
-    out = torch.empty_like(g)
-    f = fused_direction(T, CCt, K, g, N, eps=eps, lam=lam, damping=damping,
-                        rcond=None, clip_norm=clip, out=out)
+    kw = dict(eps=eps, lam=lam, damping=damping, rcond=None, clip_norm=clip)
+    d, out = torch.empty_like(g), torch.empty_like(g)
+    ref = direction_into(d, T, CCt, K, g, N, **kw)
+    f = fused_direction(T, CCt, K, g, N, out=out, **kw)
     assert float((out - d).norm() / d.norm()) < 1e-5
-    for key, ref in (("dot", dot), ("grad_norm", gnorm), ("direction_norm", norm),
-                     ("floored_share", dg["floored_share"])):
-        got, ref = float(f[key]), float(ref)
-        same_nan = math.isnan(got) and math.isnan(ref)  # the share of a NaN direction
-        assert same_nan or abs(got - ref) <= 1e-5 * abs(ref) + 1e-12, key
-    for key, ref in (("fallback", bad), ("clipped", clipped), ("rank", dg["rank"]),
-                     ("damping_floored", dg["damping_floored"]),
-                     ("loss_only", dg["loss_only"]),
-                     ("ill_conditioned", dg["ill_conditioned"])):
-        assert int(f[key]) == int(ref), key
+    if case == "failed":  # only the fallback's values: the solve's sums are meaningless
+        assert bool(f["fallback"]) and bool(ref["fallback"])
+        assert torch.allclose(out, g * (1.0 / g.norm()), rtol=1e-5)
+        return
+    for key in ("dot", "grad_norm", "direction_norm", "floored_share"):
+        got, want = float(f[key]), float(ref[key])
+        same_nan = math.isnan(got) and math.isnan(want)  # the share of a NaN direction
+        assert same_nan or abs(got - want) <= 1e-5 * abs(want) + 1e-12, key
+    for key in ("fallback", "clipped", "rank", "damping_floored", "loss_only",
+                "ill_conditioned"):
+        assert int(f[key]) == int(ref[key]), key
     assert bool(f["fallback"]) == (case == "nan_eps")
     if case == "degenerate" and damping != "identity":
         assert int(f["loss_only"]) == 5 and int(f["damping_floored"]) == 20

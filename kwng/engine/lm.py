@@ -20,57 +20,103 @@ Two ways of getting ``L_after`` (``rule``):
   which the training loop computes (one extra forward pass without gradients) and hands
   to :meth:`observe`. This is the comparison the rule intends.
 
-All quantities are 0-dim tensors on the device: no host synchronisation.
+The hyperparameters form one frozen, validated object, :class:`LMSchedule` (the
+``eps_schedule`` of :class:`kwng.KWNGConfig`); :class:`LevenbergMarquardt` holds ``ε``
+and the rule's state. All quantities are 0-dim tensors on the device: no host
+synchronisation.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kwng._checks import check_choice, check_int, check_positive
 
-__all__ = ["LevenbergMarquardt", "LM_RULES"]
+__all__ = ["LevenbergMarquardt", "LMSchedule", "LM_RULES"]
 
 LM_RULES = ("authors", "same_batch")
 
 
+@dataclass(frozen=True)
+class LMSchedule:
+    """The hyperparameters of the ε rule of App. D.2, validated on construction:
+    ``interval`` ≥ 1 steps between updates, ``omega`` [``ω``] in (0, 1), thresholds
+    ``0 ≤ low < high`` of ``r``, bounds ``0 < eps_min ≤ eps_max``, ``rule`` one of
+    :data:`LM_RULES`. The defaults are the paper's."""
+
+    interval: int = 5
+    omega: float = 0.85
+    low: float = 0.25
+    high: float = 0.75
+    eps_min: float = 1e-10
+    eps_max: float = 1e5
+    rule: str = "authors"
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("interval", check_int(self.interval, "interval", 1))
+        omega = check_positive(self.omega, "omega")
+        if not omega < 1:
+            raise ValueError(f"omega must lie in (0, 1), got {self.omega!r}")
+        put("omega", omega)
+        low = check_positive(self.low, "low", allow_zero=True)
+        high = check_positive(self.high, "high", allow_zero=True)
+        if not low < high:
+            raise ValueError(f"low must be < high (both in [0, inf)), got low={low}, "
+                             f"high={high}")
+        put("low", low)
+        put("high", high)
+        lo = check_positive(self.eps_min, "eps_min")
+        hi = check_positive(self.eps_max, "eps_max")
+        if not lo <= hi:
+            raise ValueError(f"eps_min must be <= eps_max, got eps_min={lo}, "
+                             f"eps_max={hi}")
+        put("eps_min", lo)
+        put("eps_max", hi)
+        check_choice(self.rule, "rule", LM_RULES)
+
+    def check_eps(self, eps: float) -> float:
+        """``eps`` if it lies in ``[eps_min, eps_max]``, else a ``ValueError``."""
+        eps = check_positive(eps, "eps")
+        if not self.eps_min <= eps <= self.eps_max:
+            raise ValueError(f"eps must lie in [eps_min, eps_max] = [{self.eps_min}, "
+                             f"{self.eps_max}] of the schedule, got {eps}")
+        return eps
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 class LevenbergMarquardt:
-    """ε schedule of App. D.2 (``omega`` = ω, ``low``/``high`` the thresholds of
-    ``r``)."""
+    """``ε`` and the state of its rule (App. D.2): ``schedule`` (an
+    :class:`LMSchedule`, default the paper's) gives ``interval``, ``omega`` = ω,
+    ``low``/``high`` (the thresholds of ``r``), the bounds and the rule; ``eps`` is the
+    initial ``ε``, within the bounds."""
 
     def __init__(
         self,
         eps: float,
+        schedule: LMSchedule | None = None,
         *,
-        eps_min: float = 1e-10,
-        eps_max: float = 1e5,
-        omega: float = 0.85,
-        low: float = 0.25,
-        high: float = 0.75,
-        interval: int = 5,
-        rule: str = "authors",
         device: torch.device | str = "cpu",
     ) -> None:
-        self.eps_min = check_positive(eps_min, "eps_min")
-        self.eps_max = check_positive(eps_max, "eps_max")
-        self.eps_init = check_positive(eps, "eps")
-        if not self.eps_min <= self.eps_init <= self.eps_max:
-            raise ValueError(
-                f"eps must lie in [eps_min, eps_max] = [{eps_min}, {eps_max}], "
-                f"got {eps}"
-            )
-        self.omega = check_positive(omega, "omega")
-        if not self.omega < 1:
-            raise ValueError(f"omega must lie in (0, 1), got {omega}")
-        self.low = check_positive(low, "low", allow_zero=True)
-        self.high = check_positive(high, "high", allow_zero=True)
-        if not self.low < self.high:
-            raise ValueError(f"low must be < high, got low={low}, high={high}")
-        self.interval = check_int(interval, "interval", 1)
-        self.rule = check_choice(rule, "rule", LM_RULES)
+        schedule = LMSchedule() if schedule is None else schedule
+        if not isinstance(schedule, LMSchedule):
+            raise ValueError("schedule must be a kwng.engine.lm.LMSchedule or None, got "
+                             f"{type(schedule).__name__}")
+        self.schedule = schedule
+        self.eps_init = schedule.check_eps(eps)
         self.to(torch.device(device), reset=True)
+
+    @property
+    def rule(self) -> str:
+        return self.schedule.rule
 
     # --- state ------------------------------------------------------------------------
     def to(self, device: torch.device, reset: bool = False) -> LevenbergMarquardt:
@@ -187,17 +233,17 @@ class LevenbergMarquardt:
     def _adapt(self) -> None:
         """Every ``interval`` steps (counted on the device, so a CUDA-graph replay
         counts too)."""
-        due = (self._count + 1) % self.interval == 0
+        due = (self._count + 1) % self.schedule.interval == 0
         r = self._r_max
         seen = due & torch.isfinite(r)
-        up = seen & (r < self.low) & (self.eps < self.eps_max)
-        down = seen & (r > self.high) & (self.eps > self.eps_min)
+        up = seen & (r < self.schedule.low) & (self.eps < self.schedule.eps_max)
+        down = seen & (r > self.schedule.high) & (self.eps > self.schedule.eps_min)
         new = torch.where(
             up,
-            self.eps / self.omega,
-            torch.where(down, self.eps * self.omega, self.eps),
+            self.eps / self.schedule.omega,
+            torch.where(down, self.eps * self.schedule.omega, self.eps),
         )
-        self.eps.copy_(new.clamp(self.eps_min, self.eps_max))
+        self.eps.copy_(new.clamp(self.schedule.eps_min, self.schedule.eps_max))
         self.ups += up.long()
         self.downs += down.long()
         self._r_max.copy_(torch.where(due, torch.full_like(r, -torch.inf), r))
@@ -237,8 +283,4 @@ class LevenbergMarquardt:
         self._ratio(loss_after)
 
     def __repr__(self) -> str:
-        return (
-            f"LevenbergMarquardt(eps={self.eps_init}, eps_min={self.eps_min}, "
-            f"eps_max={self.eps_max}, omega={self.omega}, low={self.low}, "
-            f"high={self.high}, interval={self.interval}, rule={self.rule!r})"
-        )
+        return f"LevenbergMarquardt(eps={self.eps_init}, schedule={self.schedule!r})"

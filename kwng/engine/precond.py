@@ -5,7 +5,8 @@ samples ``X_n`` of a distribution ``ρ_θ`` (Arbel et al., 2020, §4.2). The pre
 the Euclidean gradient ``g = ∇_θ L`` by the kernelized Wasserstein natural gradient of Prop. 6,
 then any ``torch.optim`` optimizer takes the step::
 
-    precond = KWNGPreconditioner(model, optimizer=optimizer, num_basis=5, eps=1e-5)
+    precond = KWNGPreconditioner(model, lr=0.1, num_basis=5, eps=1e-5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for z, y in loader:
         optimizer.zero_grad()
         X = model(z)                      # (N, d): the samples
@@ -24,9 +25,10 @@ Algorithm (one call of :meth:`KWNGPreconditioner.step`; symbols ↔ arguments)::
     if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g                                       (counted fallback)
     if ‖ĝ‖ > clip_norm:  ĝ ← clip_norm · ĝ / ‖ĝ‖                                 (clip_norm)
     p.grad ← ĝ
-    Levenberg-Marquardt (App. D.2, every lm_interval steps, with r the largest reduction ratio
+    Levenberg-Marquardt (App. D.2, eps_schedule = LMSchedule(interval, omega, low, high, eps_min,
+    eps_max): every interval steps, with r the largest reduction ratio
     r_t = 2 (L_{t-1} − L_t) / (lr ⟨g, ĝ⟩_{t-1}) seen since the last update):
-        ε ← lm_omega · ε if r > lm_high;   ε ← ε / lm_omega if r < lm_low;   ε ∈ [eps_min, eps_max]
+        ε ← omega · ε if r > high;   ε ← ε / omega if r < low;   ε ∈ [eps_min, eps_max]
 
 Two ways to get ``g`` and ``T`` (``mode``):
 
@@ -37,20 +39,25 @@ Two ways to get ``g`` and ``T`` (``mode``):
   ``(∂L/∂X, C_1/N, …, C_M/N)``, and every layer forms the ``M + 1`` weight gradients in one call.
   ``outputs`` must be the tensor the model returned, or computed from it without parameters
   (e.g. ``U · model(z)`` with a fixed ``U``: the cotangents are pulled back through that map).
-  The ``M × M`` algebra is
-  :func:`kwng.nystrom_solve_nosync` and all bookkeeping (ε, r, counters, fallbacks, clipping) stays
-  in device tensors: no host synchronisation in a step. A model with parameters outside
+  The direction is :func:`kwng.engine.step_direction.step_direction` (Prop. 6 through
+  :func:`kwng.solve.kwng_direction`, then :func:`kwng.solve.safeguard`, compiled on CUDA) and all
+  bookkeeping (ε, r, counters, fallbacks, clipping) stays in device tensors: no host
+  synchronisation in a step. The replicated pass runs in the model's memory format: on a GPU, make
+  a convolutional model channels_last (``model.to(memory_format=torch.channels_last)`` and inputs
+  ``z.contiguous(memory_format=torch.channels_last)``), which cuDNN runs without conversions
+  (``results/benchmarks/step_cost.json``: 21.9 ms a captured fp32 ResNet-18 step, M = 5, H100). A model with parameters outside
   ``Conv2d``/``Linear``/``BatchNorm`` (:func:`kwng.engine.replicate.unsupported_reason`), or a step whose
   ``outputs`` are not the model's own output, uses the serial passes below (logged once);
 * ``"reference"`` — as the authors' code: ``M + 1`` serial backward passes (``retain_graph``), the
-  float64 eigendecomposition solve of :func:`kwng.nystrom_solve`, bookkeeping on the host.
+  float64 eigendecomposition solve of :func:`kwng.nystrom_solve` and :func:`kwng.solve.safeguard`,
+  bookkeeping on the host.
 
 Under ``torch.autocast`` the network runs in the autocast dtype; ``g`` and ``T`` are returned in the
 parameters' dtype and the kernel algebra runs in float32/float64 as in full precision.
 
 ε convention: ``eps`` enters as ``(ε/N) I`` next to the whitened ``T̃ D⁻¹ T̃ᵀ`` (Prop. 6). The
 authors' code whitens with ``(CCᵀ/N)^{-1/2}`` and adds ``ε_a I``; with the paper's damping
-``T_tilde`` the two regularisers agree when ``ε = √N · ε_a`` (:func:`eps_from_authors`), bounds
+``T_tilde`` the two regularisers agree when ``ε = √N · ε_a`` (:func:`kwng.engine.config.eps_from_authors`), bounds
 included; with ``identity`` or ``T`` damping they agree when ``ε = ε_a``.
 
 Counters (:meth:`KWNGPreconditioner.counters`): ``fallbacks`` (steps where the natural direction
@@ -62,18 +69,21 @@ In fast mode fallbacks are counted on the device and logged by :meth:`counters` 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from kwng._checks import check_choice, check_int
-from kwng.engine.config import MODES, KWNGConfig, eps_from_authors
+from kwng import solve
+from kwng._checks import check_positive
+from kwng.engine.config import KWNGConfig
 from kwng.engine.grads import replicated_gradients
 from kwng.engine.graph import derived_from
-from kwng.engine.lm import LevenbergMarquardt
-from kwng.engine.replicate import LAYOUTS, ReplicatedEngine, unsupported_reason
-from kwng.engine.triton_solve import fused_available, fused_direction
+from kwng.engine.lm import LevenbergMarquardt, LMSchedule
+from kwng.engine.precond_state import COUNTERS, load_preconditioner_state
+from kwng.engine.replicate import ReplicatedEngine, unsupported_reason
+from kwng.engine.step_direction import step_direction
 from kwng.estimator import (
     _with_bandwidth,
     draw_basis,
@@ -81,14 +91,11 @@ from kwng.estimator import (
     kernel_matrices,
     nystrom_solve,
 )
-from kwng.nosync import kernel_matrices_nosync, nystrom_solve_nosync
+from kwng.nosync import kernel_matrices_nosync
 
-__all__ = ["KWNGPreconditioner", "KWNGConfig", "MODES", "eps_from_authors"]
+__all__ = ["KWNGPreconditioner"]
 
 log = logging.getLogger(__name__)
-
-_COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped", "serial_steps",
-             "loss_only")
 
 
 class KWNGPreconditioner:
@@ -97,75 +104,60 @@ class KWNGPreconditioner:
     Arguments: ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q``
     numbers). A parameter frozen later (``requires_grad=False``) is left alone from then on. In
     fast mode the replicated forward runs when ``model`` itself is called (``model(z)``); attach
-    the preconditioner to the network that the training loop calls. ``optimizer`` — the
-    ``torch.optim`` optimizer that takes the step; its ``param_groups[0]['lr']`` is the step
-    size in the reduction ratio ``r``; required when ``adapt_eps`` is on. ``config`` — a
+    the preconditioner to the network that the training loop calls. ``config`` — a
     :class:`kwng.KWNGConfig` with the hyperparameters (``num_basis``, ``eps``, ``lam``,
-    ``kernel``, ``bandwidth``, ``sigma0``, ``damping``, the ``lm_*`` rule, ``clip_norm``,
+    ``kernel``, ``bandwidth``, ``sigma0``, ``damping``, ``eps_schedule``, ``clip_norm``,
     ``mode``, ``diagonal_only``, ``rcond``; see there); keyword arguments of the same names
-    build it (or override fields of ``config``). ``generator`` — a ``torch.Generator`` for the
-    basis draw (reproducible runs and tests). ``layout`` — the memory format of the fast
-    path's replicated activations, one of ``"auto"`` (channels_last for 4-D inputs on the
-    GPU when the model's forward allows it), ``"model"`` or ``"channels_last"``
-    (:class:`kwng.engine.replicate.ReplicatedEngine`); it changes the speed, not the values.
+    build it (or override fields of ``config``). ``lr`` — the optimizer's step size, a number
+    or a callable of no arguments that returns the current one (e.g.
+    ``lambda: optimizer.param_groups[0]["lr"]`` under a learning-rate schedule); it enters the
+    reduction ratio ``r`` of the ε rule, so it is required unless ``eps_schedule=None``.
+    ``generator`` — a ``torch.Generator`` for the basis draw (reproducible runs and tests).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 config: KWNGConfig | None = None, *, generator: torch.Generator | None = None,
-                 layout: str = "auto", **hyperparameters: Any) -> None:
+    def __init__(self, model: nn.Module, config: KWNGConfig | None = None, *,
+                 lr: float | Callable[[], float] | None = None,
+                 generator: torch.Generator | None = None, **hyperparameters: Any) -> None:
+        if "optimizer" in hyperparameters:
+            raise ValueError("optimizer= is no longer taken: pass lr= (a number, or a callable such as "
+                             "lambda: optimizer.param_groups[0]['lr'])")
         unknown = set(hyperparameters) - set(KWNGConfig.fields())
         if unknown:
             raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; accepted: "
                              f"{', '.join(KWNGConfig.fields())}")
         if config is not None and not isinstance(config, KWNGConfig):
             raise ValueError(f"config must be a kwng.KWNGConfig or None, got {type(config).__name__}")
-        cfg = (config or KWNGConfig()).replace(**hyperparameters)
-        self.config = cfg
+        cfg = self.config = (config or KWNGConfig()).replace(**hyperparameters)
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         if not self.params:
             raise ValueError("model has no parameter with requires_grad=True")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-        self.optimizer = optimizer
-        if cfg.adapt_eps and optimizer is None:
-            raise ValueError("optimizer is required when adapt_eps=True (its lr enters the reduction ratio)")
+        self._lr = _check_lr(lr, cfg.eps_schedule is not None)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         self.generator = generator
-        # the hyperparameters read by the step, as attributes (the config is their one source)
-        self.num_basis, self.lam, self.kernel = cfg.num_basis, cfg.lam, cfg.kernel
-        self.bandwidth, self.sigma0, self.damping = cfg.bandwidth, cfg.sigma0, cfg.damping
-        self.adapt_eps, self.clip_norm, self.mode = cfg.adapt_eps, cfg.clip_norm, cfg.mode
-        self.diagonal_only, self.rcond = cfg.diagonal_only, cfg.rcond
-        self.lm = LevenbergMarquardt(cfg.eps, eps_min=cfg.eps_min, eps_max=cfg.eps_max,
-                                     omega=cfg.lm_omega, low=cfg.lm_low, high=cfg.lm_high,
-                                     interval=cfg.lm_interval, rule=cfg.lm_rule,
-                                     device=self.params[0].device)
-        self._step_count = torch.zeros((), dtype=torch.long, device=self.params[0].device)
+        dev = self.params[0].device
+        # a fixed ε is a schedule whose bounds cannot move it (and it is never updated)
+        self.lm = LevenbergMarquardt(cfg.eps, cfg.eps_schedule or LMSchedule(eps_min=cfg.eps, eps_max=cfg.eps),
+                                     device=dev)
+        self._step_count = torch.zeros((), dtype=torch.long, device=dev)
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
-        check_choice(layout, "layout", LAYOUTS)
-        if self.mode == "fast":
+        if cfg.mode == "fast":
             reason = unsupported_reason(model, self.params)
             if reason is not None and "already carries" in reason:
                 raise ValueError(f"model: {reason}")
             if reason is None:
-                self._engine = ReplicatedEngine(model, self.num_basis + 1, layout)
+                self._engine = ReplicatedEngine(model, cfg.num_basis + 1)
             else:
                 self._warn_once("unsupported", "KWNG fast mode: %s; this model uses serial backward passes", reason)
         self._buffer: torch.Tensor | None = None
-        self._counters = {k: torch.zeros((), dtype=torch.long, device=self.params[0].device) for k in _COUNTERS}
+        self._counters = {k: torch.zeros((), dtype=torch.long, device=dev) for k in COUNTERS}
 
     # --- state ------------------------------------------------------------------------------
-    @property
-    def lm_rule(self) -> str:
-        return self.lm.rule
-
     @property
     def num_steps(self) -> int:
         """Steps taken (counted on the device, so CUDA-graph replays count; a host sync)."""
@@ -175,13 +167,6 @@ class KWNGPreconditioner:
     def eps(self) -> float:
         """The current ``ε`` (a host sync on GPU)."""
         return float(self.lm.eps)
-
-    @property
-    def engine_layout(self) -> str | None:
-        """The layout of the fast path's replicated activations once its first forward
-        has chosen it: ``"channels_last"`` or ``"model"``; ``None`` before, and without
-        the fast path."""
-        return None if self._engine is None else self._engine.chosen_layout
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
@@ -204,13 +189,12 @@ class KWNGPreconditioner:
         return out
 
     def hyperparameters(self) -> dict[str, Any]:
-        lm = self.lm
-        return {"num_basis": self.num_basis, "eps": lm.eps_init, "lam": self.lam, "kernel": repr(self.kernel),
-                "bandwidth": self.bandwidth, "sigma0": self.sigma0, "damping": self.damping,
-                "lm_interval": lm.interval, "lm_omega": lm.omega, "lm_low": lm.low, "lm_high": lm.high,
-                "adapt_eps": self.adapt_eps, "clip_norm": self.clip_norm, "mode": self.mode,
-                "diagonal_only": self.diagonal_only, "eps_min": lm.eps_min, "eps_max": lm.eps_max,
-                "rcond": self.rcond, "lm_rule": lm.rule}
+        """The configuration as plain values (the kernel as its repr, the schedule as a dict)."""
+        cfg = self.config
+        hp = {k: getattr(cfg, k) for k in KWNGConfig.fields()}
+        hp["kernel"] = repr(cfg.kernel)
+        hp["eps_schedule"] = None if cfg.eps_schedule is None else cfg.eps_schedule.as_dict()
+        return hp
 
     def state_dict(self) -> dict[str, Any]:
         """The Levenberg-Marquardt state (``lm``, with the current ``ε``), the counters and the
@@ -220,18 +204,9 @@ class KWNGPreconditioner:
                 "hyperparameters": self.hyperparameters()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"lm", "num_steps", "counters"} - set(state)
-        if missing:
-            raise ValueError(f"state_dict is missing {sorted(missing)}")
-        self.lm.load_state_dict(state["lm"])
-        dev = self.lm.eps.device
-        self._step_count = torch.tensor(check_int(state["num_steps"], "num_steps", 0), dtype=torch.long,
-                                        device=dev)
-        for k in _COUNTERS:
-            self._counters[k] = torch.tensor(int(state["counters"].get(k, 0)), dtype=torch.long, device=dev)
-        hp = state.get("hyperparameters")
-        if hp is not None and hp != self.hyperparameters():
-            log.warning("load_state_dict: hyperparameters differ from the saved ones: %s", hp)
+        """Restore a :meth:`state_dict` (also one saved before ``eps_schedule`` replaced the
+        ``lm_*``/``adapt_eps``/``eps_min``/``eps_max`` fields); warns if the hyperparameters differ."""
+        self._step_count, self._counters = load_preconditioner_state(state, self.lm, self.hyperparameters())
 
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
@@ -253,26 +228,24 @@ class KWNGPreconditioner:
         if not outputs.is_floating_point() or outputs.grad_fn is None:
             raise ValueError("outputs must be a floating-point tensor with an autograd graph to the parameters "
                              "(call step(loss, outputs) with the outputs of model(z), not detached ones)")
-        if outputs.shape[0] < self.num_basis:
-            raise ValueError(f"the batch has {outputs.shape[0]} samples but num_basis = {self.num_basis}; "
+        if outputs.shape[0] < self.config.num_basis:
+            raise ValueError(f"the batch has {outputs.shape[0]} samples but num_basis = {self.config.num_basis}; "
                              "num_basis must be <= batch size")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or loss.grad_fn is None:
             raise ValueError("loss must be a scalar tensor with an autograd graph (e.g. loss_fn(outputs, y))")
 
-    def _lr(self) -> float:
-        if self.optimizer is None:
+    def _current_lr(self) -> float:
+        """The step size of the reduction ratio (1 with a fixed ε, where nothing reads it)."""
+        if self._lr is None:
             return 1.0
-        return float(self.optimizer.param_groups[0]["lr"])
+        return float(self._lr()) if callable(self._lr) else self._lr
 
     def observe_loss_after_step(self, loss_after: torch.Tensor) -> None:
-        """``lm_rule="same_batch"``: the loss of the step's mini-batch after ``optimizer.step()``."""
+        """``eps_schedule.rule == "same_batch"``: the loss of the step's mini-batch after
+        ``optimizer.step()``."""
         if not isinstance(loss_after, torch.Tensor) or loss_after.dim() != 0:
             raise ValueError("loss_after must be a scalar tensor (the same batch's loss after the step)")
         self.lm.observe(loss_after)
-
-    def _draw_basis(self, N: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        # without a generator: drawn on the outputs' device (no host-to-device copy, no sync)
-        return draw_basis(N, d, self.num_basis, self.generator, device)
 
     def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,7 +254,7 @@ class KWNGPreconditioner:
         X0 = None if eng is None else eng.first
         if X0 is not None and (X is X0 or (X.shape == X0.shape and derived_from(X, X0, params))):
             return replicated_gradients(loss, X, X0, C, params, eng, self._warn_once)
-        if self.mode == "fast":
+        if self.config.mode == "fast":
             self._warn_once("serial", "KWNG fast mode: outputs are not the output of the model's last training "
                             "forward (or the model is unsupported): serial backward passes are used")
             self._counters["serial_steps"] += 1
@@ -291,18 +264,12 @@ class KWNGPreconditioner:
         return g, T
 
     def _grad_buffer(self, q: int, params: list[torch.Tensor]) -> torch.Tensor:
-        """The flat buffer whose views are the parameters' ``.grad`` (kept across steps)."""
+        """The flat buffer whose views are the parameters' ``.grad`` (kept across steps), and
+        those views."""
         dtype, device = params[0].dtype, params[0].device
         if self._buffer is None or self._buffer.numel() != q or self._buffer.device != device \
                 or self._buffer.dtype != dtype:
             self._buffer = torch.empty(q, dtype=dtype, device=device)
-        return self._buffer
-
-    def _write_grads(self, direction: torch.Tensor | None, params: list[torch.Tensor]) -> None:
-        """Copy ``direction`` into the buffer (``None``: already written there) and make its
-        views the parameters' gradients."""
-        if direction is not None:
-            self._grad_buffer(direction.numel(), params).copy_(direction)
         offset = 0
         for p in params:
             n = p.numel()
@@ -310,6 +277,7 @@ class KWNGPreconditioner:
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view  # a view of the shared flat buffer: one copy per step instead of one per tensor
             offset += n
+        return self._buffer
 
     def step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
         """Backward pass(es), KWNG direction, fallback, clipping; the result is written into ``p.grad``.
@@ -328,101 +296,89 @@ class KWNGPreconditioner:
         with torch.autocast(outputs.device.type, enabled=False):  # the kernel algebra in ≥ float32
             return self._step(loss, outputs)
 
-    def _solve(self, T, CCt, K, g, N, eps, reference):
-        """Prop. 6 through the reference (host diagnostics) or the sync-free path."""
-        if reference and not self.diagonal_only:
-            res = nystrom_solve(T, CCt, K, g, N, eps=float(eps), lam=self.lam,
-                                damping=self.damping, method="stable", rcond=self.rcond)
-            dg, dev = res.diagnostics, T.device
-            rank = dg["rank"]
-            return (res.direction, torch.tensor(rank, device=dev),
-                    torch.tensor(rank < self.num_basis, device=dev),
-                    torch.tensor(dg["damping_floored"], device=dev),
-                    torch.tensor(dg["loss_only"], device=dev),
-                    torch.tensor(dg["floored_share"], device=dev))
-        direction, dg = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=self.lam,
-                                             damping=self.damping, rcond=self.rcond,
-                                             diagonal_only=self.diagonal_only)
-        return (direction, dg["rank"], dg["ill_conditioned"], dg["damping_floored"],
-                dg["loss_only"], dg["floored_share"])
-
-    def _safeguard(self, g, direction):
-        """The Euclidean gradient where ``⟨g, ĝ⟩ ≤ 0`` or ``ĝ`` is not finite, then the
-        clipping to ``clip_norm``; no host sync."""
-        dot = torch.dot(g.to(torch.float64), direction.to(torch.float64))
-        bad = ~(dot > 0) | ~torch.isfinite(direction).all()
-        direction = torch.where(bad, g, direction)
-        dot = torch.where(bad, torch.dot(g.to(torch.float64), g.to(torch.float64)), dot)
-        grad_norm = torch.linalg.vector_norm(g)
-        norm = torch.linalg.vector_norm(direction)
-        clipped = torch.zeros((), dtype=torch.bool, device=g.device)
-        if self.clip_norm is not None:
-            clipped = norm > self.clip_norm
-            scale = torch.where(clipped, self.clip_norm / norm.clamp(min=1e-30),
-                                torch.ones_like(norm))
-            direction = direction * scale
-            dot = dot * scale.to(dot.dtype)
-            norm = norm * scale
-        return direction, dot, bad, clipped, grad_norm, norm
-
-    def _step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
-        X = outputs
-        N, d = X.shape
-        if X.device != self.lm.eps.device:
-            self.lm.to(X.device)
-            self._counters = {k: v.to(X.device) for k, v in self._counters.items()}
-            self._step_count = self._step_count.to(X.device)
-        params = [p for p in self.params if p.requires_grad]
+    def _active_params(self, device: torch.device) -> list[torch.Tensor]:
+        """The parameters that still require a gradient (frozen ones lose the buffer's view),
+        with the state moved to ``device``."""
+        if device != self.lm.eps.device:
+            self.lm.to(device)
+            self._counters = {k: v.to(device) for k, v in self._counters.items()}
+            self._step_count = self._step_count.to(device)
         for p in self.params:
             if not p.requires_grad and p.grad is not None and self._buffer is not None \
                     and p.grad.untyped_storage().data_ptr() == self._buffer.untyped_storage().data_ptr():
                 p.grad = None  # frozen since the last step: leave it alone
+        params = [p for p in self.params if p.requires_grad]
         if not params:
             raise ValueError("every parameter of the model is frozen (requires_grad=False): nothing to update")
+        return params
+
+    def _reference_direction(self, T, CCt, K, g, N, eps, out) -> dict[str, torch.Tensor]:
+        """Prop. 6 through the validated float64 solve (host diagnostics), then the safeguard."""
+        cfg, dev = self.config, T.device
+        res = nystrom_solve(T, CCt, K, g, N, eps=float(eps), lam=cfg.lam, damping=cfg.damping,
+                            method="stable", rcond=cfg.rcond)
+        safe = solve.safeguard(g, res.direction, cfg.clip_norm)
+        out.copy_(safe.direction)
+        diag = res.diagnostics
+        info = {"rank": diag["rank"], "ill_conditioned": diag["rank"] < cfg.num_basis,
+                "damping_floored": diag["damping_floored"], "loss_only": diag["loss_only"],
+                "floored_share": diag["floored_share"]}
+        info = {k: torch.tensor(v, device=dev) for k, v in info.items()}
+        return {**info, **{k: v for k, v in safe._asdict().items() if k != "direction"}}
+
+    def _step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
+        cfg, X = self.config, outputs
+        N, d = X.shape
+        params = self._active_params(X.device)
         self._step_count += 1
-        eps = self.lm.update(loss) if self.adapt_eps else self.lm.eps
-        idx, coords = self._draw_basis(N, d, X.device)
-        reference = self.mode == "reference"
+        eps = self.lm.update(loss) if cfg.eps_schedule is not None else self.lm.eps
+        idx, coords = draw_basis(N, d, cfg.num_basis, self.generator, X.device)
+        reference = cfg.mode == "reference"
         Xk = X.detach().to(torch.promote_types(X.dtype, torch.float32))
         if reference:
-            kern = _with_bandwidth(self.kernel, Xk, idx, self.bandwidth, self.sigma0)
+            kern = _with_bandwidth(cfg.kernel, Xk, idx, cfg.bandwidth, cfg.sigma0)
             C, K, CCt = kernel_matrices(Xk, idx, coords, kern)
             sigma = torch.tensor(kern.bandwidth)
         else:
-            C, K, CCt, sigma = kernel_matrices_nosync(Xk, idx, coords, self.kernel, self.bandwidth, self.sigma0)
+            C, K, CCt, sigma = kernel_matrices_nosync(Xk, idx, coords, cfg.kernel, cfg.bandwidth, cfg.sigma0)
         g, T = self._gradients(loss, X, C, params)
         g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
         T = T.to(g.dtype)
-
-        if not reference and not self.diagonal_only and fused_available(T, g, self.damping):
-            # the direction, safeguard and clipping in four kernels, written straight into
-            # the gradient buffer (kwng.engine.triton_solve)
-            f = fused_direction(T, CCt, K, g, N, eps=torch.as_tensor(eps, device=T.device),
-                                lam=self.lam, damping=self.damping, rcond=self.rcond,
-                                clip_norm=self.clip_norm, out=self._grad_buffer(g.numel(), params))
-            rank_t, ill_t, n_floor_t = f["rank"], f["ill_conditioned"], f["damping_floored"]
-            loss_only_t, share_t, dot, bad = f["loss_only"], f["floored_share"], f["dot"], f["fallback"]
-            clipped, grad_norm, norm = f["clipped"], f["grad_norm"], f["direction_norm"]
-            direction = None
+        out = self._grad_buffer(g.numel(), params)
+        if reference and not cfg.diagonal_only:
+            f = self._reference_direction(T, CCt, K, g, N, eps, out)
         else:
-            direction, rank_t, ill_t, n_floor_t, loss_only_t, share_t = self._solve(
-                T, CCt, K, g, N, eps, reference)
-            direction, dot, bad, clipped, grad_norm, norm = self._safeguard(g, direction)
-        self._write_grads(direction, params)
-        self.lm.record(self._lr(), dot)
+            f = step_direction(out, T, CCt, K, g, N, eps=torch.as_tensor(eps, device=T.device), lam=cfg.lam,
+                               damping=cfg.damping, rcond=cfg.rcond, clip_norm=cfg.clip_norm,
+                               diagonal_only=cfg.diagonal_only)
+        self.lm.record(self._current_lr(), f["dot"])
+        return self._account(f, eps, sigma, X.device, reference)
+
+    def _account(self, f: dict, eps, sigma, device: torch.device, reference: bool) -> dict[str, Any]:
+        """Add the step to the counters; the step's info (0-dim tensors on ``device``)."""
         c = self._counters
-        c["fallbacks"] += bad.long()
-        c["ill_conditioned"] += ill_t.long()
-        c["rank_sum"] += rank_t.long()
-        n_floor_t = torch.as_tensor(n_floor_t, device=X.device).long()
-        c["damping_floored"] += n_floor_t
-        c["clipped"] += clipped.long()
-        c["loss_only"] += loss_only_t.long()
-        info = {"eps": eps, "reduction_ratio": self.lm.ratio.clone(), "fallback": bad, "clipped": clipped,
-                "rank": rank_t, "floored_columns": n_floor_t, "floored_share": share_t,
-                "loss_only": loss_only_t, "dot": dot, "grad_norm": grad_norm, "direction_norm": norm,
-                "bandwidth": sigma}
-        info = {k: torch.as_tensor(v, device=X.device) for k, v in info.items()}
+        for key, name in (("fallbacks", "fallback"), ("ill_conditioned", "ill_conditioned"),
+                          ("rank_sum", "rank"), ("damping_floored", "damping_floored"),
+                          ("clipped", "clipped"), ("loss_only", "loss_only")):
+            c[key] += f[name].long()
+        info = {"eps": eps, "reduction_ratio": self.lm.ratio.clone(), "fallback": f["fallback"],
+                "clipped": f["clipped"], "rank": f["rank"], "floored_columns": f["damping_floored"].long(),
+                "floored_share": f["floored_share"], "loss_only": f["loss_only"], "dot": f["dot"],
+                "grad_norm": f["grad_norm"], "direction_norm": f["direction_norm"], "bandwidth": sigma}
+        info = {k: torch.as_tensor(v, device=device) for k, v in info.items()}
         if reference and bool(info["fallback"]):  # the reference mode syncs anyway
             log.info("step %d: ⟨g, ĝ⟩ ≤ 0 or ĝ not finite: Euclidean gradient used", self.num_steps)
         return info
+
+
+def _check_lr(lr: Any, required: bool) -> float | Callable[[], float] | None:
+    """``lr`` as given: a number > 0, a callable, or ``None`` where no ε rule needs it."""
+    if lr is None:
+        if required:
+            raise ValueError("lr is required with an eps_schedule (the step size enters the reduction ratio "
+                             "r): pass lr=0.1, or lr=lambda: optimizer.param_groups[0]['lr']; or set "
+                             "eps_schedule=None for a fixed ε")
+        return None
+    if callable(lr):
+        return lr
+    return check_positive(lr, "lr")

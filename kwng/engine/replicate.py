@@ -20,16 +20,22 @@ This module does it as **one** backward pass of an ``R·N`` batch:
   every layer propagates all ``R·N`` signals at once; the weight gradient of copy ``r``
   is formed from the layer's input (one copy) and copy ``r``'s output gradient. On the
   GPU a convolution does this in one call, with the copies' output gradients stacked
-  along the output channels (``replicate_layers.STACKED_WGRAD``); elsewhere in ``R``
-  calls on slices of the output gradient.
+  along the output channels; elsewhere in ``R`` calls on slices of the output gradient.
 
-On the GPU the passes that PyTorch operations would spread over many kernels are Triton
-kernels (:mod:`kwng.engine.triton_ops`): the per-copy batch-norm backward (two passes over the
-``R``-fold gradient instead of seven), the ``R``-fold repeat of an activation (read
-once) and the relayout for the stacked weight gradients. A batch norm that follows a
-convolution writes its input gradient in both layouts, so that convolution needs no
-relayout (handed over through ``_State.handoff``, checked by memory, shape, strides and
-version: a gradient that autograd summed from several consumers is relaid instead).
+On the GPU the passes that eager PyTorch operations would spread over many kernels run
+compiled (``torch.compile``) or as Triton kernels (:mod:`kwng.engine.gpu_paths` says which):
+the per-copy batch-norm backward (two passes over the ``R``-fold gradient instead of
+seven), the ``R``-fold repeat of an activation (read once) and the relayout for the
+stacked weight gradients. A batch norm that follows a convolution writes its input
+gradient in both layouts, so that convolution needs no relayout (handed over through
+``_State.handoff``, checked by memory, shape, strides and version: a gradient that
+autograd summed from several consumers is relaid instead).
+
+Memory format: the replicated pass keeps the model's. On the GPU make a convolutional
+model and its inputs channels_last (``model.to(memory_format=torch.channels_last)``):
+cuDNN runs fp32 convolutions of NCHW tensors with channels_last kernels and converts the
+tensors around each call (4.8 ms of a 29.4 ms fast step on the paper's ResNet-18,
+``kwng/experiments/bench/profile_step.py``).
 A step on the paper's ResNet-18 costs about one forward and backward pass at batch
 ``R·N`` (``python -m kwng.experiments.bench.step_cost``; the deep-learning chapter gives the table).
 
@@ -49,72 +55,15 @@ then falls back to serial passes.
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any
 
 import torch
 from torch import nn
 
-from kwng._checks import check_choice
-from kwng.engine.replicate_layers import (  # noqa: F401  (re-exported: the old import path)
-    _BatchNorm,
-    _compute_dtype,
-    _Conv,
-    _first_copy,
-    _format,
-    _Linear,
-    _repeat,
-    _rows,
-    _split,
-    _State,
-)
+from kwng.engine.replicate_bn import _BatchNorm
+from kwng.engine.replicate_layers import _Conv, _Linear, _State
 
-__all__ = ["LAYOUTS", "ReplicatedEngine", "channels_last_failure", "unsupported_reason"]
-
-log = logging.getLogger(__name__)
-
-
-_BN = (nn.BatchNorm1d, nn.BatchNorm2d)
-
-#: Accepted values of ``layout``, the memory format of the replicated activations.
-#: ``"auto"`` is channels_last for a model with 4-D inputs on the GPU whose forward runs
-#: on channels_last tensors, ``"model"`` the model's own format, ``"channels_last"``
-#: always channels_last (an error if the forward cannot run on such tensors).
-LAYOUTS = ("auto", "model", "channels_last")
-
-
-def _auto_channels_last(x: torch.Tensor) -> bool:
-    """Whether ``layout="auto"`` tries channels_last for the 4-D input ``x``: on the GPU
-    (on the CPU the model's format is kept)."""
-    return x.is_cuda
-
-
-def _one_sample(a: Any, batch: int) -> Any:
-    """The first sample of a batch argument (channels_last if 4-D); others unchanged."""
-    if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != batch:
-        return a
-    one = a[:1]
-    return one.contiguous(memory_format=torch.channels_last) if a.dim() == 4 else one
-
-
-def channels_last_failure(model: nn.Module, args: tuple) -> str | None:
-    """``None`` if ``model``'s forward runs on the first sample of ``args`` made
-    channels_last, else the error it raised (a ``.view`` that flattens a feature map,
-    say). Run once, in eval mode and without gradients, so no batch-norm statistics or
-    other training state change."""
-    batch = args[0].shape[0]
-    one = tuple(_one_sample(a, batch) for a in args)
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            model.forward(*one)
-    except Exception as e:  # noqa: BLE001  (any error: the layout is not used)
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    finally:
-        for m, training in modes:
-            m.training = training
-    return None
+__all__ = ["ReplicatedEngine", "unsupported_reason"]
 
 
 def unsupported_reason(model: nn.Module, params: list[torch.Tensor]) -> str | None:
@@ -164,26 +113,12 @@ class ReplicatedEngine:
     returns the first copy's output ``X`` (a view of the ``(R·N, d)`` output
     ``outputs``). :meth:`backward` then takes the ``(R·N, d)`` stacked cotangent and
     returns ``{id(p): (R, *p.shape)}``. :meth:`remove` restores the model's own forward
-    methods.
-
-    ``layout`` (one of :data:`LAYOUTS`) is the memory format of the ``R``-fold
-    activations. On an H100, cuDNN runs fp32 convolutions of NCHW tensors with
-    channels_last kernels and converts the tensors to and from that format around each
-    call: 4.8 ms of a 29.4 ms fast step on the paper's ResNet-18, N = 128, M = 5
-    (``kwng/experiments/bench/profile_step.py``; 23.7 ms without them). ``"auto"`` therefore runs
-    the replicated forward and backward of a model with 4-D CUDA inputs in channels_last
-    whatever the model's own format (the values are the same up to rounding; the
-    gradients returned have the parameters' shapes). It is decided at the first
-    replicated forward, by :func:`channels_last_failure`: a model whose forward fails on
-    channels_last tensors keeps its own format, with a logged warning
-    (``layout_failure`` says why).
+    methods. The ``R``-fold activations keep the model's memory format (see the module
+    docstring).
     """
 
-    def __init__(self, model: nn.Module, copies: int, layout: str = "auto") -> None:
+    def __init__(self, model: nn.Module, copies: int) -> None:
         self.model = model
-        self.layout = check_choice(layout, "layout", LAYOUTS)
-        self.layout_failure: str | None = None
-        self._layout_chosen = layout == "model"
         self.state = _State(copies=copies)
         self.outputs: torch.Tensor | None = None
         self.first: torch.Tensor | None = None
@@ -220,10 +155,6 @@ class ReplicatedEngine:
                     "use mode='reference' or p=0"
                 )
         st.batch = args[0].shape[0]
-        if not self._layout_chosen:
-            st.active = False  # the layers run their own forward in the check
-            self._choose_layout(module, args)
-            st.active = True
         R = st.copies
         new = tuple(
             a.repeat((R,) + (1,) * (a.dim() - 1))
@@ -238,42 +169,6 @@ class ReplicatedEngine:
         ):
             new = (new[0].contiguous(memory_format=torch.channels_last),) + new[1:]
         return new
-
-    def _choose_layout(self, model: nn.Module, args: tuple) -> None:
-        """Set ``state.layout`` at the first replicated forward (see the class); a
-        refused ``layout="channels_last"`` stays undecided (the next forward raises
-        again)."""
-        x = args[0]
-        if x.dim() != 4 or (self.layout == "auto" and not _auto_channels_last(x)):
-            self._layout_chosen = True
-            return
-        if _format(x) != torch.channels_last:
-            failure = channels_last_failure(model, args)
-            if failure is not None:
-                if self.layout == "channels_last":
-                    raise ValueError(
-                        "layout='channels_last': the model's forward fails on "
-                        f"channels_last inputs ({failure}); use layout='model' or "
-                        "'auto'"
-                    )
-                self.layout_failure = failure
-                log.warning(
-                    "KWNG fast mode: the model's forward fails on channels_last "
-                    "inputs (%s); the replicated pass keeps the model's format",
-                    failure,
-                )
-                self._layout_chosen = True
-                return
-        self.state.layout = torch.channels_last
-        self._layout_chosen = True
-
-    @property
-    def chosen_layout(self) -> str | None:
-        """``"channels_last"`` or ``"model"`` once the first replicated forward has
-        decided, else ``None``."""
-        if not self._layout_chosen:
-            return None
-        return "model" if self.state.layout is None else "channels_last"
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any):
         st = self.state
@@ -297,15 +192,10 @@ class ReplicatedEngine:
         do nothing."""
         new = object.__new__(ReplicatedEngine)
         new.model, new.state, new.outputs, new.first = None, _State(), None, None
-        new.layout, new.layout_failure, new._layout_chosen = "model", None, True
         new.enabled, new._patched, new._pre, new._post = False, [], None, None
         new._dropouts = []
         memo[id(self)] = new
         return new
-
-    def owns(self, outputs: torch.Tensor) -> bool:
-        """Whether ``outputs`` is the first copy of the latest replicated forward."""
-        return self.first is not None and outputs is self.first
 
     def backward(
         self, cotangent: torch.Tensor, params: list[torch.Tensor]

@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kwng.config import REPO_ROOT
+
 __all__ = ["ResultFileError", "atomic_write_text", "atomic_write_json", "read_json", "git_commit",
            "device_name", "run_command", "make_provenance", "index_provenance",
            "write_provenance"]
@@ -80,7 +82,7 @@ def _default(o):
 def git_commit(cwd: str | os.PathLike | None = None) -> str:
     """``$KWNG_GIT_COMMIT`` if set, else the current git commit (with ``+dirty`` if the tree has
     changes), or ``"unknown"``."""
-    cwd = cwd or Path(__file__).resolve().parent.parent
+    cwd = cwd or REPO_ROOT
     if os.environ.get("KWNG_GIT_COMMIT"):  # set by the GPU scripts: the copied tree's .git may be stale
         return os.environ["KWNG_GIT_COMMIT"]
     try:

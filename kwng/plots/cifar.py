@@ -290,8 +290,10 @@ def diag_series(rec: dict, key: str) -> np.ndarray:
         vals = [r.get("eps_mean", r.get("eps")) for r in rows]
         if any(v is None for v in vals):
             return np.zeros(0)
+        from kwng.engine.config import authors_eps_factor
+
         conv = rec.get("method_spec", {}).get("eps_convention", "ours")
-        return np.array(vals, dtype=float) / (np.sqrt(rec["batch_size"]) if conv == "authors" else 1.0)
+        return np.array(vals, dtype=float) / (authors_eps_factor(rec["batch_size"]) if conv == "authors" else 1.0)
     vals = [r.get(f"{key}_mean") for r in rows]
     return np.zeros(0) if any(v is None for v in vals) else np.array(vals, dtype=float)
 

@@ -31,7 +31,7 @@ def make_loop(model, method, amp, static_z, static_y):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     pc = None
     if method == "kwng":
-        pc = KWNGPreconditioner(model, optimizer=opt, num_basis=5, eps=1e-3)
+        pc = KWNGPreconditioner(model, lr=0.05, num_basis=5, eps=1e-3)
     losses = []
 
     def step():

@@ -37,13 +37,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _direction(model, z, y, mode, amp, seed):
     m = copy.deepcopy(model)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pc = KWNGPreconditioner(
         m,
-        optimizer=opt,
         mode=mode,
         clip_norm=None,
-        adapt_eps=False,
+        eps_schedule=None,
         generator=torch.Generator().manual_seed(seed),
     )
     ctx = (
@@ -86,7 +84,7 @@ def _float64_errors(model, z, y, num_basis: int) -> dict:
     C64 = torch.randn(num_basis, z.shape[0], 10, device=dev, dtype=torch.float64)
     T64 = jacobian_from_outputs(X64, list(m64.parameters()), C64, retain_graph=True)
     e64 = copy.deepcopy(model).double()
-    pc64 = KWNGPreconditioner(e64, adapt_eps=False, num_basis=num_basis)
+    pc64 = KWNGPreconditioner(e64, eps_schedule=None, num_basis=num_basis)
     Xe = e64(z.double())
     _, Te = pc64._gradients(
         nn.functional.cross_entropy(Xe, y), Xe, C64, list(e64.parameters())
@@ -125,7 +123,7 @@ def _config_errors(model, z, y, fmt, amp, num_basis: int, ref_dir) -> dict:
     m = copy.deepcopy(model).to(memory_format=fmt)
     zz = z.contiguous(memory_format=fmt)
     C, T_ref, g_ref = _serial_reference(model, z, y, num_basis)
-    pc = KWNGPreconditioner(m, adapt_eps=False, num_basis=num_basis)
+    pc = KWNGPreconditioner(m, eps_schedule=None, num_basis=num_basis)
     with _autocast(z.device, amp):
         X = m(zz)
         loss = nn.functional.cross_entropy(X.float(), y)

@@ -1,13 +1,10 @@
 """Where the GPU time of a training step goes: kernel time per step, by kind of kernel.
 
-python -m kwng.experiments.bench.profile_step [--configs
-bf16_channels_last,fp32_channels_last]
-    [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis 5] [--top 12] [--layout auto]
+python -m kwng.experiments.bench.profile_step [--configs bf16_channels_last,fp32_channels_last]
+    [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis 5] [--top 12] [--gpu-path triton]
 
-For every (configuration, mode) it profiles a few steps of
-``kwng.experiments.bench.step_cost._make_step``
-(the rows of ``python -m kwng.experiments.bench.step_cost``) with ``torch.profiler`` and
-prints the summed
+For every (configuration, mode) it profiles a few steps of ``kwng.experiments.bench.step_cost._make_step``
+(the rows of ``python -m kwng.experiments.bench.step_cost``) with ``torch.profiler`` and prints the summed
 kernel time per step (the GPU work, whatever the host adds), split into kinds named
 from the kernel names (convolution forward, data and weight gradients, GEMM, batch norm,
 elementwise, reductions, copies), and the most expensive kernels. A tuning aid: the
@@ -24,7 +21,7 @@ import re
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kwng.engine.replicate import LAYOUTS
+from kwng.engine.gpu_paths import GPU_PATHS, use_gpu_path
 from kwng.experiments.bench.step_cost import CONFIGS, ROWS, _make_step
 from kwng.experiments.cifar.nets import resnet18
 
@@ -59,7 +56,7 @@ def kernel_times(prof, steps: int) -> dict[str, float]:
 
 
 def profile_one(
-    config: str, mode: str, num_basis: int, batch: int, steps: int, layout: str = "auto"
+    config: str, mode: str, num_basis: int, batch: int, steps: int
 ) -> dict[str, float]:
     prec, fmt = CONFIGS[config]
     dev = torch.device("cuda")
@@ -72,7 +69,7 @@ def profile_one(
         y = y.repeat(num_basis + 1)
         mode = "fwd_bwd_N"
     step, _ = _make_step(
-        mode, model, z, y, num_basis, None if prec == torch.float32 else prec, layout
+        mode, model, z, y, num_basis, None if prec == torch.float32 else prec
     )
     for _ in range(5):
         step()
@@ -92,7 +89,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--layout", default="auto", choices=LAYOUTS)
+    p.add_argument("--gpu-path", default="triton", choices=GPU_PATHS,
+                   help="kernels or torch.compile for the fast path (kwng.engine.gpu_paths)")
     a = p.parse_args()
     modes = a.modes.split(",")
     for m in modes:
@@ -101,7 +99,8 @@ def main() -> None:
     torch.backends.cudnn.benchmark = True
     for config in a.configs.split(","):
         for mode in modes:
-            times = profile_one(config, mode, a.num_basis, a.batch, a.steps, a.layout)
+            with use_gpu_path(a.gpu_path):
+                times = profile_one(config, mode, a.num_basis, a.batch, a.steps)
             by_kind: dict[str, float] = collections.defaultdict(float)
             for name, t in times.items():
                 by_kind[kind_of(name)] += t

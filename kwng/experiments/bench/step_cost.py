@@ -15,6 +15,11 @@ bf16 autocast + ``channels_last`` — and for each configuration the rows
   and the batch are then fixed at capture, as in any graph-captured training loop
   (:func:`kwng.engine.capture.capture_step`).
 
+With ``--gpu-paths triton,compile`` the KWNG rows run once with the hand-written Triton
+kernels and once with the ``torch.compile``d PyTorch functions (:mod:`kwng.engine.gpu_paths`;
+each record names its ``gpu_path``): the whole step side by side, for the rule that keeps a
+kernel only where it is measurably faster.
+
 Each row is timed after warm-up steps, with a device synchronisation after every step; the median
 is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory.
 The table goes to ``results/benchmarks/step_cost.json`` with provenance; an existing file is kept
@@ -38,8 +43,8 @@ import torch
 from torch import nn
 
 from kwng.engine.capture import capture_step
+from kwng.engine.gpu_paths import GPU_PATHS, use_gpu_path
 from kwng.engine.precond import KWNGPreconditioner
-from kwng.engine.replicate import LAYOUTS
 from kwng.experiments.cifar.nets import mlp, resnet18
 from kwng.experiments.provenance import (
     atomic_write_json,
@@ -78,17 +83,16 @@ def time_steps(fn: Callable[[], None], device: torch.device, steps: int, warmup:
 
 
 def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num_basis: int,
-               amp: torch.dtype | None, layout: str = "auto"
-               ) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
+               amp: torch.dtype | None) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
     loss_fn = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     precond = None
     graph = row.endswith("_graph")
     row = row.removesuffix("_graph")
     if row in ("kwng_fast", "kwng_reference", "diag_fast"):
-        precond = KWNGPreconditioner(model, optimizer=opt, num_basis=num_basis, eps=1e-5,
+        precond = KWNGPreconditioner(model, lr=1e-3, num_basis=num_basis, eps=1e-5,
                                      mode="reference" if row == "kwng_reference" else "fast",
-                                     diagonal_only=row == "diag_fast", layout=layout)
+                                     diagonal_only=row == "diag_fast")
     if row == "fwd_bwd_RN":
         z = z.repeat((num_basis + 1,) + (1,) * (z.dim() - 1)).contiguous(
             memory_format=torch.channels_last if z.is_contiguous(memory_format=torch.channels_last)
@@ -119,36 +123,49 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num
     return step, precond
 
 
+def _time_row(row: str, M: int, base: nn.Module, z: torch.Tensor, y: torch.Tensor,
+              amp: torch.dtype | None, steps: int, warmup: int) -> dict:
+    """One row's record (times in ms, peak memory, the preconditioner's counters)."""
+    device = z.device
+    m = copy.deepcopy(base).train()
+    if device.type == "cuda":  # before the step is built: emptying the cache after a
+        torch.cuda.empty_cache()  # capture also freed the cuBLAS workspace that the
+        torch.cuda.reset_peak_memory_stats(device)  # graph replays (illegal access)
+    step, precond = _make_step(row, m, z, y, max(M, 1), amp)
+    times = time_steps(step, device, steps if row != "kwng_reference" else max(5, steps // 3), warmup)
+    rec = {"mode": row, "num_basis": M or None, "median_ms": statistics.median(times), "min_ms": min(times),
+           "q25_ms": statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0],
+           "q75_ms": statistics.quantiles(times, n=4)[2] if len(times) > 1 else times[0],
+           "steps": len(times)}
+    if device.type == "cuda":
+        rec["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+    if precond is not None:
+        rec["counters"] = precond.counters()
+        precond.remove_hooks()
+    return rec
+
+
 def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precision: torch.dtype,
                  memory_format: torch.memory_format, basis_sizes: tuple[int, ...], steps: int, warmup: int,
-                 rows: tuple[str, ...] = ROWS, layout: str = "auto") -> list[dict]:
-    """Time every row in one configuration; returns records with ``ratio_to_sgd`` (and, for the
-    KWNG rows, ``engine_layout``: the layout of the replicated pass, ``layout`` as resolved)."""
-    device = z.device
+                 rows: tuple[str, ...] = ROWS, gpu_paths: tuple[str, ...] = ("triton",)) -> list[dict]:
+    """Time every row in one configuration; returns records with ``ratio_to_sgd``. The
+    KWNG rows run once per entry of ``gpu_paths`` (:mod:`kwng.engine.gpu_paths`: the hand-written
+    kernels or ``torch.compile``), their records name it (``gpu_path``)."""
     base = copy.deepcopy(model).to(memory_format=memory_format)
     z = z.contiguous(memory_format=memory_format) if z.dim() == 4 else z
     amp = None if precision == torch.float32 else precision
     out = []
     for row in rows:
+        kwng_row = row.startswith(("kwng", "diag"))
         for M in (basis_sizes if row not in ("sgd", "sgd_graph", "fwd_bwd_N") else (0,)):
-            m = copy.deepcopy(base).train()
-            if device.type == "cuda":  # before the step is built: emptying the cache after a
-                torch.cuda.empty_cache()  # capture also freed the cuBLAS workspace that the
-                torch.cuda.reset_peak_memory_stats(device)  # graph replays (illegal access)
-            step, precond = _make_step(row, m, z, y, max(M, 1), amp, layout)
-            times = time_steps(step, device, steps if row != "kwng_reference" else max(5, steps // 3), warmup)
-            rec = {"mode": row, "num_basis": M or None, "median_ms": statistics.median(times), "min_ms": min(times),
-                   "q25_ms": statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0],
-                   "q75_ms": statistics.quantiles(times, n=4)[2] if len(times) > 1 else times[0],
-                   "steps": len(times)}
-            if device.type == "cuda":
-                rec["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
-            if precond is not None:
-                rec["engine_layout"] = precond.engine_layout
-                rec["counters"] = precond.counters()
-                precond.remove_hooks()
-            out.append(rec)
-            log.info("  %-15s M=%-3s %8.2f ms", row, M or "-", rec["median_ms"])
+            for path in gpu_paths if kwng_row else gpu_paths[:1]:
+                with use_gpu_path(path):
+                    rec = _time_row(row, M, base, z, y, amp, steps, warmup)
+                if kwng_row:
+                    rec["gpu_path"] = path
+                out.append(rec)
+                log.info("  %-15s M=%-3s %-8s %8.2f ms", row, M or "-", rec.get("gpu_path", ""),
+                         rec["median_ms"])
     sgd = next((r["median_ms"] for r in out if r["mode"] == "sgd"), None)
     for r in out:
         r["ratio_to_sgd"] = None if sgd is None else r["median_ms"] / sgd
@@ -156,13 +173,13 @@ def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precisio
 
 
 def _table(records: list[dict]) -> str:
-    lines = ["| precision | memory format | mode | M | median ms | × SGD | peak MiB | engine layout |",
+    lines = ["| precision | memory format | mode | M | GPU path | median ms | × SGD | peak MiB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in records:
         ratio = "" if r["ratio_to_sgd"] is None else f"{r['ratio_to_sgd']:.2f}"
         mem = f"{r['peak_mem_mb']:.0f}" if "peak_mem_mb" in r else ""
         lines.append(f"| {r['precision']} | {r['memory_format']} | {r['mode']} | {r['num_basis'] or ''} | "
-                     f"{r['median_ms']:.2f} | {ratio} | {mem} | {r.get('engine_layout') or ''} |")
+                     f"{r.get('gpu_path', '')} | {r['median_ms']:.2f} | {ratio} | {mem} |")
     return "\n".join(lines)
 
 
@@ -196,7 +213,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.d
     return device
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, dict]:
+    """The command line, checked before any row runs: the arguments, the device and the
+    lists (``configs``, ``rows``, ``basis_sizes``, ``gpu_paths``)."""
     p = argparse.ArgumentParser(prog="python -m kwng.experiments.bench.step_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default="resnet18", choices=("resnet18", "mlp"))
@@ -205,35 +224,42 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
     p.add_argument("--rows", default=None, help=f"comma list of {list(ROWS)} (default: all; "
                    "on a CPU all but the *_graph rows, which need CUDA)")
+    p.add_argument("--gpu-paths", default="triton", help=f"comma list of {list(GPU_PATHS)}: the KWNG "
+                   "rows run once per path (kwng.engine.gpu_paths)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--out", default="results/benchmarks/step_cost.json")
     p.add_argument("--force", action="store_true", help="replace an existing --out (moved to a dated backup)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layout", default="auto", choices=LAYOUTS,
-                   help="layout of the fast path's replicated pass (KWNGPreconditioner's layout)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     device = _check_args(p, args)
-    configs = [c for c in args.configs.split(",") if c]
-    rows = tuple(r for r in (args.rows or ",".join(
-        r for r in ROWS if device.type == "cuda" or not r.endswith("_graph"))).split(",") if r)
-    for name, allowed, got in (("--configs", CONFIGS, configs), ("--rows", ROWS, rows)):
+    lists = {"configs": [c for c in args.configs.split(",") if c],
+             "rows": tuple(r for r in (args.rows or ",".join(
+                 r for r in ROWS if device.type == "cuda" or not r.endswith("_graph"))).split(",") if r),
+             "gpu_paths": tuple(g for g in args.gpu_paths.split(",") if g)}
+    for name, allowed in (("configs", CONFIGS), ("rows", ROWS), ("gpu_paths", GPU_PATHS)):
+        got = lists[name]
         if set(got) - set(allowed) or not got:
-            p.error(f"{name} must be a comma list of {list(allowed)}, got {args.configs if name == '--configs' else args.rows!r}")
-    graph = [r for r in rows if r.endswith("_graph")]
+            p.error(f"--{name.replace('_', '-')} must be a comma list of {list(allowed)}, "
+                    f"got {getattr(args, name)!r}")
+    graph = [r for r in lists["rows"] if r.endswith("_graph")]
     if graph and device.type != "cuda":  # checked before any row runs
         p.error(f"--rows {','.join(graph)} need a CUDA device, got --device {args.device}")
     try:
-        basis_sizes = tuple(int(m) for m in args.num_basis.split(","))
+        lists["basis_sizes"] = tuple(int(m) for m in args.num_basis.split(","))
     except ValueError:
         p.error(f"--num-basis must be a comma list of integers, got {args.num_basis!r}")
-    if any(m < 1 or m > args.batch for m in basis_sizes):
-        p.error(f"--num-basis entries must lie in [1, --batch={args.batch}], got {basis_sizes}")
-    out_path = Path(args.out)
-    if out_path.exists() and not args.force:
-        raise SystemExit(f"{out_path} exists (a committed result?): pass --out elsewhere, or --force")
+    if any(m < 1 or m > args.batch for m in lists["basis_sizes"]):
+        p.error(f"--num-basis entries must lie in [1, --batch={args.batch}], got {lists['basis_sizes']}")
+    if Path(args.out).exists() and not args.force:
+        raise SystemExit(f"{args.out} exists (a committed result?): pass --out elsewhere, or --force")
+    return args, device, lists
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, device, lists = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -247,11 +273,12 @@ def main(argv: list[str] | None = None) -> dict:
     config = vars(args).copy()
     log.info("kwng.experiments.bench.step_cost: %s", config)
     records = []
-    for name in configs:
+    for name in lists["configs"]:
         precision, fmt = CONFIGS[name]
         log.info("%s:", name)
-        for r in bench_config(model, z, y, precision=precision, memory_format=fmt, basis_sizes=basis_sizes,
-                              steps=args.steps, warmup=args.warmup, rows=rows, layout=args.layout):
+        for r in bench_config(model, z, y, precision=precision, memory_format=fmt,
+                              basis_sizes=lists["basis_sizes"], steps=args.steps, warmup=args.warmup,
+                              rows=lists["rows"], gpu_paths=lists["gpu_paths"]):
             r["precision"] = "bf16_autocast" if precision == torch.bfloat16 else "fp32"
             r["memory_format"] = "channels_last" if fmt == torch.channels_last else "nchw"
             records.append(r)
@@ -260,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
               "device": prov["device"], "torch": torch.__version__,
               "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
               "rows": records, "provenance": prov}
+    out_path = Path(args.out)
     _write(out_path, record, args.force)
     index_provenance(out_path.parent)
     log.info("\n%s\nwrote %s", _table(records), out_path)

@@ -9,7 +9,7 @@ Two studies share this runner:
   inside the network as
   in the authors' code, so the KWNG samples are ``U h_θ(z)``; ``kwng_samples_before_U``
   is the ablation on ``h_θ(z)``), the authors' ε convention
-  (:func:`~kwng.experiments.cifar.methods.authors_eps`), step sizes chosen from
+  (:func:`kwng.engine.config.eps_from_authors`), step sizes chosen from
   :data:`LR_GRID` by 2-epoch runs scored on a validation split of the training set, and
   one schedule for every method: constant step, ×0.1 for the last ~15 % of the epochs
   (:func:`~kwng.experiments.cifar.methods.milestones_for`);

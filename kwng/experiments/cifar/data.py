@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kwng._checks import check_choice, check_int
+from kwng.config import REPO_ROOT
 from kwng.experiments.cifar.augment import (  # noqa: F401  (moved; re-exported under the old path)
     apply_augmentation,
     augment_batch,
@@ -275,7 +276,7 @@ def load_sample(split: str, path: str | os.PathLike | None = None) -> tuple[np.n
 
 # ------------------------------------------------------------------------------------------ dispatch
 def _default_roots() -> list[Path]:
-    repo = Path(__file__).resolve().parent.parent
+    repo = REPO_ROOT
     roots = [repo / ".data", repo.parent / "shared" / "data", Path.home() / ".cache" / "kwng"]
     if os.environ.get("KWNG_DATA"):
         roots.insert(0, Path(os.environ["KWNG_DATA"]))

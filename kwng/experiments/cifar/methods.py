@@ -3,7 +3,8 @@
 The method table (:data:`METHODS`, validated against :data:`OPTIMIZERS` and
 :data:`PRECONDITIONERS` whenever a :class:`RunConfig` is built), the plans' method
 lists,
-the step-size grid and schedules, the authors' ε convention (:func:`authors_eps`), the
+the step-size grid and schedules, the authors' ε (converted by
+:func:`kwng.engine.config.eps_from_authors`), the
 configuration of one run (:class:`RunConfig`) and the construction of each method's
 model and optimizer. Each method's step is built by :mod:`kwng.experiments.cifar.steps`.
 """
@@ -37,30 +38,10 @@ EPS_AUTHORS = 1e-5
 EPS_BOUNDS_AUTHORS = (1e-10, 1e5)
 
 
-def authors_eps(eps: float, batch_size: int) -> float:
-    """Our ``ε`` equal to the authors' ``ε``: ``ε_ours = √N · ε_authors`` (``N`` =
-    ``batch_size``).
-
-    The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε I`` to the ``M × M``
-    system; we whiten with ``(CCᵀ)^{-1/2}`` and add ``(ε/N) I`` (Prop. 6). Our ``T̃``
-    and
-    ``D`` are theirs divided by ``√N``, and the two directions coincide when
-    ``ε_ours = √N ε_authors`` (derivation in the book chapter :ref:`experiments-cifar`;
-    tested in ``tests/test_cifar.py``). The bounds of the Levenberg–Marquardt rule
-    convert the same way.
-    """
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
-            or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    return math.sqrt(batch_size) * float(eps)
-
-
 # method -> settings. "lr_from": the method whose selected step size it uses.
 # "estimator_input": the KWNG samples, "scaled" = U h (the network's outputs, as the
 # authors' code), "logits" = h (before U, as the paper's text). "eps_convention":
-# "authors" (authors_eps) or "ours" (ε0 = 1e-5).
+# "authors" (kwng.engine.config.eps_from_authors) or "ours" (ε0 = 1e-5).
 _KWNG = {"precond": "kwng", "num_basis": 5, "damping": "T_tilde", "kernel": "gaussian",
          "diagonal_only": False, "estimator_input": "scaled",
          "eps_convention": "authors"}

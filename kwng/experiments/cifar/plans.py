@@ -27,7 +27,6 @@ from kwng.experiments.cifar.methods import (
     SELECT_METHODS,
     SELECTION,
 )
-from kwng.experiments.cifar.steps import lm_same_batch_available
 from kwng.experiments.provenance import (
     read_json,
 )
@@ -133,9 +132,7 @@ def _claim_plan(common: dict, epochs: int, with_ablations: bool | None) -> list[
         "selection_file": str(CLAIM_SELECTION / "selected.json"),
     }
     jobs = _seeded(base, CLAIM_METHODS, 0) + _seeded(base, CLAIM_TWO_SEEDS, 1)
-    if with_ablations is None:
-        with_ablations = lm_same_batch_available()
-    if with_ablations:
+    if with_ablations is None or with_ablations:
         jobs += _seeded(base, CLAIM_ABLATIONS, 0)
     return jobs
 
@@ -197,7 +194,7 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       step sizes of ``claim_select``, in priority order: seed 0 of every method of
       :data:`CLAIM_METHODS` in both conditionings, seed 1 of :data:`CLAIM_TWO_SEEDS`,
       then :data:`CLAIM_ABLATIONS` (seed 0, both conditionings) when ``with_ablations``
-      (default: when the preconditioner supports them).
+      (default: yes).
     * ``select`` and ``main``: the plans of the earlier 6-epoch study. ``select``: every
       method of :data:`SELECT_METHODS` × {ill, well} × :data:`LR_GRID` for
       ``select_steps`` steps on ``select_subset`` training images, evaluated on

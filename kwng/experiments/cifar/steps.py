@@ -6,30 +6,18 @@ the training loop and ``cifar timing`` call it and nothing else."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kwng.engine.config import eps_from_authors
+from kwng.engine.lm import LMSchedule
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
     EPS_AUTHORS,
     EPS_BOUNDS_AUTHORS,
     RunConfig,
-    authors_eps,
 )
-
-
-def lm_same_batch_available() -> bool:
-    """Whether :class:`kwng.engine.precond.KWNGPreconditioner` accepts ``lm_rule`` (the
-    same-batch Levenberg–Marquardt variant of ``kwng_lm_same_batch``): a field of
-    :class:`kwng.engine.config.KWNGConfig`, which the preconditioner's keyword
-    arguments fill."""
-    from kwng.engine.config import KWNGConfig
-
-    return "lm_rule" in {f.name for f in dataclasses.fields(KWNGConfig)}
 
 
 def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
@@ -37,45 +25,23 @@ def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
     from kwng.experiments.cifar.nets import ConditionedNetwork
 
     spec = cfg.spec
-    kw: dict[str, Any] = {"eps": 1e-5}
+    eps, bounds = 1e-5, {}
     if spec.get("eps_convention", "ours") == "authors":
         n = cfg.batch
-        kw.update(
-            eps=authors_eps(EPS_AUTHORS, n),
-            eps_min=authors_eps(EPS_BOUNDS_AUTHORS[0], n),
-            eps_max=authors_eps(EPS_BOUNDS_AUTHORS[1], n),
-        )
-    if "lm_rule" in spec:
-        if not lm_same_batch_available():
-            raise ValueError(
-                f"method {cfg['method']!r} needs KWNGPreconditioner("
-                "lm_rule=...), which this version of kwng.engine.precond does "
-                "not accept"
-            )
-        kw["lm_rule"] = spec["lm_rule"]
+        eps = eps_from_authors(EPS_AUTHORS, n)
+        bounds = {"eps_min": eps_from_authors(EPS_BOUNDS_AUTHORS[0], n),
+                  "eps_max": eps_from_authors(EPS_BOUNDS_AUTHORS[1], n)}
+    schedule = LMSchedule(interval=5, omega=0.85, low=0.25, high=0.75,
+                          rule=spec.get("lm_rule", "authors"), **bounds)
     # the fast path replicates the forward of the module the loop calls through
     # __call__: the body h (ConditionedNetwork.forward_both calls it; U·h is then pulled
     # back to it, U has no parameters)
     net = model.body if isinstance(model, ConditionedNetwork) else model
     return KWNGPreconditioner(
-        net,
-        optimizer=optimizer,
-        num_basis=spec["num_basis"],
-        lam=0.0,
-        kernel=spec["kernel"],
-        bandwidth="mean_sq",
-        sigma0=1.0,
-        damping=spec["damping"],
-        lm_interval=5,
-        lm_omega=0.85,
-        lm_low=0.25,
-        lm_high=0.75,
-        adapt_eps=True,
-        clip_norm=CLIP_NORM,
-        mode="fast",
-        diagonal_only=spec["diagonal_only"],
-        **kw,
-    )
+        net, lr=lambda: optimizer.param_groups[0]["lr"], num_basis=spec["num_basis"],
+        eps=eps, lam=0.0, kernel=spec["kernel"], bandwidth="mean_sq", sigma0=1.0,
+        damping=spec["damping"], eps_schedule=schedule, clip_norm=CLIP_NORM,
+        mode="fast", diagonal_only=spec["diagonal_only"])
 
 
 # ------------------------------------------------------------------- the step protocol
@@ -162,7 +128,7 @@ class KFACStep(MethodStep):
 
 class KWNGStep(MethodStep):
     """KWNG (:class:`kwng.engine.precond.KWNGPreconditioner`) on the samples ``U h``
-    (``samples="scaled"``) or ``h`` (``"logits"``). With ``lm_rule == "same_batch"`` the
+    (``samples="scaled"``) or ``h`` (``"logits"``). With the ε rule ``"same_batch"`` the
     loss of the same mini-batch after the step (no grad, BatchNorm running statistics
     restored) goes to the preconditioner: this needs ``batch``."""
 
@@ -185,12 +151,13 @@ class KWNGStep(MethodStep):
 
     def step(self, loss, outputs, *, hidden=None, batch=None) -> dict:
         info = super().step(loss, outputs, hidden=hidden, batch=batch)
-        if getattr(self.precond, "lm_rule", "authors") == "same_batch":
+        schedule = self.precond.config.eps_schedule
+        if schedule is not None and schedule.rule == "same_batch":
             from kwng.experiments.cifar.baselines import bn_state, restore_bn_state
 
             if batch is None:
                 raise ValueError(
-                    "batch must be the mini-batch (z, y) for lm_rule 'same_batch'"
+                    "batch must be the mini-batch (z, y) for the ε rule 'same_batch'"
                 )
             saved = bn_state(self.model)
             with torch.no_grad():

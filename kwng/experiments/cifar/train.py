@@ -124,7 +124,7 @@ class Run:
             "confusion": None}
         if pc is not None and hasattr(pc, "hyperparameters"):
             record["precond"] = {k: v for k, v in pc.hyperparameters().items()
-                                 if isinstance(v, (int, float, str))}
+                                 if isinstance(v, (int, float, str, dict))}
         return record
 
     def resume(self, ck: dict) -> None:

@@ -1,0 +1,66 @@
+"""The saved state of :class:`kwng.KWNGPreconditioner`: its counters and the loading of
+a ``state_dict``, including one saved before the ε rule became one object
+(``eps_schedule``, :class:`kwng.engine.lm.LMSchedule`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kwng._checks import check_int
+from kwng.engine.lm import LevenbergMarquardt
+
+__all__ = ["COUNTERS", "load_preconditioner_state", "upgrade_hyperparameters"]
+
+log = logging.getLogger(__name__)
+
+#: The counters of a preconditioner (device tensors, summed over its steps).
+COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped",
+            "serial_steps", "loss_only")
+
+# the hyperparameters of a state saved before eps_schedule: old key -> LMSchedule field
+_OLD_LM_KEYS = {"lm_interval": "interval", "lm_omega": "omega", "lm_low": "low",
+                "lm_high": "high", "eps_min": "eps_min", "eps_max": "eps_max",
+                "lm_rule": "rule"}
+
+
+def upgrade_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
+    """``hp`` in the current form: the ``lm_*``, ``eps_min``, ``eps_max`` and
+    ``adapt_eps`` entries of an older state become ``eps_schedule`` (a dict, or ``None``
+    for ``adapt_eps=False``); a current ``hp`` is returned unchanged."""
+    if "eps_schedule" in hp or not any(k in hp for k in (*_OLD_LM_KEYS, "adapt_eps")):
+        return hp
+    new = {k: v for k, v in hp.items() if k not in _OLD_LM_KEYS and k != "adapt_eps"}
+    sched = {field: hp[k] for k, field in _OLD_LM_KEYS.items() if k in hp}
+    new["eps_schedule"] = sched if hp.get("adapt_eps", True) else None
+    return new
+
+
+def load_preconditioner_state(
+    state: dict[str, Any], lm: LevenbergMarquardt, hyperparameters: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Load ``state`` into ``lm``; returns the step count and the counters as device
+    tensors. Warns if the saved hyperparameters differ from ``hyperparameters``."""
+    if not isinstance(state, dict):
+        raise ValueError("state must be a dict (KWNGPreconditioner.state_dict()), got "
+                         f"{type(state).__name__}")
+    missing = {"lm", "num_steps", "counters"} - set(state)
+    if missing:
+        raise ValueError(f"state_dict is missing {sorted(missing)}")
+    lm.load_state_dict(state["lm"])
+    dev = lm.eps.device
+    steps = torch.tensor(check_int(state["num_steps"], "num_steps", 0),
+                         dtype=torch.long, device=dev)
+    saved = state["counters"]
+    counters = {k: torch.tensor(check_int(saved.get(k, 0), f"counters[{k!r}]", 0),
+                                dtype=torch.long, device=dev) for k in COUNTERS}
+    hp = state.get("hyperparameters")
+    if hp is not None:
+        hp = upgrade_hyperparameters(hp)
+        if hp != hyperparameters:
+            log.warning("load_state_dict: hyperparameters differ from the saved ones: "
+                        "%s", hp)
+    return steps, counters

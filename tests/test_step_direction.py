@@ -1,0 +1,135 @@
+"""The step's direction (kwng.solve.safeguard, kwng.engine.step_direction) and the functions
+the fast path compiles on CUDA (kwng.engine.gpu_paths): the safeguard's rule, and that each
+function traces into one graph (``fullgraph=True``, what ``torch.compile`` needs on the
+GPU) with the same values as eager."""
+
+import math
+
+import pytest
+import torch
+
+from kwng import solve
+from kwng.engine import gpu_paths
+from kwng.engine.replicate_bn import bn_backward_torch
+from kwng.engine.replicate_layers import repeat_copies, stack_copies
+from kwng.engine.step_direction import INFO_KEYS, direction_into, step_direction
+from kwng.nosync import nystrom_solve_nosync
+
+
+def test_safeguard_keeps_a_descent_direction_and_clips_it():
+    g = torch.tensor([3.0, 4.0])
+    s = solve.safeguard(g, torch.tensor([6.0, 8.0]), clip_norm=5.0)
+    assert torch.allclose(s.direction, g) and bool(s.clipped) and not bool(s.fallback)
+    assert float(s.dot) == pytest.approx(25.0) and float(s.direction_norm) == 5.0
+    assert float(s.grad_norm) == 5.0
+    s = solve.safeguard(g, torch.tensor([1.0, 0.0]), clip_norm=None)
+    assert torch.equal(s.direction, torch.tensor([1.0, 0.0])) and not bool(s.clipped)
+
+
+@pytest.mark.parametrize(
+    "bad", [[-1.0, 0.0], [0.0, 0.0], [math.nan, 1.0], [math.inf, 1.0]]
+)
+def test_safeguard_falls_back_to_the_gradient(bad):
+    """⟨g, ĝ⟩ ≤ 0 or a non-finite ĝ (a failed solve is NaN): the clipped gradient."""
+    g = torch.tensor([3.0, 4.0])
+    s = solve.safeguard(g, torch.tensor(bad), clip_norm=1.0)
+    assert bool(s.fallback) and torch.allclose(s.direction, g / 5)
+    assert float(s.dot) == pytest.approx(5.0)  # ⟨g, g/5⟩
+
+
+def _problem(M=4, q=300, N=16, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    T = torch.randn(M, q, generator=gen, dtype=dtype)
+    g = torch.randn(q, generator=gen, dtype=dtype)
+    C = torch.randn(M, 3 * N, generator=gen, dtype=torch.float64)
+    return T, C @ C.T, C @ C.T / N, g, N
+
+
+@pytest.mark.parametrize("damping", solve.DAMPINGS)
+def test_direction_into_is_the_solve_then_the_safeguard(damping):
+    T, CCt, K, g, N = _problem()
+    eps = torch.tensor(1e-2, dtype=torch.float64)
+    out = torch.empty_like(g)
+    info = direction_into(out, T, CCt, K, g, N, eps=eps, lam=0.1, damping=damping,
+                          rcond=None, clip_norm=0.5)
+    d, dg = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=0.1, damping=damping)
+    safe = solve.safeguard(g, d, 0.5)
+    assert torch.equal(out, safe.direction) and set(info) == set(INFO_KEYS)
+    assert bool(info["clipped"]) and int(info["rank"]) == int(dg["rank"])
+    # on the CPU the dispatcher runs the same function eagerly
+    out2 = torch.empty_like(g)
+    step_direction(out2, T, CCt, K, g, N, eps=eps, lam=0.1, damping=damping,
+                   rcond=None, clip_norm=0.5)
+    assert torch.equal(out2, out)
+
+
+def test_a_failed_solve_falls_back_to_the_gradient():
+    """The same rule as the fused kernels: a failed Cholesky factorisation of the system
+    (here ε < 0 makes it negative definite) gives the Euclidean gradient."""
+    T, CCt, K, g, N = _problem()
+    out = torch.empty_like(g)
+    eps = torch.tensor(-1e12, dtype=torch.float64)
+    info = direction_into(out, T, CCt, K, g, N, eps=eps, lam=0.0, damping="T_tilde",
+                          rcond=None, clip_norm=None)
+    assert bool(info["fallback"]) and torch.equal(out, g)
+
+
+def _traced(fn):
+    """``fn`` traced by dynamo into one graph (fails on a graph break), run eagerly."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="eager")
+
+
+def test_the_compiled_functions_trace_into_one_graph():
+    T, CCt, K, g, N = _problem(dtype=torch.float32)
+    eps = torch.tensor(1e-2, dtype=torch.float64)
+    kw = dict(eps=eps, lam=0.0, damping="T_tilde", rcond=None, clip_norm=1.0)
+    a, b = torch.empty_like(g), torch.empty_like(g)
+    ref = direction_into(a, T, CCt, K, g, N, **kw)
+    got = _traced(direction_into)(b, T, CCt, K, g, N, **kw)
+    assert torch.allclose(a, b, rtol=1e-6) and bool(ref["clipped"] == got["clipped"])
+    y0 = torch.randn(4, 3, 5, 5).contiguous(memory_format=torch.channels_last)
+    assert torch.equal(_traced(repeat_copies)(y0, 3), torch.cat([y0] * 3))
+    assert repeat_copies(y0, 3).stride() == torch.cat([y0] * 3).stride()
+    dy = torch.randn(12, 3, 5, 5).contiguous(memory_format=torch.channels_last)
+    assert torch.equal(_traced(stack_copies)(dy, 3), stack_copies(dy, 3))
+    d, x = torch.randn(3, 40, 6), torch.randn(1, 40, 6)
+    mean, invstd, scale = x[0].mean(0), torch.rand(6) + 0.5, torch.randn(6)
+    want = bn_backward_torch(d, x, mean, invstd, scale, True, True, True)
+    have = _traced(bn_backward_torch)(d, x, mean, invstd, scale, True, True, True)
+    for w, h in zip(want, have):
+        assert torch.allclose(w, h)
+    torch._dynamo.reset()
+
+
+def test_compile_on_cuda_runs_eagerly_on_the_cpu_and_the_path_switch_is_checked():
+    calls = []
+
+    def f(x):
+        calls.append(torch.compiler.is_compiling())
+        return x + 1
+
+    assert torch.equal(gpu_paths.compile_on_cuda(f)(torch.zeros(2)), torch.ones(2))
+    assert calls == [False]
+    assert gpu_paths.gpu_path() == "triton"
+    with gpu_paths.use_gpu_path("compile"):
+        assert gpu_paths.gpu_path() == "compile"
+        assert not gpu_paths.use_kernels(torch.zeros(2))
+    assert gpu_paths.gpu_path() == "triton"
+    with pytest.raises(ValueError, match="gpu path must be one of"):
+        with gpu_paths.use_gpu_path("cudnn"):
+            pass
+
+
+def test_import_kwng_loads_no_triton_and_no_compiler():
+    """Triton and the compiler are loaded only by a fast step on CUDA (or the kernels'
+    checks), never by ``import kwng``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kwng; bad = [m for m in sys.modules "
+            "if m.split('.')[0] == 'triton' "
+            "or m.startswith(('kwng.triton', 'torch._inductor'))]; print(bad); "
+            "sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
