@@ -271,5 +271,7 @@ def test_the_api_page_documents_every_module():
     cannot be left out of the reference)."""
     page = (ROOT / "book" / "api.md").read_text()
     documented = set(re.findall(r"^\.\. automodule:: ([\w.]+)$", page, flags=re.M))
-    missing = sorted(m for m, f in MODULES.items() if f.stem != "__main__" and m not in documented)
+    missing = sorted(m for m, f in MODULES.items()
+                     if not f.stem.startswith("_") or f.stem == "__init__"
+                     if m not in documented)
     assert not missing, f"book/api.md lacks: {missing}"
