@@ -82,12 +82,12 @@ def fisher_kernel_matrices(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The matrices of the kernel Fisher estimator at the samples ``X`` (``N × d``).
 
-    Returns ``C`` (``M × N``, centred kernel values
-    ``k(Y_m, X_n) - mean_n k(Y_m, X_n)``), ``K`` (``M × M`` Gram ``k(Y_m, Y_m')``),
-    ``CCᵀ`` (without the ``1/N``) and ``Gx`` (``M × N × d``, ``∂_{x_j} k(Y_m, X_n)``,
-    the ingredient of the reparametrised ``T``). ``X`` is detached and promoted to
-    float64 (at least), as in :func:`kwng.kernel_matrices`: the four come back in
-    float64, so float32 samples lose nothing more than their own rounding.
+    Returns ``C`` (``M × N``, centred kernel values ``k(Y_m, X_n) - mean_n k(Y_m,
+    X_n)``), ``K`` (``M × M`` Gram ``k(Y_m, Y_m')``), ``CCᵀ`` (without the ``1/N``) and
+    ``Gx`` (``M × N × d``, ``∂_{x_j} k(Y_m, X_n)``, the ingredient of the reparametrised
+    ``T``). ``X`` is detached and promoted to float64 (at least), as in
+    :func:`kwng.kernel_matrices`: the four come back in float64, so float32 samples lose
+    nothing more than their own rounding.
     """
     X = check_points(X, "X").detach()
     X = X.to(torch.promote_types(X.dtype, torch.float64))

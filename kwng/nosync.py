@@ -1,5 +1,5 @@
-"""Sync-free variants of the estimator for training loops on GPU (``kwng.engine.precond``,
-``mode="fast"``).
+"""Sync-free variants of the estimator for training loops on GPU
+(``kwng.engine.precond``, ``mode="fast"``).
 
 :func:`kwng.kernel_matrices` and :func:`kwng.nystrom_solve` validate their inputs and
 return Python numbers (rank, condition numbers), which forces the host to wait for the

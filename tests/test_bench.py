@@ -147,8 +147,9 @@ def test_capture_step_rejects_bad_input_and_a_missing_gpu():
 
 
 def test_engine_parts_benchmark_writes_its_table(tmp_path):
-    """kwng.experiments.bench.engine_parts on tiny shapes on the CPU (eager stands in for
-    the compiler): every part's columns, the rule's verdict slot and the provenance."""
+    """kwng.experiments.bench.engine_parts on tiny shapes on the CPU (eager stands in
+    for the compiler): every part's columns, the rule's verdict slot and the
+    provenance."""
     from kwng.experiments.bench import engine_parts as mod
 
     out = tmp_path / "engine_parts.json"

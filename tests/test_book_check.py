@@ -42,21 +42,19 @@ if _missing:
         reason="needs " + ", ".join(_missing) + "; make check-book installs them"
     )
 
-HEAD = """<!DOCTYPE html><html><head><meta charset="utf-8">
-<script>window.MathJax = {tex: {inlineMath: [['\\\\(', '\\\\)']]},
-  options: {processHtmlClass: 'math', ignoreHtmlClass: 'document'}};</script>
-<script defer src="_static/mathjax/tex-chtml.js"></script>
-<style>body {margin: 0} main {max-width: 600px} pre, div.math {overflow-x: auto}
-  .cue {overflow-x: auto; background-image: linear-gradient(to left, #0003, #0000 12px)}
-</style>
-</head><body class="document"><main><article>
+HEAD = """<!DOCTYPE html><html><head><meta charset="utf-8"> <script>window.MathJax =
+{tex: {inlineMath: [['\\\\(', '\\\\)']]}, options: {processHtmlClass: 'math',
+ignoreHtmlClass: 'document'}};</script> <script defer
+src="_static/mathjax/tex-chtml.js"></script> <style>body {margin: 0} main {max-width:
+600px} pre, div.math {overflow-x: auto} .cue {overflow-x: auto; background-image:
+linear-gradient(to left, #0003, #0000 12px)} </style> </head><body
+class="document"><main><article>
 """
 TAIL = "</article></main></body></html>\n"
-CLEAN = r"""<h1 id="top">A page</h1>
-<p>Inline <span class="math">\(x^2 + \sigma\)</span> and a display:</p>
-<div class="math">\[ \|x - y\|^2 = \sum_i (x_i - y_i)^2 \]</div>
-<pre>print("a line well inside the block")</pre>
-<p><a href="#top">up</a> <a href="other.html#there">there</a></p>
+CLEAN = r"""<h1 id="top">A page</h1> <p>Inline <span class="math">\(x^2 +
+\sigma\)</span> and a display:</p> <div class="math">\[ \|x - y\|^2 = \sum_i (x_i -
+y_i)^2 \]</div> <pre>print("a line well inside the block")</pre> <p><a
+href="#top">up</a> <a href="other.html#there">there</a></p>
 """
 SEEDED = {
     "raw-tex": r"<p>Inline <span>\(x^2\)</span> left as text.</p>",

@@ -2,8 +2,7 @@
 
 The chapters glue these numbers into their prose; the checks that the committed files
 are complete, say where they came from and still hold the values the text was written
-against
-live here, not in the chapters (a chapter re-run on another card must not fail).
+against live here, not in the chapters (a chapter re-run on another card must not fail).
 """
 
 from __future__ import annotations

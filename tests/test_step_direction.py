@@ -1,7 +1,7 @@
-"""The step's direction (kwng.solve.safeguard, kwng.engine.step_direction) and the functions
-the fast path compiles on CUDA (kwng.engine.gpu_paths): the safeguard's rule, and that each
-function traces into one graph (``fullgraph=True``, what ``torch.compile`` needs on the
-GPU) with the same values as eager."""
+"""The step's direction (kwng.solve.safeguard, kwng.engine.step_direction) and the
+functions the fast path compiles on CUDA (kwng.engine.gpu_paths): the safeguard's rule,
+and that each function traces into one graph (``fullgraph=True``, what ``torch.compile``
+needs on the GPU) with the same values as eager."""
 
 import math
 

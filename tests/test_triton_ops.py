@@ -1,4 +1,4 @@
-"""The Triton kernels of the fast KWNG step (:mod:`kwng.engine.triton_ops`).
+"""The Triton kernels of the fast KWNG step (:mod:`kwng.engine.triton_support`).
 
 The kernels run on the GPU; here Triton's interpreter runs them on CPU tensors
 (``TRITON_INTERPRET=1``, set before Triton is imported, hence the subprocess) and

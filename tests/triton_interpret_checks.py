@@ -1,7 +1,8 @@
-"""Checks of the Triton kernels (:mod:`kwng.engine.triton_ops`, :mod:`kwng.engine.triton_bn`,
-:mod:`kwng.engine.triton_solve`) under Triton's interpreter, run by
-``tests/test_triton_ops.py`` in a subprocess with ``TRITON_INTERPRET=1`` (the variable
-must be set before Triton is imported, so these cannot run in the main test process).
+"""Checks of the Triton kernels (:mod:`kwng.engine.triton_support`,
+:mod:`kwng.engine.triton_bn`, :mod:`kwng.engine.triton_solve`) under Triton's
+interpreter, run by ``tests/test_triton_ops.py`` in a subprocess with
+``TRITON_INTERPRET=1`` (the variable must be set before Triton is imported, so these
+cannot run in the main test process).
 
 Every kernel is compared with the PyTorch function that defines it, and the fast KWNG
 path, which then goes through the kernels on CPU tensors, with serial autograd passes.
@@ -20,21 +21,22 @@ from torch import nn
 import kwng.engine.triton_solve
 import kwng.experiments.cifar.nets
 from kwng import solve
-from kwng.engine import replicate_layers, triton_bn, triton_ops
+from kwng.engine import replicate_layers, triton_bn, triton_support
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.engine.replicate_bn import bn_backward_torch
 from kwng.engine.step_direction import direction_into
 from kwng.estimator import jacobian_from_outputs
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or triton_ops.triton is None,
+    os.environ.get("TRITON_INTERPRET") != "1" or triton_support.triton is None,
     reason="needs Triton and TRITON_INTERPRET=1 (run through tests/test_triton_ops.py)",
 )
 CL = torch.channels_last
 
 
 def _bn_reference(d, x, mean, invstd, scale, use_batch):
-    """The one definition (:func:`kwng.engine.replicate_bn.bn_backward_torch`) in float64."""
+    """The one definition (:func:`kwng.engine.replicate_bn.bn_backward_torch`) in
+    float64."""
     dx, dg, db, _ = bn_backward_torch(d.double(), x.double()[None], mean.double(),
                                       invstd.double(), scale.double(), use_batch)
     return dx, dg, db
@@ -87,26 +89,10 @@ def test_bn_backward_nchw_equals_the_formulas(dtype, use_batch, shape):
         assert float((got.double() - ref).abs().max()) <= tol * float(ref.abs().max())
 
 
-@pytest.mark.parametrize("fmt", [CL, torch.contiguous_format])
-def test_repeat_and_interleave_equal_their_pytorch_forms(fmt):
-    y0 = torch.randn(4, 5, 6, 6).contiguous(memory_format=fmt)
-    out = triton_ops.repeat(y0, 3, fmt)
-    assert torch.equal(out, torch.cat([y0] * 3))
-    assert out.is_contiguous(memory_format=fmt)
-    flat = torch.randn(4, 7)
-    assert torch.equal(
-        triton_ops.repeat(flat, 2, torch.contiguous_format), torch.cat([flat] * 2)
-    )
-    dy = torch.randn(3 * 4, 5, 6, 6).contiguous(memory_format=fmt)
-    ref = torch.empty((4, 15, 6, 6)).contiguous(memory_format=fmt)
-    ref.view(4, 3, 5, 6, 6).copy_(dy.view(3, 4, 5, 6, 6).transpose(0, 1))
-    got = triton_ops.interleave(dy, 3, fmt)
-    assert torch.equal(got, ref) and got.is_contiguous(memory_format=fmt)
-
-
 def _model(seed=0, fmt=CL):
     torch.manual_seed(seed)
-    return kwng.experiments.cifar.nets.ResNet18(10, widths=(4, 8, 8, 8)).to(memory_format=fmt)
+    net = kwng.experiments.cifar.nets.ResNet18(10, widths=(4, 8, 8, 8))
+    return net.to(memory_format=fmt)
 
 
 def _batch(N=12, fmt=CL):
@@ -116,13 +102,14 @@ def _batch(N=12, fmt=CL):
 
 
 def _calls(monkeypatch):
-    """Count the kernel calls made through the engine."""
+    """Count the kernel calls made through the engine (and the compiled repeats and
+    relayouts, whose kernels the rule deleted)."""
     seen = {"bn": 0, "bn_nchw": 0, "repeat": 0, "interleave": 0, "handed_off": 0}
     for mod, name, key in (
         (triton_bn, "bn_backward", "bn"),
         (triton_bn, "bn_backward_nchw", "bn_nchw"),
-        (triton_ops, "repeat", "repeat"),
-        (triton_ops, "interleave", "interleave"),
+        (replicate_layers, "_repeat_copies_compiled", "repeat"),
+        (replicate_layers, "_stack_copies_compiled", "interleave"),
     ):
         fn = getattr(mod, name)
 
@@ -204,9 +191,9 @@ def test_a_summed_gradient_does_not_take_the_batch_norm_layout(monkeypatch):
 
 
 def test_fast_direction_with_unused_and_frozen_parameters_equals_reference(monkeypatch):
-    """The whole fast step through the kernels (the replicated backward, then the fused
-    direction of kwng.engine.triton_solve) on a model with an unused and a frozen parameter
-    equals the reference direction."""
+    """The whole fast step through the kernels (the replicated backward, then the
+    fused direction of kwng.engine.triton_solve) on a model with an unused and a
+    frozen parameter equals the reference direction."""
     seen = _calls(monkeypatch)
     fused = kwng.engine.triton_solve.fused_direction
 
@@ -264,11 +251,11 @@ def _fused_case(damping, case):
 )
 def test_fused_direction_equals_the_pytorch_path(damping, case):
     """The four kernels of kwng.engine.triton_solve against their one definition,
-    kwng.engine.step_direction.direction_into (nystrom_solve_nosync, then solve.safeguard), for
-    every damping of solve.DAMPINGS (a new one must be implemented or refused by the
-    kernels): same direction (float32 rounding), same diagnostics. A non-finite
-    direction (ε = NaN) and a failed Cholesky factorisation of the system (ε < 0) fall
-    back to the clipped g on both paths."""
+    kwng.engine.step_direction.direction_into (nystrom_solve_nosync, then
+    solve.safeguard), for every damping of solve.DAMPINGS (a new one must be
+    implemented or refused by the kernels): same direction (float32 rounding), same
+    diagnostics. A non-finite direction (ε = NaN) and a failed Cholesky factorisation
+    of the system (ε < 0) fall back to the clipped g on both paths."""
     from kwng.engine.triton_solve import (
         FUSED_DAMPINGS,
         fused_available,

@@ -29,14 +29,14 @@ def authors_eps_factor(batch_size: int) -> float:
 
     The authors whiten ``T`` with ``(CCᵀ/N)^{-1/2}`` and add ``ε_a I``;
     :func:`kwng.nystrom_solve` whitens with ``(CCᵀ)^{-1/2}`` and adds ``(ε/N) I``. Their
-    ``T̃`` is ``√N`` times ours, and so is the damping built from it, so their
-    ``T̃ D⁻¹ T̃ᵀ`` is ``√N`` times ours and the two regularisers coincide for
-    ``ε = √N ε_a`` (the same factor converts the bounds ``[1e-10, 1e5]`` of App. D.2;
-    derivation in the book chapter :ref:`experiments-cifar`, checked against the
-    authors' formulas in ``tests/test_cifar.py``). The conversion holds for this damping
-    only: with ``damping="identity"`` their ``T̃ D⁻¹ T̃ᵀ`` is ``N`` times ours and the two
-    ``ε`` are equal (checked against the authors' class in float64); the same algebra
-    gives equal ``ε`` for ``"T"``, whose ``D`` does not depend on the whitening. Do not
+    ``T̃`` is ``√N`` times ours, and so is the damping built from it, so their ``T̃ D⁻¹
+    T̃ᵀ`` is ``√N`` times ours and the two regularisers coincide for ``ε = √N ε_a`` (the
+    same factor converts the bounds ``[1e-10, 1e5]`` of App. D.2; derivation in the book
+    chapter :ref:`experiments-cifar`, checked against the authors' formulas in
+    ``tests/test_cifar.py``). The conversion holds for this damping only: with
+    ``damping="identity"`` their ``T̃ D⁻¹ T̃ᵀ`` is ``N`` times ours and the two ``ε``
+    are equal (checked against the authors' class in float64); the same algebra gives
+    equal ``ε`` for ``"T"``, whose ``D`` does not depend on the whitening. Do not
     convert then.
     """
     return math.sqrt(check_int(batch_size, "batch_size", 1))
@@ -61,9 +61,9 @@ class KWNGConfig:
       (``σ = σ0 · mean ‖X_n − Y_m‖²``), ``"median"`` or a positive number;
       ``sigma0`` [``σ0``] > 0.
     * ``damping`` [``D``] — one of ``kwng.solve.DAMPINGS``.
-    * ``eps_schedule`` — how ``ε`` moves during training: a :class:`kwng.engine.lm.LMSchedule`
-      (the Levenberg-Marquardt rule of App. D.2, the default; ``eps`` must lie within
-      its bounds) or ``None`` (``ε`` fixed).
+    * ``eps_schedule`` — how ``ε`` moves during training: a
+      :class:`kwng.engine.lm.LMSchedule` (the Levenberg-Marquardt rule of App. D.2, the
+      default; ``eps`` must lie within its bounds) or ``None`` (``ε`` fixed).
     * ``clip_norm`` > 0 or ``None``; ``mode`` ``"fast"`` or ``"reference"``;
       ``diagonal_only`` — ``D⁻¹ g`` only (needs ``damping`` ``"T"`` or
       ``"T_tilde"``); ``rcond`` > 0 — relative pivot threshold of the stable solve
@@ -103,7 +103,8 @@ class KWNGConfig:
         check_choice(self.damping, "damping", DAMPINGS)
         if self.eps_schedule is not None:
             if not isinstance(self.eps_schedule, LMSchedule):
-                raise ValueError("eps_schedule must be a kwng.engine.lm.LMSchedule or None, "
+                raise ValueError("eps_schedule must be a kwng.engine.lm.LMSchedule or "
+                                 "None, "
                                  f"got {type(self.eps_schedule).__name__}")
             self.eps_schedule.check_eps(self.eps)
         if self.clip_norm is not None:

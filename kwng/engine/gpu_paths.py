@@ -1,22 +1,24 @@
 """Which implementation the fast KWNG step runs on CUDA where two exist: the PyTorch
 functions compiled by ``torch.compile``, or the hand-written Triton kernels.
 
-Four parts of the fast step have both: the direction at the end of the step
-(:func:`kwng.engine.step_direction.step_direction`: :func:`kwng.solve.kwng_direction` and
-:func:`kwng.solve.safeguard` against :mod:`kwng.engine.triton_solve`), the per-copy batch-norm
-backward (:func:`kwng.engine.replicate_bn.bn_backward_torch` against :mod:`kwng.engine.triton_bn`),
-and the repeat and relayout of the replicated engine (:mod:`kwng.engine.replicate_layers`
-against :func:`kwng.engine.triton_ops.repeat` and :func:`kwng.engine.triton_ops.interleave`). The
-PyTorch function is the one definition in every pair; a kernel is checked against it
-(``tests/triton_interpret_checks.py``) and stays only where it is measurably faster on
-the same GPU in the same run (``kwng/experiments/bench/engine_parts.py``, ``python -m kwng.experiments.bench.step_cost
---gpu-path``): the path that loses is deleted together with this switch.
+Two parts of the fast step have both: the direction at the end of the step
+(:func:`kwng.engine.step_direction.step_direction`: :func:`kwng.solve.kwng_direction`
+and :func:`kwng.solve.safeguard` against :mod:`kwng.engine.triton_solve`), the per-copy
+batch-norm backward (:func:`kwng.engine.replicate_bn.bn_backward_torch` against
+:mod:`kwng.engine.triton_bn`). The PyTorch function is the one definition in every pair;
+a kernel is checked against it (``tests/triton_interpret_checks.py``) and stays only
+where it is measurably faster on the same GPU in the same run
+(:mod:`kwng.experiments.bench.engine_parts`; ``python -m
+kwng.experiments.bench.step_cost --gpu-paths triton,compile`` for the whole step, which
+is why this switch stays). On one H100 (``results/benchmarks/engine_parts.json``) both
+kernels stayed; the repeat's and the relayout's were deleted.
 
 :func:`compile_on_cuda` compiles a function for CUDA tensors only (``mode="default"``:
 no CUDA graphs of inductor's own, so the step stays capturable by
-:func:`kwng.engine.capture.capture_step`; the compilation happens at the first call, i.e.
-in the eager warm-up before a capture). On the CPU (the test-suite, CI) the function
-runs eagerly: compiling costs seconds per shape there and buys nothing the tests need.
+:func:`kwng.engine.capture.capture_step`; the compilation happens at the first call,
+i.e. in the eager warm-up before a capture). On the CPU (the test-suite, CI) the
+function runs eagerly: compiling costs seconds per shape there and buys nothing the
+tests need.
 """
 
 from __future__ import annotations
@@ -58,16 +60,17 @@ def use_gpu_path(path: str) -> Iterator[None]:
 
 def use_kernels(t: torch.Tensor) -> bool:
     """Whether the hand-written kernels take ``t``: the path is ``"triton"`` and
-    :func:`kwng.engine.triton_ops.available` holds (a CUDA tensor, or a CPU tensor under
-    ``TRITON_INTERPRET=1``). Triton is imported only then, never by ``import kwng``."""
+    :func:`kwng.engine.triton_support.available` holds (a CUDA tensor, or a CPU
+    tensor under ``TRITON_INTERPRET=1``). Triton is imported only then, never by
+    ``import kwng``."""
     if _current[0] != "triton":
         return False
     interpret = os.environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu"
     if not (t.is_cuda or interpret):
         return False
-    from kwng.engine import triton_ops
+    from kwng.engine import triton_support
 
-    return triton_ops.available(t)
+    return triton_support.available(t)
 
 
 def compile_on_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:

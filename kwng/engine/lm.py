@@ -108,7 +108,8 @@ class LevenbergMarquardt:
     ) -> None:
         schedule = LMSchedule() if schedule is None else schedule
         if not isinstance(schedule, LMSchedule):
-            raise ValueError("schedule must be a kwng.engine.lm.LMSchedule or None, got "
+            raise ValueError("schedule must be a kwng.engine.lm.LMSchedule or None, "
+                             "got "
                              f"{type(schedule).__name__}")
         self.schedule = schedule
         self.eps_init = schedule.check_eps(eps)

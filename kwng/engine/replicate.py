@@ -23,13 +23,13 @@ This module does it as **one** backward pass of an ``R·N`` batch:
   along the output channels; elsewhere in ``R`` calls on slices of the output gradient.
 
 On the GPU the passes that eager PyTorch operations would spread over many kernels run
-compiled (``torch.compile``) or as Triton kernels (:mod:`kwng.engine.gpu_paths` says which):
-the per-copy batch-norm backward (two passes over the ``R``-fold gradient instead of
-seven), the ``R``-fold repeat of an activation (read once) and the relayout for the
-stacked weight gradients. A batch norm that follows a convolution writes its input
-gradient in both layouts, so that convolution needs no relayout (handed over through
-``_State.handoff``, checked by memory, shape, strides and version: a gradient that
-autograd summed from several consumers is relaid instead).
+compiled (``torch.compile``): the ``R``-fold repeat of an activation and the relayout
+for the stacked weight gradients; the per-copy batch-norm backward (two passes over the
+``R``-fold gradient instead of seven) is a Triton kernel (:mod:`kwng.engine.gpu_paths`).
+A batch norm that follows a convolution writes its input gradient in both layouts, so
+that convolution needs no relayout (handed over through ``_State.handoff``, checked by
+memory, shape, strides and version: a gradient that autograd summed from several
+consumers is relaid instead).
 
 Memory format: the replicated pass keeps the model's. On the GPU make a convolutional
 model and its inputs channels_last (``model.to(memory_format=torch.channels_last)``):
@@ -37,7 +37,8 @@ cuDNN runs fp32 convolutions of NCHW tensors with channels_last kernels and conv
 tensors around each call (4.8 ms of a 29.4 ms fast step on the paper's ResNet-18,
 ``kwng/experiments/bench/profile_step.py``).
 A step on the paper's ResNet-18 costs about one forward and backward pass at batch
-``R·N`` (``python -m kwng.experiments.bench.step_cost``; the deep-learning chapter gives the table).
+``R·N`` (``python -m kwng.experiments.bench.step_cost``; the deep-learning chapter gives
+the table).
 
 Copy ``0`` gives ``g`` (also returned to autograd, so a plain ``loss.backward()`` on a
 replicated forward still leaves the true gradient in ``p.grad``), copies ``1..M`` give

@@ -1,4 +1,5 @@
-"""The per-copy batch norm of the replicated-batch engine (:mod:`kwng.engine.replicate`).
+"""The per-copy batch norm of the replicated-batch engine
+(:mod:`kwng.engine.replicate`).
 
 ``_BatchNorm`` normalises the ``R`` copies of a batch with the statistics of one copy
 (those the un-replicated model sees) and, in the backward pass, reduces over each copy
@@ -9,8 +10,8 @@ separately: for every copy ``r`` and channel ``c``::
 
 with ``x̂ = (x − μ) σ⁻¹`` the normalised input of the one forward copy, ``a = γ σ⁻¹``,
 ``b = −a dβ / S`` and ``k = −a dγ / S`` (``S`` = samples × pixels of a copy).
-:func:`bn_backward_torch` is the one definition (seven passes over the ``R``-fold
-tensor eagerly; compiled on CUDA), the Triton kernels of :mod:`kwng.engine.triton_bn` its
+:func:`bn_backward_torch` is the one definition (seven passes over the ``R``-fold tensor
+eagerly; compiled on CUDA), the Triton kernels of :mod:`kwng.engine.triton_bn` its
 two-pass form (:mod:`kwng.engine.gpu_paths` says which runs).
 """
 
@@ -48,7 +49,8 @@ def _rows(t: torch.Tensor, R: int):
 
 def _channels_inner(d: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``d`` ``(R, S, C)`` and ``x`` ``(1, S, C)`` have the layout of
-    :func:`kwng.engine.triton_bn.bn_backward` (channels contiguous, rows of stride ``C``)."""
+    :func:`kwng.engine.triton_bn.bn_backward` (channels contiguous, rows of stride
+    ``C``)."""
     if d.dim() != 3:
         return False
     R, S, C = d.shape

@@ -2,9 +2,9 @@
 
 ``_Conv`` and ``_Linear`` run a layer's forward once on the first copy of the batch and
 its backward on all ``R`` stacked cotangents (``_BatchNorm`` is in
-:mod:`kwng.engine.replicate_bn`); ``_State`` is what they read during one replicated forward;
-:func:`repeat_copies` and :func:`stack_copies` are the repeat and the relayout of the
-copies (compiled on CUDA, or Triton kernels: :mod:`kwng.engine.gpu_paths`). See
+:mod:`kwng.engine.replicate_bn`); ``_State`` is what they read during one replicated
+forward; :func:`repeat_copies` and :func:`stack_copies` are the repeat and the relayout
+of the copies (compiled on CUDA, or Triton kernels: :mod:`kwng.engine.gpu_paths`). See
 :mod:`kwng.engine.replicate` for the algorithm.
 """
 
@@ -68,13 +68,7 @@ _repeat_copies_compiled = compile_on_cuda(repeat_copies)
 
 
 def _repeat(y0: torch.Tensor, R: int) -> torch.Tensor:
-    """:func:`repeat_copies`: on the GPU compiled (one pass), or the Triton kernel that
-    reads ``y0`` once (:mod:`kwng.engine.gpu_paths`)."""
-    fmt = _format(y0)
-    if use_kernels(y0) and y0.is_contiguous(memory_format=fmt):
-        from kwng.engine import triton_ops
-
-        return triton_ops.repeat(y0, R, fmt)
+    """:func:`repeat_copies`, compiled on the GPU (one pass)."""
     return _repeat_copies_compiled(y0, R)
 
 
@@ -88,12 +82,12 @@ def _first_copy(
 
 
 def stacked_wgrad(dy: torch.Tensor) -> bool:
-    """Whether a convolution's ``R`` weight gradients come from one call with the copies
-    stacked along the output channels (on the GPU, and wherever the kernels run) rather
-    than ``R`` calls on slices of ``dy``. Summed over ResNet-18's convolutions on an
-    H200 (``kwng/experiments/bench/engine_parts.py``, N = 128, R = 6, channels_last): 7.6 ms stacked
-    against 9.5 ms in ``R`` calls in fp32 (6.6 ms for one call at batch ``R·N``), 3.1
-    against 4.4 ms in bf16 (2.2 ms)."""
+    """Whether a convolution's ``R`` weight gradients come from one call with the
+    copies stacked along the output channels (on the GPU, and wherever the kernels
+    run) rather than ``R`` calls on slices of ``dy``. Summed over ResNet-18's
+    convolutions on an H200 (``kwng/experiments/bench/engine_parts.py``, N = 128, R =
+    6, channels_last): 7.6 ms stacked against 9.5 ms in ``R`` calls in fp32 (6.6 ms
+    for one call at batch ``R·N``), 3.1 against 4.4 ms in bf16 (2.2 ms)."""
     return dy.is_cuda or use_kernels(dy)
 
 
@@ -142,15 +136,10 @@ _stack_copies_compiled = compile_on_cuda(stack_copies)
 
 def _stacked(dy: torch.Tensor, R: int, st: _State | None) -> torch.Tensor:
     """:func:`stack_copies` of ``dy``: the batch norm's hand-off, else one relayout
-    (compiled on the GPU, or the Triton kernel: :mod:`kwng.engine.gpu_paths`)."""
+    (compiled on the GPU)."""
     ds = _handed_off(dy, st)
     if ds is not None:
         return ds
-    fmt = _format(dy)
-    if use_kernels(dy) and dy.is_contiguous(memory_format=fmt):
-        from kwng.engine import triton_ops
-
-        return triton_ops.interleave(dy, R, fmt)
     return _stack_copies_compiled(dy, R)
 
 

@@ -8,9 +8,10 @@ and the copy into ``out``. :func:`step_direction` runs it
 
 * on CUDA, compiled by ``torch.compile`` (:func:`kwng.engine.gpu_paths.compile_on_cuda`:
   inductor fuses the column norms, the weighted Gram matrix, the combination and the
-  reductions of the safeguard into a few passes over ``T``), or through the four
-  Triton kernels of :mod:`kwng.engine.triton_solve` where :func:`kwng.engine.gpu_paths.use_kernels`
-  and :func:`kwng.engine.triton_solve.fused_available` say so (the same values up to float32
+  reductions of the safeguard into a few passes over ``T``), or through the four Triton
+  kernels of :mod:`kwng.engine.triton_solve` where
+  :func:`kwng.engine.gpu_paths.use_kernels` and
+  :func:`kwng.engine.triton_solve.fused_available` say so (the same values up to float32
   rounding, checked in ``tests/triton_interpret_checks.py``);
 * on the CPU, eagerly (no compilation: see :mod:`kwng.engine.gpu_paths`).
 """

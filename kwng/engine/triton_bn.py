@@ -1,6 +1,7 @@
 """Triton kernels of the per-copy batch-norm backward of the replicated engine
-(:mod:`kwng.engine.replicate_bn`, whose :func:`~kwng.engine.replicate_bn.bn_backward_torch` is the one
-definition of the formulas).
+(:mod:`kwng.engine.replicate_bn`, whose
+:func:`~kwng.engine.replicate_bn.bn_backward_torch` is the one definition of the
+formulas).
 
 For ``R`` stacked cotangents ``dy`` of one layer, for every copy ``r`` and channel
 ``c``: ``dβ[r, c] = Σ_s dy[r, s, c]``, ``dγ[r, c] = Σ_s dy[r, s, c] · x̂[s, c]`` and
@@ -17,7 +18,7 @@ import functools
 
 import torch
 
-from kwng.engine.triton_ops import triton
+from kwng.engine.triton_support import triton
 
 if triton is not None:
     import triton.language as tl

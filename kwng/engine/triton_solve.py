@@ -15,8 +15,8 @@ safeguard and the clipping of :func:`kwng.solve.safeguard` (``f`` is
 buffer. The one definition is :func:`kwng.engine.step_direction.direction_into` (those
 PyTorch functions; eagerly about thirty passes over ``q``-vectors and seven over
 ``M × q`` matrices, 3.8 ms against 1.6 ms here at ``q ≈ 11 M``, ``M = 5`` on an H100;
-``kwng/experiments/bench/engine_parts.py`` also times it compiled). Here it is four kernels
-(:mod:`kwng.engine.triton_solve_kernels`):
+:mod:`kwng.experiments.bench.engine_parts` also times it compiled). Here it is four
+kernels (:mod:`kwng.engine.triton_solve_kernels`):
 
 1. the column norms of ``T̃`` (or ``T``) and their maximum;
 2. the ``M × M`` system and right-hand side (float32 sums per tile, added in float64);
@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 
 from kwng import solve
-from kwng.engine.triton_ops import available, triton
 from kwng.engine.triton_solve_kernels import SUMS
+from kwng.engine.triton_support import available, triton
 
 if triton is not None:
     from kwng.engine.triton_solve_kernels import (
@@ -150,9 +150,9 @@ def fused_direction(
     out: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """The clipped KWNG direction written into ``out`` (``q``, any float dtype), and
-    the 0-dim tensors of :data:`kwng.engine.step_direction.INFO_KEYS` (the same values as
-    :func:`kwng.engine.step_direction.direction_into`, see the module docstring). Needs
-    :func:`fused_available`; ``eps`` is a 0-dim tensor."""
+    the 0-dim tensors of :data:`kwng.engine.step_direction.INFO_KEYS` (the same
+    values as :func:`kwng.engine.step_direction.direction_into`, see the module
+    docstring). Needs :func:`fused_available`; ``eps`` is a 0-dim tensor."""
     if not fused_available(T, g, damping):
         raise ValueError(
             "fused_direction needs contiguous float32 T (M <= "

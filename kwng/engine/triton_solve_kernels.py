@@ -1,5 +1,5 @@
-"""The Triton kernels of :mod:`kwng.engine.triton_solve` (the fast step's direction in four
-passes over ``T``); the host side, the algorithm and the checks are there.
+"""The Triton kernels of :mod:`kwng.engine.triton_solve` (the fast step's direction in
+four passes over ``T``); the host side, the algorithm and the checks are there.
 
 * ``_norms_kernel`` — the column norms of ``T̃ = W T`` (or ``T``) and their maximum;
 * ``_system_kernel`` — the ``M × M`` system ``T̃ D⁻¹ T̃ᵀ`` and right-hand side
@@ -14,7 +14,7 @@ No ``T̃`` is stored: each pass recomputes its columns from ``T`` (``_wt_tile``,
 
 from __future__ import annotations
 
-from kwng.engine.triton_ops import triton
+from kwng.engine.triton_support import triton
 
 if triton is not None:
     import triton.language as tl

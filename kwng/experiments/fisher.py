@@ -1,9 +1,8 @@
 """Fisher–Rao next to Wasserstein: the same kernel estimator on both duals (beyond the
 paper).
 
-One command,
-``python -m kwng.experiments fisher [--part sweep|flow|all] [--scale small|full]
-[--out DIR]``, with two parts:
+One command, ``python -m kwng.experiments fisher [--part sweep|flow|all] [--scale
+small|full] [--out DIR]``, with two parts:
 
 * ``sweep`` – for the normal, log-normal and hyper-sphere models, at every grid point
   ``(d, N, M)`` and for ``runs`` random ``(θ, ∇L)`` (the protocol of ``relerr``): the

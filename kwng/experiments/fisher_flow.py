@@ -39,8 +39,8 @@ def normal_kl_and_grad(
     model: NormalModel, theta: torch.Tensor, mu_t: np.ndarray, Sigma_t: np.ndarray
 ) -> tuple[float, torch.Tensor]:
     """``L(θ) = KL(N(μ, LLᵀ) ‖ N(μ*, Σ*))`` and its gradient in ``θ = (μ, vech L)``
-    (autograd of
-    ``½[tr(Σ*⁻¹Σ) + (μ* - μ)ᵀΣ*⁻¹(μ* - μ) - d + log det Σ* - log det Σ]``)."""
+    (autograd of ``½[tr(Σ*⁻¹Σ) + (μ* - μ)ᵀΣ*⁻¹(μ* - μ) - d + log det Σ* - log det
+    Σ]``)."""
     if not isinstance(model, NormalModel):
         raise ValueError("model must be a NormalModel")
     th = theta.detach().to(torch.float64).clone().requires_grad_(True)

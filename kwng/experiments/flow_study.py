@@ -3,8 +3,7 @@ model.
 
 At ``N = 128``, ``M = 100``, ``ε = 1e-10`` the flow of :mod:`kwng.experiments.synthetic`
 diverges within a few iterations on our 65-parameter model ``θ = (μ, vech L)``. This
-module
-tests the candidate explanations at exactly those settings, one change at a time:
+module tests the candidate explanations at exactly those settings, one change at a time:
 
 * ``diagonal``: a diagonal covariance, ``X = μ + l ⊙ Z``, ``q = 20`` (the target is
   diagonal too). For this family ``W2²`` is the Euclidean distance of ``(μ, l)``, so

@@ -8,22 +8,26 @@ python -m kwng.experiments.bench.engine_parts [--copies 6] [--batch 128] [--json
 Per dtype (fp32 and bf16, channels_last), summed over the layers of one step:
 
 * ``repeat`` — the ``R``-fold copy of each convolution's and batch norm's output
-  (:func:`kwng.engine.replicate_layers.repeat_copies` / :func:`kwng.engine.triton_ops.repeat`);
+  (:func:`kwng.engine.replicate_layers.repeat_copies` /
+  :func:`kwng.engine.triton_support.repeat`);
 * ``relayout`` — the stacking of the copies along the channels
-  (:func:`kwng.engine.replicate_layers.stack_copies` / :func:`kwng.engine.triton_ops.interleave`),
-  summed as if every convolution needed it (in ResNet-18 none does: each convolution
-  takes the layout its batch norm writes, so this is an upper bound);
+  (:func:`kwng.engine.replicate_layers.stack_copies` /
+  :func:`kwng.engine.triton_support.interleave`), summed as if every convolution needed
+  it (in ResNet-18 none does: each convolution takes the layout its batch norm writes,
+  so this is an upper bound);
 * ``bn_backward`` — the per-copy batch-norm backward with the stacked second output
-  (:func:`kwng.engine.replicate_bn.bn_backward_torch` / :func:`kwng.engine.triton_bn.bn_backward`),
-  and the native batch-norm backward at batch ``R·N`` for scale;
+  (:func:`kwng.engine.replicate_bn.bn_backward_torch` /
+  :func:`kwng.engine.triton_bn.bn_backward`), and the native batch-norm backward at
+  batch ``R·N`` for scale;
 * ``wgrad`` — the per-copy weight gradients of the convolutions (``R`` calls on slices,
   one call with the copies stacked along the output channels, one plain call at
   ``R·N`` for scale; no compiled form: these are cuDNN calls).
 
 Then, once, ``direction`` — the end of the step from ``T`` (float32, ``M = R − 1`` rows,
 ``q`` = ResNet-18's parameter count) and ``g``:
-:func:`kwng.engine.step_direction.direction_into` (Prop. 6, the safeguard, the copy into the
-gradient buffer) against the four kernels of :func:`kwng.engine.triton_solve.fused_direction`.
+:func:`kwng.engine.step_direction.direction_into` (Prop. 6, the safeguard, the copy into
+the gradient buffer) against the four kernels of
+:func:`kwng.engine.triton_solve.fused_direction`.
 
 Each timing replays the part captured in a CUDA graph, as in the captured training step
 (no launch or guard cost), after warm-up (which compiles); CUDA events, median of
@@ -123,31 +127,26 @@ class Bench:
 
 
 def repeat_parts(b: Bench, N: int, R: int, dt) -> dict[str, float | None]:
-    from kwng.engine import triton_ops
-
-    out = {"eager": 0.0, "compile": 0.0, "triton": 0.0 if b.kernels else None}
+    """The repeat's kernel was deleted by the rule (its last times: the committed
+    ``results/benchmarks/engine_parts.json``): eager against compiled."""
+    out = {"eager": 0.0, "compile": 0.0, "triton": None}
     comp = b.compiled(rl.repeat_copies)
     for C, s, n in b.bns:  # each layer's convolution and batch norm repeat their output
         y0 = b.rand(N, C, s, s, dtype=dt, fmt=CL)
         out["eager"] += 2 * n * b.timed(lambda: rl.repeat_copies(y0, R))
         out["compile"] += 2 * n * b.timed(lambda: comp(y0, R))
-        if b.kernels:
-            out["triton"] += 2 * n * b.timed(lambda: triton_ops.repeat(y0, R, CL))
     return out
 
 
 def relayout_parts(b: Bench, N: int, R: int, dt) -> dict[str, float | None]:
-    from kwng.engine import triton_ops
-
-    out = {"eager": 0.0, "compile": 0.0, "triton": 0.0 if b.kernels else None}
+    """The relayout's kernel was deleted by the rule, as the repeat's."""
+    out = {"eager": 0.0, "compile": 0.0, "triton": None}
     comp = b.compiled(rl.stack_copies)
     for _, cout, s, _, stride, n in b.convs:
         so = s // stride
         dy = b.rand(R * N, cout, so, so, dtype=dt, fmt=CL)
         out["eager"] += n * b.timed(lambda: rl.stack_copies(dy, R))
         out["compile"] += n * b.timed(lambda: comp(dy, R))
-        if b.kernels:
-            out["triton"] += n * b.timed(lambda: triton_ops.interleave(dy, R, CL))
     return out
 
 

@@ -1,12 +1,14 @@
 """Where the GPU time of a training step goes: kernel time per step, by kind of kernel.
 
-python -m kwng.experiments.bench.profile_step [--configs bf16_channels_last,fp32_channels_last]
-    [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis 5] [--top 12] [--gpu-path triton]
+python -m kwng.experiments.bench.profile_step [--configs
+bf16_channels_last,fp32_channels_last] [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis
+5] [--top 12] [--gpu-path triton]
 
-For every (configuration, mode) it profiles a few steps of ``kwng.experiments.bench.step_cost._make_step``
-(the rows of ``python -m kwng.experiments.bench.step_cost``) with ``torch.profiler`` and prints the summed
-kernel time per step (the GPU work, whatever the host adds), split into kinds named
-from the kernel names (convolution forward, data and weight gradients, GEMM, batch norm,
+For every (configuration, mode) it profiles a few steps of
+``kwng.experiments.bench.step_cost._make_step`` (the rows of ``python -m
+kwng.experiments.bench.step_cost``) with ``torch.profiler`` and prints the summed kernel
+time per step (the GPU work, whatever the host adds), split into kinds named from the
+kernel names (convolution forward, data and weight gradients, GEMM, batch norm,
 elementwise, reductions, copies), and the most expensive kernels. A tuning aid: the
 numbers to report come from ``python -m kwng.experiments.bench.step_cost``.
 """
@@ -90,7 +92,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--gpu-path", default="triton", choices=GPU_PATHS,
-                   help="kernels or torch.compile for the fast path (kwng.engine.gpu_paths)")
+                   help="kernels or torch.compile for the fast path "
+                   "(kwng.engine.gpu_paths)")
     a = p.parse_args()
     modes = a.modes.split(",")
     for m in modes:

@@ -1,10 +1,8 @@
 """The CIFAR study's reporting commands (``python -m kwng.experiments cifar
-<command>``):
-``select`` (the step-size selection rule), ``timing`` and ``trainer-timing`` (seconds
-per
-step and per epoch), ``schedule`` (the epochs that fit a budget) and ``check`` (the
-completeness of a suite's records). :mod:`kwng.experiments.cifar.cli` dispatches to
-them."""
+<command>``): ``select`` (the step-size selection rule), ``timing`` and
+``trainer-timing`` (seconds per step and per epoch), ``schedule`` (the epochs that
+fit a budget) and ``check`` (the completeness of a suite's records).
+:mod:`kwng.experiments.cifar.cli` dispatches to them."""
 
 from __future__ import annotations
 

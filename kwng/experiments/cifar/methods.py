@@ -2,11 +2,10 @@
 
 The method table (:data:`METHODS`, validated against :data:`OPTIMIZERS` and
 :data:`PRECONDITIONERS` whenever a :class:`RunConfig` is built), the plans' method
-lists,
-the step-size grid and schedules, the authors' ε (converted by
-:func:`kwng.engine.config.eps_from_authors`), the
-configuration of one run (:class:`RunConfig`) and the construction of each method's
-model and optimizer. Each method's step is built by :mod:`kwng.experiments.cifar.steps`.
+lists, the step-size grid and schedules, the authors' ε (converted by
+:func:`kwng.engine.config.eps_from_authors`), the configuration of one run
+(:class:`RunConfig`) and the construction of each method's model and optimizer. Each
+method's step is built by :mod:`kwng.experiments.cifar.steps`.
 """
 
 from __future__ import annotations
@@ -215,8 +214,7 @@ class RunConfig(dict):
 
 def check_method_spec(name: str, spec: dict[str, Any]) -> None:
     """Raise if the method ``name``'s settings name an optimizer or a preconditioner
-    that
-    the study does not build (with the accepted names)."""
+    that the study does not build (with the accepted names)."""
     if spec.get("optimizer") not in OPTIMIZERS:
         raise ValueError(f"method {name!r}: optimizer must be one of "
                          f"{sorted(OPTIMIZERS)}, "
@@ -274,8 +272,7 @@ def device_for(name: str | None) -> torch.device:
 
 def build_model(cfg: RunConfig) -> nn.Module:
     """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`):
-    ``U`` inside the
-    network (the identity for ``well``)."""
+    ``U`` inside the network (the identity for ``well``)."""
     k = NUM_CLASSES[cfg["dataset"]]
     body = NETWORKS[cfg["model"]](k)
     cond = (None if cfg["conditioning"] == "well"

@@ -17,14 +17,14 @@ from kwng.experiments.cifar.methods import INFO_KEYS
 @torch.no_grad()
 def evaluate_full(model: nn.Module, data: GPUAugmentedData, batch_size: int = 1000,
                   num_classes: int | None = None) -> dict[str, Any]:
-    """Everything measured on ``data`` in one pass (eval mode, no augmentation; ``U`` is
-    inside the model): ``loss`` (mean cross-entropy), ``acc``, the ``confusion`` matrix
-    (``[true][predicted]`` counts), per class ``recall`` (the accuracy on the examples
-    of that class) and ``precision`` (the share of that class among the examples
-    predicted as it; ``None`` where nothing was predicted), and ``feature_norm``: the
-    mean
-    norm ``‖φ‖`` of the input of the last linear layer (the features the class rows
-    ``W_k`` multiply). ``num_classes`` defaults to the width of the outputs."""
+    """Everything measured on ``data`` in one pass (eval mode, no augmentation; ``U``
+    is inside the model): ``loss`` (mean cross-entropy), ``acc``, the ``confusion``
+    matrix (``[true][predicted]`` counts), per class ``recall`` (the accuracy on the
+    examples of that class) and ``precision`` (the share of that class among the
+    examples predicted as it; ``None`` where nothing was predicted), and
+    ``feature_norm``: the mean norm ``‖φ‖`` of the input of the last linear layer
+    (the features the class rows ``W_k`` multiply). ``num_classes`` defaults to the
+    width of the outputs."""
     from kwng.experiments.cifar.nets import last_linear
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) \

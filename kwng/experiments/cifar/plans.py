@@ -139,8 +139,8 @@ def _claim_plan(common: dict, epochs: int, with_ablations: bool | None) -> list[
 
 def authors100_out(lr: float, settings: dict) -> Path:
     """Where a run of the plan ``authors100`` writes:
-    ``results/cifar/authors100/lr<lr>``
-    (``.../fp32/lr<lr>`` for the precision control)."""
+    ``results/cifar/authors100/lr<lr>`` (``.../fp32/lr<lr>`` for the precision
+    control)."""
     tag = f"lr{lr:g}"
     return AUTHORS100 / ("fp32" if settings.get("precision") == "fp32" else "") / tag
 

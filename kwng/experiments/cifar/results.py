@@ -1,6 +1,5 @@
 """The CIFAR study's result records: loading, completeness checks and the step-size
-selection rule (book chapter
-:ref:`experiments-cifar`)."""
+selection rule (book chapter :ref:`experiments-cifar`)."""
 
 from __future__ import annotations
 
@@ -78,11 +77,11 @@ def check_results(root: str | os.PathLike = RESULTS, dataset: str = "cifar10",
     diverged, recorded as such), and has one row per epoch with finite test accuracy.
 
     ``allow_cut`` (default :data:`BUDGET_CUT` for CIFAR-10, none otherwise) maps run
-    names to the number of epochs they are documented to have reached; such a run goes
-    to ``"cut"`` if its record matches that exactly, to ``"incomplete"`` otherwise (a
-    complete run on the list is ``"ok"``). Returns
-    ``{"missing": [...], "incomplete": [...], "cut": [...], "ok": [...]}`` with run
-    names ``cond/method/seedk``."""
+    names to the number of epochs they are documented to have reached; such a run
+    goes to ``"cut"`` if its record matches that exactly, to ``"incomplete"``
+    otherwise (a complete run on the list is ``"ok"``). Returns ``{"missing": [...],
+    "incomplete": [...], "cut": [...], "ok": [...]}`` with run names
+    ``cond/method/seedk``."""
     if allow_cut is None:
         allow_cut = BUDGET_CUT if dataset == "cifar10" else {}
     res: dict[str, list[str]] = {"missing": [], "incomplete": [], "cut": [], "ok": []}

@@ -152,10 +152,10 @@ def train_step(
 ) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
     """One training step of any method: forward (in ``precision``), then
     ``method.step`` (direction clipped to
-    :data:`~kwng.experiments.cifar.methods.CLIP_NORM`, ``optimizer.step()``).
-    Returns ``(loss, outputs, info, last-layer share)``; the share is measured around
-    the whole update (the direction leaves the parameters unchanged). Never waits for
-    the device, so a CUDA graph can record it."""
+    :data:`~kwng.experiments.cifar.methods.CLIP_NORM`, ``optimizer.step()``). Returns
+    ``(loss, outputs, info, last-layer share)``; the share is measured around the
+    whole update (the direction leaves the parameters unchanged). Never waits for the
+    device, so a CUDA graph can record it."""
     method.optimizer.zero_grad(set_to_none=True)
     with autocast_for(z.device, precision):
         h, outputs = model.forward_both(z)
@@ -182,8 +182,7 @@ def past(deadline: float | None) -> bool:
 
 def run_identity_of(cfg: RunConfig, lr: float) -> dict:
     """The identity of the run ``cfg`` at step size ``lr``
-    (:func:`kwng.experiments.guard.run_identity`
-    with the fingerprint of its data)."""
+    (:func:`kwng.experiments.guard.run_identity` with the fingerprint of its data)."""
     from kwng.experiments.cifar.data import source_fingerprint
 
     try:

@@ -1,8 +1,7 @@
 """The step protocol of the CIFAR study: every method takes its step through
 :class:`MethodStep` (``step(loss, outputs, hidden=..., batch=...)``), one adapter per
 family (a plain ``torch.optim`` step, KFAC/EKFAC, KWNG), built once by
-:func:`make_step`;
-the training loop and ``cifar timing`` call it and nothing else."""
+:func:`make_step`; the training loop and ``cifar timing`` call it and nothing else."""
 
 from __future__ import annotations
 

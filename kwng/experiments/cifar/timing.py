@@ -3,14 +3,13 @@ on one device (book chapter :ref:`experiments-cifar`).
 
 :func:`trainer_timing` trains each method for a few whole epochs twice — eagerly and
 with its step replayed from a CUDA graph
-(:class:`~kwng.experiments.cifar.capture.StepRunner`)
-— and records, per epoch, the wall time of the training loop, of the evaluation and
-record keeping after it, and of the whole epoch. It then checks that the graph computes
-what the eager step computes: with cuDNN deterministic and its benchmark search off, it
-trains ``trace_steps`` steps from the same seed eagerly twice and captured once and
-compares the per-step losses (the two eager runs give the noise floor of the device's
-own non-determinism). Results go to a JSON file with provenance; an existing file is
-kept unless ``force``.
+(:class:`~kwng.experiments.cifar.capture.StepRunner`) — and records, per epoch, the wall
+time of the training loop, of the evaluation and record keeping after it, and of the
+whole epoch. It then checks that the graph computes what the eager step computes: with
+cuDNN deterministic and its benchmark search off, it trains ``trace_steps`` steps from
+the same seed eagerly twice and captured once and compares the per-step losses (the two
+eager runs give the noise floor of the device's own non-determinism). Results go to a
+JSON file with provenance; an existing file is kept unless ``force``.
 """
 
 from __future__ import annotations
