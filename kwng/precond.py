@@ -275,6 +275,18 @@ class KWNGPreconditioner:
         # without a generator: drawn on the outputs' device (no host-to-device copy, no sync)
         return draw_basis(N, d, self.num_basis, self.generator, device)
 
+    def _share(self, Xk: torch.Tensor, loss: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The samples, basis and loss the step's estimator sees: here this process's own
+        (:class:`kwng.distributed.DistributedKWNG` gathers those of every rank)."""
+        idx, coords = self._draw_basis(Xk.shape[0], Xk.shape[1], Xk.device)
+        return Xk, idx, coords, loss
+
+    def _reduce(self, g: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g`` and ``T`` as the solve sees them: here unchanged (the distributed
+        preconditioner sums the ranks' shares)."""
+        return g, T
+
     def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``g`` (``q``) and ``T`` (``M × q``) of the active parameters, from the graph of ``loss``, ``X``."""
@@ -368,7 +380,6 @@ class KWNGPreconditioner:
 
     def _step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
         X = outputs
-        N, d = X.shape
         if X.device != self.lm.eps.device:
             self.lm.to(X.device)
             self._counters = {k: v.to(X.device) for k, v in self._counters.items()}
@@ -381,10 +392,11 @@ class KWNGPreconditioner:
         if not params:
             raise ValueError("every parameter of the model is frozen (requires_grad=False): nothing to update")
         self._step_count += 1
-        eps = self.lm.update(loss) if self.adapt_eps else self.lm.eps
-        idx, coords = self._draw_basis(N, d, X.device)
-        reference = self.mode == "reference"
         Xk = X.detach().to(torch.promote_types(X.dtype, torch.float32))
+        Xk, idx, coords, loss_all = self._share(Xk, loss)
+        N = Xk.shape[0]
+        eps = self.lm.update(loss_all) if self.adapt_eps else self.lm.eps
+        reference = self.mode == "reference"
         if reference:
             kern = _with_bandwidth(self.kernel, Xk, idx, self.bandwidth, self.sigma0)
             C, K, CCt = kernel_matrices(Xk, idx, coords, kern)
@@ -393,7 +405,7 @@ class KWNGPreconditioner:
             C, K, CCt, sigma = kernel_matrices_nosync(Xk, idx, coords, self.kernel, self.bandwidth, self.sigma0)
         g, T = self._gradients(loss, X, C, params)
         g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
-        T = T.to(g.dtype)
+        g, T = self._reduce(g, T.to(g.dtype))
 
         if not reference and not self.diagonal_only and fused_available(T, g, self.damping):
             # the direction, safeguard and clipping in four kernels, written straight into
