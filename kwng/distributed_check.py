@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import socket
 import subprocess
@@ -159,9 +160,14 @@ def _run_case(net: str, mode: str, sizes: Sequence[int], steps: int,
     else:
         precond = DistributedKWNG(model, batch_sizes=list(sizes), **kw)
         zs, ys = [zs[rank]], [ys[rank]]
+    quiet = logging.getLogger("kwng.precond")
+    level = quiet.level
+    if rank is None and net == "bn":  # the shard-by-shard reference takes the serial
+        quiet.setLevel(logging.ERROR)  # passes on purpose: no warning about it
     try:
         return _steps(precond, model, zs, ys, steps)
     finally:
+        quiet.setLevel(level)
         precond.remove_hooks()
 
 

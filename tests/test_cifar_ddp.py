@@ -24,7 +24,8 @@ def _run(tmp_path, name, *extra):
 
 def _rows(rdir):
     rec = read_json(rdir / "metrics.json")
-    return rec, [{k: v for k, v in r.items() if k != "time_train"} for r in rec["epochs"]]
+    rows = [{k: v for k, v in r.items() if k != "time_train"} for r in rec["epochs"]]
+    return rec, rows
 
 
 def test_interrupted_run_resumes_exactly_and_reruns_are_guarded(tmp_path):

@@ -11,7 +11,7 @@ from .ddp_scaling import CAPTURES, PLAIN, PRECISIONS
 
 __all__ = ["merge", "TARGET_POINTS"]
 
-#: issue 24's target: KWNG's efficiency within this many points of SGD's
+#: The target of issue 24, in points: KWNG's efficiency at most this far below SGD's
 TARGET_POINTS = 10.0
 
 
