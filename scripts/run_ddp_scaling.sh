@@ -10,8 +10,9 @@
 #   WORLD_SIZES   the world sizes, W = 1 first (the efficiency's baseline) ["1 2 4"]
 #   DEVICE        cuda | cpu [cuda]; on cuda, W uses CUDA_VISIBLE_DEVICES=0..W-1
 #   MODEL         resnet18 | tiny [resnet18];  BATCH per rank [128];  NUM_BASIS [5]
-#   STEPS, WARMUP timed steps and eager warm-up steps per row [30, 5]
-#   PER_W_TIMEOUT seconds one world size may take before it is killed [170]
+#   STEPS, WARMUP timed steps and eager warm-up steps per row [20, 3] (DDP: 11)
+#   PER_W_TIMEOUT seconds one world size may take before it is killed [150]: the
+#                 three world sizes fit in 8 minutes
 #   EXTRA         more arguments for every job (e.g. "--precisions bf16")
 #   KWNG_GIT_COMMIT  recorded as the commit when the tree has no .git
 # A world size that fails or times out is reported; the merge takes the parts that exist
@@ -24,9 +25,9 @@ DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL:-resnet18}
 BATCH=${BATCH:-128}
 NUM_BASIS=${NUM_BASIS:-5}
-STEPS=${STEPS:-30}
-WARMUP=${WARMUP:-5}
-PER_W_TIMEOUT=${PER_W_TIMEOUT:-170}
+STEPS=${STEPS:-20}
+WARMUP=${WARMUP:-3}
+PER_W_TIMEOUT=${PER_W_TIMEOUT:-150}
 EXTRA=${EXTRA:-}
 PY=${PYTHON:-python}
 FINAL="$OUT/ddp_scaling.json"

@@ -239,23 +239,24 @@ def run(args) -> dict | None:
               "global_batch": W * args.batch,
               "model": args.model, "q": q, "num_basis": args.num_basis,
               "devices": names, "rows": [], "capture_fallbacks": 0}
-    methods = [*METHODS, *(PLAIN.values() if W == 1 else ())]
     t0 = time.time()
-    for capture in args.captures:
-        for precision in args.precisions:
-            for method in methods:
-                rec = _row(method, precision, capture, base, z, y, args, device)
-                record["rows"].append(rec)
-                fell_back = capture == "graph" and not rec["captured"]
-                record["capture_fallbacks"] += int(fell_back)
-                if rank == 0:  # after every row: a crash keeps what was measured
-                    atomic_write_json(args.out, record)
     n_gather = args.batch * 10 + 1 + 2 * args.num_basis  # d = 10 classes
     record["collectives"] = _collectives(q, n_gather, args, device)
     record["provenance"] = make_provenance(
         config, seeds={"model": args.seed, "data": f"{args.seed + 1} + rank"},
-        device=str(device), devices=names, world_size=W,
-        wall_time_s=time.time() - t0)
+        device=str(device), devices=names, world_size=W, wall_time_s=None)
+    # the riskiest row last: a failed or hung capture of DDP keeps every other row
+    methods = [*(("kwng_plain", "sgd_plain") if W == 1 else ()), "kwng", "sgd_ddp"]
+    for capture in args.captures:
+        for method in methods:
+            for precision in args.precisions:
+                rec = _row(method, precision, capture, base, z, y, args, device)
+                record["rows"].append(rec)
+                fell_back = capture == "graph" and not rec["captured"]
+                record["capture_fallbacks"] += int(fell_back)
+                record["provenance"]["wall_time_s"] = time.time() - t0
+                if rank == 0:  # after every row: a crash keeps what was measured
+                    atomic_write_json(args.out, record)
     if rank == 0:
         atomic_write_json(args.out, record)
     dist.barrier()
