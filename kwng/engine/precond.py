@@ -326,15 +326,27 @@ class KWNGPreconditioner:
         info = {k: torch.tensor(v, device=dev) for k, v in info.items()}
         return {**info, **{k: v for k, v in safe._asdict().items() if k != "direction"}}
 
+    def _share(self, Xk: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The samples, basis and loss the step's estimator sees: here this process's own
+        (:class:`kwng.engine.distributed.DistributedKWNG` gathers every rank's)."""
+        N, d = Xk.shape
+        idx, coords = draw_basis(N, d, self.config.num_basis, self.generator, Xk.device)
+        return Xk, idx, coords, loss
+
+    def _reduce(self, g: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g`` and ``T`` as the solve sees them: here unchanged (the distributed
+        preconditioner sums the ranks' shares)."""
+        return g, T
+
     def _step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
         cfg, X = self.config, outputs
-        N, d = X.shape
         params = self._active_params(X.device)
         self._step_count += 1
-        eps = self.lm.update(loss) if cfg.eps_schedule is not None else self.lm.eps
-        idx, coords = draw_basis(N, d, cfg.num_basis, self.generator, X.device)
-        reference = cfg.mode == "reference"
         Xk = X.detach().to(torch.promote_types(X.dtype, torch.float32))
+        Xk, idx, coords, loss_all = self._share(Xk, loss)
+        N = Xk.shape[0]
+        eps = self.lm.update(loss_all) if cfg.eps_schedule is not None else self.lm.eps
+        reference = cfg.mode == "reference"
         if reference:
             kern = _with_bandwidth(cfg.kernel, Xk, idx, cfg.bandwidth, cfg.sigma0)
             C, K, CCt = kernel_matrices(Xk, idx, coords, kern)
@@ -343,7 +355,7 @@ class KWNGPreconditioner:
             C, K, CCt, sigma = kernel_matrices_nosync(Xk, idx, coords, cfg.kernel, cfg.bandwidth, cfg.sigma0)
         g, T = self._gradients(loss, X, C, params)
         g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
-        T = T.to(g.dtype)
+        g, T = self._reduce(g, T.to(g.dtype))
         out = self._grad_buffer(g.numel(), params)
         if reference and not cfg.diagonal_only:
             f = self._reference_direction(T, CCt, K, g, N, eps, out)
