@@ -56,7 +56,7 @@ from kwng.models import (
     normal_wng_sigma_coords,
 )
 from kwng.nosync import nystrom_solve_nosync
-from kwng.solve import DAMPINGS, METHODS
+from kwng.solve import DAMPINGS, SOLVE_METHODS
 
 __version__ = "0.1.0"
 
@@ -64,7 +64,7 @@ __all__ = [
     "scale", "is_full", "pick",
     "Kernel", "GaussianKernel", "RationalQuadraticKernel", "make_kernel",
     "mean_sq_bandwidth", "median_bandwidth",
-    "KWNGResult", "DAMPINGS", "METHODS", "draw_basis", "kernel_matrices",
+    "KWNGResult", "DAMPINGS", "SOLVE_METHODS", "draw_basis", "kernel_matrices",
     "jacobian_from_sampler", "jacobian_from_outputs", "damping_vector", "nystrom_solve",
     "nystrom_solve_nosync", "kwng_gradient", "kwng_gradient_from_outputs", "relative_error",
     "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",

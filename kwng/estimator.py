@@ -63,26 +63,11 @@ from kwng.kernels import (
     median_bandwidth,
 )
 from kwng.samples import RESOLUTION_WARN, _check_finite_counted, check_sample_resolution  # noqa: F401
-from kwng.solve import DAMPING_FLOOR, DAMPINGS, METHODS
+from kwng.solve import DAMPING_FLOOR, DAMPINGS, SOLVE_METHODS
 
-__all__ = [
-    "KWNGResult",
-    "draw_basis",
-    "kernel_matrices",
-    "jacobian_from_sampler",
-    "jacobian_from_outputs",
-    "damping_vector",
-    "nystrom_solve",
-    "check_sample_resolution",
-    "kwng_gradient",
-    "kwng_gradient_from_outputs",
-    "bandwidth_tensor",
-    "kernel_matrices_nosync",
-    "nystrom_solve_nosync",
-    "DAMPINGS",
-    "METHODS",
-    "BANDWIDTH_RULES",
-]
+__all__ = ["KWNGResult", "draw_basis", "kernel_matrices", "jacobian_from_sampler",
+           "jacobian_from_outputs", "damping_vector", "nystrom_solve", "kwng_gradient",
+           "kwng_gradient_from_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +226,7 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
     eps = check_positive(eps, "eps")
     lam = check_positive(lam, "lam", allow_zero=True)
     check_choice(damping, "damping", DAMPINGS)
-    check_choice(method, "method", METHODS)
+    check_choice(method, "method", SOLVE_METHODS)
     M, q = _check_solve_inputs(T, CCt, K, grad)
     rcond = check_positive(solve.default_rcond(M, CCt.dtype) if rcond is None else rcond,
                            "rcond")
@@ -278,7 +263,7 @@ def nystrom_solve(T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, grad: tor
 
 
 
-def _with_bandwidth(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor, bandwidth, sigma0: float) -> Kernel:
+def with_bandwidth(kernel: Kernel, X: torch.Tensor, basis_idx: torch.Tensor, bandwidth, sigma0: float) -> Kernel:
     """A copy of ``kernel`` whose bandwidth follows ``bandwidth``: ``None`` keeps it, a number sets
     it, ``"mean_sq"`` uses ``σ0 · mean ‖X_n - Y_m‖²`` and ``"median"`` the median heuristic."""
     if bandwidth is None:
@@ -319,7 +304,7 @@ def _estimate(X, basis_idx, basis_coords, kernel, bandwidth, sigma0, grad, jacob
     """The common tail of the two estimators: bandwidth, ``C, K, CCᵀ``, ``T`` (from
     ``jacobian(C)``), the solve and the diagnostics."""
     resolution = check_sample_resolution(X)
-    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
+    kernel = with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
     C, K, CCt = kernel_matrices(X, basis_idx, basis_coords, kernel)  # float64
     res = nystrom_solve(jacobian(C), CCt, K, grad, X.shape[0], **solve_kw)
     res.diagnostics["sample_resolution"] = resolution
@@ -396,4 +381,3 @@ def kwng_gradient_from_outputs(X: torch.Tensor, params: Sequence[torch.Tensor], 
 
 
 # The sync-free variants live in kwng.nosync; importable from here as before.
-from kwng.nosync import bandwidth_tensor, kernel_matrices_nosync, nystrom_solve_nosync  # noqa: E402

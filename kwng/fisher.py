@@ -45,10 +45,10 @@ import torch
 from kwng._checks import check_choice, check_int, check_points, check_positive
 from kwng.estimator import (
     KWNGResult,
-    _with_bandwidth,
     draw_basis,
     jacobian_from_sampler,
     nystrom_solve,
+    with_bandwidth,
 )
 from kwng.estimator_checks import (
     check_basis,
@@ -194,7 +194,7 @@ def kfng_gradient(
     basis_idx, _ = check_basis(basis_idx, None, N, d, num_basis,
                                lambda: draw_basis(N, d, num_basis, generator),
                                with_coords=False)
-    kernel = _with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
+    kernel = with_bandwidth(kernel, X, basis_idx, bandwidth, sigma0)
     C, K, CCt, Gx = fisher_kernel_matrices(X, basis_idx, kernel)  # float64
     T = _fisher_jacobian(jacobian, sampler, score_fn, theta, X, C, Gx)
     res = nystrom_solve(T, CCt, K, grad.to(T.dtype), N, eps=eps, lam=lam,

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DAMPINGS", "METHODS", "WHITENINGS", "DAMPING_FLOOR", "default_rcond",
+__all__ = ["DAMPINGS", "SOLVE_METHODS", "WHITENINGS", "DAMPING_FLOOR", "default_rcond",
            "eig_whitening", "cholesky_whitening", "damping_vector", "stable_solve",
            "plain_solve", "combine", "loss_only_columns", "kwng_direction", "Direction",
            "safeguard", "Safeguarded"]
@@ -44,7 +44,9 @@ __all__ = ["DAMPINGS", "METHODS", "WHITENINGS", "DAMPING_FLOOR", "default_rcond"
 log = logging.getLogger(__name__)
 
 DAMPINGS = ("identity", "T", "T_tilde")
-METHODS = ("stable", "plain")
+#: the ``method`` of :func:`kwng.estimator.nystrom_solve`: the stable form of Prop. 6 or
+#: the plain form of Prop. 5
+SOLVE_METHODS = ("stable", "plain")
 #: ``"eig"``: ``S^{-1/2}Uᵀ`` with dropped eigenvalues as zero rows (any batch shape);
 #: ``"eig_truncate"``: the same with the dropped rows removed (one problem, smaller
 #: system); ``"cholesky"``: ``L⁻¹`` with a regularised ``CCᵀ`` (no host sync).

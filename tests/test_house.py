@@ -274,3 +274,19 @@ def test_the_api_page_documents_every_module():
                      if not f.stem.startswith("_") or f.stem == "__init__"
                      if m not in documented)
     assert not missing, f"book/api.md lacks: {missing}"
+
+
+def test_every_all_lists_only_what_its_module_defines():
+    """No ``__all__`` hands on a name defined elsewhere (the package face excepted)."""
+    bad = {}
+    for m in MODULES:
+        if m == "kwng":
+            continue
+        for n in _tree(m).body:
+            is_assign = isinstance(n, ast.Assign)
+            target = getattr(n.targets[0], "id", "") if is_assign else ""
+            if target == "__all__":
+                names = set(ast.literal_eval(n.value)) - _defines(m)
+                if names:
+                    bad[m] = sorted(names)
+    assert not bad, f"__all__ names defined elsewhere: {bad}"

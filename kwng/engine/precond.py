@@ -85,11 +85,11 @@ from kwng.engine.precond_state import COUNTERS, load_preconditioner_state
 from kwng.engine.replicate import ReplicatedEngine, unsupported_reason
 from kwng.engine.step_direction import step_direction
 from kwng.estimator import (
-    _with_bandwidth,
     draw_basis,
     jacobian_from_outputs,
     kernel_matrices,
     nystrom_solve,
+    with_bandwidth,
 )
 from kwng.nosync import kernel_matrices_nosync
 
@@ -348,7 +348,7 @@ class KWNGPreconditioner:
         eps = self.lm.update(loss_all) if cfg.eps_schedule is not None else self.lm.eps
         reference = cfg.mode == "reference"
         if reference:
-            kern = _with_bandwidth(cfg.kernel, Xk, idx, cfg.bandwidth, cfg.sigma0)
+            kern = with_bandwidth(cfg.kernel, Xk, idx, cfg.bandwidth, cfg.sigma0)
             C, K, CCt = kernel_matrices(Xk, idx, coords, kern)
             sigma = torch.tensor(kern.bandwidth)
         else:

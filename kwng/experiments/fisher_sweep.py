@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from kwng.estimator import (
-    _with_bandwidth,
     draw_basis,
     jacobian_from_sampler,
     kwng_gradient,
+    with_bandwidth,
 )
 from kwng.estimator_checks import relative_error
 from kwng.experiments.grid import keyed_seed, panel_points, parse_bandwidth
@@ -82,7 +82,7 @@ def _kernel_fisher_max(sampler, theta, idx, kernel, rule, sigma0, N, cfg) -> flo
     basis and bandwidth of :func:`compare_once`."""
     X = sampler(theta).detach()
     C, K, CCt, Gx = fisher_kernel_matrices(
-        X, idx, _with_bandwidth(kernel, X, idx, rule, sigma0)
+        X, idx, with_bandwidth(kernel, X, idx, rule, sigma0)
     )
     G = kernel_fisher_metric(
         jacobian_from_sampler(sampler, theta, Gx), CCt, K, N, lam=cfg["lam"]
@@ -203,7 +203,7 @@ def metric_vs_lambda(
     sampler = lambda t: model.sample(t, Z)  # noqa: E731
     spec = parse_bandwidth(cfg["bandwidth"][model_name])
     X = sampler(theta).detach()
-    kernel = _with_bandwidth(spec.kernel(), X, idx, spec.rule, spec.sigma0)
+    kernel = with_bandwidth(spec.kernel(), X, idx, spec.rule, spec.sigma0)
     C, K, CCt, Gx = fisher_kernel_matrices(X, idx, kernel)
     T = jacobian_from_sampler(sampler, theta, Gx)
     values = [

@@ -41,9 +41,10 @@ from kwng.experiments.cifar.augment import (  # noqa: F401  (moved; re-exported 
 )
 from kwng.experiments.cifar.jpeg import _check_labels, _decode_jpegs, _npz_split
 
-__all__ = ["DATASETS", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH", "read_official_cifar",
-           "write_official_cifar", "load_jpeg_npz", "load_sample", "download_official", "find_source",
-           "file_fingerprint", "source_fingerprint", "load_cifar", "GPUAugmentedData", "augment_batch", "normalize"]
+__all__ = ["DATASETS", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH",
+           "read_official_cifar", "write_official_cifar", "load_jpeg_npz",
+           "load_sample", "download_official", "find_source", "file_fingerprint",
+           "source_fingerprint", "load_cifar", "GPUAugmentedData"]
 
 log = logging.getLogger(__name__)
 

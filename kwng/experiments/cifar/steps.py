@@ -30,17 +30,17 @@ def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
         eps = eps_from_authors(EPS_AUTHORS, n)
         bounds = {"eps_min": eps_from_authors(EPS_BOUNDS_AUTHORS[0], n),
                   "eps_max": eps_from_authors(EPS_BOUNDS_AUTHORS[1], n)}
-    schedule = LMSchedule(interval=5, omega=0.85, low=0.25, high=0.75,
-                          rule=spec.get("lm_rule", "authors"), **bounds)
+    # the rest of the ε rule, the kernel's bandwidth rule and λ = 0 are KWNGConfig's
+    # defaults (App. D.2's values)
+    schedule = LMSchedule(rule=spec.get("lm_rule", "authors"), **bounds)
     # the fast path replicates the forward of the module the loop calls through
     # __call__: the body h (ConditionedNetwork.forward_both calls it; U·h is then pulled
     # back to it, U has no parameters)
     net = model.body if isinstance(model, ConditionedNetwork) else model
     return KWNGPreconditioner(
         net, lr=lambda: optimizer.param_groups[0]["lr"], num_basis=spec["num_basis"],
-        eps=eps, lam=0.0, kernel=spec["kernel"], bandwidth="mean_sq", sigma0=1.0,
-        damping=spec["damping"], eps_schedule=schedule, clip_norm=CLIP_NORM,
-        mode="fast", diagonal_only=spec["diagonal_only"])
+        eps=eps, kernel=spec["kernel"], damping=spec["damping"], eps_schedule=schedule,
+        clip_norm=CLIP_NORM, diagonal_only=spec["diagonal_only"])
 
 
 # ------------------------------------------------------------------- the step protocol
