@@ -164,3 +164,44 @@ def test_engine_parts_benchmark_writes_its_table(tmp_path):
     assert {"git_commit", "date", "config", "device"} <= set(rec["provenance"])
     assert mod.verdict({"compile": 1.5, "triton": 1.0}, 21.8)["keep_kernel"] is False
     assert mod.verdict({"compile": 2.5, "triton": 1.0}, 21.8)["keep_kernel"] is True
+
+
+def test_the_house_recheck_is_one_machine_before_and_after():
+    """results/benchmarks/recheck: the step-cost table of commit f4a4d91 (before the
+    house was rebuilt) and of the rebuilt code, measured in one call on one GPU: the
+    same rows, device and configuration, both commits recorded; and the exactness of the
+    fast path at the rebuilt commit (fp64 fast vs serial T to round-off)."""
+    from kwng.plots.bench import compare_steps, step_rows
+
+    before = json.loads((RESULTS / "recheck" / "step_cost_before.json").read_text())
+    after = json.loads((RESULTS / "recheck" / "step_cost_after.json").read_text())
+    assert before["provenance"]["git_commit"].startswith("f4a4d91")
+    assert after["provenance"]["git_commit"] != before["provenance"]["git_commit"]
+    assert before["device"] == after["device"] and "H100" in after["device"]
+    assert set(step_rows(before)) == set(step_rows(after))
+    header, rows = compare_steps(before, after)
+    assert len(rows) == len(after["rows"]) and header[-1] == "after / before"
+    exact = json.loads((RESULTS / "recheck" / "precond_exactness.json").read_text())
+    assert exact["provenance"]["git_commit"] == after["provenance"]["git_commit"]
+    assert exact["results"]["float64"]["rel_err_T_fast_vs_serial_fp64"] < 1e-12
+
+
+def test_the_kernel_verdicts_are_the_code():
+    """results/benchmarks/engine_parts.json decided which Triton kernels stay: the kept
+    ones are in the engine, the deleted ones are not (the rule of issue 22)."""
+    from kwng.engine import triton_support
+    from kwng.plots.bench import kernel_verdicts, path_rows
+
+    parts = json.loads((RESULTS / "engine_parts.json").read_text())
+    assert "H100" in parts["provenance"]["device"]
+    verdicts = {(r[0], r[1]): r[-1] for r in kernel_verdicts(parts)[1]}
+    kept = {p for (p, _), v in verdicts.items() if v == "kernel kept"}
+    deleted = {p for (p, _), v in verdicts.items() if v == "kernel deleted"}
+    assert kept == {"bn_backward", "direction"} and deleted == {"repeat", "relayout"}
+    assert not hasattr(triton_support, "repeat")
+    assert not hasattr(triton_support, "interleave")
+    engine = RESULTS.parent.parent / "kwng" / "engine"
+    assert (engine / "triton_bn.py").is_file() and (engine / "triton_solve.py").is_file()
+    paths = path_rows(json.loads((RESULTS / "step_gpu_paths.json").read_text()))
+    assert set(paths) == {(p, g) for p in ("fp32", "bf16_autocast")
+                          for g in ("triton", "compile")}
