@@ -201,7 +201,8 @@ def test_the_kernel_verdicts_are_the_code():
     assert not hasattr(triton_support, "repeat")
     assert not hasattr(triton_support, "interleave")
     engine = RESULTS.parent.parent / "kwng" / "engine"
-    assert (engine / "triton_bn.py").is_file() and (engine / "triton_solve.py").is_file()
+    assert (engine / "triton_bn.py").is_file()
+    assert (engine / "triton_solve.py").is_file()
     paths = path_rows(json.loads((RESULTS / "step_gpu_paths.json").read_text()))
     assert set(paths) == {(p, g) for p in ("fp32", "bf16_autocast")
                           for g in ("triton", "compile")}
