@@ -161,7 +161,7 @@ def damping_vector(kind: str, T: torch.Tensor, T_tilde: torch.Tensor | None = No
     """Diagonal ``D(θ)`` of §3.3: ``1``, ``‖T_{·,i}‖`` or ``‖T̃_{·,i}‖``, each at least
     ``floor`` times the largest entry (a relative floor, ``kwng.solve.DAMPING_FLOOR``).
 
-    Validated form of :func:`kwng.solve.damping_vector`. Returns the vector and how many
+    Validated form of :func:`kwng.solve.damping_diagonal`. Returns the vector and how many
     entries were raised to the floor (parameters the samples do not depend on have a zero
     column).
     """
@@ -169,7 +169,7 @@ def damping_vector(kind: str, T: torch.Tensor, T_tilde: torch.Tensor | None = No
     floor = check_positive(floor, "floor")
     if kind == "T_tilde" and T_tilde is None:
         raise ValueError("damping 'T_tilde' needs T_tilde (the whitened T)")
-    D, low, _ = solve.damping_vector(kind, T, T_tilde, floor)
+    D, low, _ = solve.damping_diagonal(kind, T, T_tilde, floor)
     n_low = int(low.sum())
     if n_low:
         log.debug("damping %s: %d of %d entries raised to %.1e of the largest", kind, n_low,

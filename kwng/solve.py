@@ -17,7 +17,8 @@ The steps of :func:`kwng_direction`:
 1. whitening ``W`` with ``W CCᵀ Wᵀ = I`` on the kept subspace
    (:func:`eig_whitening`, the form of Prop. 6, or :func:`cholesky_whitening`, equal up
    to an orthogonal factor);
-2. the damping vector ``D`` with a relative floor (:func:`damping_vector`);
+2. the damping vector ``D`` with a relative floor (:func:`damping_diagonal`; its
+   validated public form is :func:`kwng.estimator.damping_vector`);
 3. the plain (Prop. 5, :func:`plain_solve`) or stable (Prop. 6, :func:`stable_solve`)
    system, whose solution gives the correction ``T̃ᵀ w``;
 4. the combination ``ĝ = (D⁻¹∇L - D⁻¹ T̃ᵀ w) / ε`` (:func:`combine`) and the
@@ -37,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["DAMPINGS", "SOLVE_METHODS", "WHITENINGS", "DAMPING_FLOOR", "default_rcond",
-           "eig_whitening", "cholesky_whitening", "damping_vector", "stable_solve",
+           "eig_whitening", "cholesky_whitening", "damping_diagonal", "stable_solve",
            "plain_solve", "combine", "loss_only_columns", "kwng_direction", "Direction",
            "safeguard", "Safeguarded"]
 
@@ -126,7 +127,7 @@ def cholesky_whitening(
     return W, ok, rank
 
 
-def damping_vector(
+def damping_diagonal(
     kind: str,
     T: torch.Tensor,
     T_tilde: torch.Tensor | None = None,
@@ -318,7 +319,7 @@ def kwng_direction(
     rcond = default_rcond(M, CCt.dtype) if rcond is None else rcond
     W, ok, rank, S = _whiten(CCt, whitening, rcond)  # also the rank for plain + "T"
     Tt = W.to(T.dtype) @ T if method == "stable" or damping == "T_tilde" else None
-    Dvec, low, zero = damping_vector(damping, T, Tt, damping_floor)
+    Dvec, low, zero = damping_diagonal(damping, T, Tt, damping_floor)
     Dinv = 1.0 / Dvec
     Dg = Dinv * grad
     failed = torch.zeros(T.shape[:-2], dtype=torch.bool, device=T.device)
