@@ -304,8 +304,8 @@ def bn_backward(
     ``scale`` (``a = γ σ⁻¹``) are float32 ``(C,)``. ``use_batch=False`` (running
     statistics) drops ``b`` and ``k``. Returns ``dx`` shaped like ``d`` in ``d``'s
     dtype, ``dγ`` and ``dβ`` as float32 ``(R, C)``, and with ``interleaved=True``
-    also ``dx`` laid out as ``(S, R, C)`` (what :func:`interleave` makes of it; else
-    None)."""
+    also ``dx`` laid out as ``(S, R, C)`` (the stacked layout of
+    :func:`kwng.engine.replicate_layers.stack_copies`; else None)."""
     R, S, C = d.shape
     if x.shape != (S, C) or d.stride() != (S * C, C, 1) or x.stride() != (C, 1):
         raise ValueError(

@@ -60,6 +60,7 @@ __all__ = ["REQUIRED_PROVENANCE", "run_sweep", "flow_problem", "run_flow", "chec
 
 log = logging.getLogger(__name__)
 
+#: the keys every provenance record of the synthetic studies holds
 REQUIRED_PROVENANCE = ("command", "config", "git_commit", "device", "date", "seeds", "wall_time_s")
 
 

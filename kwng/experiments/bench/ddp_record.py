@@ -19,7 +19,7 @@ from kwng.experiments.provenance import make_provenance, read_json
 
 __all__ = ["merge", "TARGET_POINTS", "SCALING_PATH", "check_scaling", "load_scaling"]
 
-#: The target of issue 24, in points: KWNG's efficiency at most this far below SGD's
+#: issue 24's target in points (KWNG's efficiency at most this far below SGD's)
 TARGET_POINTS = 10.0
 
 

@@ -8,13 +8,12 @@ python -m kwng.experiments.bench.engine_parts [--copies 6] [--batch 128] [--json
 Per dtype (fp32 and bf16, channels_last), summed over the layers of one step:
 
 * ``repeat`` — the ``R``-fold copy of each convolution's and batch norm's output
-  (:func:`kwng.engine.replicate_layers.repeat_copies` /
-  :func:`kwng.engine.triton_support.repeat`);
+  (:func:`kwng.engine.replicate_layers.repeat_copies`; its kernel was deleted by the
+  rule below);
 * ``relayout`` — the stacking of the copies along the channels
-  (:func:`kwng.engine.replicate_layers.stack_copies` /
-  :func:`kwng.engine.triton_support.interleave`), summed as if every convolution needed
-  it (in ResNet-18 none does: each convolution takes the layout its batch norm writes,
-  so this is an upper bound);
+  (:func:`kwng.engine.replicate_layers.stack_copies`; its kernel was deleted too),
+  summed as if every convolution needed it (in ResNet-18 none does: each convolution
+  takes the layout its batch norm writes, so this is an upper bound);
 * ``bn_backward`` — the per-copy batch-norm backward with the stacked second output
   (:func:`kwng.engine.replicate_bn.bn_backward_torch` /
   :func:`kwng.engine.triton_bn.bn_backward`), and the native batch-norm backward at

@@ -8,10 +8,10 @@ Two studies share this runner:
   h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`, ``U`` inside the
   network as in the authors' code, so the KWNG samples are ``U h_θ(z)``;
   ``kwng_samples_before_U`` is the ablation on ``h_θ(z)``), the authors' ε convention
-  (:func:`kwng.engine.config.eps_from_authors`), step sizes chosen from :data:`LR_GRID`
-  by 2-epoch runs scored on a validation split of the training set, and one schedule for
-  every method: constant step, ×0.1 for the last ~15 % of the epochs
-  (:func:`~kwng.experiments.cifar.methods.milestones_for`);
+  (:func:`kwng.engine.config.eps_from_authors`), step sizes chosen from
+  :data:`~kwng.experiments.cifar.methods.LR_GRID` by 2-epoch runs scored on a validation
+  split of the training set, and one schedule for every method: constant step, ×0.1 for
+  the last ~15 % of the epochs (:func:`~kwng.experiments.cifar.methods.milestones_for`);
 * the **earlier 6-epoch study** (plans ``select`` and ``main``, results under
   ``results/cifar/cifar10``), kept readable: its methods keep their definitions (samples
   before ``U``, our ε convention).

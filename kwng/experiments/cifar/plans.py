@@ -90,8 +90,8 @@ def assign_slots(
 
 
 def _grid(methods: Sequence[str], common: dict, out: Path, **settings) -> list[dict]:
-    """Every method × {ill, well} × :data:`LR_GRID`, seed 0, results under
-    ``out/lr<lr>``."""
+    """Every method × {ill, well} × :data:`~kwng.experiments.cifar.methods.LR_GRID`,
+    seed 0, results under ``out/lr<lr>``."""
     return [
         {
             **common,
@@ -186,21 +186,22 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
     """Run lists (only the runs of ``methods``, when given: a suite run in parts).
 
     * ``claim_select``: every method of :data:`CLAIM_METHODS` × {ill, well} ×
-      :data:`LR_GRID`, each ``select_epochs`` epochs at a constant step on the training
-      set minus ``select_val`` held-out images (on ``select_subset`` of the rest if
-      given), scored on the held-out images; results under
-      ``results/cifar/claim/selection/lr<lr>/``.
+      :data:`~kwng.experiments.cifar.methods.LR_GRID`, each ``select_epochs`` epochs at
+      a constant step on the training set minus ``select_val`` held-out images (on
+      ``select_subset`` of the rest if given), scored on the held-out images; results
+      under ``results/cifar/claim/selection/lr<lr>/``.
     * ``claim``: the claim suite, ``epochs`` epochs with the ``claim`` schedule and the
       step sizes of ``claim_select``, in priority order: seed 0 of every method of
       :data:`CLAIM_METHODS` in both conditionings, seed 1 of :data:`CLAIM_TWO_SEEDS`,
       then :data:`CLAIM_ABLATIONS` (seed 0, both conditionings) when ``with_ablations``
       (default: yes).
     * ``select`` and ``main``: the plans of the earlier 6-epoch study. ``select``: every
-      method of :data:`SELECT_METHODS` × {ill, well} × :data:`LR_GRID` for
-      ``select_steps`` steps on ``select_subset`` training images, evaluated on
-      ``select_val`` held-out training images. ``main``: seed 0 of sgd/adam/kwng in both
-      conditionings, seeds 1–2 of those, seed 0 of the other methods in both
-      conditionings, the ablations (ill only).
+      method of :data:`~kwng.experiments.cifar.methods.SELECT_METHODS` × {ill, well} ×
+      :data:`~kwng.experiments.cifar.methods.LR_GRID` for ``select_steps`` steps on
+      ``select_subset`` training images, evaluated on ``select_val`` held-out training
+      images. ``main``: seed 0 of sgd/adam/kwng in both conditionings, seeds 1–2 of
+      those, seed 0 of the other methods in both conditionings, the ablations (ill
+      only).
     * ``authors100``: the authors'-horizon study (:data:`AUTHORS100_RUNS` of tiers 1–3,
       every run with its own epochs and step size; ``epochs`` is not used; the plan
       ``authors100_all`` adds tier 4), results under

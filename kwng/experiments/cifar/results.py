@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 def load_results(root: str | os.PathLike = RESULTS,
                  dataset: str = "cifar10") -> dict[tuple, dict]:
     """``{(conditioning, method, seed): metrics record}`` for the runs under
-    ``root/dataset``. An ill-conditioned record written before records carried the class
-    scalings ``U`` gets the study's default (:class:`DiagonalConditioning` with
-    :data:`CONDITION_NUMBER`), marked ``"U_source": "default"``."""
+    ``root/dataset``. An ill-conditioned record written before records carried the
+    class scalings ``U`` gets the study's default (:class:`DiagonalConditioning` with
+    :data:`~kwng.experiments.cifar.methods.CONDITION_NUMBER`), marked ``"U_source":
+    "default"``."""
     out = {}
     for mp in sorted(Path(root, dataset).glob("*/*/seed*/metrics.json")):
         rec = read_json(mp)  # names the file if it is not JSON
@@ -220,9 +221,9 @@ def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True,
                force: bool = False) -> dict:
     """Apply the selection rule (:data:`SELECTION_RULE`) to the short runs under
     ``root``: for each (dataset, conditioning, method), the step size of
-    :data:`LR_GRID` with the highest held-out accuracy at the end of the short run; runs
-    that diverged (non-finite loss) are excluded; ties go to the lower final training
-    loss. Writes ``root/selected.json``.
+    :data:`~kwng.experiments.cifar.methods.LR_GRID` with the highest held-out accuracy
+    at the end of the short run; runs that diverged (non-finite loss) are excluded; ties
+    go to the lower final training loss. Writes ``root/selected.json``.
     """
     runs = sorted(Path(root).glob("lr*/*/*/*/seed*/metrics.json"))
     if not runs:  # a mistyped root: nothing created, no empty selection written

@@ -176,7 +176,7 @@ def save_checkpoint(path: Path, ck: dict) -> None:
 
 def past(deadline: float | None) -> bool:
     """Whether the Unix time ``deadline`` has passed (checked once per batch by
-    :func:`run`)."""
+    :func:`kwng.experiments.cifar.train.run`)."""
     return deadline is not None and time.time() > deadline
 
 
