@@ -38,8 +38,8 @@ from kwng._checks import check_choice, check_int, check_positive
 
 __all__ = ["LevenbergMarquardt", "LMSchedule", "LM_RULES"]
 
-#: the ε rules: ``"authors"`` compares with the next batch's loss, ``"same_batch"``
-#: with the same batch's loss after the step
+#: the ε rules (``"authors"`` compares with the next batch's loss, ``"same_batch"``
+#: with the same batch's loss after the step)
 LM_RULES = ("authors", "same_batch")
 
 
