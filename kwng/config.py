@@ -14,6 +14,8 @@ from pathlib import Path
 SCALES = ("small", "full")
 ENV_VAR = "KWNG_SCALE"
 #: the repository checkout that holds this package (``results/``, ``.data/`` beside it)
+#:
+#: :meta hide-value:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -106,7 +106,10 @@ def merge(parts: list[str | os.PathLike]) -> dict:
             "summary": summary, "provenance": prov}
 
 
-#: the committed record (written on a 4-GPU machine, copied here)
+#: the committed record, ``results/benchmarks/ddp_scaling.json`` (written on a 4-GPU
+#: machine, copied here)
+#:
+#: :meta hide-value:
 SCALING_PATH = REPO_ROOT / "results" / "benchmarks" / "ddp_scaling.json"
 
 
