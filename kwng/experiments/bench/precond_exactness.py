@@ -5,7 +5,7 @@ For each configuration (fp32 NCHW / fp32 channels_last with TF32 off, bf16 autoc
 channels_last) one batch in train mode: g and the M rows of T from the replicated
 backward vs serial ``torch.autograd.grad`` calls of the same model in fp32, and the
 final KWNG direction of both modes with the same basis. Prints relative errors and the
-cosine; ``--json`` writes them.
+cosine; ``--json`` writes them::
 
     python -m kwng.experiments.bench.precond_exactness [--device cuda] [--batch 128] \
         [--num-basis 5]

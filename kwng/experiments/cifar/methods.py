@@ -136,7 +136,7 @@ AUTHORS100 = RESULTS / "authors100"
 #: second seed and an fp32 control of the first 30 epochs, tier 4 (not in the plan by
 #: default: it did not fit the GPU budget of the session that ran the others) M = 20.
 #: The Euclidean step sizes are the claim suite's selection
-#: (results/cifar/claim/selection/selected.json: sgd 0.1, adam 1e-4, kfac 1).
+#: (the claim suite's ``selected.json``: sgd 0.1, adam 1e-4, kfac 1).
 AUTHORS100_RUNS: tuple[tuple[int, str, str, float, int, int, dict], ...] = (
     (1, "kwng", "ill", 10.0, 0, 100, {}),
     (1, "kwng", "well", 10.0, 0, 100, {}),
