@@ -18,6 +18,8 @@ and the copy into ``out``. :func:`step_direction` runs it
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kwng import solve
@@ -66,28 +68,17 @@ def direction_into(
 _direction_into_compiled = compile_on_cuda(direction_into)
 
 
-def step_direction(
-    out: torch.Tensor,
-    T: torch.Tensor,
-    CCt: torch.Tensor,
-    K: torch.Tensor | None,
-    g: torch.Tensor,
-    N: int,
-    *,
-    eps: torch.Tensor,
-    lam: float,
-    damping: str,
-    rcond: float | None,
-    clip_norm: float | None,
-    diagonal_only: bool = False,
-) -> dict[str, torch.Tensor]:
+def step_direction(out: torch.Tensor, T: torch.Tensor, CCt: torch.Tensor,
+                   K: torch.Tensor | None, g: torch.Tensor, N: int, *,
+                   diagonal_only: bool = False,
+                   **settings: Any) -> dict[str, torch.Tensor]:
     """:func:`direction_into` on the fastest path for these tensors (see the module
-    docstring); the same arguments and results."""
-    kw = dict(eps=eps, lam=lam, damping=damping, rcond=rcond, clip_norm=clip_norm)
+    docstring): the same arguments (``settings``: its keyword arguments ``eps``,
+    ``lam``, ``damping``, ``rcond``, ``clip_norm``) and results."""
     if not diagonal_only and use_kernels(T):
         from kwng.engine.triton_solve import fused_available, fused_direction
 
-        if fused_available(T, g, damping):
-            return fused_direction(T, CCt, K, g, N, out=out, **kw)
+        if fused_available(T, g, settings["damping"]):
+            return fused_direction(T, CCt, K, g, N, out=out, **settings)
     return _direction_into_compiled(out, T, CCt, K, g, N, diagonal_only=diagonal_only,
-                                    **kw)
+                                    **settings)

@@ -205,35 +205,17 @@ def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     if a.suite == "authors100":
         from kwng.experiments.cifar.results import check_authors100
 
-        res = check_authors100(
-            a.root or RESULTS / "authors100",
-            a.dataset,
-            tuple(int(t) for t in a.tiers.split(",")),
-        )
-        print(
-            json.dumps({k: len(v) for k, v in res.items()}),
-            "not ok:",
-            json.dumps(res["missing"] + res["incomplete"]),
-            "diverged:",
-            json.dumps(res["diverged"]),
-        )
+        tiers = tuple(int(t) for t in a.tiers.split(","))
+        res = check_authors100(a.root or RESULTS / "authors100", a.dataset, tiers)
     elif a.suite == "claim":
         res = check_claim(a.root or CLAIM, a.dataset, a.min_epochs)
-        print(
-            json.dumps({k: len(v) for k, v in res.items()}),
-            "not ok:",
-            json.dumps(res["missing"] + res["incomplete"]),
-            "diverged:",
-            json.dumps(res["diverged"]),
-        )
     else:
         res = check_results(a.root or RESULTS, a.dataset)
-        print(
-            json.dumps({k: len(v) for k, v in res.items()}),
-            json.dumps(res["missing"] + res["incomplete"]),
-            "cut by the budget (documented):",
-            json.dumps(res["cut"]),
-        )
+    extra = (("diverged:", res["diverged"]) if "diverged" in res
+             else ("cut by the budget (documented):", res["cut"]))
+    print(json.dumps({k: len(v) for k, v in res.items()}),
+          "not ok:", json.dumps(res["missing"] + res["incomplete"]),
+          extra[0], json.dumps(extra[1]))
     return 0 if not res["missing"] and not res["incomplete"] else 1
 
 

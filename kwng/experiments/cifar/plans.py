@@ -214,49 +214,26 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
             raise ValueError(
                 f"methods must be names from {sorted(METHODS)}, got {unknown}"
             )
-        jobs = build_plan(
-            name,
-            dataset,
-            epochs,
-            select_steps,
-            select_subset,
-            select_val,
-            data_root,
-            select_epochs,
-            with_ablations,
-        )
-        return [j for j in jobs if j["method"] in set(methods)]
-    return _named_plan(
-        name,
-        {"dataset": dataset, "data_root": data_root},
-        epochs,
-        select_steps,
-        select_subset,
-        select_val,
-        select_epochs,
-        with_ablations,
-    )
+    select = {"epochs": select_epochs, "steps": select_steps, "subset": select_subset,
+              "val": select_val}
+    jobs = _named_plan(name, {"dataset": dataset, "data_root": data_root}, epochs,
+                       select, with_ablations)
+    return jobs if methods is None else [j for j in jobs if j["method"] in set(methods)]
 
 
-def _named_plan(
-    name,
-    common,
-    epochs,
-    select_steps,
-    select_subset,
-    select_val,
-    select_epochs,
-    with_ablations,
-) -> list[dict]:
+def _named_plan(name: str, common: dict, epochs: int, select: dict,
+                with_ablations: bool | None) -> list[dict]:
+    """The plan ``name`` (``select``: the selection runs' epochs, steps, training
+    subset and held-out size)."""
     if name == "claim_select":
         return _grid(
             CLAIM_METHODS,
             common,
             CLAIM_SELECTION,
-            epochs=select_epochs,
+            epochs=select["epochs"],
             schedule="constant",
-            train_subset=select_subset,
-            val_size=select_val,
+            train_subset=select["subset"],
+            val_size=select["val"],
         )
     if name == "claim":
         return _claim_plan(common, epochs, with_ablations)
@@ -266,9 +243,9 @@ def _named_plan(
             common,
             SELECTION,
             epochs=100,
-            max_steps=select_steps,
-            train_subset=select_subset,
-            val_size=select_val,
+            max_steps=select["steps"],
+            train_subset=select["subset"],
+            val_size=select["val"],
             schedule="study6",
         )
         # expensive methods first so that they do not form the tail
