@@ -40,6 +40,7 @@ __all__ = [
     "run_identity",
     "record_identity",
     "RUN_IDENTITY_KEYS",
+    "IDENTITY_DEFAULTS",
 ]
 
 log = logging.getLogger(__name__)
@@ -198,21 +199,29 @@ RUN_IDENTITY_KEYS = (
 )
 
 
-#: run settings that change the arithmetic of a run, with their defaults (added to the
-#: identity only when they differ from the default)
-NUMERIC_SETTINGS = {"precision": "fp32", "channels_last": False}
+#: Settings that change what a run computes beyond :data:`RUN_IDENTITY_KEYS`, each with
+#: the value that a stored identity lacking the key is read with when the record's own
+#: ``config`` does not hold it either: records written before a setting existed ran with
+#: that value (the 6-epoch study's records predate ``schedule`` and ran ``study6``).
+IDENTITY_DEFAULTS = {
+    "schedule": "study6",
+    "precision": "fp32",
+    "channels_last": False,
+    "capture": False,
+    "eval_test": False,
+    "early_stop": None,
+}
 
 
 def run_identity(
     cfg: dict, lr: float, batch_size: int, method_spec: dict, data: str | None
 ) -> dict:
-    """What must be equal for a CIFAR run directory to be resumed or skipped."""
+    """What must be equal for a CIFAR run directory to be resumed or skipped: the
+    settings of :data:`RUN_IDENTITY_KEYS` and :data:`IDENTITY_DEFAULTS` (always all of
+    them), the step size, the batch size, the method's settings and the fingerprint of
+    the data (when known)."""
     ident = {k: cfg.get(k) for k in RUN_IDENTITY_KEYS}
-    # settings added later: part of the identity only when they differ from their
-    # default, so that the records written before them keep their identity
-    for k, default in NUMERIC_SETTINGS.items():
-        if cfg.get(k, default) != default:
-            ident[k] = cfg[k]
+    ident.update({k: cfg.get(k, d) for k, d in IDENTITY_DEFAULTS.items()})
     ident.update(
         lr=float(lr), batch_size=int(batch_size), method_spec=dict(method_spec)
     )
@@ -222,15 +231,26 @@ def run_identity(
 
 
 #: keys every stored identity holds (those of :func:`run_identity` but the optional
-#: data fingerprint): a stored identity without one of them is malformed, since
-#: comparing fewer keys would let a different run pass
+#: data fingerprint and the settings of :data:`IDENTITY_DEFAULTS`): a stored identity
+#: without one of them is malformed, since comparing fewer keys would let a different
+#: run pass
 _STORED_IDENTITY_KEYS = (*RUN_IDENTITY_KEYS, "lr", "batch_size", "method_spec")
+
+
+def _complete_identity(ident: dict, config: dict) -> dict:
+    """``ident`` with every key of :data:`IDENTITY_DEFAULTS` it lacks, read from the
+    record's ``config`` or else the documented default."""
+    out = dict(ident)
+    for k, default in IDENTITY_DEFAULTS.items():
+        out.setdefault(k, config.get(k, default))
+    return _normal(out)
 
 
 def record_identity(rec: dict, where: str | os.PathLike | None = None) -> dict:
     """The identity stored in a metrics record, or the one rebuilt from its fields for
     records written before identities were stored (without the data fingerprint, which
-    is then not compared).
+    is then not compared); a key of :data:`IDENTITY_DEFAULTS` it lacks is read from the
+    record's ``config``, else with its documented default.
 
     A record that is not a dict, or whose ``identity`` is not a dict holding every key
     of :func:`run_identity`, raises :class:`ResultFileError` naming ``where`` (the
@@ -239,6 +259,11 @@ def record_identity(rec: dict, where: str | os.PathLike | None = None) -> dict:
     if not isinstance(rec, dict):
         raise ResultFileError(
             f"{where}: the record is a {type(rec).__name__}, expected a JSON object"
+        )
+    c = rec.get("config", {})
+    if not isinstance(c, dict):
+        raise ResultFileError(
+            f"{where}: 'config' is a {type(c).__name__}, expected a JSON object"
         )
     if "identity" in rec:
         ident = rec["identity"]
@@ -254,17 +279,12 @@ def record_identity(rec: dict, where: str | os.PathLike | None = None) -> dict:
                 f"{where}: 'identity' lacks the keys {', '.join(missing)}; the run "
                 "cannot be compared with the one asked for"
             )
-        return ident
-    c = rec.get("config", {})
-    if not isinstance(c, dict):
-        raise ResultFileError(
-            f"{where}: 'config' is a {type(c).__name__}, expected a JSON object"
-        )
+        return _complete_identity(ident, c)
     ident = {k: c[k] for k in RUN_IDENTITY_KEYS if k in c}
     for k in ("lr", "batch_size", "method_spec"):
         if k in rec:
             ident[k] = rec[k]
-    return _normal(ident)
+    return _complete_identity(ident, c)
 
 
 def check_existing_run(

@@ -124,6 +124,11 @@ def _run_parser() -> argparse.ArgumentParser:
     add("--precision", default="fp32", choices=PRECISIONS,
         help="the network's forward/backward: fp32 (TF32 on CUDA) or bf16 autocast")
     add("--channels-last", action="store_true", help="the network in channels_last")
+    add("--eval-test", action="store_true", help="with --val-size: evaluate the test "
+        "set too after every epoch (val_* and test_* fields)")
+    add("--early-stop", default=None, choices=("fig3",),
+        help="the early-stop rule (kwng.experiments.cifar.early_stop; needs "
+             "--val-size)")
     add("--data-root", default=None)
     add("--source", default=None, choices=("auto", "official", "jpeg", "sample"),
         help="default: auto (full scale, or with --data-root), sample (small)")
@@ -158,7 +163,8 @@ def run_config_from_args(a: argparse.Namespace) -> RunConfig:
     keys = ("dataset", "conditioning", "method", "seed", "epochs", "lr", "data_root",
             "source", "device", "out", "checkpoint_dir", "train_subset", "val_size",
             "max_steps", "model", "batch_size", "stop_after_epoch", "selection_file",
-            "download", "schedule", "capture", "precision", "channels_last")
+            "download", "schedule", "capture", "precision", "channels_last",
+            "eval_test", "early_stop")
     given = {k: getattr(a, k) for k in keys}
     return RunConfig(**{k: scaled[k] if v is None and k in scaled else v
                         for k, v in given.items()})
@@ -213,6 +219,10 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--deadline-s", type=float, default=None,
         help="stop starting/continuing runs after this")
     add("--deadline", type=float, default=None)
+    add("--start-by-s", type=float, default=None,
+        help="start no run after this many seconds (a run begun later could not "
+             "finish before the machine goes back)")
+    add("--start-by", type=float, default=None, help=argparse.SUPPRESS)
     add("--session", default=None)
     add("--offset", type=int, default=0)
     add("--select-steps", type=int, default=120)
@@ -240,7 +250,7 @@ def _main_worker(a: argparse.Namespace) -> int:
         jobs = jobs[a.offset:] + jobs[:a.offset]  # spread the first claims
     stem = Path(a.plan).stem
     ff = Path(a.plan).with_name(f"{stem}.failures-{a.session}-{os.getpid()}.json")
-    return 1 if worker(jobs, a.session, a.deadline, ff) else 0
+    return 1 if worker(jobs, a.session, a.deadline, ff, a.start_by) else 0
 
 
 def _main_sweep(a: argparse.Namespace) -> int:
@@ -266,7 +276,7 @@ def _main_sweep(a: argparse.Namespace) -> int:
     log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus,
              a.procs_per_gpu)
     return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file, timing_rec,
-                 force=a.force)
+                 force=a.force, start_by_s=a.start_by_s)
 
 
 # ----------------------------------------------------- select, timing, schedule, check

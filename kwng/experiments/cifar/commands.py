@@ -191,7 +191,7 @@ def schedule_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
 
 def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     p.add_argument(
-        "--suite", default="claim", choices=("claim", "study6", "authors100")
+        "--suite", default="claim", choices=("claim", "study6", "authors100", "fig3")
     )
     p.add_argument("--tiers", default="1", help="authors100: comma list of tiers")
     p.add_argument(
@@ -202,6 +202,8 @@ def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     p.add_argument("--dataset", default="cifar10", choices=DATASETS)
     p.add_argument("--min-epochs", type=int, default=30)
     a = p.parse_args(rest)
+    if a.suite == "fig3":
+        return fig3_check(a.root)
     if a.suite == "authors100":
         from kwng.experiments.cifar.results import check_authors100
 
@@ -217,6 +219,25 @@ def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
           "not ok:", json.dumps(res["missing"] + res["incomplete"]),
           extra[0], json.dumps(extra[1]))
     return 0 if not res["missing"] and not res["incomplete"] else 1
+
+
+def fig3_check(root: str | None) -> int:
+    """``cifar check --suite fig3``: every record of the Fig. 3 protocol against the
+    protocol (:func:`~kwng.experiments.cifar.fig3.check_fig3`), then the selection so
+    far and the queue left. Exit 1 if a record is bad or unfinished."""
+    from kwng.experiments.cifar.fig3 import FIG3, check_fig3, grid_state, load_protocol
+
+    p = load_protocol()
+    res = check_fig3(root or FIG3, p)
+    for name, problem in res["bad"]:
+        print("bad:", name, "-", problem)
+    print(json.dumps({k: len(v) for k, v in res.items()}),
+          "incomplete:", json.dumps(res["incomplete"]))
+    for key, st in grid_state(p, root or FIG3).items():
+        runs = " ".join(f"{lr:g}:{s}" for lr, s in sorted(st["runs"].items()))
+        print(f"{key:22s} selected {st['selected']} final {st['final']} "
+              f"next {st['next']}  [{runs}]")
+    return 1 if res["bad"] or res["incomplete"] else 0
 
 
 #: the reporting commands, name -> ``(parser, argv) -> exit code``

@@ -80,6 +80,14 @@ METHODS: dict[str, dict[str, Any]] = {
     # the authors'-horizon study: the claim suite's KWNG with M = 20 (the paper's brown
     # line in Fig. 3)
     "kwng_basis20": {**_SGD, **_KWNG, "num_basis": 20, "lr_from": "kwng"},
+    # the Fig. 3 protocol's KWNG + momentum and ablations, on today's KWNG (samples
+    # U h, the authors' ε)
+    "kwng_mom": {**_SGD, **_KWNG, "momentum": 0.9},
+    "kwng_D_identity": {**_SGD, **_KWNG, "damping": "identity", "lr_from": "kwng"},
+    "kwng_D_T": {**_SGD, **_KWNG, "damping": "T", "lr_from": "kwng"},
+    "kwng_diag_T": {**_SGD, **_KWNG, "damping": "T", "diagonal_only": True,
+                    "lr_from": "kwng"},
+    "kwng_kernel_rq": {**_SGD, **_KWNG, "kernel": "rq", "lr_from": "kwng"},
 }
 #: the methods of the claim suite (issue 10), each in both conditionings
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U",
@@ -120,6 +128,11 @@ PRECISIONS = ("fp32", "bf16")
 #: epoch mean and last value
 INFO_KEYS = ("eps", "reduction_ratio", "clipped", "fallback", "floored_columns",
              "floored_share")
+
+#: the early-stop rules a run may follow (``None``: every epoch runs unless the loss
+#: becomes non-finite); ``"fig3"`` is the Fig. 3 protocol's
+#: (:mod:`kwng.experiments.cifar.early_stop`)
+EARLY_STOP_RULES = (None, "fig3")
 
 RESULTS = Path("results") / "cifar"
 SELECTION = RESULTS / "selection"
@@ -169,7 +182,8 @@ class RunConfig(dict):
         "batch_size": None, "eval_batch_size": 1000, "stop_after_epoch": None,
         "deadline": None, "selection_file": None, "download": False,
         "schedule": "claim", "capture": False, "precision": "fp32",
-        "channels_last": False,
+        "channels_last": False, "eval_test": False, "early_stop": None,
+        "protocol": None,
     }
     _CHOICES = (("dataset", DATASETS), ("conditioning", CONDITIONINGS),
                 ("method", tuple(METHODS)), ("schedule", SCHEDULES),
@@ -193,7 +207,16 @@ class RunConfig(dict):
             if self[k] is not None and (not isinstance(self[k], int) or self[k] < 1):
                 raise ValueError(f"{k} must be None or an integer >= 1, "
                                  f"got {self[k]!r}")
-        for k in ("capture", "channels_last"):
+        if self["early_stop"] not in EARLY_STOP_RULES:
+            raise ValueError(f"early_stop must be one of {EARLY_STOP_RULES}, "
+                             f"got {self['early_stop']!r}")
+        if self["early_stop"] is not None and not self["val_size"]:
+            raise ValueError("early_stop needs val_size > 0: the rule reads the "
+                             "validation accuracy, never the test set's")
+        if self["eval_test"] is True and not self["val_size"]:
+            raise ValueError("eval_test=True needs val_size > 0 (without a validation "
+                             "split the evaluation set is already the test set)")
+        for k in ("capture", "channels_last", "eval_test"):
             if not isinstance(self[k], bool):
                 raise ValueError(f"{k} must be True or False, got {self[k]!r}")
         if self["lr"] != "selected":

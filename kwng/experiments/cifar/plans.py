@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from kwng.experiments.cifar.fig3 import fig3_plan
 from kwng.experiments.cifar.methods import (
     ABLATIONS,
     AUTHORS100,
@@ -206,6 +207,8 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       every run with its own epochs and step size; ``epochs`` is not used; the plan
       ``authors100_all`` adds tier 4), results under
       ``results/cifar/authors100/lr<lr>/``.
+    * ``fig3``: the runs of the Fig. 3 protocol still to make
+      (:func:`kwng.experiments.cifar.fig3.fig3_plan`); ``epochs`` is not used.
     * a path to a JSON list of run settings.
     """
     if methods is not None:
@@ -257,6 +260,8 @@ def _named_plan(name: str, common: dict, epochs: int, select: dict,
         return authors100_plan(
             common, (1, 2, 3, 4) if name.endswith("all") else (1, 2, 3)
         )
+    if name == "fig3":
+        return fig3_plan(common)
     path = Path(name)
     if path.is_file():
         return list(read_json(path))

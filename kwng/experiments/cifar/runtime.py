@@ -101,6 +101,13 @@ def split_data(cfg: RunConfig):
     return x, y, xt, yt
 
 
+def test_arrays(cfg: RunConfig):
+    """The test set's images and labels (evaluated beside the validation split when
+    ``eval_test``)."""
+    return load_cifar(cfg["dataset"], "test", cfg["data_root"], cfg["source"],
+                      cfg["download"])
+
+
 def rng_state(device: torch.device) -> dict:
     state = {
         "torch": torch.get_rng_state(),

@@ -64,8 +64,11 @@ def _claim(cfg: RunConfig, session: str) -> bool:
 
 
 def worker(jobs: Iterable[dict], session: str, deadline: float | None,
-           failures_file: str | os.PathLike | None = None) -> list[dict]:
-    """Run every unclaimed, unfinished job of ``jobs`` in this process.
+           failures_file: str | os.PathLike | None = None,
+           start_by: float | None = None) -> list[dict]:
+    """Run every unclaimed, unfinished job of ``jobs`` in this process (none started
+    after the Unix time ``start_by``, so that a run that cannot finish before the GPU
+    machine goes back is not begun).
 
     A run that fails (corrupt record, other configuration in its directory, error while
     training) is logged and listed, and the worker goes on with the next. Returns the
@@ -75,6 +78,9 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
         job = {k: v for k, v in job.items() if k != "slot"}
         if deadline is not None and time.time() > deadline - 20:
             log.info("worker %d: deadline close, not starting new runs", os.getpid())
+            break
+        if start_by is not None and time.time() > start_by:
+            log.info("worker %d: past --start-by, not starting new runs", os.getpid())
             break
         name = "/".join(str(job.get(k, "?"))
                         for k in ("dataset", "conditioning", "method", "seed"))
@@ -120,24 +126,30 @@ def is_complete(job: dict, force: bool = False) -> bool:
 
 
 def _spawn_workers(plan_file: Path, gpus: int, procs_per_gpu: int, session: str,
-                   deadline: float | None) -> list[subprocess.Popen]:
+                   deadline: float | None,
+                   start_by: float | None = None) -> list[subprocess.Popen]:
     procs = []
     for g in range(max(gpus, 1)):
         for p in range(procs_per_gpu):
             env = dict(os.environ)
-            if gpus > 0:
-                env["CUDA_VISIBLE_DEVICES"] = str(g)
+            if gpus > 0:  # the g-th of the devices this sweep sees
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                env["CUDA_VISIBLE_DEVICES"] = (visible[g] if len(visible) > g
+                                               and visible[g] else str(g))
             cmd = [sys.executable, "-m", "kwng.experiments", "cifar", "worker",
                    "--plan", str(plan_file), "--session", session, "--offset",
                    str(g * procs_per_gpu + p)]
             if deadline is not None:
                 cmd += ["--deadline", repr(deadline)]
+            if start_by is not None:
+                cmd += ["--start-by", repr(start_by)]
             procs.append(subprocess.Popen(cmd, env=env))
     return procs
 
 
 def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | None,
-          plan_file: Path, timing: dict | None = None, force: bool = False) -> int:
+          plan_file: Path, timing: dict | None = None, force: bool = False,
+          start_by_s: float | None = None) -> int:
     """Spawn ``gpus × procs_per_gpu`` worker processes over ``plan`` and wait for them.
     The unfinished runs get worker slots balanced over the GPUs (:func:`assign_slots`);
     the rest, most expensive first, go to whichever worker is free.
@@ -170,7 +182,9 @@ def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | N
     session = uuid.uuid4().hex[:12]
     deadline = None if deadline_s is None else time.time() + deadline_s
     rc = 0
-    for pr in _spawn_workers(plan_file, gpus, procs_per_gpu, session, deadline):
+    start_by = None if start_by_s is None else time.time() + start_by_s
+    for pr in _spawn_workers(plan_file, gpus, procs_per_gpu, session, deadline,
+                             start_by):
         rc = max(rc, pr.wait())
     failures = []
     pattern = f"{plan_file.stem}.failures-{session}-*.json"

@@ -22,6 +22,7 @@ import torch
 from kwng.experiments import guard
 from kwng.experiments.cifar.capture import StepRunner
 from kwng.experiments.cifar.data import NUM_CLASSES, GPUAugmentedData
+from kwng.experiments.cifar.early_stop import sibling_rows, stop_reason
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
     RunConfig,
@@ -43,6 +44,7 @@ from kwng.experiments.cifar.runtime import (
     set_rng_state,
     split_data,
     sync,
+    test_arrays,
     train_step,
 )
 from kwng.experiments.cifar.steps import make_step
@@ -65,6 +67,10 @@ class Run:
         x, y, xt, yt = split_data(cfg)
         self.train = GPUAugmentedData(x, y, cfg["dataset"], device)
         self.test = GPUAugmentedData(xt, yt, cfg["dataset"], device)
+        # with eval_test, ``test`` above is the validation split and ``test_set`` the
+        # test set, both evaluated after every epoch
+        self.test_set = (GPUAugmentedData(*test_arrays(cfg), cfg["dataset"], device)
+                         if cfg["eval_test"] else None)
         self.model = build_model(cfg).to(device)
         # KFAC/EKFAC stay NCHW: nngeometry views their gradients as NCHW tensors
         self.channels_last = (cfg["channels_last"]
@@ -113,8 +119,11 @@ class Run:
             "batch_size": cfg.batch, "method_spec": cfg.spec, "clip_norm": CLIP_NORM,
             "epochs": [], "complete": False, "diverged": False,
             "train_size": len(self.train), "eval_size": len(self.test),
+            "test_size": len(self.test_set) if self.test_set is not None else None,
             "eval_split": ("validation (held out of train)" if cfg["val_size"]
                            else "test"),
+            "eval_fields": ("val_* the validation split, test_* the test set"
+                            if cfg["eval_test"] else "test_* the evaluation split"),
             "samples": "U h (U inside the network)" if scaled else "h (before U)",
             "U": (model.conditioning.diag.tolist() if model.conditioning is not None
                   else None),
@@ -205,8 +214,12 @@ class Run:
         lr_epoch = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         te = time.perf_counter()
-        ev = evaluate_full(self.model, self.test, cfg["eval_batch_size"],
-                           NUM_CLASSES[cfg["dataset"]])
+        k = NUM_CLASSES[cfg["dataset"]]
+        val = None
+        if self.test_set is not None:
+            val = evaluate_full(self.model, self.test, cfg["eval_batch_size"], k)
+        ev = evaluate_full(self.model, self.test_set or self.test,
+                           cfg["eval_batch_size"], k)
         w = last_linear(self.model).weight.detach()
         norms = torch.linalg.vector_norm(w.double(), dim=1).tolist()
         u = record["U"] or [1.0] * len(norms)
@@ -224,6 +237,8 @@ class Run:
                "cumulative_row_movement": [a + b for a, b in
                                            zip(prev or [0.0] * len(move), move)],
                "time_train": self.time_train, "time_eval": time.perf_counter() - te}
+        if val is not None:
+            row.update(val_loss=val["loss"], val_acc=val["acc"])
         record["confusion"] = ev["confusion"]
         test_loss, test_acc = ev["loss"], ev["acc"]
         row.update(self.method.epoch_fields(record["epochs"]))
@@ -231,6 +246,8 @@ class Run:
         finished = epoch + 1 == cfg["epochs"] or self.steps >= total_steps
         if not math.isfinite(row["train_loss"]):
             record["diverged"] = finished = True
+        if cfg["early_stop"] and (not finished or record["diverged"]):
+            finished = self._early_stop(row, k) or finished
         record["complete"] = finished
         record.pop("stopped", None)
         log.info("%s epoch %d: train %.4f/%.3f test %.4f/%.3f (%.1fs)", self.rdir,
@@ -243,6 +260,20 @@ class Run:
             with contextlib.suppress(FileNotFoundError):
                 self.ckpt.unlink()
         return finished
+
+    def _early_stop(self, row: dict, num_classes: int) -> bool:
+        """Apply the run's early-stop rule (:mod:`~kwng.experiments.cifar.early_stop`)
+        to its latest epoch ``row``, on the validation accuracy; ``True`` records the
+        reason and ends the run."""
+        acc = row.get("val_acc", row["test_acc"])  # without eval_test: validation
+        stop = stop_reason({**row, "val_acc": acc}, sibling_rows(self.rdir),
+                           num_classes)
+        if stop is None:
+            return False
+        self.record["early_stop"] = {"rule": self.cfg["early_stop"], **stop}
+        log.info("%s: early stop after epoch %d (%s)", self.rdir, row["epoch"],
+                 stop["reason"])
+        return True
 
     def train_all(self, progress: bool) -> dict:
         cfg, E = self.cfg, self.cfg["epochs"]

@@ -1,0 +1,147 @@
+"""How many CIFAR runs an hour one GPU gives when it trains ``k`` runs at once.
+
+One ResNet-18 at batch 128 keeps only part of an H100 busy (a captured bf16 SGD step is
+a few ms), so a queue of many short runs may go faster with several runs on one GPU.
+This benchmark starts ``k`` copies of the study's trainer (``python -m kwng.experiments
+cifar``, SGD, bf16, channels_last, CUDA-graph capture) on one GPU, as separate
+processes, and, where the machine has it, under CUDA MPS (the multi-process service,
+which lets the kernels of several processes run side by side). Each run trains
+``--epochs`` epochs on ``--subset`` images; its steady step time is read from its
+record (epochs after the first). The aggregate throughput is reported as 100-epoch runs
+per hour of the Fig. 3 protocol (45,000 training images, batch 128) and as the ratio to
+``k = 1``, printed side by side.
+
+    python -m kwng.experiments.bench.queue_throughput --data-root DATA --ks 1,2,4,8 \\
+        --json $OUT/queue_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kwng.experiments.provenance import atomic_write_json, make_provenance
+
+__all__ = ["main", "measure"]
+
+#: steps of one 100-epoch run of the Fig. 3 protocol (45,000 images, batch 128)
+PROTOCOL_STEPS = 100 * 352
+
+
+def _start_mps(tmp: Path) -> dict | None:
+    """Start an MPS control daemon with its pipes in ``tmp``; the environment its
+    clients need, or ``None`` when the machine has no MPS."""
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        return None
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp / "mps_pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": str(tmp / "mps_log")}
+    for d in env.values():
+        Path(d).mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([exe, "-d"], env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=30)
+    return env if r.returncode == 0 else None
+
+
+def _stop_mps(env: dict) -> None:
+    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
+                   env={**os.environ, **env}, timeout=30, check=False)
+
+
+def _one_batch(k: int, args: argparse.Namespace, tmp: Path, extra_env: dict) -> dict:
+    """``k`` runs at once; per run the steady ms per step (median over epochs 2..)."""
+    procs, t0 = [], time.perf_counter()
+    for i in range(k):
+        cmd = [sys.executable, "-m", "kwng.experiments", "cifar", "--method", "sgd",
+               "--conditioning", "ill", "--lr", "0.1", "--schedule", "constant",
+               "--epochs", str(args.epochs), "--train-subset", str(args.subset),
+               "--capture", "--precision", "bf16", "--channels-last", "--no-progress",
+               "--model", "resnet18", "--seed", str(i),
+               "--out", str(tmp / f"k{k}" / f"r{i}"),
+               "--checkpoint-dir", str(tmp / "ck" / f"k{k}" / f"r{i}")]
+        if args.data_root:
+            cmd += ["--data-root", args.data_root]
+        env = {**os.environ, **extra_env, "KWNG_SCALE": "full"}
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate()[1][-400:] for p in procs if p.wait() != 0]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {k} runs failed: {errors[0]}")
+    ms = []
+    for rec_path in sorted((tmp / f"k{k}").glob("r*/**/metrics.json")):
+        rows = json.loads(rec_path.read_text())["epochs"]
+        t = [b["time_train"] - a["time_train"] for a, b in zip(rows, rows[1:])]
+        steps = [b["steps"] - a["steps"] for a, b in zip(rows, rows[1:])]
+        ms.append(statistics.median(1e3 * x / s for x, s in zip(t, steps)))
+    per_hour = sum(3600e3 / (m * PROTOCOL_STEPS) for m in ms)
+    return {"k": k, "ms_per_step": ms, "runs_per_hour": per_hour,
+            "wall_s": time.perf_counter() - t0}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every ``k`` of ``args.ks`` as separate processes, then under MPS when
+    available."""
+    rows, tmp = [], Path(tempfile.mkdtemp(prefix="queue_tp_"))
+    for k in args.ks:
+        rows.append({"mode": "processes", **_one_batch(k, args, tmp / "p", {})})
+        print(f"processes k={k}: {rows[-1]['runs_per_hour']:.1f} runs/h", flush=True)
+    mps = _start_mps(tmp) if args.mps else None
+    if mps is not None:
+        try:
+            for k in args.mps_ks:
+                rows.append({"mode": "mps", **_one_batch(k, args, tmp / "m", mps)})
+                print(f"mps k={k}: {rows[-1]['runs_per_hour']:.1f} runs/h", flush=True)
+        finally:
+            _stop_mps(mps)
+    base = rows[0]["runs_per_hour"]
+    for r in rows:
+        r["ratio_to_k1"] = r["runs_per_hour"] / base
+    best = max(rows, key=lambda r: r["runs_per_hour"])
+    return {"rows": rows, "mps_available": mps is not None,
+            "streams": "not measured: one process replaying k captured steps on k "
+                       "CUDA streams needs a multi-run trainer the package does not "
+                       "have",
+            "best": {"mode": best["mode"], "k": best["k"]}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--ks", default="1,2,4,8")
+    p.add_argument("--mps-ks", default="4,8")
+    p.add_argument("--no-mps", dest="mps", action="store_false")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--subset", type=int, default=12_800)
+    p.add_argument("--json", default=None, help="write the record here (refused if "
+                   "the file exists)")
+    a = p.parse_args(argv)
+    try:
+        a.ks = [int(x) for x in a.ks.split(",")]
+        a.mps_ks = [int(x) for x in a.mps_ks.split(",")]
+    except ValueError:
+        p.error("--ks and --mps-ks take comma lists of integers")
+    if min(a.ks + a.mps_ks) < 1 or a.epochs < 2 or a.subset < 128:
+        p.error("--ks/--mps-ks must be >= 1, --epochs >= 2, --subset >= 128")
+    if a.json and Path(a.json).exists():
+        p.error(f"--json {a.json} exists: results are never overwritten")
+    res = measure(a)
+    print(f"{'mode':10s} {'k':>3s} {'runs/h':>8s} {'x k=1':>6s} ms/step per run")
+    for r in res["rows"]:
+        print(f"{r['mode']:10s} {r['k']:3d} {r['runs_per_hour']:8.1f} "
+              f"{r['ratio_to_k1']:6.2f} {[round(m, 2) for m in r['ms_per_step']]}")
+    if a.json:
+        res["provenance"] = make_provenance(vars(a), device="cuda")
+        atomic_write_json(a.json, res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

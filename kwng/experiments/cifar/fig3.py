@@ -1,0 +1,259 @@
+"""The Fig. 3 protocol (book chapter :ref:`cifar-fig3`): the paper's CIFAR-10 comparison
+redone by its own rule, every method at its best step of the paper's grid, at the
+authors' horizon, in both conditionings, with seeds.
+
+The protocol is a committed file (:data:`PROTOCOL_FILE`), written before its first run;
+this module reads it and derives everything else from it and from the records on disk:
+
+* :func:`grid_state` — per (conditioning, method), the grid runs made so far, which
+  finished, which the early-stop rule stopped
+  (:mod:`~kwng.experiments.cifar.early_stop`), the step selected so far and the steps
+  still to run (the first window, and the next grid value whenever the best step sits
+  at an inner edge of what was run);
+* :func:`fig3_plan` — the queue: the grid runs still to make, then the seeds of every
+  final selection, then the ablations at KWNG's selected ill-conditioned step;
+* :func:`check_fig3` — every record against the protocol, with its provenance.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from pathlib import Path
+
+from kwng.experiments.cifar.early_stop import RULE
+from kwng.experiments.cifar.methods import LR_GRID, METHODS, RESULTS, milestones_for
+from kwng.experiments.provenance import ResultFileError, read_json
+
+__all__ = ["FIG3", "PROTOCOL_FILE", "load_protocol", "window_for", "protocol_commit",
+           "run_status", "grid_state", "fig3_plan", "check_fig3"]
+
+FIG3 = RESULTS / "fig3"
+#: the protocol, committed before the first run of the study
+PROTOCOL_FILE = FIG3 / "protocol.json"
+_PARTS = ("grid", "seeds", "ablation")
+
+
+def load_protocol(path: str | os.PathLike = PROTOCOL_FILE) -> dict:
+    """The protocol file, checked: its grid is the paper's, its early-stop constants
+    are those of :mod:`~kwng.experiments.cifar.early_stop`, its methods are known."""
+    p = read_json(path)
+    if not isinstance(p, dict) or "settings" not in p:
+        raise ResultFileError(f"{path}: not a protocol file (no 'settings')")
+    if [float(v) for v in p["grid"]] != list(LR_GRID):
+        raise ResultFileError(f"{path}: grid {p['grid']} is not {list(LR_GRID)}")
+    if p["early_stop"] != RULE:
+        raise ResultFileError(f"{path}: early_stop {p['early_stop']} differs from "
+                              f"the code's rule {RULE}")
+    names = [m for ms in p["methods"].values() for m in ms]
+    names += list(p["ablations"]["runs"])
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown:
+        raise ResultFileError(f"{path}: unknown methods {unknown}")
+    return p
+
+
+def window_for(short_lr: float, grid: tuple[float, ...] = LR_GRID) -> list[float]:
+    """The first three grid steps tried for a method whose short selection chose
+    ``short_lr``: centred on ``10 · short_lr`` with its two grid neighbours (the two
+    nearest inner values at an end of the grid), largest first."""
+    g = sorted(grid, reverse=True)
+    target = 10 * short_lr
+    i = min(range(len(g)), key=lambda j: abs(math.log10(g[j]) - math.log10(target)))
+    i = min(max(i, 1), len(g) - 2)
+    return g[i - 1:i + 2]
+
+
+def protocol_commit(path: str | os.PathLike = PROTOCOL_FILE) -> str:
+    """The commit that last changed the protocol file: ``KWNG_PROTOCOL_COMMIT`` (a
+    copied tree without ``.git``), else ``git log``. Raises if neither tells."""
+    env = os.environ.get("KWNG_PROTOCOL_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%H", "--", str(path)],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise RuntimeError(f"the commit of {path} is unknown ({exc}); set "
+                           "KWNG_PROTOCOL_COMMIT") from exc
+    if not out:
+        raise RuntimeError(f"{path} is not committed: commit the protocol before its "
+                           "first run")
+    return out
+
+
+def _methods(p: dict, cond: str) -> list[str]:
+    return list(p["methods"]["both"]) + list(p["methods"].get(f"{cond}_only", []))
+
+
+def run_status(rec: dict | None, epochs: int) -> str:
+    """``"missing"``, ``"running"`` (epochs still to come), ``"stopped"`` (the
+    early-stop rule, or a non-finite loss), or ``"finished"`` (every epoch)."""
+    if not isinstance(rec, dict) or not rec.get("epochs"):
+        return "missing"
+    if rec.get("early_stop") or rec.get("diverged"):
+        return "stopped"
+    if rec.get("complete") and len(rec["epochs"]) == epochs:
+        return "finished"
+    return "running"
+
+
+def _record(root: Path, part: str, lr: float, cond: str, method: str, seed: int,
+            dataset: str = "cifar10") -> dict | None:
+    mp = (root / part / f"lr{lr:g}" / dataset / cond / method / f"seed{seed}"
+          / "metrics.json")
+    return read_json(mp) if mp.is_file() else None
+
+
+def _final_val(rec: dict) -> float:
+    return float(rec["epochs"][-1]["val_acc"])
+
+
+def grid_state(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
+    """Per ``"<conditioning>/<method>"``: ``runs`` (``{lr: status}``), ``val_acc``
+    (final validation accuracy of the finished runs), ``selected`` (the best finished
+    step so far, ties to the lower final training loss), ``next`` (grid steps still to
+    run) and ``final`` (every needed run finished and the best step is not at an inner
+    edge of what was run)."""
+    root, epochs, out = Path(root), int(p["settings"]["epochs"]), {}
+    g = sorted(LR_GRID, reverse=True)
+    for cond in p["conditionings"]:
+        for m in _methods(p, cond):
+            tried = sorted(set(p["windows"][f"{cond}/{m}"]), reverse=True)
+            while True:
+                recs = {lr: _record(root, "grid", lr, cond, m, 0) for lr in tried}
+                status = {lr: run_status(r, epochs) for lr, r in recs.items()}
+                done = {lr: r for lr, r in recs.items() if status[lr] == "finished"}
+                best = (max(done, key=lambda lr: (_final_val(done[lr]),
+                                                  -done[lr]["epochs"][-1]["train_loss"]))
+                        if done else None)
+                settled = all(s in ("finished", "stopped") for s in status.values())
+                grow = []
+                if settled and best is None:
+                    grow = [v for v in g if v not in tried]
+                elif settled and best in (tried[0], tried[-1]):
+                    i = g.index(best) + (-1 if best == tried[0] else 1)
+                    grow = [g[i]] if 0 <= i < len(g) and g[i] not in tried else []
+                if not grow:
+                    break
+                tried = sorted(set(tried) | set(grow), reverse=True)
+            nxt = [lr for lr in tried if status[lr] in ("missing", "running")]
+            out[f"{cond}/{m}"] = {
+                "runs": status, "selected": best, "next": nxt,
+                "val_acc": {lr: _final_val(r) for lr, r in done.items()},
+                "final": settled and best is not None}
+    return out
+
+
+def _job(p: dict, part: str, cond: str, method: str, lr: float, seed: int,
+         root: Path, commit: str, **extra) -> dict:
+    return {**p["settings"], "dataset": p["dataset"], "conditioning": cond,
+            "method": method, "lr": lr, "seed": seed, "protocol": commit,
+            "out": str(root / part / f"lr{lr:g}"), **extra}
+
+
+def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
+              commit: str | None = None) -> list[dict]:
+    """The runs of the protocol still to make, in its order: grid runs (early stop on),
+    then the other seeds of every final selection, then the ablations once KWNG's
+    ill-conditioned step is final. ``common`` adds settings (``data_root``)."""
+    p = load_protocol() if p is None else p
+    root, commit = Path(root), commit or protocol_commit()
+    state, epochs, jobs = grid_state(p, root), int(p["settings"]["epochs"]), []
+    rank = {m: i for i, m in enumerate(p["order"])}
+    keys = sorted(state, key=lambda k: (rank[k.split("/")[1]],
+                                        k.split("/")[0] != "ill"))
+    for k in keys:
+        cond, m = k.split("/")
+        jobs += [_job(p, "grid", cond, m, lr, 0, root, commit,
+                      early_stop=p["early_stop_rule"], **common)
+                 for lr in state[k]["next"]]
+    for k in keys:
+        cond, m = k.split("/")
+        lr = state[k]["selected"]
+        if state[k]["final"]:
+            jobs += [_job(p, "seeds", cond, m, lr, s, root, commit, **common)
+                     for s in range(1, int(p["seeds"][cond]))
+                     if run_status(_record(root, "seeds", lr, cond, m, s), epochs)
+                     in ("missing", "running")]
+    kw = state.get(f"{p['ablations']['conditioning']}/{p['ablations']['lr_of']}")
+    if kw and kw["final"]:
+        cond, lr = p["ablations"]["conditioning"], kw["selected"]
+        for m, n in p["ablations"]["runs"].items():
+            jobs += [_job(p, "ablation", cond, m, lr, s, root, commit, **common)
+                     for s in range(int(n))
+                     if run_status(_record(root, "ablation", lr, cond, m, s), epochs)
+                     in ("missing", "running")]
+    return jobs
+
+
+def _row_problem(rec: dict) -> str | None:
+    """What is wrong with a record's rows: a non-finite number where the run went on
+    (the last row of a run stopped for a non-finite loss may hold one), epochs out of
+    order, a stop whose epoch is not the last row's."""
+    rows, stop = rec["epochs"], rec.get("early_stop")
+    if [r.get("epoch") for r in rows] != list(range(1, len(rows) + 1)):
+        return "epochs out of order"
+    nonfinite_ok = bool(stop and stop.get("reason") == "non-finite loss")
+    for i, r in enumerate(rows):
+        vals = [r.get(f, math.nan) for f in ("train_loss", "val_acc", "test_acc")]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals) \
+                and not (nonfinite_ok and i == len(rows) - 1):
+            return f"non-finite or missing train_loss/val_acc/test_acc in epoch {i + 1}"
+    if stop and (not stop.get("reason") or stop.get("epoch") != len(rows)):
+        return f"early stop {stop} does not name its reason and last epoch"
+    return None
+
+
+def _record_problem(p: dict, mp: Path, part: str) -> str | None:
+    """Why the record ``mp`` (under ``<part>/lr<lr>/``) breaks the protocol, or
+    ``None``."""
+    rec = read_json(mp)
+    if not isinstance(rec, dict) or not isinstance(rec.get("epochs"), list) \
+            or not isinstance(rec.get("config"), dict) or not rec["epochs"]:
+        return "not a metrics record with 'config' and a non-empty 'epochs' list"
+    pp = mp.with_name("provenance.json")
+    if not pp.is_file():
+        return "no provenance.json"
+    prov, c = read_json(pp), rec["config"]
+    if not isinstance(prov, dict) or prov.get("config") != c:
+        return "provenance.json does not hold this run's configuration"
+    if not prov.get("git_commit") or not c.get("protocol"):
+        return "provenance lacks the code commit or the protocol commit"
+    want = {**p["settings"], "dataset": p["dataset"],
+            "early_stop": p["early_stop_rule"] if part == "grid" else None}
+    bad = sorted(k for k, v in want.items() if c.get(k) != v)
+    if bad:
+        return f"settings differ from the protocol: {bad}"
+    if mp.parents[3].name != f"lr{float(rec['lr']):g}":
+        return f"step {rec['lr']} is not its folder's {mp.parents[3].name}"
+    if rec.get("milestones") != milestones_for(int(c["epochs"]), c["schedule"]):
+        return f"milestones {rec.get('milestones')} are not the schedule's"
+    return _row_problem(rec)
+
+
+def check_fig3(root: str | os.PathLike = FIG3, p: dict | None = None) -> dict:
+    """Every record of the study against the protocol: ``{"ok"`` (all epochs),
+    ``"stopped"`` (by the early-stop rule, with reason and epoch), ``"incomplete"``
+    (epochs still to run), ``"bad": [(run, problem)]}``, run names
+    ``<part>/lr<lr>/<conditioning>/<method>/seed<k>``. A malformed file is reported
+    under ``bad`` with its problem, never skipped."""
+    p = load_protocol() if p is None else p
+    root, epochs = Path(root), int(p["settings"]["epochs"])
+    res: dict[str, list] = {"ok": [], "stopped": [], "incomplete": [], "bad": []}
+    for part in _PARTS:
+        for mp in sorted((root / part).glob(f"lr*/{p['dataset']}/*/*/seed*/"
+                                            "metrics.json")):
+            name = "/".join(mp.relative_to(root).parts[:2] + mp.parts[-4:-1])
+            try:
+                problem = _record_problem(p, mp, part)
+            except (ResultFileError, KeyError, TypeError, ValueError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem:
+                res["bad"].append((name, f"{mp}: {problem}"))
+                continue
+            status = run_status(read_json(mp), epochs)
+            res[{"finished": "ok", "stopped": "stopped"}.get(status,
+                                                             "incomplete")].append(name)
+    return res

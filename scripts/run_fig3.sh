@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The Fig. 3 protocol (results/cifar/fig3/protocol.json) on a GPU machine, in calls of
+# bounded length within one machine hold. Every run must finish inside the hold: a
+# ResNet-18 checkpoint cannot come back, so runs are started only while they can finish
+# (START_BY) and the records (small JSON files) come back after every call.
+#
+#   MODE=throughput bash scripts/run_fig3.sh  # runs/hour for k runs on one GPU (TP_GPU),
+#                                              # -> $OUT/queue_throughput.json
+#   MODE=start      bash scripts/run_fig3.sh  # launches a queue worker (its own process
+#                                              # session: it outlives the call), then waits
+#   MODE=wait       bash scripts/run_fig3.sh  # waits up to LIMIT s, then tars the records
+#
+# Knobs: GPU_IDS (the GPUs of this queue, "0"), PROCS (runs per GPU, 4), METHODS (comma
+# list: the methods of this queue; queues on other GPUs take other methods), START_BY
+# (seconds from now after which no run starts), LIMIT (seconds this call may take, 560),
+# DATA (.data/cifar10_jpeg.npz), TAG (the queue's name, for its log and pid).
+# KWNG_PROTOCOL_COMMIT and KWNG_GIT_COMMIT must be set (the copied tree has no .git).
+# The queue loops: after each sweep it re-plans (new grid values when a best step sits
+# at an inner edge, then seeds), until nothing is left or START_BY has passed.
+set -u
+OUT=${OUT:-/tmp/out}
+MODE=${MODE:-wait}
+GPU_IDS=${GPU_IDS:-0}
+PROCS=${PROCS:-4}
+LIMIT=${LIMIT:-560}
+START_BY=${START_BY:-1200}
+METHODS=${METHODS:-sgd,sgd_momentum,sgd_momentum_wd,adam}
+TAG=${TAG:-q0}
+DATA=${DATA:-.data/cifar10_jpeg.npz}
+PY=${PY:-python3}
+: "${KWNG_PROTOCOL_COMMIT:?set KWNG_PROTOCOL_COMMIT (git log -1 --format=%H -- results/cifar/fig3/protocol.json)}"
+export KWNG_GIT_COMMIT=${KWNG_GIT_COMMIT:-unknown} KWNG_PROTOCOL_COMMIT KWNG_SCALE=full
+export PYTHONUNBUFFERED=1
+ROOT=$PWD
+WORK=$ROOT/checkpoints/fig3_work
+LOGS=$ROOT/checkpoints/logs
+say() { echo "[${SECONDS}s] $*"; }
+
+[ -f "$DATA" ] || { echo "missing $DATA (copy ../shared/data/cifar10_jpeg.npz there)"; exit 2; }
+case "$MODE" in throughput|start|wait) ;; *) echo "MODE must be throughput, start or wait"; exit 2;; esac
+if ls .whl/nngeometry-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/nngeometry ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/nngeometry-*.whl 2>&1 | tail -1
+fi
+export PYTHONPATH="/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT" "$LOGS" "$WORK/results/cifar"
+DATA=$(readlink -f "$DATA")
+
+if [ "$MODE" = throughput ]; then
+  CUDA_VISIBLE_DEVICES=${TP_GPU:-0} $PY -m kwng.experiments.bench.queue_throughput \
+      --data-root "$DATA" --json "$OUT/queue_throughput.json" 2>&1 | tail -20
+  exit "${PIPESTATUS[0]}"
+fi
+
+# the committed records (earlier sessions) join the work folder: finished runs are
+# skipped and the early-stop rule and the selection see them
+if [ ! -f "$WORK/.seeded" ]; then
+  cp -rn "$ROOT/results/cifar/fig3" "$WORK/results/cifar/" && touch "$WORK/.seeded"
+fi
+cd "$WORK"
+
+if [ "$MODE" = start ]; then
+  if [ -f "$LOGS/$TAG.pid" ] && kill -0 "$(cat "$LOGS/$TAG.pid")" 2>/dev/null; then
+    say "queue $TAG already running"
+  else
+    END=$(( $(date +%s) + START_BY ))
+    cat > "$LOGS/$TAG.sh" <<LOOP
+cd "$WORK"
+while [ \$(date +%s) -lt $END ]; do
+  left=\$(( $END - \$(date +%s) ))
+  CUDA_VISIBLE_DEVICES=$GPU_IDS $PY -m kwng.experiments cifar sweep --plan fig3 \
+      --methods $METHODS --gpus $(echo "$GPU_IDS" | tr ',' '\n' | wc -l) \
+      --procs-per-gpu $PROCS --data-root "$DATA" --start-by-s \$left || true
+  n=\$($PY -c "from kwng.experiments.cifar.plans import build_plan; print(len(build_plan('fig3', methods='$METHODS'.split(','))))")
+  echo "queue $TAG: \$n run(s) left"
+  [ "\$n" = 0 ] && break
+  sleep 5
+done
+LOOP
+    setsid nohup bash "$LOGS/$TAG.sh" > "$LOGS/$TAG.log" 2>&1 < /dev/null &
+    echo $! > "$LOGS/$TAG.pid"
+    say "queue $TAG started on GPU(s) $GPU_IDS with $PROCS run(s) per GPU: $METHODS"
+  fi
+fi
+
+# ---- wait (MODE=start continues here): until LIMIT, or until every queue has ended
+while [ $SECONDS -lt $((LIMIT - 30)) ]; do
+  alive=0
+  for f in "$LOGS"/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && alive=1; done
+  [ $alive = 0 ] && break
+  sleep 10
+done
+grep -hE "Error|Traceback|failed|early stop|left" "$LOGS"/q*.log 2>/dev/null | tail -12
+tar czf "$OUT/fig3.tar.gz" -C "$WORK" results/cifar/fig3 && say "tarred $(du -h "$OUT/fig3.tar.gz" | cut -f1)"
+cp "$LOGS"/q*.log "$OUT/" 2>/dev/null
+$PY -m kwng.experiments cifar check --suite fig3 | tail -20
+exit 0
