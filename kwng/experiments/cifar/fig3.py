@@ -173,7 +173,8 @@ def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG
         cond, m = k.split("/")
         lr = state[k]["selected"]
         if state[k]["final"]:
-            jobs += [_job(p, "seeds", cond, m, lr, s, root, commit, **common)
+            jobs += [_job(p, "seeds", cond, m, lr, s, root, commit, early_stop=None,
+                          **common)
                      for s in range(1, int(p["seeds"][cond]))
                      if run_status(_record(root, "seeds", lr, cond, m, s), epochs)
                      in ("missing", "running")]
@@ -181,7 +182,8 @@ def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG
     if kw and kw["final"]:
         cond, lr = p["ablations"]["conditioning"], kw["selected"]
         for m, n in p["ablations"]["runs"].items():
-            jobs += [_job(p, "ablation", cond, m, lr, s, root, commit, **common)
+            jobs += [_job(p, "ablation", cond, m, lr, s, root, commit,
+                          early_stop=None, **common)
                      for s in range(int(n))
                      if run_status(_record(root, "ablation", lr, cond, m, s), epochs)
                      in ("missing", "running")]
@@ -226,8 +228,8 @@ def _record_problem(p: dict, mp: Path, part: str) -> str | None:
     bad = sorted(k for k, v in want.items() if c.get(k) != v)
     if bad:
         return f"settings differ from the protocol: {bad}"
-    if mp.parents[3].name != f"lr{float(rec['lr']):g}":
-        return f"step {rec['lr']} is not its folder's {mp.parents[3].name}"
+    if mp.parents[4].name != f"lr{float(rec['lr']):g}":
+        return f"step {rec['lr']} is not its folder's {mp.parents[4].name}"
     if rec.get("milestones") != milestones_for(int(c["epochs"]), c["schedule"]):
         return f"milestones {rec.get('milestones')} are not the schedule's"
     return _row_problem(rec)

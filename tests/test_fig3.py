@@ -1,0 +1,205 @@
+"""The Fig. 3 protocol: its committed file, its early-stop rule, the grid's selection
+and extension logic, the checker of its records, and the committed records."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from kwng.experiments.cifar import early_stop, fig3, train
+from kwng.experiments.cifar.methods import LR_GRID
+
+ROOT = Path(__file__).resolve().parent.parent
+FIG3 = ROOT / "results" / "cifar" / "fig3"
+P = fig3.load_protocol(FIG3 / "protocol.json")
+
+
+# --------------------------------------------------------------------- the protocol
+def test_the_protocol_windows_follow_its_rule_from_the_committed_selections():
+    for key, src in P["window_sources"].items():
+        cond, m = key.split("/")
+        path, _, alias = src["from"].partition(" (")
+        sel = json.loads((ROOT / path).read_text())["selected"]
+        name = alias.rstrip(")") or m
+        assert sel[f"cifar10/{cond}/{name}"]["lr"] == src["short_lr"], key
+        assert P["windows"][key] == fig3.window_for(src["short_lr"]), key
+    assert set(P["windows"]) == {f"{c}/{m}" for c in P["conditionings"]
+                                 for m in fig3._methods(P, c)}
+
+
+def test_window_rule():
+    assert fig3.window_for(0.1) == [10.0, 1.0, 0.1]
+    assert fig3.window_for(1.0) == [10.0, 1.0, 0.1]  # 10 · 1 is the grid's top
+    assert fig3.window_for(1e-4) == [0.01, 0.001, 0.0001]
+    assert fig3.window_for(1e-5) == [0.01, 0.001, 0.0001]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_every_run_started_after_the_protocol_was_committed():
+    """Each run records the protocol's commit; that commit holds the protocol file
+    and is older than the run's provenance date."""
+    provs = sorted(FIG3.glob("*/lr*/cifar10/*/*/seed*/provenance.json"))
+    assert provs, "no committed Fig. 3 run"
+    commits = {json.loads(p.read_text())["config"]["protocol"] for p in provs}
+    for c in commits:
+        try:
+            when = datetime.fromisoformat(_git("show", "-s", "--format=%cI", c))
+        except (OSError, subprocess.CalledProcessError):
+            if _git("rev-parse", "--is-shallow-repository") == "true":
+                pytest.skip("a shallow clone lacks the protocol's commit")
+            raise
+        assert "results/cifar/fig3/protocol.json" in _git(
+            "ls-tree", "-r", "--name-only", c, "results/cifar/fig3")
+        for p in provs:
+            prov = json.loads(p.read_text())
+            if prov["config"]["protocol"] == c:
+                assert datetime.fromisoformat(prov["date"]) > when, p
+
+
+# ------------------------------------------------------------------ the stop rule
+def _row(e, acc, loss=1.0):
+    return {"epoch": e, "val_acc": acc, "train_loss": loss}
+
+
+def test_stop_rule_reasons_and_their_thresholds():
+    stop = early_stop.stop_reason
+    assert stop(_row(3, 0.5, math.nan), {}, 10)["reason"] == "non-finite loss"
+    assert stop(_row(9, 0.10), {}, 10) is None
+    assert stop(_row(10, 0.119), {}, 10)["reason"] == "at chance"
+    assert stop(_row(10, 0.121), {}, 10) is None
+    sib = {"lr1": [_row(e, 0.80) for e in range(1, 40)]}
+    assert stop(_row(29, 0.40), sib, 10) is None  # before epoch 30
+    assert stop(_row(30, 0.56), sib, 10) is None  # 24 points behind
+    got = stop(_row(30, 0.55), sib, 10)
+    assert got["reason"] == "behind" and got["sibling"] == "lr1"
+    assert stop(_row(45, 0.10 + 0.3), sib, 10) is None  # sibling not at epoch 45
+    with pytest.raises(ValueError, match="num_classes"):
+        stop(_row(30, 0.5), {}, 1)
+
+
+def test_the_protocol_states_the_codes_rule():
+    assert P["early_stop"] == early_stop.RULE
+
+
+# --------------------------------------------------------- selection and extension
+def _fake(root: Path, cond: str, m: str, lr: float, acc: float | None,
+          stop: str | None = None, epochs: int = 100) -> None:
+    d = root / "grid" / f"lr{lr:g}" / "cifar10" / cond / m / "seed0"
+    d.mkdir(parents=True)
+    n = epochs if stop is None else 10
+    rec = {"epochs": [{"epoch": e, "val_acc": acc or 0.1, "train_loss": 1.0}
+                      for e in range(1, n + 1)], "complete": True,
+           "early_stop": {"reason": stop, "epoch": n} if stop else None}
+    (d / "metrics.json").write_text(json.dumps(rec))
+
+
+def _one(tmp_path: Path, window: list[float]) -> dict:
+    return {**P, "conditionings": ["ill"], "methods": {"both": ["sgd"]},
+            "windows": {"ill/sgd": window}}
+
+
+def test_best_at_an_inner_edge_runs_the_next_grid_value(tmp_path):
+    p = _one(tmp_path, [1.0, 0.1, 0.01])
+    for lr, acc in ((1.0, 0.5), (0.1, 0.6), (0.01, 0.7)):
+        _fake(tmp_path, "ill", "sgd", lr, acc)
+    st = fig3.grid_state(p, tmp_path)["ill/sgd"]
+    assert st["next"] == [0.001] and not st["final"] and st["selected"] == 0.01
+    _fake(tmp_path, "ill", "sgd", 0.001, 0.65)
+    st = fig3.grid_state(p, tmp_path)["ill/sgd"]
+    assert st["final"] and st["selected"] == 0.01 and st["next"] == []
+
+
+def test_best_at_the_grids_end_is_final_and_all_stopped_runs_the_rest(tmp_path):
+    p = _one(tmp_path, [10.0, 1.0, 0.1])
+    _fake(tmp_path, "ill", "sgd", 10.0, 0.9)
+    _fake(tmp_path, "ill", "sgd", 1.0, None, stop="at chance")
+    st = fig3.grid_state(p, tmp_path)["ill/sgd"]
+    assert st["next"] == [0.1] and st["runs"][1.0] == "stopped"
+    _fake(tmp_path, "ill", "sgd", 0.1, 0.5)
+    st = fig3.grid_state(p, tmp_path)["ill/sgd"]
+    assert st["final"] and st["selected"] == 10.0
+    q = _one(tmp_path / "b", [10.0, 1.0, 0.1])
+    for lr in (10.0, 1.0, 0.1):
+        _fake(tmp_path / "b", "ill", "sgd", lr, None, stop="at chance")
+    st = fig3.grid_state(q, tmp_path / "b")["ill/sgd"]
+    assert st["next"] == [0.01, 0.001, 0.0001] and not st["final"]
+
+
+def test_the_plan_puts_grid_runs_first_then_seeds(tmp_path):
+    p = _one(tmp_path, [10.0, 1.0, 0.1])
+    for lr, acc in ((10.0, 0.9), (1.0, 0.8), (0.1, 0.7)):
+        _fake(tmp_path, "ill", "sgd", lr, acc)
+    jobs = fig3.fig3_plan({"data_root": None}, p, tmp_path, commit="abc")
+    assert [(j["seed"], j["lr"]) for j in jobs] == [(1, 10.0), (2, 10.0)]
+    assert all(j["early_stop"] is None and j["protocol"] == "abc" for j in jobs)
+    assert jobs[0]["out"] == str(tmp_path / "seeds" / "lr10")
+
+
+# ------------------------------------------------------------------- the checker
+def test_committed_records_pass_the_check():
+    res = fig3.check_fig3(FIG3, P)
+    assert res["bad"] == [] and res["incomplete"] == []
+    assert len(res["ok"]) + len(res["stopped"]) >= 28
+    for name in res["ok"] + res["stopped"]:
+        part, lr = name.split("/")[:2]
+        assert part in ("grid", "seeds", "ablation") and float(lr[2:]) in LR_GRID
+
+
+BREAKS = {
+    "no provenance": lambda d: (d / "provenance.json").unlink(),
+    "provenance of another run": lambda d: _edit(d / "provenance.json",
+                                                 lambda r: r["config"].update(seed=7)),
+    "nan accuracy": lambda d: _edit(d / "metrics.json",
+                                    lambda r: r["epochs"][5].update(val_acc=math.nan)),
+    "other settings": lambda d: _edit(d / "metrics.json",
+                                      lambda r: r["config"].update(epochs=30)),
+    "a list": lambda d: (d / "metrics.json").write_text("[1, 2]"),
+    "truncated": lambda d: (d / "metrics.json").write_text('{"epochs": [1'),
+}
+
+
+def _edit(path: Path, change) -> None:
+    rec = json.loads(path.read_text())
+    change(rec)
+    path.write_text(json.dumps(rec))
+
+
+@pytest.mark.parametrize("how", list(BREAKS))
+def test_the_check_names_a_broken_record(tmp_path, how):
+    src = FIG3 / "grid" / "lr10" / "cifar10" / "ill" / "kwng" / "seed0"
+    dst = tmp_path / "grid" / "lr10" / "cifar10" / "ill" / "kwng" / "seed0"
+    shutil.copytree(src, dst)
+    assert fig3.check_fig3(tmp_path, P)["ok"] == ["grid/lr10/ill/kwng/seed0"]
+    BREAKS[how](dst)
+    res = fig3.check_fig3(tmp_path, P)
+    assert res["ok"] == [] and len(res["bad"]) == 1
+    assert str(dst / "metrics.json") in res["bad"][0][1]
+
+
+def test_the_trainer_records_an_early_stop(tmp_path, monkeypatch):
+    """A tiny grid run with a sibling far ahead stops by the rule, keeps its record
+    with the reason, and counts as finished."""
+    monkeypatch.chdir(tmp_path)
+    sib = tmp_path / "g" / "lr1" / "cifar10" / "ill" / "sgd" / "seed0"
+    sib.mkdir(parents=True)
+    (sib / "metrics.json").write_text(json.dumps(
+        {"epochs": [_row(e, 1.0) for e in range(1, 40)]}))
+    cfg = {"source": "sample", "model": "tiny", "batch_size": 100, "epochs": 31,
+           "lr": 0.1, "device": "cpu", "out": "g/lr0.1", "checkpoint_dir": "ck",
+           "method": "sgd", "val_size": 200, "eval_test": True, "early_stop": "fig3",
+           "schedule": "authors"}
+    rec = train.run(cfg, progress=False)
+    stop = rec["early_stop"]
+    assert rec["complete"] and stop["reason"] in ("at chance", "behind")
+    assert stop["epoch"] == len(rec["epochs"]) >= 10
+    assert all("val_acc" in r and "test_acc" in r for r in rec["epochs"])

@@ -1,0 +1,124 @@
+"""The run identity is complete: every setting that changes what a CIFAR run computes
+is compared on every rerun and resume, and the committed records stay valid.
+
+Before, ``precision`` and ``channels_last`` were compared only when both records held
+them and ``schedule``, ``capture`` never: a finished fp32 run was returned for a bf16
+request ("complete: skipped"), a run stopped under one schedule resumed under another.
+Everything runs on the CPU at tiny sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kwng.experiments import guard
+from kwng.experiments.cifar import runtime, train
+from kwng.experiments.cifar.methods import RunConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cfg(**kw) -> dict:
+    """A tiny run with folders relative to the working directory (a copied folder
+    keeps its checkpoint paths)."""
+    base = {"source": "sample", "model": "tiny", "batch_size": 100, "epochs": 2,
+            "lr": 0.1, "device": "cpu", "out": "res", "checkpoint_dir": "ck",
+            "train_subset": 200, "method": "sgd", "schedule": "constant"}
+    return {**base, **kw}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """A finished 2-epoch run (``done/``) and one stopped after epoch 1
+    (``half/``, checkpointed)."""
+    tmp = tmp_path_factory.mktemp("ident")
+    with pytest.MonkeyPatch.context() as mp:
+        (tmp / "done").mkdir()
+        mp.chdir(tmp / "done")
+        assert train.run(_cfg(), progress=False)["complete"]
+        (tmp / "half").mkdir()
+        mp.chdir(tmp / "half")
+        rec = train.run(_cfg(stop_after_epoch=1), progress=False)
+    assert not rec["complete"] and len(rec["epochs"]) == 1
+    return tmp
+
+
+@pytest.fixture
+def copy(runs, tmp_path, monkeypatch):
+    """Copy ``done`` or ``half`` into ``tmp_path`` and work there."""
+    def make(which: str) -> Path:
+        shutil.copytree(runs / which, tmp_path / which)
+        monkeypatch.chdir(tmp_path / which)
+        return tmp_path / which
+    return make
+
+
+CHANGES = [{"precision": "bf16"}, {"channels_last": True}, {"schedule": "claim"},
+           {"schedule": "authors"}, {"capture": True}]
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda c: next(iter(c)))
+def test_a_finished_run_is_not_returned_for_another_setting(copy, change):
+    copy("done")
+    with pytest.raises(guard.ConfigMismatchError, match=next(iter(change))):
+        train.run(_cfg(**change), progress=False)
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda c: next(iter(c)))
+def test_a_stopped_run_does_not_resume_under_another_setting(copy, change):
+    copy("half")
+    with pytest.raises(guard.ConfigMismatchError, match=next(iter(change))):
+        train.run(_cfg(**change), progress=False)
+
+
+def test_the_same_settings_still_skip_and_resume(copy, monkeypatch):
+    done = copy("done")
+    mp = done / runtime.run_dir_for(_cfg()) / "metrics.json"
+    before = mp.read_bytes()
+    assert train.run(_cfg(), progress=False)["complete"]
+    assert mp.read_bytes() == before
+    copy("half")
+    rec = train.run(_cfg(), progress=False)
+    assert rec["complete"] and [r["epoch"] for r in rec["epochs"]] == [1, 2]
+
+
+def test_the_identity_always_holds_every_setting():
+    ident = guard.run_identity({"dataset": "cifar10"}, 0.1, 128, {}, None)
+    for k, default in guard.IDENTITY_DEFAULTS.items():
+        assert k in ident and ident[k] == default
+
+
+def test_a_stored_identity_lacking_a_setting_reads_the_records_config():
+    rec = {"identity": {k: None for k in guard.RUN_IDENTITY_KEYS}
+           | {"lr": 0.1, "batch_size": 128, "method_spec": {}},
+           "config": {"schedule": "claim"}}
+    ident = guard.record_identity(rec)
+    assert ident["schedule"] == "claim" and ident["precision"] == "fp32"
+    del rec["config"]["schedule"]
+    assert guard.record_identity(rec)["schedule"] == "study6"
+
+
+def _committed_records():
+    return sorted((ROOT / "results" / "cifar").glob("**/seed*/metrics.json"))
+
+
+def test_every_committed_record_matches_its_own_configuration():
+    """Rebuilding the identity from each committed record's configuration gives the
+    identity the record is read with: a rerun of a committed run is recognised as the
+    same run (skipped), never refused for a key the record predates."""
+    paths = _committed_records()
+    assert len(paths) > 250
+    for mp in paths:
+        rec = json.loads(mp.read_text())
+        stored = guard.record_identity(rec, mp)
+        c = {k: v for k, v in rec["config"].items() if k in RunConfig.DEFAULTS}
+        c.setdefault("schedule", "study6")  # the 6-epoch study predates the key
+        cfg = RunConfig(**c)
+        fresh = guard.run_identity(cfg, rec["lr"], rec.get("batch_size", cfg.batch),
+                                   rec.get("method_spec", cfg.spec), None)
+        stored.pop("data", None)
+        assert guard.diff_keys(stored, fresh) == [], mp
