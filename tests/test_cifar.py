@@ -303,9 +303,12 @@ def test_check_results_budget_cut(tmp_path):
         name = f"{j['conditioning']}/{j['method']}/seed{j['seed']}"
         n = 3 if name == cut else 6
         d = tmp_path / "cifar10" / j["conditioning"] / j["method"] / f"seed{j['seed']}"
-        rows = [{"epoch": k + 1, "test_acc": 0.5} for k in range(n)]
-        atomic_write_json(d / "metrics.json", {"config": {"epochs": 6}, "complete": n == 6, "epochs": rows})
-        atomic_write_json(d / "provenance.json", {})
+        rows = [{"epoch": k + 1, "test_acc": 0.5, "train_loss": 1.0} for k in range(n)]
+        cfg = {"epochs": 6, "method": j["method"], "seed": j["seed"],
+               "conditioning": j["conditioning"]}
+        atomic_write_json(d / "metrics.json", {"config": cfg, "complete": n == 6, "epochs": rows})
+        atomic_write_json(d / "provenance.json", {"config": cfg, "git_commit": "abc",
+                                                  "date": "2026-01-01T00:00:00+00:00"})
     res = results.check_results(tmp_path, "cifar10", allow_cut={cut: 3})
     assert res["cut"] == [cut] and not res["incomplete"] and not res["missing"]
     assert results.check_results(tmp_path, "cifar10", allow_cut={cut: 4})["incomplete"] == [cut]
@@ -486,19 +489,24 @@ def test_check_claim(tmp_path):
     plan = plans.build_plan("claim", epochs=30, with_ablations=False)
     for j in plan:
         d = tmp_path / "cifar10" / j["conditioning"] / j["method"] / f"seed{j['seed']}"
-        rows = [{"epoch": k + 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 10} for k in range(30)]
-        atomic_write_json(d / "metrics.json", {"config": {"epochs": 30, "schedule": "claim"}, "complete": True,
+        rows = [{"epoch": k + 1, "test_acc": 0.5, "train_loss": 1.0, "test_acc_per_class": [0.5] * 10}
+                for k in range(30)]
+        cfg = {"epochs": 30, "schedule": "claim", "method": j["method"], "seed": j["seed"]}
+        atomic_write_json(d / "metrics.json", {"config": cfg, "complete": True,
                                                "milestones": [26], "epochs": rows})
-        atomic_write_json(d / "provenance.json", {})
+        atomic_write_json(d / "provenance.json", {"config": cfg, "git_commit": "abc",
+                                                  "date": "2026-01-01T00:00:00+00:00"})
     res = results.check_claim(tmp_path)
     assert len(res["ok"]) == 18 and not res["missing"] and not res["incomplete"]
     assert results.check_claim(tmp_path, min_epochs=31)["incomplete"]  # shorter than asked
     d = tmp_path / "cifar10" / "ill" / "kwng" / "seed1"
-    rec = {"config": {"epochs": 30, "schedule": "claim"}, "complete": False, "milestones": [26],
-           "epochs": [{"epoch": 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 10}]}
+    rec = {"config": {"epochs": 30, "schedule": "claim", "method": "kwng", "seed": 1},
+           "complete": False, "milestones": [26],
+           "epochs": [{"epoch": 1, "test_acc": 0.5, "train_loss": 1.0, "test_acc_per_class": [0.5] * 10}]}
     atomic_write_json(d / "metrics.json", rec)
     assert results.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
-    rec.update(complete=True, epochs=[{"epoch": k + 1, "test_acc": 0.5, "test_acc_per_class": [0.5] * 9}
+    rec.update(complete=True, epochs=[{"epoch": k + 1, "test_acc": 0.5, "train_loss": 1.0,
+                                       "test_acc_per_class": [0.5] * 9}
                                       for k in range(30)])
     atomic_write_json(d / "metrics.json", rec)
     assert results.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]  # per-class accuracy missing

@@ -168,6 +168,7 @@ def test_cifar_run_same_configuration_without_checkpoint_is_refused(tmp_path):
         batch_size=None,
         train_subset=None,
         deadline=1.0,
+        schedule="study6",  # the schedule the record ran (it predates the key)
     )
     with pytest.raises(ValueError, match="checkpoint .* is missing"):
         train.run(cfg, progress=False)

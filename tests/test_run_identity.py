@@ -122,3 +122,52 @@ def test_every_committed_record_matches_its_own_configuration():
                                    rec.get("method_spec", cfg.spec), None)
         stored.pop("data", None)
         assert guard.diff_keys(stored, fresh) == [], mp
+
+
+# ---------------------------------------------- cifar check reads what it checks
+A100_RUN = ("lr10", "cifar10", "ill", "kwng", "seed1")
+
+
+def _edit(path: Path, change) -> None:
+    rec = json.loads(path.read_text())
+    change(rec)
+    path.write_text(json.dumps(rec))
+
+
+CHECK_BREAKS = {
+    "truncated provenance": lambda d: (d / "provenance.json").write_text('{"co'),
+    "empty provenance": lambda d: (d / "provenance.json").write_text(""),
+    "another run's provenance": lambda d: _edit(
+        d / "provenance.json", lambda r: r["config"].update(seed=0)),
+    "NaN training loss": lambda d: _edit(
+        d / "metrics.json", lambda r: r["epochs"][3].update(train_loss=float("nan"))),
+    "a list": lambda d: (d / "metrics.json").write_text("[]"),
+    "no epochs": lambda d: _edit(d / "metrics.json", lambda r: r.pop("epochs")),
+}
+
+
+@pytest.mark.parametrize("how", list(CHECK_BREAKS))
+def test_check_authors100_names_each_broken_file(tmp_path, how):
+    from kwng.experiments.cifar.results import check_authors100
+
+    src = ROOT / "results" / "cifar" / "authors100"
+    shutil.copytree(src, tmp_path / "a100")
+    d = tmp_path / "a100" / Path(*A100_RUN)
+    name = "lr10/ill/kwng/seed1"
+    assert name in check_authors100(tmp_path / "a100", tiers=(3,))["ok"]
+    CHECK_BREAKS[how](d)
+    res = check_authors100(tmp_path / "a100", tiers=(3,))
+    assert name not in res["ok"]
+    [entry] = [e for e in res["incomplete"] if e.startswith(name)]
+    assert str(d) in entry
+
+
+def test_check_refuses_unknown_tiers():
+    from kwng.experiments.cifar.cli import main
+    from kwng.experiments.cifar.results import check_authors100
+
+    with pytest.raises(ValueError, match="tiers"):
+        check_authors100(tiers=(9,))
+    with pytest.raises(SystemExit) as exc:
+        main(["check", "--suite", "authors100", "--tiers", "9"])
+    assert exc.value.code == 2

@@ -205,9 +205,15 @@ def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     if a.suite == "fig3":
         return fig3_check(a.root)
     if a.suite == "authors100":
+        from kwng.experiments.cifar.methods import AUTHORS100_TIERS
         from kwng.experiments.cifar.results import check_authors100
 
-        tiers = tuple(int(t) for t in a.tiers.split(","))
+        try:
+            tiers = tuple(int(t) for t in a.tiers.split(","))
+        except ValueError:
+            tiers = ()
+        if not tiers or set(tiers) - set(AUTHORS100_TIERS):
+            p.error(f"--tiers: a comma list of {AUTHORS100_TIERS}, got {a.tiers!r}")
         res = check_authors100(a.root or RESULTS / "authors100", a.dataset, tiers)
     elif a.suite == "claim":
         res = check_claim(a.root or CLAIM, a.dataset, a.min_epochs)

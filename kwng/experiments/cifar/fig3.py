@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kwng.experiments.cifar.early_stop import RULE
 from kwng.experiments.cifar.methods import LR_GRID, METHODS, RESULTS, milestones_for
+from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
 from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["FIG3", "PROTOCOL_FILE", "load_protocol", "window_for", "protocol_commit",
@@ -190,39 +191,19 @@ def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG
     return jobs
 
 
-def _row_problem(rec: dict) -> str | None:
-    """What is wrong with a record's rows: a non-finite number where the run went on
-    (the last row of a run stopped for a non-finite loss may hold one), epochs out of
-    order, a stop whose epoch is not the last row's."""
-    rows, stop = rec["epochs"], rec.get("early_stop")
-    if [r.get("epoch") for r in rows] != list(range(1, len(rows) + 1)):
-        return "epochs out of order"
-    nonfinite_ok = bool(stop and stop.get("reason") == "non-finite loss")
-    for i, r in enumerate(rows):
-        vals = [r.get(f, math.nan) for f in ("train_loss", "val_acc", "test_acc")]
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals) \
-                and not (nonfinite_ok and i == len(rows) - 1):
-            return f"non-finite or missing train_loss/val_acc/test_acc in epoch {i + 1}"
-    if stop and (not stop.get("reason") or stop.get("epoch") != len(rows)):
-        return f"early stop {stop} does not name its reason and last epoch"
-    return None
-
-
 def _record_problem(p: dict, mp: Path, part: str) -> str | None:
     """Why the record ``mp`` (under ``<part>/lr<lr>/``) breaks the protocol, or
     ``None``."""
-    rec = read_json(mp)
-    if not isinstance(rec, dict) or not isinstance(rec.get("epochs"), list) \
-            or not isinstance(rec.get("config"), dict) or not rec["epochs"]:
-        return "not a metrics record with 'config' and a non-empty 'epochs' list"
-    pp = mp.with_name("provenance.json")
-    if not pp.is_file():
-        return "no provenance.json"
-    prov, c = read_json(pp), rec["config"]
-    if not isinstance(prov, dict) or prov.get("config") != c:
-        return "provenance.json does not hold this run's configuration"
-    if not prov.get("git_commit") or not c.get("protocol"):
-        return "provenance lacks the code commit or the protocol commit"
+    rec = read_record(mp)
+    c = rec["config"]
+    if not rec["epochs"]:
+        return "no epoch recorded"
+    problem = provenance_problem(rec, mp.with_name("provenance.json"))
+    if problem:
+        return problem
+    prov = read_json(mp.with_name("provenance.json"))
+    if not c.get("protocol") or prov["config"].get("protocol") != c["protocol"]:
+        return "the record or its provenance lacks the protocol's commit"
     want = {**p["settings"], "dataset": p["dataset"],
             "early_stop": p["early_stop_rule"] if part == "grid" else None}
     bad = sorted(k for k, v in want.items() if c.get(k) != v)
@@ -232,7 +213,10 @@ def _record_problem(p: dict, mp: Path, part: str) -> str | None:
         return f"step {rec['lr']} is not its folder's {mp.parents[4].name}"
     if rec.get("milestones") != milestones_for(int(c["epochs"]), c["schedule"]):
         return f"milestones {rec.get('milestones')} are not the schedule's"
-    return _row_problem(rec)
+    stop = rec.get("early_stop")
+    if stop and (not stop.get("reason") or stop.get("epoch") != len(rec["epochs"])):
+        return f"early stop {stop} does not name its reason and last epoch"
+    return rows_problem(rec, ("train_loss", "val_acc", "test_acc"))
 
 
 def check_fig3(root: str | os.PathLike = FIG3, p: dict | None = None) -> dict:

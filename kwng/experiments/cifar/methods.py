@@ -166,6 +166,8 @@ AUTHORS100_RUNS: tuple[tuple[int, str, str, float, int, int, dict], ...] = (
     (3, "kwng", "ill", 10.0, 0, 30, {"precision": "fp32", "channels_last": False}),
     (4, "kwng_basis20", "ill", 10.0, 0, 30, {}),
 )
+#: the tiers of :data:`AUTHORS100_RUNS`
+AUTHORS100_TIERS = tuple(sorted({run[0] for run in AUTHORS100_RUNS}))
 #: the settings every run of the plan ``authors100`` shares
 AUTHORS100_SETTINGS = {"schedule": "authors", "precision": "bf16",
                        "channels_last": True, "capture": True}

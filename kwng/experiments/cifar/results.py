@@ -11,6 +11,7 @@ from pathlib import Path
 from kwng.experiments import guard
 from kwng.experiments.cifar.data import NUM_CLASSES
 from kwng.experiments.cifar.methods import (
+    AUTHORS100_TIERS,
     CLAIM,
     CONDITION_NUMBER,
     LR_GRID,
@@ -21,6 +22,7 @@ from kwng.experiments.cifar.methods import (
 )
 from kwng.experiments.cifar.nets import DiagonalConditioning
 from kwng.experiments.cifar.plans import build_plan
+from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
 from kwng.experiments.provenance import ResultFileError, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -57,17 +59,37 @@ def load_results(root: str | os.PathLike = RESULTS,
 BUDGET_CUT = {"ill/kwng_m20/seed0": 3, "well/kwng_m20/seed0": 3}
 
 
+def _checked(name: str, d: Path, res: dict) -> dict | None:
+    """The record in ``d`` if it and its provenance can be counted; else ``None``, with
+    the run in ``res["missing"]`` (no files) or ``res["incomplete"]`` (named with the
+    file and the problem: malformed, a foreign or unreadable provenance, a non-finite
+    loss or accuracy)."""
+    mp = d / "metrics.json"
+    if not mp.is_file() or not (d / "provenance.json").is_file():
+        res["missing"].append(name)
+        return None
+    try:
+        rec = read_record(mp)
+        rows = rows_problem(rec)
+        problem = (provenance_problem(rec, d / "provenance.json")
+                   or (rows and f"{mp}: {rows}"))
+    except (ResultFileError, KeyError, TypeError, ValueError) as exc:
+        problem = str(exc) if str(mp) in str(exc) else f"{mp}: {exc}"
+    if problem:
+        res["incomplete"].append(f"{name} ({problem})")
+        return None
+    return rec
+
+
 def _records(plan: list[dict], root: str | os.PathLike, dataset: str, res: dict):
-    """``(name, record)`` for each run of ``plan`` with both files; the others go to
-    ``res["missing"]``."""
+    """``(name, record)`` for each run of ``plan`` that :func:`_checked` passes."""
     for job in plan:
         name = f"{job['conditioning']}/{job['method']}/seed{job['seed']}"
         d = (Path(root) / dataset / job["conditioning"] / job["method"]
              / f"seed{job['seed']}")
-        if not (d / "metrics.json").is_file() or not (d / "provenance.json").is_file():
-            res["missing"].append(name)
-            continue
-        yield name, read_json(d / "metrics.json")
+        rec = _checked(name, d, res)
+        if rec is not None:
+            yield name, rec
 
 
 def check_results(root: str | os.PathLike = RESULTS, dataset: str = "cifar10",
@@ -181,6 +203,10 @@ def check_authors100(root: str | os.PathLike = RESULTS / "authors100",
     ``lr<lr>/cond/method/seedk``."""
     from kwng.experiments.cifar.plans import authors100_plan
 
+    bad = [t for t in tiers if t not in AUTHORS100_TIERS]
+    if not tiers or bad:
+        raise ValueError(f"tiers must be a non-empty selection of {AUTHORS100_TIERS}, "
+                         f"got {tuple(tiers)}")
     res: dict[str, list[str]] = {"missing": [], "incomplete": [], "diverged": [],
                                  "ok": []}
     k = NUM_CLASSES[dataset]
@@ -189,10 +215,9 @@ def check_authors100(root: str | os.PathLike = RESULTS / "authors100",
         name = (f"{sub}/{job['conditioning']}/{job['method']}/seed{job['seed']}")
         d = (Path(root) / sub / dataset / job["conditioning"] / job["method"]
              / f"seed{job['seed']}")
-        if not (d / "metrics.json").is_file() or not (d / "provenance.json").is_file():
-            res["missing"].append(name)
+        rec = _checked(name, d, res)
+        if rec is None:
             continue
-        rec = read_json(d / "metrics.json")
         want = int(job["epochs"])
         proto = (rec.get("config", {}).get("schedule") == "authors"
                  and rec.get("milestones") == milestones_for(want, "authors")
