@@ -28,7 +28,7 @@ from kwng.experiments.cifar.records import provenance_problem, read_record, rows
 from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["FIG3", "PROTOCOL_FILE", "load_protocol", "window_for", "protocol_commit",
-           "run_status", "grid_state", "fig3_plan", "check_fig3"]
+           "run_status", "record_at", "grid_state", "fig3_plan", "check_fig3"]
 
 FIG3 = RESULTS / "fig3"
 #: the protocol, committed before the first run of the study
@@ -100,8 +100,10 @@ def run_status(rec: dict | None, epochs: int) -> str:
     return "running"
 
 
-def _record(root: Path, part: str, lr: float, cond: str, method: str, seed: int,
-            dataset: str = "cifar10") -> dict | None:
+def record_at(root: Path, part: str, lr: float, cond: str, method: str, seed: int,
+              dataset: str = "cifar10") -> dict | None:
+    """The record of one run of the study (``part``: grid, seeds or ablation), or
+    ``None`` when it has none."""
     mp = (root / part / f"lr{lr:g}" / dataset / cond / method / f"seed{seed}"
           / "metrics.json")
     return read_json(mp) if mp.is_file() else None
@@ -123,7 +125,7 @@ def grid_state(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
         for m in _methods(p, cond):
             tried = sorted(set(p["windows"][f"{cond}/{m}"]), reverse=True)
             while True:
-                recs = {lr: _record(root, "grid", lr, cond, m, 0) for lr in tried}
+                recs = {lr: record_at(root, "grid", lr, cond, m, 0) for lr in tried}
                 status = {lr: run_status(r, epochs) for lr, r in recs.items()}
                 done = {lr: r for lr, r in recs.items() if status[lr] == "finished"}
                 best = (max(done, key=lambda lr: (_final_val(done[lr]),
@@ -177,7 +179,7 @@ def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG
             jobs += [_job(p, "seeds", cond, m, lr, s, root, commit, early_stop=None,
                           **common)
                      for s in range(1, int(p["seeds"][cond]))
-                     if run_status(_record(root, "seeds", lr, cond, m, s), epochs)
+                     if run_status(record_at(root, "seeds", lr, cond, m, s), epochs)
                      in ("missing", "running")]
     kw = state.get(f"{p['ablations']['conditioning']}/{p['ablations']['lr_of']}")
     if kw and kw["final"]:
@@ -186,7 +188,7 @@ def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG
             jobs += [_job(p, "ablation", cond, m, lr, s, root, commit,
                           early_stop=None, **common)
                      for s in range(int(n))
-                     if run_status(_record(root, "ablation", lr, cond, m, s), epochs)
+                     if run_status(record_at(root, "ablation", lr, cond, m, s), epochs)
                      in ("missing", "running")]
     return jobs
 
