@@ -142,10 +142,14 @@ def damping_diagonal(
     direction, and ``zero`` the exactly-zero columns (parameters the samples do not
     depend on).
     """
+    if kind not in DAMPINGS:
+        raise ValueError(f"damping must be one of {DAMPINGS}, got {kind!r}")
     if kind == "identity":
         shape = T.shape[:-2] + T.shape[-1:]
         none = torch.zeros(shape, dtype=torch.bool, device=T.device)
         return torch.ones(shape, dtype=T.dtype, device=T.device), none, none
+    if kind == "T_tilde" and T_tilde is None:
+        raise ValueError("damping 'T_tilde' needs T_tilde (the whitened block)")
     src = T if kind == "T" else T_tilde
     # Two reductions of the same norm, kept so that the committed results reproduce bit
     # for bit on the same device (the sweeps at ε = 1e-10 amplify one ulp to a few per

@@ -171,3 +171,26 @@ def test_check_refuses_unknown_tiers():
     with pytest.raises(SystemExit) as exc:
         main(["check", "--suite", "authors100", "--tiers", "9"])
     assert exc.value.code == 2
+
+
+# ------------------------------------------------------------ dampings fail loudly
+def test_an_unknown_damping_is_refused_not_computed_as_another():
+    """``solve.damping_diagonal`` computed any name without its own branch as
+    ``T_tilde``; the fused path's check raised for a known damping it lacks instead of
+    leaving it to the compiled path."""
+    import torch
+
+    from kwng import solve
+    from kwng.engine.triton_solve import fused_available
+
+    T = torch.randn(3, 7)
+    with pytest.raises(ValueError, match="damping must be one of"):
+        solve.damping_diagonal("T_tyld", T, T)
+    with pytest.raises(ValueError, match="needs T_tilde"):
+        solve.damping_diagonal("T_tilde", T, None)
+    for kind in solve.DAMPINGS:
+        D, low, zero = solve.damping_diagonal(kind, T, T)
+        assert D.shape == (7,) and bool((D > 0).all())
+    with pytest.raises(ValueError, match="damping must be one of"):
+        fused_available(T, torch.randn(7), "T_tyld")
+    assert fused_available(T, torch.randn(7), "T") in (True, False)

@@ -263,9 +263,8 @@ def test_fused_direction_equals_the_pytorch_path(damping, case):
     )
 
     T, g, CCt, K, N, eps, lam, clip = _fused_case(damping, case)
-    if damping not in FUSED_DAMPINGS:  # refused explicitly, never run as another one
-        with pytest.raises(ValueError, match="implements the dampings"):
-            fused_available(T, g, damping)
+    if damping not in FUSED_DAMPINGS:  # left to the compiled PyTorch path
+        assert not fused_available(T, g, damping)
         return
     assert fused_available(T, g, damping)
     kw = dict(eps=eps, lam=lam, damping=damping, rcond=None, clip_norm=clip)

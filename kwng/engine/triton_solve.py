@@ -59,15 +59,16 @@ FUSED_MAX_M = 24
 
 
 def fused_available(T: torch.Tensor, g: torch.Tensor, damping: str) -> bool:
-    """Whether :func:`fused_direction` takes ``T`` and ``g``: contiguous float32, ``T``
-    of ``M ≤ FUSED_MAX_M`` rows, where the Triton kernels run. A damping outside
-    :data:`FUSED_DAMPINGS` raises: a new damping rule must be implemented here or
-    refused explicitly, never run as another one."""
-    if damping not in FUSED_DAMPINGS:
-        raise ValueError(f"the fused direction implements the dampings "
-                         f"{list(FUSED_DAMPINGS)}, got {damping!r}")
+    """Whether :func:`fused_direction` takes ``T`` and ``g``: a damping of
+    :data:`FUSED_DAMPINGS`, contiguous float32, ``T`` of ``M ≤ FUSED_MAX_M`` rows, where
+    the Triton kernels run. A damping of ``kwng.solve.DAMPINGS`` the kernels do not
+    implement gives ``False`` (the compiled PyTorch path computes it); a name outside
+    ``DAMPINGS`` raises, never runs as another damping."""
+    if damping not in solve.DAMPINGS:
+        raise ValueError(f"damping must be one of {solve.DAMPINGS}, got {damping!r}")
     return (
-        triton is not None
+        damping in FUSED_DAMPINGS
+        and triton is not None
         and T.dim() == 2
         and T.shape[0] <= FUSED_MAX_M
         and T.dtype == g.dtype == torch.float32
