@@ -12,7 +12,9 @@
 #
 # Knobs: GPU_IDS (the GPUs of this queue, "0"), PROCS (runs per GPU, 4), METHODS (comma
 # list: the methods of this queue; queues on other GPUs take other methods), START_BY
-# (seconds from now after which no run starts), LIMIT (seconds this call may take, 560),
+# (seconds from now after which no run starts), FINISH_BY (seconds from now by which a
+# run must end: a run whose estimated duration, from the finished runs of its method,
+# ends later is not started), LIMIT (seconds this call may take, 560),
 # DATA (.data/cifar10_jpeg.npz), TAG (the queue's name, for its log and pid).
 # KWNG_PROTOCOL_COMMIT and KWNG_GIT_COMMIT must be set (the copied tree has no .git).
 # The queue loops: after each sweep it re-plans (new grid values when a best step sits
@@ -24,6 +26,7 @@ GPU_IDS=${GPU_IDS:-0}
 PROCS=${PROCS:-4}
 LIMIT=${LIMIT:-560}
 START_BY=${START_BY:-1200}
+FINISH_BY=${FINISH_BY:-1560}
 METHODS=${METHODS:-sgd,sgd_momentum,sgd_momentum_wd,adam}
 TAG=${TAG:-q0}
 DATA=${DATA:-.data/cifar10_jpeg.npz}
@@ -64,13 +67,16 @@ if [ "$MODE" = start ]; then
     say "queue $TAG already running"
   else
     END=$(( $(date +%s) + START_BY ))
+    FIN=$(( $(date +%s) + FINISH_BY ))
     cat > "$LOGS/$TAG.sh" <<LOOP
 cd "$WORK"
 while [ \$(date +%s) -lt $END ]; do
-  left=\$(( $END - \$(date +%s) ))
+  left=\$(( $END - \$(date +%s) )); fin=\$(( $FIN - \$(date +%s) ))
+  [ \$fin -lt 300 ] && break
   CUDA_VISIBLE_DEVICES=$GPU_IDS $PY -m kwng.experiments cifar sweep --plan fig3 \
       --methods $METHODS --gpus $(echo "$GPU_IDS" | tr ',' '\n' | wc -l) \
-      --procs-per-gpu $PROCS --data-root "$DATA" --start-by-s \$left || true
+      --procs-per-gpu $PROCS --data-root "$DATA" --start-by-s \$left \
+      --finish-by-s \$fin || true
   n=\$($PY -c "from kwng.experiments.cifar.plans import build_plan; print(len(build_plan('fig3', methods='$METHODS'.split(','))))")
   echo "queue $TAG: \$n run(s) left"
   [ "\$n" = 0 ] && break

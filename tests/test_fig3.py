@@ -203,3 +203,21 @@ def test_the_trainer_records_an_early_stop(tmp_path, monkeypatch):
     assert rec["complete"] and stop["reason"] in ("at chance", "behind")
     assert stop["epoch"] == len(rec["epochs"]) >= 10
     assert all("val_acc" in r and "test_acc" in r for r in rec["epochs"])
+
+
+def test_a_worker_does_not_start_a_run_that_cannot_finish(tmp_path, monkeypatch):
+    """``--finish-by-s``: a job whose estimated duration ends after the bound is
+    skipped (no record, no checkpoint); a job that fits runs."""
+    import time
+
+    from kwng.experiments.cifar import sweep
+
+    monkeypatch.chdir(tmp_path)
+    job = {"source": "sample", "model": "tiny", "batch_size": 100, "epochs": 1,
+           "lr": 0.1, "device": "cpu", "method": "sgd", "train_subset": 200,
+           "checkpoint_dir": "ck"}
+    late = {**job, "out": "late", "est_s": 3600}
+    fits = {**job, "out": "fits", "est_s": 1}
+    assert sweep.worker([late, fits], "s1", None, finish_by=time.time() + 600) == []
+    assert not (tmp_path / "late").exists()
+    assert list((tmp_path / "fits").rglob("metrics.json"))

@@ -223,6 +223,10 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
         help="start no run after this many seconds (a run begun later could not "
              "finish before the machine goes back)")
     add("--start-by", type=float, default=None, help=argparse.SUPPRESS)
+    add("--finish-by-s", type=float, default=None,
+        help="start no run whose estimated duration (a plan's est_s) would end it "
+             "after this many seconds")
+    add("--finish-by", type=float, default=None, help=argparse.SUPPRESS)
     add("--session", default=None)
     add("--offset", type=int, default=0)
     add("--select-steps", type=int, default=120)
@@ -250,7 +254,8 @@ def _main_worker(a: argparse.Namespace) -> int:
         jobs = jobs[a.offset:] + jobs[:a.offset]  # spread the first claims
     stem = Path(a.plan).stem
     ff = Path(a.plan).with_name(f"{stem}.failures-{a.session}-{os.getpid()}.json")
-    return 1 if worker(jobs, a.session, a.deadline, ff, a.start_by) else 0
+    return 1 if worker(jobs, a.session, a.deadline, ff, a.start_by,
+                       a.finish_by) else 0
 
 
 def _main_sweep(a: argparse.Namespace) -> int:
@@ -276,7 +281,8 @@ def _main_sweep(a: argparse.Namespace) -> int:
     log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus,
              a.procs_per_gpu)
     return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file, timing_rec,
-                 force=a.force, start_by_s=a.start_by_s)
+                 force=a.force, start_by_s=a.start_by_s,
+                 finish_by_s=a.finish_by_s)
 
 
 # ----------------------------------------------------- select, timing, schedule, check

@@ -149,11 +149,44 @@ def grid_state(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
     return out
 
 
+#: seconds a worker needs beside training and evaluation (start, data, capture)
+START_S = 60.0
+
+
+def run_seconds(root: str | os.PathLike = FIG3) -> dict[str, float]:
+    """Per method, the longest wall time (training, evaluation and :data:`START_S`) of
+    its finished 100-epoch runs under ``root``, as they ran beside other runs on their
+    GPU: the estimate that keeps a queue from starting a run it cannot finish. A method
+    without a finished run gets the estimate of the longest method, twice that for
+    KFAC/EKFAC (slower eager steps)."""
+    times: dict[str, float] = {}
+    for mp in Path(root).glob("*/lr*/*/*/*/seed*/metrics.json"):
+        rec = read_json(mp)
+        rows = rec.get("epochs") if isinstance(rec, dict) else None
+        if rows and rec.get("complete") and not rec.get("early_stop") \
+                and "time_train" in rows[-1]:
+            t = rows[-1]["time_train"] + sum(r.get("time_eval", 0.0) for r in rows)
+            m = rec["config"]["method"]
+            times[m] = max(times.get(m, 0.0), t + START_S)
+    return times
+
+
+def _estimate(times: dict[str, float], method: str) -> float | None:
+    if method in times:
+        return times[method]
+    if not times:
+        return None
+    slow = METHODS[method].get("precond") in ("kfac", "ekfac")
+    return max(times.values()) * (2.0 if slow else 1.0)
+
+
 def _job(p: dict, part: str, cond: str, method: str, lr: float, seed: int,
-         root: Path, commit: str, **extra) -> dict:
+         root: Path, commit: str, times: dict[str, float], **extra) -> dict:
+    est = _estimate(times, method)
     return {**p["settings"], "dataset": p["dataset"], "conditioning": cond,
             "method": method, "lr": lr, "seed": seed, "protocol": commit,
-            "out": str(root / part / f"lr{lr:g}"), **extra}
+            "out": str(root / part / f"lr{lr:g}"), **extra,
+            **({"est_s": round(est)} if est is not None else {})}
 
 
 def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
@@ -164,20 +197,21 @@ def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG
     p = load_protocol() if p is None else p
     root, commit = Path(root), commit or protocol_commit()
     state, epochs, jobs = grid_state(p, root), int(p["settings"]["epochs"]), []
+    times = run_seconds(root)
     rank = {m: i for i, m in enumerate(p["order"])}
     keys = sorted(state, key=lambda k: (rank[k.split("/")[1]],
                                         k.split("/")[0] != "ill"))
     for k in keys:
         cond, m = k.split("/")
-        jobs += [_job(p, "grid", cond, m, lr, 0, root, commit,
+        jobs += [_job(p, "grid", cond, m, lr, 0, root, commit, times,
                       early_stop=p["early_stop_rule"], **common)
                  for lr in state[k]["next"]]
     for k in keys:
         cond, m = k.split("/")
         lr = state[k]["selected"]
         if state[k]["final"]:
-            jobs += [_job(p, "seeds", cond, m, lr, s, root, commit, early_stop=None,
-                          **common)
+            jobs += [_job(p, "seeds", cond, m, lr, s, root, commit, times,
+                          early_stop=None, **common)
                      for s in range(1, int(p["seeds"][cond]))
                      if run_status(record_at(root, "seeds", lr, cond, m, s), epochs)
                      in ("missing", "running")]
@@ -185,7 +219,7 @@ def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG
     if kw and kw["final"]:
         cond, lr = p["ablations"]["conditioning"], kw["selected"]
         for m, n in p["ablations"]["runs"].items():
-            jobs += [_job(p, "ablation", cond, m, lr, s, root, commit,
+            jobs += [_job(p, "ablation", cond, m, lr, s, root, commit, times,
                           early_stop=None, **common)
                      for s in range(int(n))
                      if run_status(record_at(root, "ablation", lr, cond, m, s), epochs)

@@ -47,6 +47,10 @@ from kwng.experiments.provenance import (
 
 log = logging.getLogger(__name__)
 
+#: keys of a plan's job that are not run settings: the worker slot and the estimated
+#: seconds the run takes (``est_s``, for ``--finish-by-s``)
+JOB_META = ("slot", "est_s")
+
 
 # ---------------------------------------------------------------------------- workers
 def _claim(cfg: RunConfig, session: str) -> bool:
@@ -65,23 +69,31 @@ def _claim(cfg: RunConfig, session: str) -> bool:
 
 def worker(jobs: Iterable[dict], session: str, deadline: float | None,
            failures_file: str | os.PathLike | None = None,
-           start_by: float | None = None) -> list[dict]:
-    """Run every unclaimed, unfinished job of ``jobs`` in this process (none started
-    after the Unix time ``start_by``, so that a run that cannot finish before the GPU
-    machine goes back is not begun).
+           start_by: float | None = None,
+           finish_by: float | None = None) -> list[dict]:
+    """Run every unclaimed, unfinished job of ``jobs`` in this process: none started
+    after the Unix time ``start_by``, and none whose estimated duration (its
+    ``est_s``) would end it after ``finish_by``, so that a run that cannot finish
+    before the GPU machine goes back is not begun.
 
     A run that fails (corrupt record, other configuration in its directory, error while
     training) is logged and listed, and the worker goes on with the next. Returns the
     failures (``{"run", "error"}``), also written to ``failures_file`` when given."""
     failures: list[dict] = []
     for job in jobs:
-        job = {k: v for k, v in job.items() if k != "slot"}
+        est = job.get("est_s")
+        job = {k: v for k, v in job.items() if k not in JOB_META}
         if deadline is not None and time.time() > deadline - 20:
             log.info("worker %d: deadline close, not starting new runs", os.getpid())
             break
         if start_by is not None and time.time() > start_by:
             log.info("worker %d: past --start-by, not starting new runs", os.getpid())
             break
+        if finish_by is not None and est is not None and time.time() + est > finish_by:
+            log.info("worker %d: %s/%s lr %s would not finish in time (about %.0f s)",
+                     os.getpid(), job.get("conditioning"), job.get("method"),
+                     job.get("lr"), est)
+            continue
         name = "/".join(str(job.get(k, "?"))
                         for k in ("dataset", "conditioning", "method", "seed"))
         try:
@@ -110,7 +122,7 @@ def is_complete(job: dict, force: bool = False) -> bool:
     (:func:`kwng.experiments.guard.check_existing_run`: another identity raises unless
     ``force`` moves the record to a backup). An unreadable or malformed record, or a run
     whose identity cannot be computed here, is not skipped: its worker reports it."""
-    cfg = RunConfig(**{k: v for k, v in job.items() if k != "slot"})
+    cfg = RunConfig(**{k: v for k, v in job.items() if k not in JOB_META})
     rdir = run_dir_for(cfg)
     mp = rdir / "metrics.json"
     try:
@@ -126,8 +138,8 @@ def is_complete(job: dict, force: bool = False) -> bool:
 
 
 def _spawn_workers(plan_file: Path, gpus: int, procs_per_gpu: int, session: str,
-                   deadline: float | None,
-                   start_by: float | None = None) -> list[subprocess.Popen]:
+                   deadline: float | None, start_by: float | None = None,
+                   finish_by: float | None = None) -> list[subprocess.Popen]:
     procs = []
     for g in range(max(gpus, 1)):
         for p in range(procs_per_gpu):
@@ -141,15 +153,16 @@ def _spawn_workers(plan_file: Path, gpus: int, procs_per_gpu: int, session: str,
                    str(g * procs_per_gpu + p)]
             if deadline is not None:
                 cmd += ["--deadline", repr(deadline)]
-            if start_by is not None:
-                cmd += ["--start-by", repr(start_by)]
+            for flag, t in (("--start-by", start_by), ("--finish-by", finish_by)):
+                if t is not None:
+                    cmd += [flag, repr(t)]
             procs.append(subprocess.Popen(cmd, env=env))
     return procs
 
 
 def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | None,
           plan_file: Path, timing: dict | None = None, force: bool = False,
-          start_by_s: float | None = None) -> int:
+          start_by_s: float | None = None, finish_by_s: float | None = None) -> int:
     """Spawn ``gpus × procs_per_gpu`` worker processes over ``plan`` and wait for them.
     The unfinished runs get worker slots balanced over the GPUs (:func:`assign_slots`);
     the rest, most expensive first, go to whichever worker is free.
@@ -182,9 +195,11 @@ def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | N
     session = uuid.uuid4().hex[:12]
     deadline = None if deadline_s is None else time.time() + deadline_s
     rc = 0
-    start_by = None if start_by_s is None else time.time() + start_by_s
+    now = time.time()
+    start_by = None if start_by_s is None else now + start_by_s
+    finish_by = None if finish_by_s is None else now + finish_by_s
     for pr in _spawn_workers(plan_file, gpus, procs_per_gpu, session, deadline,
-                             start_by):
+                             start_by, finish_by):
         rc = max(rc, pr.wait())
     failures = []
     pattern = f"{plan_file.stem}.failures-{session}-*.json"
