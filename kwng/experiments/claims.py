@@ -1,0 +1,250 @@
+"""The numbers behind the claims ledger (book chapter :ref:`claims`): for each claim of
+the paper, the figures that decide it, read from the committed result files under
+``results/``, and the rule that turns them into a verdict. Each function takes the
+results folder (``results/`` of the repository by default) and returns plain numbers
+and words, so the ledger updates itself when a record changes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from kwng.experiments.cifar import fig3, fig3_results
+from kwng.experiments.cifar.methods import CLAIM_ALL, MAIN_METHODS
+from kwng.experiments.cifar.results import load_authors100, load_results
+from kwng.experiments.cifar.verdicts import authors100_verdict, claim_verdict
+from kwng.experiments.synthetic_setup import load_flow, load_rows
+from kwng.plots import authors100 as pa
+from kwng.plots.cifar import at_epoch, final_accuracy_table
+from kwng.plots.synthetic import summarise
+
+__all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
+           "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
+           "mixed_verdict", "flat"]
+
+RESULTS = Path("results")
+"""The committed results folder, relative to the repository root."""
+
+
+def mixed_verdict(oks: dict[str, bool]) -> str:
+    """``"holds"`` if every case passes, ``"fails"`` if none does, else ``"partly"``."""
+    n = sum(bool(v) for v in oks.values())
+    return "holds" if n == len(oks) else "fails" if n == 0 else "partly"
+
+
+def _slope(x: np.ndarray, y: np.ndarray) -> float:
+    """Least-squares slope of ``log y`` against ``log x``."""
+    return float(np.polyfit(np.log(x), np.log(y), 1)[0])
+
+
+def relerr_numbers(root: str | os.PathLike = RESULTS) -> dict:
+    """Figs. 1 and 4 (error against ``N`` and ``M``): per model, at the largest ``d``
+    and ``N``, the median and mean error, the slope of the mean error in ``N`` (the
+    rule ``M = ⌊d√N⌋``), the largest slope over all ``d``, the median over ``d``, and
+    the smallest ``M`` within a factor 1.5 of the best mean error at the smallest and
+    largest ``d`` (``thr_lo``, ``thr_hi``; ``M_max`` the largest ``M`` of the grid).
+    Verdicts: ``falls`` (the mean error falls with ``N`` at every ``d``) and
+    ``plateau`` (a threshold inside the grid at every ``d``)."""
+    root = Path(root) / "relerr"
+    cfg = json.loads((root / "config.json").read_text())
+    out: dict = {"models": {}}
+    for m in cfg["models"]:
+        rows = load_rows(root / f"{m}.csv")
+        byN, byM = summarise(rows, "N", "N"), summarise(rows, "M", "M")
+        dmax, dmin = max(byN), min(byN)
+        slopes = {d: _slope(s["x"], s["mean"]) for d, s in byN.items()}
+        thr = {d: float(s["x"][np.argmax(s["mean"] <= 1.5 * s["mean"].min())])
+               for d, s in byM.items()}
+        med_d = [float(byN[d]["median"][-1]) for d in byN]
+        M_max = float(max(byM[dmax]["x"]))
+        out["models"][m] = {
+            "median": float(byN[dmax]["median"][-1]),
+            "mean": float(byN[dmax]["mean"][-1]),
+            "slope": slopes[dmax], "slope_worst": max(slopes.values()),
+            "median_dmin": min(med_d), "median_dmax": max(med_d),
+            "thr_lo": thr[min(byM)], "thr_hi": thr[max(byM)], "M_max": M_max,
+            "falls": all(s < 0 for s in slopes.values()),
+            "plateau": all(t < M_max for t in thr.values()),
+        }
+        out.update(d_max=dmax, d_min=dmin, N_max=float(max(byN[dmax]["x"])))
+    return out
+
+
+def bandwidth_numbers(root: str | os.PathLike = RESULTS,
+                      factor: float = 2.0, decades: float = 1.0) -> dict:
+    """Fig. 5 (error against a fixed bandwidth ``σ``): per model, at the largest ``d``,
+    the best mean error, its ``σ``, the range of ``σ`` whose mean error is within
+    ``factor`` of it, and ``robust``: that range spans at least ``decades`` decades.
+    ``verdict`` by :func:`mixed_verdict` over the models."""
+    root = Path(root) / "bandwidth"
+    cfg = json.loads((root / "config.json").read_text())
+    out: dict = {"models": {}}
+    for m in cfg["models"]:
+        s = summarise(load_rows(root / f"{m}.csv"), "sigma", "bandwidth_spec")
+        dm = max(s)
+        mean, x = s[dm]["mean"], s[dm]["x"]
+        good = x[mean <= factor * mean.min()]
+        out["models"][m] = {
+            "best": float(mean.min()), "best_sigma": float(x[np.argmin(mean)]),
+            "lo": float(good.min()), "hi": float(good.max()),
+            "robust": bool(np.log10(good.max() / good.min()) >= decades)}
+        out["d"] = dm
+    out["verdict"] = mixed_verdict({m: v["robust"] for m, v in out["models"].items()})
+    return out
+
+
+def flow_numbers(root: str | os.PathLike = RESULTS) -> dict:
+    """Fig. 2 (the W2² flow): per method the last finite iteration and loss, whether it
+    diverged, WNG's mean loss ratio per step over its first ten steps, EG's loss after
+    as many iterations over its first loss; the settings of the KWNG variants; and
+    from the flow study the variants whose KWNG flow never diverged."""
+    root = Path(root)
+    flow = load_flow(root / "flow")
+    cfg = flow["provenance"]["config"]
+    out: dict = {"methods": {}, "variants": cfg["kwng_variants"]}
+    for m, loss in flow["loss"].items():
+        fin = np.flatnonzero(np.isfinite(loss))
+        out["methods"][m] = {"last": int(fin[-1]), "loss": float(loss[fin[-1]]),
+                             "first": float(loss[0]),
+                             "diverged": not bool(np.isfinite(loss).all())}
+    wng, eg = flow["loss"]["wng"], flow["loss"]["eg"]
+    out["wng_rate"] = float(np.exp(np.mean(np.log(wng[1:11] / wng[:10]))))
+    out["eg_ratio"] = float(eg[-1] / eg[0])
+    out["iterations"] = len(wng) - 1
+    study = json.loads((root / "flow_study" / "flow_study.json").read_text())
+    out["study_total"] = len(study["rows"])
+    out["study_tracks"] = sorted(n for n, r in study["rows"].items()
+                                 if not r["kwng"]["stopped_at"])
+    return out
+
+
+def _claim_suite(root: Path) -> dict:
+    """The 30-epoch claim suite: its verdict, the WC → IC drop per method and the
+    ``diag_Ttilde`` and ``kwng`` IC accuracies."""
+    claim = load_results(root / "cifar" / "claim", "cifar10")
+    at_E = at_epoch(claim, min(len(r["epochs"]) for r in claim.values()))
+    v = claim_verdict(at_E)
+    t = final_accuracy_table(at_E, methods=CLAIM_ALL)
+    return {"holds": v["holds"],
+            "drops": {m: 100 * d for m, d in v["drops"].items() if d is not None},
+            "kwng_ill": 100 * v["kwng_ill"], "kwng_well": 100 * v["kwng_well"],
+            "diag_ill": 100 * t["diag_Ttilde"]["ill"]["mean"]}
+
+
+def _authors_horizon(root: Path) -> dict:
+    """The 100-epoch study: its verdict, the final accuracies the ledger quotes and
+    the seconds to 80 % test accuracy of ``kwng`` (IC, step 10) and SGD (WC)."""
+    a100 = root / "cifar" / "authors100"
+    rec = load_authors100(a100)
+    v = authors100_verdict(rec)
+    fin = {k: 100 * r["epochs"][-1]["test_acc"] for k, r in rec.items()}
+    tt = json.loads((a100 / "timing" / "trainer_timing.json").read_text())
+    sec = pa.epoch_seconds(tt)
+    tta = {(r["key"][1], r["key"][2], r["key"][0]): r["seconds_0.8"]
+           for r in pa.time_to_accuracy(rec, sec)
+           if r["key"][3] == 0}
+    eu = [k for k in fin if k[1] == "ill" and k[2] in ("sgd", "adam", "kfac")]
+    return {"holds": v["holds"], "kwng_ill": 100 * v["kwng_ill"],
+            "kwng_well": 100 * v["kwng_well"], "sgd_ill": 100 * v["sgd_ill"],
+            "best_euclid_ill": max(fin[k] for k in eu),
+            "diag_ill": fin[("lr10", "ill", "diag_Ttilde", 0)],
+            "kfac_ill": max(fin[k] for k in eu if k[2] == "kfac"),
+            "tta_kwng_ill": tta[("ill", "kwng", "lr10")],
+            "tta_sgd_well": tta[("well", "sgd", "lr0.1")],
+            "epoch_ratio": sec["kwng"] / sec["sgd"]}
+
+
+def _six_epoch(root: Path) -> dict:
+    """The earlier 6-epoch study: ``M = 20`` against ``M = 5`` after epoch 3 (IC, the
+    seeds' range of ``M = 5``), KWNG with momentum against KWNG in WC, and the
+    smallest gap between a diagonal or other-damping ablation and KWNG in IC."""
+    res = load_results(root / "cifar", "cifar10")
+
+    def acc(c: str, m: str, e: int | None = None) -> list[float]:
+        return [100 * r["epochs"][-1 if e is None else e - 1]["test_acc"]
+                for (cc, mm, _), r in sorted(res.items()) if (cc, mm) == (c, m)]
+
+    k5 = acc("ill", "kwng", 3)
+    return {"m20_ill_3": acc("ill", "kwng_m20", 3)[0],
+            "m5_ill_3_lo": min(k5), "m5_ill_3_hi": max(k5),
+            "mom_well": acc("well", "kwng_momentum")[0],
+            "kwng_well": float(np.mean(acc("well", "kwng"))),
+            "methods": len({m for (_, m, _) in res if m in MAIN_METHODS})}
+
+
+def cifar_context(root: str | os.PathLike = RESULTS) -> dict:
+    """The superseded CIFAR studies the ledger cites next to the pending verdict:
+    ``claim`` (30 epochs), ``a100`` (100 epochs) and ``six`` (6 epochs)."""
+    root = Path(root)
+    return {"claim": _claim_suite(root), "a100": _authors_horizon(root),
+            "six": _six_epoch(root)}
+
+
+def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
+    """The Fig. 3 protocol's verdicts so far
+    (:func:`kwng.experiments.cifar.fig3_results.verdicts`): ``per_baseline``, the
+    counts by verdict, the queue left, and ``verdict``: ``"pending"`` while any
+    baseline is pending, else the per-baseline verdicts in one phrase."""
+    base = Path(root) / "cifar" / "fig3"
+    p = fig3.load_protocol(base / "protocol.json")
+    ver = fig3_results.verdicts(p, base)
+    counts: dict[str, int] = {}
+    for v in ver.values():
+        counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
+    if "pending" in counts:
+        word = "pending"
+    else:
+        by = {w: ", ".join(m for m, v in ver.items() if v["verdict"] == w)
+              for w in sorted(counts)}
+        word = "; ".join(f"{w} for {ms}" for w, ms in by.items())
+    queue = fig3_results.queue_left(p, base)
+    return {"per_baseline": ver, "counts": counts, "verdict": word, "queue": queue,
+            "settled": word != "pending" and not any(queue.values())}
+
+
+def flat(d: dict, prefix: str) -> dict[str, object]:
+    """``d`` with nested dicts flattened into ``prefix_key_subkey`` names (the glue
+    names of the ledger); lists are left out."""
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        name = f"{prefix}_{k}".replace(" ", "_")
+        if isinstance(v, dict):
+            out.update(flat(v, name))
+        elif not isinstance(v, list):
+            out[name] = v
+    return out
+
+
+def synthetic_verdicts(relerr: dict, bandwidth: dict, flow: dict) -> dict[str, str]:
+    """The ledger's verdicts on the synthetic claims, from the numbers of
+    :func:`relerr_numbers`, :func:`bandwidth_numbers` and :func:`flow_numbers`:
+
+    * ``fig1_N``: the sphere's mean error falls with ``N`` at every ``d``;
+    * ``fig1_d``: under ``M = ⌊d√N⌋`` the sphere's median error at the largest ``N``
+      varies by at most a factor 2 over ``d``;
+    * ``fig1_M``: a threshold in ``M`` inside the grid, at the smallest and the
+      largest ``d`` (:func:`mixed_verdict` over the two);
+    * ``fig4``: per normal and log-normal model, the error falls with ``N`` and its
+      mean at the largest ``d`` and ``N`` is below 1 (mixed over the two);
+    * ``fig5``: :func:`bandwidth_numbers`' verdict;
+    * ``fig2_wng``: WNG ends below EG after the same iterations;
+    * ``fig2_kwng``: the KWNG variants that never diverged (mixed over them)."""
+    sph = relerr["models"]["sphere"]
+    fm = flow["methods"]
+    return {
+        "fig1_N": "holds" if sph["falls"] else "fails",
+        "fig1_d": "holds" if sph["median_dmax"] <= 2 * sph["median_dmin"]
+        else "fails",
+        "fig1_M": mixed_verdict({"lo": sph["thr_lo"] < sph["M_max"],
+                                 "hi": sph["thr_hi"] < sph["M_max"]}),
+        "fig4": mixed_verdict({m: relerr["models"][m]["falls"]
+                               and relerr["models"][m]["mean"] < 1
+                               for m in ("normal", "lognormal")}),
+        "fig5": bandwidth["verdict"],
+        "fig2_wng": "holds" if fm["wng"]["loss"] < fm["eg"]["loss"] else "fails",
+        "fig2_kwng": mixed_verdict({v: not fm[v]["diverged"]
+                                    for v in flow["variants"]}),
+    }
