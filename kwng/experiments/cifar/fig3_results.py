@@ -17,7 +17,7 @@ from kwng.experiments.cifar.fig3 import (
 )
 
 __all__ = ["selection_rows", "selected_runs", "seed_summary", "verdicts",
-           "queue_left"]
+           "queue_left", "epoch_seconds"]
 
 
 def selection_rows(p: dict, root: str | os.PathLike = FIG3) -> list[dict]:
@@ -118,4 +118,23 @@ def queue_left(p: dict, root: str | os.PathLike = FIG3) -> dict[str, int]:
     out = {"grid": 0, "seeds": 0, "ablation": 0}
     for j in jobs:
         out[Path(j["out"]).parent.name] += 1
+    return out
+
+
+def epoch_seconds(p: dict, root: str | os.PathLike = FIG3,
+                  methods: tuple[str, ...] = ("sgd", "sgd_momentum",
+                                              "sgd_momentum_wd")) -> list[float]:
+    """The training seconds of every epoch after the first of the finished grid runs of
+    ``methods``, as they ran in the queue (several runs on a GPU at the start of a wave,
+    fewer at its end)."""
+    out = []
+    for key, st in grid_state(p, root).items():
+        cond, m = key.split("/")
+        if m not in methods:
+            continue
+        for lr, status in st["runs"].items():
+            rec = record_at(Path(root), "grid", lr, cond, m, 0)
+            if status == "finished":
+                t = [r["time_train"] for r in rec["epochs"]]
+                out += [b - a for a, b in zip(t, t[1:])]
     return out
