@@ -225,6 +225,8 @@ def _launch_checks(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
         p.error(f"--lr must be a number > 0, got {args.lr}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here (use --device cpu)")
+    if args.capture and args.device != "cuda":
+        p.error("--capture replays CUDA graphs: it needs --device cuda")
     if "RANK" not in os.environ:
         p.error("launch with torchrun: torchrun --nproc-per-node=W -m "
                 "kwng.experiments.cifar.ddp ...")
