@@ -84,6 +84,7 @@ from kwng.experiments.cifar.methods import (
 from kwng.experiments.cifar.nets import NETWORKS
 from kwng.experiments.cifar.plans import PLAN_NAMES, build_plan
 from kwng.experiments.cifar.sweep import (
+    run_lock_for,
     sweep,
     worker,
 )
@@ -193,7 +194,8 @@ def _main_run(rest: list[str]) -> int:
                     "data at %s (KWNG_SCALE=full or --model resnet18: the study's "
                     "network)", cfg["model"], a.data_root)
     try:
-        rec = run(cfg, progress=not a.no_progress, force=a.force)
+        with run_lock_for(cfg):
+            rec = run(cfg, progress=not a.no_progress, force=a.force)
     except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError,
             ValueError) as exc:
         log.error("refused: %s", exc)
