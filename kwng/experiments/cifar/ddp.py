@@ -228,7 +228,8 @@ def _launch_checks(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
 def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(prog="torchrun ... -m kwng.experiments.cifar.ddp",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(Path("results") / "cifar_ddp"))
+    p.add_argument("--out", default=str(Path("scratch") / "cifar_ddp"),
+                   help="results folder (default: the git-ignored scratch/cifar_ddp)")
     p.add_argument("--checkpoint-dir", default=str(Path("checkpoints") / "cifar_ddp"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=("cuda", "cpu"))
