@@ -34,7 +34,12 @@ from kwng.experiments.cifar.sweep import (
     schedule_epochs,
     timing,
 )
-from kwng.experiments.cli_checks import int_arg, names_arg, number_arg
+from kwng.experiments.cli_checks import (
+    device_problem,
+    int_arg,
+    names_arg,
+    number_arg,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,8 @@ def timing_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     add("--model", default="resnet18", choices=tuple(NETWORKS))
     add("--out", default=str(CLAIM / "timing" / "timing.json"))
     a = p.parse_args(rest)
+    if device_problem(a.device):
+        p.error(device_problem(a.device))
     methods = {"all": list(METHODS), "claim": list(CLAIM_METHODS)}.get(
         a.methods[0], a.methods
     )
@@ -98,6 +105,8 @@ def trainer_timing_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     add("--train-subset", type=int_arg(1), default=None)
     add("--out", default=str(RESULTS / "authors100" / "timing" / "trainer_timing.json"))
     a = p.parse_args(rest)
+    if device_problem(a.device):
+        p.error(device_problem(a.device))
     res = trainer_timing(
         a.methods,
         Path(a.out),
