@@ -35,7 +35,8 @@ from kwng.experiments.provenance import (
 log = logging.getLogger(__name__)
 
 #: the named plans of :func:`build_plan` (any other plan is a JSON file of run settings)
-PLAN_NAMES = ("claim_select", "claim", "select", "main", "authors100", "authors100_all")
+PLAN_NAMES = ("claim_select", "claim", "select", "main", "authors100", "authors100_all",
+              "fig3")
 
 
 # ------------------------------------------------------------------------------ plans
