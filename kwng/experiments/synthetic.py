@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     problem = path_problem(args, ("out",)) or device_problem(args.device)
     if args.name == "flow" and (args.mem_gb is not None or args.model is not None):
-        problem = ("--mem-gb and --model are options of the relerr and bandwidth sweeps; "
-                   "flow does not use them")
+        problem = ("--mem-gb and --model are options of the relerr and bandwidth "
+                   "sweeps; flow does not use them")
     if problem:
         ap.error(problem)
     out = Path(args.out or Path("results") / args.name)
@@ -373,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = relerr_config(args.scale) if args.name == "relerr" else bandwidth_config(args.scale)
             mem_gb = 4.0 if args.mem_gb is None else args.mem_gb
-            prov = run_sweep(cfg, out, args.device, args.model, mem_gb, progress=not args.no_progress,
+            prov = run_sweep(cfg, out, args.device, args.model, mem_gb,
+                             progress=not args.no_progress,
                              force=args.force)
     except (ConfigMismatchError, ResultFileError) as exc:
         print(f"{args.name}: refused: {exc}", file=sys.stderr)
