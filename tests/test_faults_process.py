@@ -114,3 +114,31 @@ def test_sigterm_to_a_sweep_reaches_its_worker(tmp_path):
     assert "SIGTERM received, passed on to 1 worker(s); waiting for them" in err
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the worker is gone (and was reaped by the sweep)
+
+
+FORWARD = """
+import subprocess, sys
+from kwng.experiments.cifar.sweep import _wait_forwarding
+kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         start_new_session=True) for _ in range(2)]
+print(" ".join(str(k.pid) for k in kids), flush=True)
+sys.exit(_wait_forwarding(kids))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_sweep_passes_a_signal_on_and_waits(sig):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", FORWARD], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        time.sleep(0.5)  # the handlers are in place once the children run
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 128 + sig
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
