@@ -122,10 +122,14 @@ def test_readme_command_writes_nothing_git_sees(checkout, readme, argv, slow):
     argv = [str(free_port()) if a == "PORT" else a for a in argv]
     env = {**os.environ, "PYTHONPATH": str(checkout), "KWNG_SCALE": "small",
            "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert _git(checkout, "status", "--porcelain", "--untracked-files=all") == ""
+    try:
+        res = subprocess.run(argv, cwd=checkout, env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert _git(checkout, "status", "--porcelain", "--untracked-files=all") == ""
+    finally:  # the next command starts from the committed files again
+        _git(checkout, "reset", "-q", "--hard")
+        _git(checkout, "clean", "-q", "-f", "-d")
 
 
 def test_the_baseline_folder_of_the_step_cost_recheck_is_ignored(checkout):
