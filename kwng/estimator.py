@@ -116,9 +116,16 @@ def kernel_matrices(X: torch.Tensor, basis_idx: torch.Tensor, basis_coords: torc
     (``M × M``, summed over ``n`` and ``j`` *without* the ``1/N``). ``X`` is detached and promoted to
     float64 (at least): the three matrices come back in float64, so the kernel terms add no rounding
     of their own to that of the samples, and float16/bfloat16 samples cannot overflow them.
+    Samples that all sit at one point give a ``RuntimeWarning``: they carry no metric
+    to estimate (the estimators refuse them; :func:`kwng.nosync.kernel_matrices_nosync`
+    returns NaN).
     """
     X = check_points(X, "X").detach()
     X = X.to(torch.promote_types(X.dtype, torch.float64))
+    if X.shape[0] > 1 and bool((X == X[:1]).all()):
+        warnings.warn(f"kernel_matrices: all {X.shape[0]} samples X sit at one point: "
+                      "they carry no metric, and a direction built on these matrices "
+                      "is meaningless", RuntimeWarning, stacklevel=2)
     C, K, _ = coord_matrices(kernel, X, basis_idx.to(X.device), basis_coords.to(X.device))
     Cf = C.reshape(C.shape[0], -1)
     return C, K, Cf @ Cf.T

@@ -14,23 +14,10 @@ import torch
 
 from kwng import solve
 from kwng._checks import check_choice, check_positive
-from kwng.kernels import BANDWIDTH_RULES, Kernel, bandwidth_from_rule, coord_matrices
+from kwng.kernels import BANDWIDTH_RULES, Kernel, coord_matrices
 from kwng.solve import DAMPING_FLOOR, DAMPINGS
 
-__all__ = ["bandwidth_tensor", "kernel_matrices_nosync", "nystrom_solve_nosync"]
-
-
-def bandwidth_tensor(
-    sq_dists: torch.Tensor, bandwidth: float | str, sigma0: float = 1.0
-) -> torch.Tensor:
-    """The kernel bandwidth as a 0-dim tensor (no host sync) from the ``M × N`` squared
-    distances: a rule of :func:`kwng.kernels.bandwidth_from_rule` or a number."""
-    if isinstance(bandwidth, str):
-        check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
-        return bandwidth_from_rule(sq_dists, bandwidth, sigma0)
-    return torch.as_tensor(
-        float(bandwidth), dtype=sq_dists.dtype, device=sq_dists.device
-    )
+__all__ = ["kernel_matrices_nosync", "nystrom_solve_nosync"]
 
 
 def kernel_matrices_nosync(
@@ -45,17 +32,30 @@ def kernel_matrices_nosync(
     syncs.
 
     ``basis_idx`` and ``basis_coords`` must already be valid (no range checks here) and
-    may live on the device. ``bandwidth`` as in :func:`bandwidth_tensor` (``None`` keeps
-    the kernel's own).
+    may live on the device. ``bandwidth``: a rule of
+    :func:`kwng.kernels.bandwidth_from_rule` (with ``sigma0``), a number ``> 0`` or
+    ``None`` (the kernel's own).
     Returns ``(C, K, CCt, sigma)`` with ``sigma`` the bandwidth used, a 0-dim tensor;
     ``C`` comes from :meth:`Kernel.mixed_coord_from_differences` (the formula of
     :meth:`Kernel.mixed_coord`) with that tensor bandwidth.
+
+    Samples that all sit at one point carry no metric to estimate (the validated
+    :func:`kwng.kwng_gradient` refuses them). A rule then gives ``σ = 0``, a fixed
+    bandwidth (which would give a finite, meaningless direction of enormous norm) gives
+    ``sigma`` = NaN: either way the matrices are not finite, and the preconditioner's
+    step falls back to the Euclidean gradient, counted in its ``fallbacks``.
     """
     X = X.detach()
     idx = basis_idx.to(X.device, non_blocking=True)
     coords = basis_coords.to(X.device, non_blocking=True)
-    if not isinstance(bandwidth, str) and bandwidth is not None:
-        bandwidth = float(bandwidth)
+    if isinstance(bandwidth, str):
+        check_choice(bandwidth, "bandwidth", BANDWIDTH_RULES)
+    else:
+        fixed = kernel.bandwidth if bandwidth is None else bandwidth
+        fixed = torch.as_tensor(check_positive(fixed, "bandwidth"), dtype=X.dtype,
+                                device=X.device)
+        one_point = (X == X[:1]).all()  # a device flag: no host sync
+        bandwidth = torch.where(one_point, torch.nan, fixed)
     C, K, sigma = coord_matrices(kernel, X, idx, coords, bandwidth, sigma0)
     Cf = C.reshape(C.shape[0], -1)
     return C, K, Cf @ Cf.T, sigma

@@ -22,6 +22,7 @@ for rep in range(3):
 PYEOF
 for name in flow relerr bandwidth; do
   SECONDS=0
-  "$PY" -m kwng.experiments "$name" --scale full --device cuda --mem-gb "${KWNG_MEM_GB:-8}" --no-progress
+  mem=(); [ "$name" = flow ] || mem=(--mem-gb "${KWNG_MEM_GB:-8}")  # sweeps only
+  "$PY" -m kwng.experiments "$name" --scale full --device cuda "${mem[@]}" --no-progress
   echo "SWEEP $name wall time: ${SECONDS} s"
 done

@@ -58,10 +58,16 @@ Design choices:
 All collectives are issued in the same order on every rank. A rank that raises (for
 example a batch that does not match ``batch_sizes``) leaves the others waiting in the
 next collective until the process group's timeout; ``torchrun`` then stops the job.
+At construction the ranks compare their settings and their models
+(:func:`fingerprint`: the hyperparameters, the step size, the shard sizes, every
+parameter's name, shape and dtype, every module's type) in one exchange, and every
+rank raises naming the first difference: ranks that disagree would otherwise write
+different directions, or stop in a collective whose sizes do not match.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,7 +80,8 @@ from kwng.engine.config import KWNGConfig
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.estimator import draw_basis
 
-__all__ = ["DistributedKWNG", "broadcast_module", "bucket_size", "replica_spread"]
+__all__ = ["DistributedKWNG", "broadcast_module", "bucket_size", "check_agreement",
+           "fingerprint", "replica_spread"]
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +146,65 @@ def _check_batch_sizes(batch_sizes: int | Sequence[int] | None, world: int
     return sizes
 
 
+def fingerprint(precond: KWNGPreconditioner, extra: dict[str, Any] | None = None
+                ) -> list[tuple[str, str]]:
+    """What every rank of one job must share, as ``(key, value)`` pairs in a fixed
+    order: ``precond``'s hyperparameters, its current step size and the entries of
+    ``extra``; the number of trainable parameter tensors and values; each trainable
+    parameter's name, shape, dtype and device type; each module's type and settings
+    (``extra_repr``: the activation, the layer sizes, batch norm's ``eps``)."""
+    hp = {**precond.hyperparameters(), "lr": precond._current_lr(), **(extra or {})}
+    named = [(n, p) for n, p in precond.model.named_parameters() if p.requires_grad]
+    out = [(k, repr(v)) for k, v in hp.items()]
+    out.append(("trainable parameters", f"{len(named)} tensors, "
+                f"{sum(p.numel() for _, p in named)} values"))
+    out += [(f"parameter {n}", f"shape {tuple(p.shape)}, {p.dtype}, on {p.device.type}")
+            for n, p in named]
+    out += [(f"module {n or '(root)'}", f"{type(m).__name__}({m.extra_repr()})")
+            for n, m in precond.model.named_modules()]
+    return out
+
+
+def _first_difference(mine: list[tuple[str, str]], other: list[tuple[str, str]]
+                      ) -> tuple[str, str, str] | None:
+    """``(key, value here, value there)`` of the first entry that differs, else
+    ``None`` (a missing entry reads ``absent``)."""
+    a, b = dict(mine), dict(other)
+    keys = list(a) + [k for k in b if k not in a]
+    for k in keys:
+        if a.get(k, "absent") != b.get(k, "absent"):
+            return k, a.get(k, "absent"), b.get(k, "absent")
+    return None
+
+
+def check_agreement(entries: list[tuple[str, str]], group: Any = None,
+                    device: torch.device | str = "cpu") -> None:
+    """All-gather ``entries`` (:func:`fingerprint`) over ``group`` and raise
+    ``ValueError`` on every rank, naming the first entry in which a rank differs from
+    group rank 0. Two all-gathers (the lengths, then the padded bytes) on ``device``,
+    at construction only."""
+    rank, world, _ = _group_info(group)
+    data = torch.tensor(list(json.dumps(entries).encode()), dtype=torch.uint8,
+                        device=device)
+    sizes = torch.empty(world, dtype=torch.long, device=device)
+    _all_gather(sizes, torch.tensor([data.numel()], device=device), group=group)
+    top = int(sizes.max())
+    send = torch.zeros(top, dtype=torch.uint8, device=device)
+    send[:data.numel()] = data
+    recv = torch.empty(world * top, dtype=torch.uint8, device=device)
+    _all_gather(recv, send, group=group)
+    rows = recv.view(world, top).cpu()
+    every = [[tuple(e) for e in json.loads(bytes(rows[r, :int(sizes[r])].tolist()))]
+             for r in range(world)]
+    for r in range(1, world):
+        diff = _first_difference(every[0], every[r])
+        if diff is not None:
+            key, ref, got = diff
+            raise ValueError(f"DistributedKWNG: the ranks disagree on {key}: {ref} on "
+                             f"rank 0 but {got} on rank {r} (this is rank {rank}); "
+                             "every rank must build the same model and preconditioner")
+
+
 def _adjacent(g: torch.Tensor, T: torch.Tensor) -> torch.Tensor | None:
     """The flat ``(M + 1)·q`` view of ``[g; T]`` when ``T`` follows ``g`` in one buffer
     (as the fast path returns them), else ``None``."""
@@ -158,19 +224,21 @@ class DistributedKWNG(KWNGPreconditioner):
     Used like the single-process preconditioner, on each rank's shard (``loss`` the
     mean loss of the shard, ``X`` its outputs)::
 
-        dist.init_process_group("nccl")                 # under torchrun precond =
-        DistributedKWNG(model, lr=0.1, num_basis=5, batch_sizes=128) for z, y in
-        shard_loader:                       # this rank's samples opt.zero_grad() X =
-        model(z) precond.step(F.cross_entropy(X, y), X)      # the global direction in
-        p.grad opt.step()                                  # the same update on every
-        rank
+        dist.init_process_group("nccl")            # under torchrun
+        precond = DistributedKWNG(model, lr=0.1, num_basis=5, batch_sizes=128)
+        for z, y in shard_loader:                  # this rank's samples
+            opt.zero_grad()
+            X = model(z)
+            precond.step(F.cross_entropy(X, y), X)  # the global direction in p.grad
+            opt.step()                             # the same update on every rank
 
     Arguments as :class:`kwng.KWNGPreconditioner`, plus ``group`` — the process group
     (``None``: the default one); ``batch_sizes`` — ``None`` (exchanged every step, a
     host sync), an integer (every rank's) or one integer per rank; ``broadcast`` — copy
-    group rank 0's parameters and buffers at construction. ``generator`` draws the basis
-    on rank 0 only. ``model`` must be the bare module, not a
-    ``DistributedDataParallel`` wrapper (this class replaces it).
+    group rank 0's parameters and buffers at construction. Every rank must pass the
+    same settings and an identical model (:func:`check_agreement` raises otherwise).
+    ``generator`` draws the basis on rank 0 only. ``model`` must be the bare module,
+    not a ``DistributedDataParallel`` wrapper (this class replaces it).
     """
 
     def __init__(self, model: nn.Module, config: KWNGConfig | None = None, *,
@@ -189,6 +257,9 @@ class DistributedKWNG(KWNGPreconditioner):
                              f"{type(broadcast).__name__}")
         self.batch_sizes = _check_batch_sizes(batch_sizes, self.world_size)
         super().__init__(model, config, lr=lr, generator=generator, **hyperparameters)
+        check_agreement(fingerprint(self, {"batch_sizes": self.batch_sizes,
+                                           "broadcast": broadcast}),
+                        group, self.params[0].device)
         if broadcast:
             broadcast_module(model, group)
         self._rows = (0, 0, 1)  # (offset, N_r, N) of the last step
@@ -207,6 +278,15 @@ class DistributedKWNG(KWNGPreconditioner):
                 dist.broadcast(t, self._src, group=self.group)
 
     # --- the hooks of KWNGPreconditioner._step ---------------------------------------
+    def _check_inputs(self, loss: torch.Tensor, outputs: torch.Tensor) -> None:
+        """The base class's checks, except that ``num_basis`` may exceed this rank's
+        shard: :meth:`_share` checks it against the global batch."""
+        n, M = (outputs.shape[0] if isinstance(outputs, torch.Tensor) else 0,
+                self.config.num_basis)
+        if 0 < n < M and outputs.dim() == 2:  # a view with M rows for the base checks
+            outputs = outputs.narrow(0, 0, 1).expand(M, -1)
+        super()._check_inputs(loss, outputs)
+
     def _shard_sizes(self, n: int, device: torch.device) -> list[int]:
         if self.batch_sizes is not None:
             r, want = self.rank, self.batch_sizes[self.rank]

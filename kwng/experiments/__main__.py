@@ -18,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(EXPERIMENTS[name])
-    return int(module.main([name] + argv[1:]) or 0)
+    try:
+        return int(module.main([name] + argv[1:]) or 0)
+    except (ValueError, FileNotFoundError) as exc:  # a setting or a file: one line
+        print(f"python -m kwng.experiments {name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable, Sequence
 
-__all__ = ["lr_arg", "path_problem", "device_problem"]
+__all__ = ["lr_arg", "int_arg", "number_arg", "names_arg", "path_problem",
+           "device_problem"]
 
 
 def lr_arg(text: str) -> str | float:
@@ -21,6 +23,52 @@ def lr_arg(text: str) -> str | float:
         raise argparse.ArgumentTypeError(
             f"must be a finite number > 0 or 'selected', got {text!r}")
     return lr
+
+
+def int_arg(lo: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer ``>= lo`` (argparse names the option)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {lo}, got {text!r}")
+        return value
+    return parse
+
+
+def number_arg(lo: float = 0.0) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number ``> lo``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > lo):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number > {lo:g}, got {text!r}")
+        return value
+    return parse
+
+
+def names_arg(choices: Sequence[str], extra: Sequence[str] = ()
+              ) -> Callable[[str], list[str]]:
+    """An argparse ``type``: a comma list of names from ``choices`` (or one word of
+    ``extra``, returned as a one-element list)."""
+    def parse(text: str) -> list[str]:
+        if text in extra:
+            return [text]
+        names = [t.strip() for t in text.split(",")]
+        bad = [n for n in names if n not in choices]
+        if bad or not text.strip():
+            words = ", ".join(map(repr, extra))
+            raise argparse.ArgumentTypeError(
+                f"must be a comma list of {', '.join(choices)}"
+                + (f" (or {words})" if extra else "") + f"; got {text!r}")
+        return names
+    return parse
 
 
 def path_problem(args: argparse.Namespace, names: tuple[str, ...]) -> str | None:

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from kwng import config as _config
-from kwng.experiments.cli_checks import path_problem
+from kwng.experiments.cli_checks import int_arg, path_problem
 from kwng.experiments.fisher_flow import run_flow
 from kwng.experiments.fisher_sweep import FISHER_MODELS, run_sweep
 from kwng.experiments.guard import ConfigMismatchError
@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="grid size (default: $KWNG_SCALE, else small)")
     ap.add_argument("--out", default=None,
                     help="output directory (default _build/results/fisher-<scale>)")
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--threads", type=int_arg(1), default=1,
                     help="torch CPU threads (default 1: the estimates are small; more "
                     "threads only contend on a shared 2-core machine)")
     ap.add_argument("--no-progress", action="store_true")
@@ -163,10 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     [--out]``."""
     ap = _parser()
     args = ap.parse_args(argv)
-    if args.threads < 1:
-        raise SystemExit(
-            f"--threads must be an integer in [1, inf), got {args.threads}"
-        )
     torch.set_num_threads(args.threads)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

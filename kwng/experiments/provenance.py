@@ -147,7 +147,9 @@ def index_provenance(directory: str | os.PathLike) -> dict:
     directory record lists them under ``files`` and carries at the top the keys of every
     record (command, config, git commit, device, date, seeds, wall time): the latest
     record's command, commit, device and date, each file's config and seeds, the summed
-    wall time. Nothing is recomputed; the file is rewritten from what is there.
+    wall time of the last calls (``wall_time_s``) and of every call, interrupted ones
+    included (``wall_time_total_s``: a record without it counts its ``wall_time_s``).
+    Nothing is recomputed; the file is rewritten from what is there.
     """
     directory = Path(directory)
     files = {}
@@ -169,6 +171,8 @@ def index_provenance(directory: str | os.PathLike) -> dict:
         "date": latest["date"],
         "seeds": {name: r.get("seeds") for name, r in files.items()},
         "wall_time_s": sum(r.get("wall_time_s") or 0.0 for r in files.values()),
+        "wall_time_total_s": sum(r.get("wall_time_total_s", r.get("wall_time_s")) or 0.0
+                                 for r in files.values()),
         "files": files,
     }
     atomic_write_json(directory / "provenance.json", record)

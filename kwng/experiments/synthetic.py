@@ -34,7 +34,7 @@ import torch
 from kwng import config as _config
 from kwng.batched import batched_kwng
 from kwng.estimator import kwng_gradient
-from kwng.experiments.cli_checks import device_problem, path_problem
+from kwng.experiments.cli_checks import device_problem, number_arg, path_problem
 from kwng.experiments.grid import BandwidthSpec, keyed_seed, parse_bandwidth
 from kwng.experiments.guard import ConfigMismatchError
 from kwng.experiments.guard_csv import write_csv_rows
@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", nargs="+", choices=list(FIGURE_MODELS), default=None, help="models to run (sweeps)")
     ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     ap.add_argument("--out", default=None, help="output directory (default results/<name>)")
-    ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound of one batch of runs")
+    ap.add_argument("--mem-gb", type=number_arg(0), default=None,
+                    help="memory bound of one batch of runs (sweeps; default 4)")
     ap.add_argument("--force", action="store_true",
                     help="if --out holds results of another configuration, move them to a dated backup "
                          "(<out>.backup-<date>) and start afresh; without it such a run refuses")
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     problem = path_problem(args, ("out",)) or device_problem(args.device)
+    if args.name == "flow" and (args.mem_gb is not None or args.model is not None):
+        problem = ("--mem-gb and --model are options of the relerr and bandwidth "
+                   "sweeps; flow does not use them")
     if problem:
         ap.error(problem)
     out = Path(args.out or Path("results") / args.name)
@@ -368,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                             force=args.force)
         else:
             cfg = relerr_config(args.scale) if args.name == "relerr" else bandwidth_config(args.scale)
-            prov = run_sweep(cfg, out, args.device, args.model, args.mem_gb, progress=not args.no_progress,
+            mem_gb = 4.0 if args.mem_gb is None else args.mem_gb
+            prov = run_sweep(cfg, out, args.device, args.model, mem_gb,
+                             progress=not args.no_progress,
                              force=args.force)
     except (ConfigMismatchError, ResultFileError) as exc:
         print(f"{args.name}: refused: {exc}", file=sys.stderr)

@@ -48,7 +48,8 @@ class StepRunner:
     """Calls ``step_fn(z, y)`` for each batch, eagerly or replayed from a CUDA graph.
 
     ``lr_fn`` returns the current step size (a change records the graph again);
-    ``capture`` is honoured only on a CUDA ``device``. The attributes ``captures``,
+    ``capture`` is honoured only on a CUDA ``device`` (elsewhere the steps run eagerly,
+    with a warning, and ``capture`` reads ``False``). The attributes ``captures``,
     ``replays`` and ``eager`` count the recordings, the replayed steps and the eager
     ones."""
 
@@ -62,6 +63,9 @@ class StepRunner:
         self.step_fn, self.lr_fn, self.warmup = step_fn, lr_fn, warmup
         self.device = torch.device(device)
         self.capture = bool(capture) and self.device.type == "cuda"
+        if capture and not self.capture:
+            log.warning("capture needs a CUDA device: the steps run eagerly on %s",
+                        self.device)
         self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._warm: dict[tuple, int] = {}
         self._graphs: dict[tuple, tuple[float, torch.cuda.CUDAGraph]] = {}

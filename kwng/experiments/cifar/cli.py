@@ -82,15 +82,22 @@ from kwng.experiments.cifar.methods import (
     RunConfig,
 )
 from kwng.experiments.cifar.nets import NETWORKS
-from kwng.experiments.cifar.plans import build_plan
+from kwng.experiments.cifar.plans import PLAN_NAMES, build_plan
 from kwng.experiments.cifar.sweep import (
+    run_lock_for,
     sweep,
     worker,
 )
 from kwng.experiments.cifar.train import (
     run,
 )
-from kwng.experiments.cli_checks import device_problem, lr_arg, path_problem
+from kwng.experiments.cli_checks import (
+    device_problem,
+    int_arg,
+    lr_arg,
+    number_arg,
+    path_problem,
+)
 from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["main", "SMALL_RUN", "run_config_from_args"]
@@ -114,8 +121,9 @@ def _run_parser() -> argparse.ArgumentParser:
     add("--dataset", default="cifar10", choices=DATASETS)
     add("--conditioning", default="ill", choices=CONDITIONINGS)
     add("--method", default="kwng", choices=list(METHODS))
-    add("--seed", type=int, default=0)
-    add("--epochs", type=int, default=None, help="default: 30 (full scale), 2 (small)")
+    add("--seed", type=int_arg(0), default=0)
+    add("--epochs", type=int_arg(1), default=None,
+        help="default: 30 (full scale), 2 (small)")
     add("--lr", default="selected", type=lr_arg,
         help="a step size or 'selected' (`cifar select`)")
     add("--schedule", default="claim", choices=SCHEDULES)
@@ -138,13 +146,13 @@ def _run_parser() -> argparse.ArgumentParser:
     add("--out", default=None, help=f"default: {RESULTS} (full scale), "
         f"{SMALL_RUN['out']} (small)")
     add("--checkpoint-dir", default=str(CHECKPOINTS))
-    add("--train-subset", type=int, default=None)
-    add("--val-size", type=int, default=0)
-    add("--max-steps", type=int, default=None)
+    add("--train-subset", type=int_arg(1), default=None)
+    add("--val-size", type=int_arg(0), default=0)
+    add("--max-steps", type=int_arg(1), default=None)
     add("--model", default=None, choices=tuple(NETWORKS),
         help="default: resnet18 (full scale), tiny (small)")
-    add("--batch-size", type=int, default=None)
-    add("--stop-after-epoch", type=int, default=None,
+    add("--batch-size", type=int_arg(1), default=None)
+    add("--stop-after-epoch", type=int_arg(1), default=None,
         help="stop (checkpointed) after this epoch")
     add("--selection-file", default=None)
     add("--force", action="store_true", help="if the run directory holds results of "
@@ -176,14 +184,18 @@ def _main_run(rest: list[str]) -> int:
     problem = path_problem(a, ("out", "checkpoint_dir", "data_root", "selection_file"))
     if problem or device_problem(a.device):
         p.error(problem or device_problem(a.device))
-    cfg = run_config_from_args(a)
+    try:
+        cfg = run_config_from_args(a)
+    except ValueError as exc:
+        p.error(str(exc))
     log.info("configuration (KWNG_SCALE=%s): %s", config.scale(), json.dumps(dict(cfg)))
     if a.data_root is not None and config.scale() == "small" and a.model is None:
         log.warning("KWNG_SCALE=small: --data-root trains the small model %r on the "
                     "data at %s (KWNG_SCALE=full or --model resnet18: the study's "
                     "network)", cfg["model"], a.data_root)
     try:
-        rec = run(cfg, progress=not a.no_progress, force=a.force)
+        with run_lock_for(cfg):
+            rec = run(cfg, progress=not a.no_progress, force=a.force)
     except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError,
             ValueError) as exc:
         log.error("refused: %s", exc)
@@ -208,32 +220,53 @@ def _overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _plan_arg(text: str) -> str:
+    """``--plan``: a named plan or an existing JSON file of run settings."""
+    if text in PLAN_NAMES or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(PLAN_NAMES)} or a "
+                                     f"JSON file of run settings, got {text!r}")
+
+
+def _epochs_arg(text: str) -> str:
+    """``--epochs`` of a sweep: an integer >= 1 or ``auto``."""
+    try:
+        return text if text == "auto" else str(int_arg(1)(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1 or 'auto', got {text!r}") from None
+
+
 def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
-    add("--plan", required=True)
+    add("--plan", required=True, type=_plan_arg,
+        help=f"{', '.join(PLAN_NAMES)} or a JSON file of run settings")
     add("--dataset", default="cifar10", choices=DATASETS)
-    add("--epochs", default="6", help="an integer, or 'auto' (from the schedule file)")
+    add("--epochs", default="6", type=_epochs_arg,
+        help="an integer, or 'auto' (from the schedule file)")
     add("--data-root", default=None)
-    add("--gpus", type=int, default=1)
-    add("--procs-per-gpu", type=int, default=4)
-    add("--deadline-s", type=float, default=None,
+    add("--gpus", type=int_arg(0), default=1)
+    add("--procs-per-gpu", type=int_arg(1), default=4)
+    add("--deadline-s", type=number_arg(0), default=None,
         help="stop starting/continuing runs after this")
-    add("--deadline", type=float, default=None)
-    add("--start-by-s", type=float, default=None,
+    add("--deadline", type=number_arg(0), default=None)
+    add("--start-by-s", type=number_arg(0), default=None,
         help="start no run after this many seconds (a run begun later could not "
              "finish before the machine goes back)")
-    add("--start-by", type=float, default=None, help=argparse.SUPPRESS)
-    add("--finish-by-s", type=float, default=None,
+    add("--start-by", type=number_arg(0), default=None, help=argparse.SUPPRESS)
+    add("--finish-by-s", type=number_arg(0), default=None,
         help="start no run whose estimated duration (a plan's est_s) would end it "
              "after this many seconds")
-    add("--finish-by", type=float, default=None, help=argparse.SUPPRESS)
+    add("--finish-by", type=number_arg(0), default=None, help=argparse.SUPPRESS)
     add("--session", default=None)
-    add("--offset", type=int, default=0)
-    add("--select-steps", type=int, default=120)
-    add("--select-epochs", type=int, default=2, help="claim_select: epochs of each run")
-    add("--select-subset", type=int, default=None, help="claim_select: training images "
-        "per run (default: all but the held-out ones)")
-    add("--select-val", type=int, default=5_000, help="claim_select: held-out images")
+    add("--offset", type=int_arg(0), default=0)
+    add("--select-steps", type=int_arg(1), default=120)
+    add("--select-epochs", type=int_arg(1), default=2,
+        help="claim_select: epochs of each run")
+    add("--select-subset", type=int_arg(1), default=None, help="claim_select: "
+        "training images per run (default: all but the held-out ones)")
+    add("--select-val", type=int_arg(1), default=5_000,
+        help="claim_select: held-out images")
     add("--timing", default=None, help="a timing file (`cifar timing`) to balance the "
         "GPUs")
     add("--methods", default=None, help="comma list: only these methods' runs")
@@ -299,10 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     rest = argv[1:] if sub else argv
     if sub is None:
         return _main_run(rest)
-    p = argparse.ArgumentParser(prog=f"python -m kwng.experiments cifar {sub}")
     if sub not in COMMANDS and sub not in ("sweep", "worker"):
-        raise ValueError(f"unknown cifar subcommand {sub!r}; use sweep, worker, "
-                         "select, timing, trainer-timing, schedule or check")
+        argparse.ArgumentParser(prog="python -m kwng.experiments cifar").error(
+            f"unknown cifar subcommand {sub!r}; use sweep, worker, "
+            f"{', '.join(COMMANDS)} (or options only: one run)")
+    p = argparse.ArgumentParser(prog=f"python -m kwng.experiments cifar {sub}")
     try:  # a refusal (other configuration, unreadable or missing file): rc 2, named
         if sub in ("sweep", "worker"):
             _sweep_arguments(p)
@@ -315,3 +349,5 @@ def main(argv: list[str] | None = None) -> int:
     except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
         log.error("refused: %s", exc)
         return 2
+    except ValueError as exc:  # a setting no option type could check alone
+        p.error(str(exc))

@@ -19,6 +19,7 @@ from kwng.experiments.cifar.methods import (
     CLAIM_SELECTION,
     CONDITIONINGS,
     METHODS,
+    PRECISIONS,
     RESULTS,
     milestones_for,
 )
@@ -32,6 +33,12 @@ from kwng.experiments.cifar.results import (
 from kwng.experiments.cifar.sweep import (
     schedule_epochs,
     timing,
+)
+from kwng.experiments.cli_checks import (
+    device_problem,
+    int_arg,
+    names_arg,
+    number_arg,
 )
 
 log = logging.getLogger(__name__)
@@ -48,24 +55,21 @@ def select_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
 
 def timing_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     add = p.add_argument
-    add("--methods", default="claim")
+    add("--methods", default="claim",
+        type=names_arg(list(METHODS), extra=("all", "claim")))
     add("--dataset", default="cifar10", choices=DATASETS)
     add("--conditioning", default="ill", choices=CONDITIONINGS)
-    add("--steps", type=int, default=30)
-    add("--warmup", type=int, default=5)
+    add("--steps", type=int_arg(1), default=30)
+    add("--warmup", type=int_arg(0), default=5)
     add("--device", default=None)
     add("--model", default="resnet18", choices=tuple(NETWORKS))
     add("--out", default=str(CLAIM / "timing" / "timing.json"))
     a = p.parse_args(rest)
+    if device_problem(a.device):
+        p.error(device_problem(a.device))
     methods = {"all": list(METHODS), "claim": list(CLAIM_METHODS)}.get(
-        a.methods, a.methods.split(",")
+        a.methods[0], a.methods
     )
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(
-            f"unknown methods {bad}; accepted: 'all', 'claim' or names "
-            f"from {list(METHODS)}"
-        )
     for f in (Path(a.out), Path(a.out).parent / "provenance.json"):
         if f.exists() and not a.force:
             raise guard.ConfigMismatchError(f"{f} exists; {guard.FORCE_HINT}")
@@ -88,23 +92,26 @@ def trainer_timing_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     from kwng.experiments.cifar.timing import trainer_timing
 
     add = p.add_argument
-    add("--methods", default="sgd,adam,kfac,kwng")
+    add("--methods", default="sgd,adam,kfac,kwng", type=names_arg(list(METHODS)))
     add("--conditioning", default="ill", choices=CONDITIONINGS)
-    add("--precisions", default="bf16", help="comma list of fp32, bf16")
-    add("--epochs", type=int, default=2)
-    add("--trace-steps", type=int, default=256)
+    add("--precisions", default="bf16", type=names_arg(PRECISIONS),
+        help="comma list of fp32, bf16")
+    add("--epochs", type=int_arg(1), default=2)
+    add("--trace-steps", type=int_arg(1), default=256)
     add("--data-root", default=None)
     add("--source", default="auto", choices=("auto", "official", "jpeg", "sample"))
     add("--model", default="resnet18", choices=tuple(NETWORKS))
     add("--device", default=None)
-    add("--train-subset", type=int, default=None)
+    add("--train-subset", type=int_arg(1), default=None)
     add("--out", default=str(RESULTS / "authors100" / "timing" / "trainer_timing.json"))
     a = p.parse_args(rest)
+    if device_problem(a.device):
+        p.error(device_problem(a.device))
     res = trainer_timing(
-        a.methods.split(","),
+        a.methods,
         Path(a.out),
         conditioning=a.conditioning,
-        precisions=a.precisions.split(","),
+        precisions=a.precisions,
         epochs=a.epochs,
         trace_steps=a.trace_steps,
         data_root=a.data_root,
@@ -141,13 +148,13 @@ def trainer_timing_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
 def schedule_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     add = p.add_argument
     add("--plan", default="claim", choices=("claim", "main"))
-    add("--budget-s", type=float, required=True)
+    add("--budget-s", type=number_arg(0), required=True)
     add("--timing", default=str(RESULTS / "timing" / "timing.json"))
-    add("--concurrency-gain", type=float, default=1.0)
-    add("--gpus", type=int, default=1)
-    add("--procs-per-gpu", type=int, default=None)
-    add("--min-epochs", type=int, default=1)
-    add("--max-epochs", type=int, default=400)
+    add("--concurrency-gain", type=number_arg(0), default=1.0)
+    add("--gpus", type=int_arg(1), default=1)
+    add("--procs-per-gpu", type=int_arg(1), default=None)
+    add("--min-epochs", type=int_arg(1), default=1)
+    add("--max-epochs", type=int_arg(1), default=400)
     add("--out", default=None, help="write the schedule here (default: print only)")
     a = p.parse_args(rest)
     plan = build_plan(a.plan)

@@ -48,6 +48,7 @@ from kwng.experiments.cifar.ddp_store import (
     run_dir,
     save_epoch,
 )
+from kwng.experiments.cli_checks import int_arg, number_arg
 from kwng.experiments.guard import (
     load_checkpoint,
 )
@@ -215,16 +216,10 @@ class _Trainer:
 
 
 def _launch_checks(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("epochs", "batch", "num_basis", "eval_batch"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be an integer >= 1, got "
-                    f"{getattr(args, name)}")
-    if args.subset is not None and args.subset < 1:
-        p.error(f"--subset must be an integer >= 1, got {args.subset}")
-    if not args.lr > 0:
-        p.error(f"--lr must be a number > 0, got {args.lr}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here (use --device cpu)")
+    if args.capture and args.device != "cuda":
+        p.error("--capture replays CUDA graphs: it needs --device cuda")
     if "RANK" not in os.environ:
         p.error("launch with torchrun: torchrun --nproc-per-node=W -m "
                 "kwng.experiments.cifar.ddp ...")
@@ -233,27 +228,29 @@ def _launch_checks(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
 def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(prog="torchrun ... -m kwng.experiments.cifar.ddp",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(Path("results") / "cifar_ddp"))
+    p.add_argument("--out", default=str(Path("scratch") / "cifar_ddp"),
+                   help="results folder (default: the git-ignored scratch/cifar_ddp)")
     p.add_argument("--checkpoint-dir", default=str(Path("checkpoints") / "cifar_ddp"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=("cuda", "cpu"))
     p.add_argument("--model", default="resnet18", choices=("resnet18", "tiny"))
-    p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("--stop-after-epoch", type=int, default=None,
+    p.add_argument("--epochs", type=int_arg(1), default=100)
+    p.add_argument("--stop-after-epoch", type=int_arg(1), default=None,
                    help="stop (checkpointed) after this epoch; rerun to resume")
-    p.add_argument("--batch", type=int, default=128, help="per-rank batch")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--num-basis", type=int, default=5)
+    p.add_argument("--batch", type=int_arg(1), default=128, help="per-rank batch")
+    p.add_argument("--lr", type=number_arg(0), default=0.1)
+    p.add_argument("--num-basis", type=int_arg(1), default=5)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--capture", action="store_true",
                    help="replay the step from a CUDA graph")
-    p.add_argument("--subset", type=int, default=None, help="train on this many images")
+    p.add_argument("--subset", type=int_arg(1), default=None,
+                   help="train on this many images")
     p.add_argument("--source", default="auto", choices=("auto", "official", "jpeg",
                                                         "sample"))
     p.add_argument("--data-root", default=None)
-    p.add_argument("--eval-batch", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0,
+    p.add_argument("--eval-batch", type=int_arg(1), default=1000)
+    p.add_argument("--seed", type=int_arg(0), default=0)
+    p.add_argument("--timeout", type=number_arg(0), default=600.0,
                    help="seconds a collective may wait for the other ranks")
     p.add_argument("--force", action="store_true",
                    help="move results of another configuration to a dated backup")
@@ -264,6 +261,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                             timeout=datetime.timedelta(seconds=args.timeout))
     try:
         return _run(args)
+    except (ValueError, FileNotFoundError) as exc:  # a refusal: one line per rank
+        print(f"rank {dist.get_rank()}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     finally:
         dist.destroy_process_group()
 

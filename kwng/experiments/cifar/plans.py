@@ -34,6 +34,10 @@ from kwng.experiments.provenance import (
 
 log = logging.getLogger(__name__)
 
+#: the named plans of :func:`build_plan` (any other plan is a JSON file of run settings)
+PLAN_NAMES = ("claim_select", "claim", "select", "main", "authors100", "authors100_all",
+              "fig3")
+
 
 # ------------------------------------------------------------------------------ plans
 #: rough cost of one step relative to SGD (H200, batch 128;
@@ -265,7 +269,5 @@ def _named_plan(name: str, common: dict, epochs: int, select: dict,
     path = Path(name)
     if path.is_file():
         return list(read_json(path))
-    raise ValueError(
-        "plan must be 'claim_select', 'claim', 'select', 'main', "
-        f"'authors100' or a JSON file of run settings, got {name!r}"
-    )
+    raise ValueError(f"plan must be one of {', '.join(PLAN_NAMES)} or a JSON file of "
+                     f"run settings, got {name!r}")

@@ -283,13 +283,14 @@ def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True,
 
 def _write_selection(path: Path, out: dict, force: bool) -> None:
     """Write ``out`` to ``path``. A suite run in parts adds methods to an existing
-    selection: entries that are only added are written without ``force``; a changed
-    or removed entry (another rule, grid or step size) is refused unless ``force``
-    (then the old file is backed up)."""
+    selection, and a method added to the table adds its ``inherit`` entry: entries
+    that are only added are written without ``force``; a changed or removed entry
+    (another rule, grid, step size or inheritance) is refused unless ``force`` (then
+    the old file is backed up)."""
     if path.exists() and not force:
         old = read_json(path)
-        before = old.get("selected", {})
-        added = {f"selected.{k}" for k in set(out["selected"]) - set(before)}
+        added = {f"{part}.{k}" for part in ("selected", "inherit")
+                 for k in set(out[part]) - set(old.get(part, {}))}
         changed = [k for k in guard.diff_keys(old, out) if k not in added]
         if not changed:
             if guard.diff_keys(old, out):

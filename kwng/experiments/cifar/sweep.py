@@ -3,9 +3,11 @@ step timing and the epoch schedule (book chapter :ref:`experiments-cifar`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +46,7 @@ from kwng.experiments.provenance import (
     read_json,
     write_provenance,
 )
+from kwng.experiments.run_lock import run_lock
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,12 @@ def _claim(cfg: RunConfig, session: str) -> bool:
     os.write(fd, str(os.getpid()).encode())
     os.close(fd)
     return True
+
+
+def run_lock_for(cfg: RunConfig) -> contextlib.AbstractContextManager:
+    """The lock of one run (:func:`kwng.experiments.run_lock.run_lock`): the file
+    ``run.lock`` next to its checkpoint; a second process on the run refuses."""
+    return run_lock(checkpoint_path_for(cfg).parent / "run.lock", str(run_dir_for(cfg)))
 
 
 def worker(jobs: Iterable[dict], session: str, deadline: float | None,
@@ -103,7 +112,8 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
             rec = read_json(mp) if mp.is_file() else None
             done = isinstance(rec, dict) and rec.get("complete")
             if done or _claim(cfg, session):  # a finished run is still checked
-                run(cfg, progress=False)
+                with run_lock_for(cfg):
+                    run(cfg, progress=False)
         # one bad run must not stop a sweep
         except (RuntimeError, ValueError, OSError, KeyError, EOFError) as exc:
             log.error("run %s failed: %s", name, exc)
@@ -156,8 +166,33 @@ def _spawn_workers(plan_file: Path, gpus: int, procs_per_gpu: int, session: str,
             for flag, t in (("--start-by", start_by), ("--finish-by", finish_by)):
                 if t is not None:
                     cmd += [flag, repr(t)]
-            procs.append(subprocess.Popen(cmd, env=env))
+            # a session of their own: a terminal's Ctrl-C reaches the sweep, which
+            # forwards it once (:func:`_wait_forwarding`)
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     return procs
+
+
+def _wait_forwarding(procs: list[subprocess.Popen]) -> int:
+    """Wait for every worker; a SIGTERM or SIGINT to the sweep meanwhile is passed on
+    to the workers that still run, and the sweep goes on waiting for them. The largest
+    exit status, or ``128 + signal`` when the sweep was signalled."""
+    got: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        got.append(signum)
+        log.warning("sweep: %s received, passed on to %d worker(s); waiting for them",
+                    signal.Signals(signum).name, sum(p.poll() is None for p in procs))
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = max((p.wait() for p in procs), default=0)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 128 + got[0] if got else rc
 
 
 def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | None,
@@ -194,13 +229,11 @@ def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | N
     atomic_write_json(plan_file, plan)
     session = uuid.uuid4().hex[:12]
     deadline = None if deadline_s is None else time.time() + deadline_s
-    rc = 0
     now = time.time()
     start_by = None if start_by_s is None else now + start_by_s
     finish_by = None if finish_by_s is None else now + finish_by_s
-    for pr in _spawn_workers(plan_file, gpus, procs_per_gpu, session, deadline,
-                             start_by, finish_by):
-        rc = max(rc, pr.wait())
+    rc = _wait_forwarding(_spawn_workers(plan_file, gpus, procs_per_gpu, session,
+                                         deadline, start_by, finish_by))
     failures = []
     pattern = f"{plan_file.stem}.failures-{session}-*.json"
     for f in sorted(plan_file.parent.glob(pattern)):

@@ -75,7 +75,9 @@ def _time_epochs(cfg: RunConfig, epochs: int) -> dict:
     return out
 
 
-def _trace(cfg: RunConfig, steps: int) -> list[float]:
+def _trace(cfg: RunConfig, steps: int) -> tuple[list[float], bool]:
+    """The per-step losses of ``steps`` steps, and whether a CUDA graph replayed them
+    (a captured run on a CPU runs eagerly)."""
     torch.backends.cudnn.deterministic = True
     state = Run(cfg, float(cfg["lr"]), identity={})
     torch.backends.cudnn.benchmark = False  # Run switched it on
@@ -87,15 +89,14 @@ def _trace(cfg: RunConfig, steps: int) -> list[float]:
     while state.steps < steps:
         state.train_epoch(epoch, steps, None)
         epoch += 1
-    out = state.trace.tolist()
+    out, captured = state.trace.tolist(), state.runner.replays > 0
     del state
     torch.backends.cudnn.deterministic = False
-    return out
+    return out, captured
 
 
 def _max_rel(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
-
 
 
 def _epoch_rows(methods, precisions, epochs, common, tmp) -> list[dict]:
@@ -117,14 +118,19 @@ def _epoch_rows(methods, precisions, epochs, common, tmp) -> list[dict]:
     return rows
 
 
-def _loss_match(m, prec, trace_steps, common, tmp) -> dict:
-    """The per-step losses of two eager runs and one captured run of method ``m``
-    (capturable methods only), and their largest relative differences."""
+def _loss_match(m, prec, trace_steps, common, tmp) -> dict | None:
+    """The per-step losses of one captured run and two eager runs of method ``m``
+    (capturable methods only), and their largest relative differences; ``None`` when
+    the captured run replayed no graph (no CUDA device): there is nothing to match."""
     t = {}
-    for name, capture in (("eager", False), ("eager_again", False), ("captured", True)):
+    for name, capture in (("captured", True), ("eager", False), ("eager_again", False)):
         cfg = _config(m, capture, common, precision=prec, epochs=1,
                       max_steps=trace_steps, out=f"{tmp}/trace/{name}")
-        t[name] = _trace(cfg, trace_steps)
+        t[name], captured = _trace(cfg, trace_steps)
+        if capture and not captured:
+            log.warning("loss match of %s skipped: no CUDA graph ran on %s", m,
+                        cfg["device"] or "this machine")
+            return None
     return {"method": m, "precision": prec, "steps": trace_steps,
             "max_rel_diff_captured_vs_eager": _max_rel(t["eager"], t["captured"]),
             "max_rel_diff_eager_vs_eager": _max_rel(t["eager"], t["eager_again"]),
@@ -159,6 +165,7 @@ def trainer_timing(methods: Sequence[str], out: Path, *, conditioning: str = "il
         rows = _epoch_rows(methods, precisions, epochs, common, tmp)
         traces = [_loss_match(m, precisions[0], trace_steps, common, tmp)
                   for m in methods if METHODS[m].get("precond") in (None, "kwng")]
+        traces = [t for t in traces if t is not None]
     dev = str(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
     result = {"rows": rows, "loss_match": traces, "device": dev,
               "config": {"methods": list(methods), "conditioning": conditioning,

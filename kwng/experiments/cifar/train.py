@@ -128,7 +128,7 @@ class Run:
             "U": (model.conditioning.diag.tolist() if model.conditioning is not None
                   else None),
             "precision": cfg["precision"], "channels_last": self.channels_last,
-            "capture": cfg["capture"] and self.method.capturable,
+            "capture": self.runner.capture,
             "lr_field": "the step size used during the epoch",
             "confusion": None}
         if pc is not None and hasattr(pc, "hyperparameters"):
