@@ -228,11 +228,11 @@ def test_the_throughput_window_is_where_every_run_trains():
     steps an epoch, the second starting 10 s late, overlap from 10 s to 30 s."""
     from kwng.experiments.bench.queue_throughput import PROTOCOL_STEPS, _overlap
 
-    a = [{"unix_time": 10.0 * e, "steps": 100 * e} for e in range(1, 4)]
-    b = [{"unix_time": 10.0 * e + 10, "steps": 100 * e} for e in range(1, 4)]
+    a = [{"time_unix": 10.0 * e, "steps": 100 * e} for e in range(1, 4)]
+    b = [{"time_unix": 10.0 * e + 10, "steps": 100 * e} for e in range(1, 4)]
     got = _overlap([a, b])
     assert got["window_s"] == 10.0  # from b's first epoch end (20) to a's last (30)
     assert got["ms_per_step"] == 1e3 * 10 / 200  # each run did 100 steps in it
     assert got["runs_per_hour"] == 3600e3 / (got["ms_per_step"] * PROTOCOL_STEPS)
     with pytest.raises(RuntimeError, match="never trained at the same time"):
-        _overlap([a, [{"unix_time": 40.0 + e, "steps": 100 * e} for e in (1, 2)]])
+        _overlap([a, [{"time_unix": 40.0 + e, "steps": 100 * e} for e in (1, 2)]])

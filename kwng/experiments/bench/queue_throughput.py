@@ -86,13 +86,13 @@ def _overlap(runs: list[list[dict]]) -> dict:
     latest end of a first epoch to the earliest end of a last epoch (per-epoch Unix
     times of the records); each run's steps in it by linear interpolation between its
     epoch ends. Evaluation time inside the window counts, as it does in a queue."""
-    start = max(r[0]["unix_time"] for r in runs)
-    end = min(r[-1]["unix_time"] for r in runs)
+    start = max(r[0]["time_unix"] for r in runs)
+    end = min(r[-1]["time_unix"] for r in runs)
     if end <= start:
         raise RuntimeError("the runs never trained at the same time: raise --epochs")
     steps = 0.0
     for r in runs:
-        t = [e["unix_time"] for e in r]
+        t = [e["time_unix"] for e in r]
         n = [e["steps"] for e in r]
         steps += _at(t, n, end) - _at(t, n, start)
     per_step = 1e3 * (end - start) / steps

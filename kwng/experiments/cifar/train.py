@@ -237,7 +237,7 @@ class Run:
                "cumulative_row_movement": [a + b for a, b in
                                            zip(prev or [0.0] * len(move), move)],
                "time_train": self.time_train, "time_eval": time.perf_counter() - te,
-               "unix_time": time.time()}
+               "time_unix": time.time()}
         if val is not None:
             row.update(val_loss=val["loss"], val_acc=val["acc"])
         record["confusion"] = ev["confusion"]
