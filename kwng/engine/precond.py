@@ -178,7 +178,7 @@ class KWNGPreconditioner:
         self._step_count = torch.zeros((), dtype=torch.long, device=dev)
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
-        self.mode = resolve_mode(cfg.mode, dev)  # "auto": by the parameters' device
+        self.mode = resolve_mode(cfg.mode, dev, model)  # "auto": by device and model kind
         if self.mode == "fast":
             reason = unsupported_reason(model, self.params)
             if reason is not None and "already carries" in reason:
