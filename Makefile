@@ -100,11 +100,11 @@ book: $(STAMP) $(MATHJAX)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 
 test: $(STAMP)
-	$(BIN)/ruff check kwng tests tools book/_ext
+	$(BIN)/ruff check kwng tests tools book/_ext examples
 	$(BIN)/python -m pytest tests book -p no:cacheprovider -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check kwng tests tools book/_ext
+	$(BIN)/ruff check kwng tests tools book/_ext examples
 
 bench: $(STAMP)
 	$(BIN)/python -m kwng.experiments.bench.estimator_time
