@@ -35,7 +35,8 @@ class SmallCNN(nn.Module):
 
 
 def synthetic_batches(steps: int, batch: int, size: int, seed: int):
-    """Images whose class is the brightest of 10 fixed patterns (learnable, no download)."""
+    """Images whose class is the best-matching of 10 fixed patterns (learnable, no
+    download)."""
     g = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, 3, size, size, generator=g)
     for _ in range(steps):

@@ -1,7 +1,8 @@
 """KWNG data-parallel with ``kwng.DistributedKWNG`` (it replaces
 ``DistributedDataParallel``): every rank writes the direction of the global batch.
 
-    torchrun --standalone --nproc-per-node=2 examples/ddp_kwng.py --steps 3   # 2 CPU ranks
+    # two CPU ranks
+    torchrun --standalone --nproc-per-node=2 examples/ddp_kwng.py --steps 3
 
 gloo on CPUs, NCCL on GPUs (``--device cuda``: one GPU per rank). Pass the bare model,
 not a ``DistributedDataParallel`` wrapper; each rank feeds its own shard of the batch.

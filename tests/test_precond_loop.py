@@ -10,7 +10,6 @@ sizes, ``loss.backward()`` before the step, a ``.grad`` the loop keeps, and
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 from pathlib import Path
@@ -323,11 +322,13 @@ def test_auto_mode_takes_the_measured_faster_path():
     and that table agrees with the committed measurements
     (``results/benchmarks/mode_choice/``)."""
     cnn, dense = _cnn(), mlp(4, 3)
-    assert resolve_mode("auto", torch.device("cpu"), cnn) == AUTO_MODES["cpu"]["conv"]
-    assert resolve_mode("auto", torch.device("cpu"), dense) == AUTO_MODES["cpu"]["dense"]
-    assert resolve_mode("fast", torch.device("cpu"), cnn) == "fast"
+    cpu = torch.device("cpu")
+    assert resolve_mode("auto", cpu, cnn) == AUTO_MODES["cpu"]["conv"]
+    assert resolve_mode("auto", cpu, dense) == AUTO_MODES["cpu"]["dense"]
+    assert resolve_mode("fast", cpu, cnn) == "fast"
     pc = KWNGPreconditioner(cnn, lr=0.1, mode="auto")
-    assert pc.mode == AUTO_MODES["cpu"]["conv"] and pc.hyperparameters()["mode"] == "auto"
+    assert pc.mode == AUTO_MODES["cpu"]["conv"]
+    assert pc.hyperparameters()["mode"] == "auto"
     records = sorted((ROOT / "results" / "benchmarks" / "mode_choice").glob("*.json"))
     records = [r for r in records if r.name != "provenance.json"]
     assert any(r.name == "cpu.json" for r in records)
