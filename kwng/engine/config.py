@@ -31,6 +31,8 @@ MODES = ("fast", "reference", "auto")
 #: fast path cost more than the reference path's serial backward passes, while a dense
 #: network with many parameters gains from the fast path's sync-free solve. A device
 #: type not listed takes ``fast``.
+#:
+#: :meta hide-value:
 AUTO_MODES = {"cpu": {"conv": "reference", "dense": "fast"},
               "cuda": {"conv": "fast", "dense": "fast"}}
 

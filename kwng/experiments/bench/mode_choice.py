@@ -48,6 +48,8 @@ __all__ = ["MODELS", "ROWS", "auto_modes", "main", "time_models"]
 log = logging.getLogger(__name__)
 
 #: model name -> (constructor, input shape of one sample, kind)
+#:
+#: :meta hide-value:
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], str]] = {
     "cnn": (lambda: tiny_cnn(10, width=16), (3, 32, 32), "conv"),
     "mlp": (lambda: mlp(784, 10, hidden=256, depth=2), (784,), "dense"),
