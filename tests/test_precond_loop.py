@@ -25,6 +25,8 @@ from kwng.engine.config import AUTO_MODES, resolve_mode
 from kwng.engine.distributed import DistributedKWNG
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.engine.precond_loop import backward_hint, is_compiled, predicted_decrease
+from kwng.experiments.bench.mode_choice import ROWS, auto_modes
+from kwng.experiments.bench.mode_choice import main as mode_choice_main
 from kwng.experiments.cifar.nets import mlp, tiny_cnn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,3 +352,30 @@ def test_bad_loop_arguments_are_named():
         KWNGPreconditioner(m, params=[{"params": list(m.parameters())}])
     with pytest.raises(ValueError, match="twice"):
         KWNGPreconditioner(m, lr=0.1, params=[*m.parameters(), *m.parameters()])
+
+
+def test_mode_choice_times_both_paths_and_decides_per_kind(tmp_path):
+    """The benchmark behind ``AUTO_MODES`` times SGD, ``fast`` and ``reference`` side
+    by side and writes the verdict per model kind with provenance."""
+    rows = [{"model": m, "kind": k, "mode": mode, "median_ms": t}
+            for m, k, times in (("a", "conv", (1.0, 3.0, 2.0)),
+                                ("b", "conv", (1.0, 2.0, 4.0)),
+                                ("c", "dense", (1.0, 1.0, 4.0)))
+            for mode, t in zip(ROWS, times)]
+    verdict, ratios = auto_modes(rows)
+    assert verdict == {"conv": "fast", "dense": "fast"}  # geometric mean √0.75 < 1
+    assert ratios == {"a": 1.5, "b": 0.5, "c": 0.25}
+    rows[1]["median_ms"] = 6.0  # a: fast / reference = 3, geometric mean √1.5 > 1
+    assert auto_modes(rows)[0] == {"conv": "reference", "dense": "fast"}
+
+    out = tmp_path / "cpu.json"
+    rec = mode_choice_main(["--device", "cpu", "--models", "mlp", "--batch", "8",
+                            "--steps", "2", "--warmup", "0", "--rounds", "2",
+                            "--out", str(out)])
+    assert [r["mode"] for r in rec["rows"]] == list(ROWS)
+    assert set(rec["auto_modes"]) == {"dense"} and rec["provenance"]["command"]
+    assert json.loads(out.read_text())["auto_modes"] == rec["auto_modes"]
+    with pytest.raises(SystemExit):
+        mode_choice_main(["--device", "cpu", "--models", "mlp", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        mode_choice_main(["--models", "vgg", "--out", str(tmp_path / "x.json")])

@@ -43,6 +43,8 @@ def resolve_mode(mode: str, device: torch.device, model: torch.nn.Module) -> str
     check_choice(mode, "mode", MODES)
     if mode != "auto":
         return mode
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     kind = "conv" if any(isinstance(m, torch.nn.Conv2d) for m in model.modules()) \
         else "dense"
     return AUTO_MODES.get(torch.device(device).type, {}).get(kind, "fast")
