@@ -142,6 +142,27 @@ def test_grad_scaler_steps_like_the_unscaled_loop(mode):
         pc2.step(F.cross_entropy(X, y), X)
 
 
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_overflowed_scaled_step_is_skipped_by_the_scaler(mode):
+    """A scaled gradient that overflows reaches ``p.grad`` as infinities, so that
+    ``scaler.step`` skips the step and lowers the scale, as it does for SGD (the
+    reference solve would otherwise refuse the non-finite ``g``)."""
+    m = _cnn()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)
+    pc = _pc(m, mode, grad_scaler=scaler)
+    before = _flat(m.parameters()).detach().clone()
+    z, y = _batch()
+    X = m(z)
+    pc.step(scaler.scale(1e6 * F.cross_entropy(X, y)), X)  # ∇ of the scaled loss: inf
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(_flat(m.parameters()), before)
+    assert scaler.get_scale() == 2.0 ** 126
+    assert pc.counters()["fallbacks"] == 1
+
+
 def test_a_ddp_model_is_refused_and_distributed_kwng_refuses_a_filled_grad(tmp_path):
     """Guards: ``KWNGPreconditioner`` on a ``DistributedDataParallel`` model ran without
     a word while the replicas drifted apart; the message points to

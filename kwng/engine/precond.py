@@ -89,6 +89,7 @@ from kwng.engine.precond_loop import (
     check_step_inputs,
     group_lrs_missing,
     is_compiled,
+    overflowed_step,
     predicted_decrease,
     resolve_params,
     scale_of,
@@ -137,7 +138,7 @@ class KWNGPreconditioner:
     optimizer holds a subset, or groups with different step sizes (each group's ``"lr"``
     then enters the ε rule, and ``lr`` is needed only for groups without one).
     ``grad_scaler`` — the ``torch.amp.GradScaler`` of an fp16 loop: pass
-    ``grad_scaler.scale(loss)`` to :meth:`step`, which unscales ``g`` and ``T`` before the
+    ``grad_scaler.scale(loss)`` to :meth:`step`, which unscales ``g`` before the
     solve and the clip, then ``grad_scaler.step(optimizer)``. A gradient already in ``p.grad``
     (another loss term's ``backward()``) is added to the direction; two steps without an
     optimizer step between them (gradient accumulation) are refused, as is a
@@ -330,19 +331,17 @@ class KWNGPreconditioner:
 
     def _backward(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor],
                   taken: dict[int, torch.Tensor], scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g`` and ``T`` of :meth:`_gradients`, unscaled (``scale``: the loss scale of a
-        ``GradScaler``, which scales the cotangents of ``T`` too); a loop's mistake is named."""
+        """``g`` and ``T`` of :meth:`_gradients`, ``g`` unscaled (``scale``: the loss scale of a
+        ``GradScaler``; the cotangents of ``T`` are not scaled); a loop's mistake is named."""
         try:
-            g, T = self._gradients(loss, X, C if scale is None else C * scale, params)
+            g, T = self._gradients(loss, X, C, params)
         except RuntimeError as err:
             hint = backward_hint(err, is_compiled(self.model), self.mode)
             if hint is err:
                 raise
             raise hint from err
         check_not_loss_gradient(taken, g, params)
-        if scale is not None:
-            g, T = g / scale, T / scale
-        return g, T
+        return (g, T) if scale is None else (g / scale, T)
 
     def _step(self, loss: torch.Tensor, outputs: torch.Tensor, scale: torch.Tensor | None) -> dict[str, Any]:
         cfg, X = self.config, outputs
@@ -364,7 +363,9 @@ class KWNGPreconditioner:
         g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
         g, T = self._reduce(g, T.to(g.dtype))
         out = self._grads.views(g.numel(), params)
-        if reference and not cfg.diagonal_only:
+        if scale is not None and reference and not bool(torch.isfinite(g).all()):
+            f = overflowed_step(out, g)
+        elif reference and not cfg.diagonal_only:
             f = reference_direction_into(out, T, CCt, K, g, N, eps=float(eps), lam=cfg.lam,
                                          damping=cfg.damping, rcond=cfg.rcond, clip_norm=cfg.clip_norm)
         else:

@@ -16,8 +16,9 @@ preconditioner and what the step leaves in ``p.grad``.
   view the loop keeps after ``optimizer.zero_grad()`` is never overwritten: the next
   step writes into a new buffer.
 * **A scaled loss** (``torch.amp.GradScaler``, :func:`scale_of`): the step unscales
-  ``g`` and ``T`` before the solve and the clip and writes the direction scaled back, so
-  that ``scaler.step(optimizer)`` unscales it and skips steps with infinities as usual.
+  ``g`` before the solve and the clip (``T`` is built from unscaled cotangents) and
+  writes the direction scaled back, so that ``scaler.step(optimizer)`` unscales it and
+  skips a step whose gradient overflowed, as for SGD (:func:`overflowed_step`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from kwng._checks import check_positive
 
 __all__ = ["GradWriter", "backward_hint", "check_grad_scaler", "check_lr",
            "check_model", "check_not_loss_gradient", "check_step_inputs",
-           "group_lrs_missing", "is_compiled", "predicted_decrease", "resolve_params",
-           "scale_of"]
+           "group_lrs_missing", "is_compiled", "overflowed_step", "predicted_decrease",
+           "resolve_params", "scale_of"]
 
 _SECOND_BACKWARD = "backward through the graph a second time"
 
@@ -211,6 +212,20 @@ def check_not_loss_gradient(taken: dict[int, torch.Tensor], g: torch.Tensor,
         raise ValueError("p.grad already holds the gradient of the loss passed to step "
                          "(loss.backward() before precond.step): step(loss, X) runs "
                          "the backward passes itself, drop the loss.backward() call")
+
+
+def overflowed_step(out: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A step whose scaled gradient overflowed (``GradScaler``, reference mode): ``g``
+    itself goes into ``out``, so that ``grad_scaler.step(optimizer)`` finds the
+    infinities and skips the step, as it does for SGD; the step counts as a fallback."""
+    out.copy_(g)
+    zero = torch.zeros((), dtype=torch.long, device=g.device)
+    norm = torch.linalg.vector_norm(g)
+    return {"rank": zero, "ill_conditioned": zero.bool(), "damping_floored": zero,
+            "floored_share": zero.double(), "loss_only": zero,
+            "dot": torch.full((), float("nan"), device=g.device),
+            "fallback": ~zero.bool(), "clipped": zero.bool(), "grad_norm": norm,
+            "direction_norm": norm}
 
 
 def scale_of(grad_scaler: Any, loss: torch.Tensor) -> torch.Tensor | None:
