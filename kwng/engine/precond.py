@@ -257,6 +257,10 @@ class KWNGPreconditioner:
             self._engine = None
 
     # --- the step ---------------------------------------------------------------------------
+    def _check_inputs(self, loss: torch.Tensor, outputs: torch.Tensor) -> None:
+        """The arguments of :meth:`step` (:func:`kwng.engine.precond_loop.check_step_inputs`)."""
+        check_step_inputs(loss, outputs, self.config.num_basis)
+
     def _current_lr(self) -> float:
         """The step size of the reduction ratio (1 with a fixed ε, where nothing reads it)."""
         if self._lr is None:
@@ -299,7 +303,7 @@ class KWNGPreconditioner:
         (``⟨g, ĝ⟩`` after clipping), ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim
         tensors on the outputs' device in both modes (``"fast"`` never syncs with the host).
         """
-        check_step_inputs(loss, outputs, self.config.num_basis)
+        self._check_inputs(loss, outputs)
         scale = scale_of(self.grad_scaler, loss)
         with torch.autocast(outputs.device.type, enabled=False):  # the kernel algebra in ≥ float32
             return self._step(loss, outputs, scale)
