@@ -21,10 +21,13 @@ MATHJAX_VERSION := 3.2.2
 MATHJAX_SHA1    := c754d7b46a679d7f3fa03543d6b8bf124ddf9f6b
 MATHJAX         := .mathjax/mathjax/tex-chtml.js
 
+# --retries 1: where the PyTorch CPU index named in requirements.txt cannot be reached
+# (a machine behind a mirror that holds the wheel), each package costs one failed lookup
+# instead of five with back-off.
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip -q
-	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --retries 1 -r requirements.txt
 	$(BIN)/python -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
@@ -97,11 +100,11 @@ book: $(STAMP) $(MATHJAX)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 
 test: $(STAMP)
-	$(BIN)/ruff check kwng tests tools book/_ext
+	$(BIN)/ruff check kwng tests tools book/_ext examples
 	$(BIN)/python -m pytest tests book -p no:cacheprovider -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check kwng tests tools book/_ext
+	$(BIN)/ruff check kwng tests tools book/_ext examples
 
 bench: $(STAMP)
 	$(BIN)/python -m kwng.experiments.bench.estimator_time

@@ -7,7 +7,8 @@ The package behind the kwng book, in floors that import only downwards:
   sync-free variant :mod:`kwng.nosync`, batched sweeps :mod:`kwng.batched`), the models with
   closed-form WNG (:mod:`kwng.models`) and the kernel Fisher–Rao estimator (:mod:`kwng.fisher`).
 * :mod:`kwng.engine`: the deep-learning engine, :class:`KWNGPreconditioner` with its
-  :class:`KWNGConfig`, drop-in between ``loss.backward`` and ``optimizer.step``.
+  :class:`KWNGConfig`, drop-in before ``optimizer.step`` (its ``step(loss, X)`` runs the
+  backward passes), and :class:`DistributedKWNG` over ``torch.distributed``.
 * :mod:`kwng.theory.wng`: the theory chapters' reference computations.
 * :mod:`kwng.plots`: figures and tables from result files.
 * :mod:`kwng.experiments`: the commands of the book's experiments (``python -m
@@ -18,9 +19,12 @@ experiments and GPU kernels load when imported. The names below are the curated 
 each is defined in the module named in its docstring.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from kwng.config import is_full, pick, scale
 from kwng.engine.capture import capture_step
 from kwng.engine.config import KWNGConfig, eps_from_authors
+from kwng.engine.distributed import DistributedKWNG
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.estimator import (
@@ -58,7 +62,10 @@ from kwng.models import (
 from kwng.nosync import nystrom_solve_nosync
 from kwng.solve import DAMPINGS, SOLVE_METHODS
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version (pyproject.toml); a bare source tree has none
+    __version__ = version("kwng")
+except PackageNotFoundError:
+    __version__ = "0+unknown"
 
 __all__ = [
     "scale", "is_full", "pick",
@@ -69,7 +76,8 @@ __all__ = [
     "nystrom_solve_nosync", "kwng_gradient", "kwng_gradient_from_outputs", "relative_error",
     "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
     "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
-    "KWNGPreconditioner", "KWNGConfig", "LevenbergMarquardt", "LMSchedule", "eps_from_authors",
+    "KWNGPreconditioner", "DistributedKWNG", "KWNGConfig", "LevenbergMarquardt", "LMSchedule",
+    "eps_from_authors",
     "capture_step",
     "kfng_gradient", "kernel_fisher_metric", "fisher_matrix", "fisher_natural_gradient",
     "fisher_matrix_mc",

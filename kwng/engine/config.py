@@ -11,14 +11,43 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kwng._checks import check_choice, check_int, check_positive
 from kwng.engine.lm import LMSchedule
 from kwng.kernels import BANDWIDTH_RULES, Kernel, make_kernel
 from kwng.solve import DAMPINGS
 
-__all__ = ["KWNGConfig", "MODES", "authors_eps_factor", "eps_from_authors"]
+__all__ = ["AUTO_MODES", "KWNGConfig", "MODES", "authors_eps_factor",
+           "eps_from_authors", "resolve_mode"]
 
-MODES = ("fast", "reference")
+MODES = ("fast", "reference", "auto")
+
+#: The exact path ``mode="auto"`` takes, by device type and model kind (``"conv"``: the
+#: model has a ``Conv2d``; ``"dense"``: it has none): the faster one measured by
+#: ``python -m kwng.experiments.bench.mode_choice`` (the records
+#: ``results/benchmarks/mode_choice/<device type>.json``, checked against this table
+#: in ``tests/test_precond_loop.py``). On the CPU the replicated convolutions of the
+#: fast path cost more than the reference path's serial backward passes, while a dense
+#: network with many parameters gains from the fast path's sync-free solve. A device
+#: type not listed takes ``fast``.
+#:
+#: :meta hide-value:
+AUTO_MODES = {"cpu": {"conv": "reference", "dense": "fast"},
+              "cuda": {"conv": "fast", "dense": "fast"}}
+
+
+def resolve_mode(mode: str, device: torch.device, model: torch.nn.Module) -> str:
+    """The path a preconditioner takes: ``mode`` itself, or for ``"auto"`` the entry of
+    :data:`AUTO_MODES` for ``device``'s type and ``model``'s kind."""
+    check_choice(mode, "mode", MODES)
+    if mode != "auto":
+        return mode
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    kind = "conv" if any(isinstance(m, torch.nn.Conv2d) for m in model.modules()) \
+        else "dense"
+    return AUTO_MODES.get(torch.device(device).type, {}).get(kind, "fast")
 
 
 def authors_eps_factor(batch_size: int) -> float:
@@ -64,7 +93,9 @@ class KWNGConfig:
     * ``eps_schedule`` — how ``ε`` moves during training: a
       :class:`kwng.engine.lm.LMSchedule` (the Levenberg-Marquardt rule of App. D.2, the
       default; ``eps`` must lie within its bounds) or ``None`` (``ε`` fixed).
-    * ``clip_norm`` > 0 or ``None``; ``mode`` ``"fast"`` or ``"reference"``;
+    * ``clip_norm`` > 0 or ``None``; ``mode`` ``"fast"``, ``"reference"`` (both
+      exact) or ``"auto"`` (the faster of the two for the model's kind on the
+      parameters' device at construction, :data:`AUTO_MODES`);
       ``diagonal_only`` — ``D⁻¹ g`` only (needs ``damping`` ``"T"`` or
       ``"T_tilde"``); ``rcond`` > 0 — relative pivot threshold of the stable solve
       (``None``: ``M · float-eps``).

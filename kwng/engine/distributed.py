@@ -241,6 +241,8 @@ class DistributedKWNG(KWNGPreconditioner):
     not a ``DistributedDataParallel`` wrapper (this class replaces it).
     """
 
+    adds_prefilled_grads = False  # a rank's own p.grad would make the replicas drift
+
     def __init__(self, model: nn.Module, config: KWNGConfig | None = None, *,
                  group: Any = None, batch_sizes: int | Sequence[int] | None = None,
                  broadcast: bool = True, lr: float | Callable[[], float] | None = None,

@@ -75,20 +75,37 @@ from typing import Any
 import torch
 from torch import nn
 
-from kwng import solve
-from kwng._checks import check_positive
-from kwng.engine.config import KWNGConfig
+from kwng.engine.config import KWNGConfig, resolve_mode
 from kwng.engine.grads import replicated_gradients
 from kwng.engine.graph import derived_from
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
-from kwng.engine.precond_state import COUNTERS, load_preconditioner_state
+from kwng.engine.precond_loop import (
+    GradWriter,
+    backward_hint,
+    check_grad_scaler,
+    check_lr,
+    check_model,
+    check_not_loss_gradient,
+    check_step_inputs,
+    group_lrs_missing,
+    is_compiled,
+    overflowed_step,
+    predicted_decrease,
+    resolve_params,
+    scale_of,
+)
+from kwng.engine.precond_state import (
+    COUNTERS,
+    generator_state,
+    load_generator_state,
+    load_preconditioner_state,
+)
 from kwng.engine.replicate import ReplicatedEngine, unsupported_reason
-from kwng.engine.step_direction import step_direction
+from kwng.engine.step_direction import reference_direction_into, step_direction
 from kwng.estimator import (
     draw_basis,
     jacobian_from_outputs,
     kernel_matrices,
-    nystrom_solve,
     with_bandwidth,
 )
 from kwng.nosync import kernel_matrices_nosync
@@ -112,12 +129,31 @@ class KWNGPreconditioner:
     or a callable of no arguments that returns the current one (e.g.
     ``lambda: optimizer.param_groups[0]["lr"]`` under a learning-rate schedule); it enters the
     reduction ratio ``r`` of the ε rule, so it is required unless ``eps_schedule=None``.
-    ``generator`` — a ``torch.Generator`` for the basis draw (reproducible runs and tests).
+    ``generator`` — a ``torch.Generator`` for the basis draw (reproducible runs and tests;
+    its state is part of :meth:`state_dict`; without one the basis comes from torch's global
+    stream, which a checkpoint saves with ``torch.get_rng_state()``).
+
+    The loop (:mod:`kwng.engine.precond_loop`): ``params`` — the parameters whose metric is
+    built, by default every trainable one; pass ``optimizer.param_groups`` when the
+    optimizer holds a subset, or groups with different step sizes (each group's ``"lr"``
+    then enters the ε rule, and ``lr`` is needed only for groups without one).
+    ``grad_scaler`` — the ``torch.amp.GradScaler`` of an fp16 loop: pass
+    ``grad_scaler.scale(loss)`` to :meth:`step`, which unscales ``g`` before the
+    solve and the clip, then ``grad_scaler.step(optimizer)``. A gradient already in ``p.grad``
+    (another loss term's ``backward()``) is added to the direction; two steps without an
+    optimizer step between them (gradient accumulation) are refused, as is a
+    ``DistributedDataParallel`` model (use :class:`kwng.DistributedKWNG`). The fast mode
+    patches the model's layers: a pickled model (``torch.save(model)``) carries neither
+    the patch nor the preconditioner, and :meth:`remove_hooks` detaches it.
     """
+
+    #: a gradient already in ``p.grad`` is added to the direction
+    adds_prefilled_grads = True
 
     def __init__(self, model: nn.Module, config: KWNGConfig | None = None, *,
                  lr: float | Callable[[], float] | None = None,
-                 generator: torch.Generator | None = None, **hyperparameters: Any) -> None:
+                 generator: torch.Generator | None = None, params: Any = None,
+                 grad_scaler: Any = None, **hyperparameters: Any) -> None:
         if "optimizer" in hyperparameters:
             raise ValueError("optimizer= is no longer taken: pass lr= (a number, or a callable such as "
                              "lambda: optimizer.param_groups[0]['lr'])")
@@ -128,14 +164,11 @@ class KWNGPreconditioner:
         if config is not None and not isinstance(config, KWNGConfig):
             raise ValueError(f"config must be a kwng.KWNGConfig or None, got {type(config).__name__}")
         cfg = self.config = (config or KWNGConfig()).replace(**hyperparameters)
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_model(model)
         self.model = model
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        if not self.params:
-            raise ValueError("model has no parameter with requires_grad=True")
-        self._lr = _check_lr(lr, cfg.eps_schedule is not None)
+        self.params, self.groups = resolve_params(model, params)
+        self._lr = check_lr(lr, cfg.eps_schedule is not None and group_lrs_missing(self.groups))
+        self.grad_scaler = check_grad_scaler(grad_scaler)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         self.generator = generator
@@ -146,7 +179,8 @@ class KWNGPreconditioner:
         self._step_count = torch.zeros((), dtype=torch.long, device=dev)
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
-        if cfg.mode == "fast":
+        self.mode = resolve_mode(cfg.mode, dev, model)  # "auto": by device and model kind
+        if self.mode == "fast":
             reason = unsupported_reason(model, self.params)
             if reason is not None and "already carries" in reason:
                 raise ValueError(f"model: {reason}")
@@ -154,7 +188,7 @@ class KWNGPreconditioner:
                 self._engine = ReplicatedEngine(model, cfg.num_basis + 1)
             else:
                 self._warn_once("unsupported", "KWNG fast mode: %s; this model uses serial backward passes", reason)
-        self._buffer: torch.Tensor | None = None
+        self._grads = GradWriter(self.adds_prefilled_grads)
         self._counters = {k: torch.zeros((), dtype=torch.long, device=dev) for k in COUNTERS}
 
     # --- state ------------------------------------------------------------------------------
@@ -197,16 +231,19 @@ class KWNGPreconditioner:
         return hp
 
     def state_dict(self) -> dict[str, Any]:
-        """The Levenberg-Marquardt state (``lm``, with the current ``ε``), the counters and the
-        hyperparameters (for checking)."""
+        """The Levenberg-Marquardt state (``lm``, with the current ``ε``), the counters, the
+        basis generator's state (``None`` without a generator) and the hyperparameters (for
+        checking): a run resumed from it draws the same bases."""
         return {"lm": self.lm.state_dict(), "num_steps": self.num_steps,
                 "counters": {k: int(v) for k, v in self._counters.items()},
+                "generator": generator_state(self.generator),
                 "hyperparameters": self.hyperparameters()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (also one saved before ``eps_schedule`` replaced the
         ``lm_*``/``adapt_eps``/``eps_min``/``eps_max`` fields); warns if the hyperparameters differ."""
         self._step_count, self._counters = load_preconditioner_state(state, self.lm, self.hyperparameters())
+        load_generator_state(state, self.generator)
 
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
@@ -221,18 +258,8 @@ class KWNGPreconditioner:
 
     # --- the step ---------------------------------------------------------------------------
     def _check_inputs(self, loss: torch.Tensor, outputs: torch.Tensor) -> None:
-        if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2:
-            shape = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
-            raise ValueError(f"outputs must be the model outputs X = h_θ(z) as a (batch, d) tensor, got {shape}; "
-                             "flatten them (outputs.flatten(1)) or pick the tensor that the loss is built on")
-        if not outputs.is_floating_point() or outputs.grad_fn is None:
-            raise ValueError("outputs must be a floating-point tensor with an autograd graph to the parameters "
-                             "(call step(loss, outputs) with the outputs of model(z), not detached ones)")
-        if outputs.shape[0] < self.config.num_basis:
-            raise ValueError(f"the batch has {outputs.shape[0]} samples but num_basis = {self.config.num_basis}; "
-                             "num_basis must be <= batch size")
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or loss.grad_fn is None:
-            raise ValueError("loss must be a scalar tensor with an autograd graph (e.g. loss_fn(outputs, y))")
+        """The arguments of :meth:`step` (:func:`kwng.engine.precond_loop.check_step_inputs`)."""
+        check_step_inputs(loss, outputs, self.config.num_basis)
 
     def _current_lr(self) -> float:
         """The step size of the reduction ratio (1 with a fixed ε, where nothing reads it)."""
@@ -254,7 +281,7 @@ class KWNGPreconditioner:
         X0 = None if eng is None else eng.first
         if X0 is not None and (X is X0 or (X.shape == X0.shape and derived_from(X, X0, params))):
             return replicated_gradients(loss, X, X0, C, params, eng, self._warn_once)
-        if self.config.mode == "fast":
+        if self.mode == "fast":
             self._warn_once("serial", "KWNG fast mode: outputs are not the output of the model's last training "
                             "forward (or the model is unsupported): serial backward passes are used")
             self._counters["serial_steps"] += 1
@@ -262,22 +289,6 @@ class KWNGPreconditioner:
         g = torch.cat([gp.reshape(-1) for gp in g_parts])
         T = jacobian_from_outputs(X, params, C.to(X.dtype), retain_graph=False)
         return g, T
-
-    def _grad_buffer(self, q: int, params: list[torch.Tensor]) -> torch.Tensor:
-        """The flat buffer whose views are the parameters' ``.grad`` (kept across steps), and
-        those views."""
-        dtype, device = params[0].dtype, params[0].device
-        if self._buffer is None or self._buffer.numel() != q or self._buffer.device != device \
-                or self._buffer.dtype != dtype:
-            self._buffer = torch.empty(q, dtype=dtype, device=device)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            view = self._buffer[offset:offset + n].view_as(p)
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                p.grad = view  # a view of the shared flat buffer: one copy per step instead of one per tensor
-            offset += n
-        return self._buffer
 
     def step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
         """Backward pass(es), KWNG direction, fallback, clipping; the result is written into ``p.grad``.
@@ -293,8 +304,9 @@ class KWNGPreconditioner:
         tensors on the outputs' device in both modes (``"fast"`` never syncs with the host).
         """
         self._check_inputs(loss, outputs)
+        scale = scale_of(self.grad_scaler, loss)
         with torch.autocast(outputs.device.type, enabled=False):  # the kernel algebra in ≥ float32
-            return self._step(loss, outputs)
+            return self._step(loss, outputs, scale)
 
     def _active_params(self, device: torch.device) -> list[torch.Tensor]:
         """The parameters that still require a gradient (frozen ones lose the buffer's view),
@@ -303,28 +315,11 @@ class KWNGPreconditioner:
             self.lm.to(device)
             self._counters = {k: v.to(device) for k, v in self._counters.items()}
             self._step_count = self._step_count.to(device)
-        for p in self.params:
-            if not p.requires_grad and p.grad is not None and self._buffer is not None \
-                    and p.grad.untyped_storage().data_ptr() == self._buffer.untyped_storage().data_ptr():
-                p.grad = None  # frozen since the last step: leave it alone
+        self._grads.release(p for p in self.params if not p.requires_grad)
         params = [p for p in self.params if p.requires_grad]
         if not params:
             raise ValueError("every parameter of the model is frozen (requires_grad=False): nothing to update")
         return params
-
-    def _reference_direction(self, T, CCt, K, g, N, eps, out) -> dict[str, torch.Tensor]:
-        """Prop. 6 through the validated float64 solve (host diagnostics), then the safeguard."""
-        cfg, dev = self.config, T.device
-        res = nystrom_solve(T, CCt, K, g, N, eps=float(eps), lam=cfg.lam, damping=cfg.damping,
-                            method="stable", rcond=cfg.rcond)
-        safe = solve.safeguard(g, res.direction, cfg.clip_norm)
-        out.copy_(safe.direction)
-        diag = res.diagnostics
-        info = {"rank": diag["rank"], "ill_conditioned": diag["rank"] < cfg.num_basis,
-                "damping_floored": diag["damping_floored"], "loss_only": diag["loss_only"],
-                "floored_share": diag["floored_share"]}
-        info = {k: torch.tensor(v, device=dev) for k, v in info.items()}
-        return {**info, **{k: v for k, v in safe._asdict().items() if k != "direction"}}
 
     def _share(self, Xk: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The samples, basis and loss the step's estimator sees: here this process's own
@@ -338,32 +333,53 @@ class KWNGPreconditioner:
         preconditioner sums the ranks' shares)."""
         return g, T
 
-    def _step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
+    def _backward(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor],
+                  taken: dict[int, torch.Tensor], scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g`` and ``T`` of :meth:`_gradients`, ``g`` unscaled (``scale``: the loss scale of a
+        ``GradScaler``; the cotangents of ``T`` are not scaled); a loop's mistake is named."""
+        try:
+            g, T = self._gradients(loss, X, C, params)
+        except RuntimeError as err:
+            hint = backward_hint(err, is_compiled(self.model), self.mode)
+            if hint is err:
+                raise
+            raise hint from err
+        check_not_loss_gradient(taken, g, params)
+        return (g, T) if scale is None else (g / scale, T)
+
+    def _step(self, loss: torch.Tensor, outputs: torch.Tensor, scale: torch.Tensor | None) -> dict[str, Any]:
         cfg, X = self.config, outputs
         params = self._active_params(X.device)
+        taken = self._grads.take(params)
         self._step_count += 1
         Xk = X.detach().to(torch.promote_types(X.dtype, torch.float32))
-        Xk, idx, coords, loss_all = self._share(Xk, loss)
+        Xk, idx, coords, loss_all = self._share(Xk, loss if scale is None else loss.detach() / scale)
         N = Xk.shape[0]
         eps = self.lm.update(loss_all) if cfg.eps_schedule is not None else self.lm.eps
-        reference = cfg.mode == "reference"
+        reference = self.mode == "reference"
         if reference:
             kern = with_bandwidth(cfg.kernel, Xk, idx, cfg.bandwidth, cfg.sigma0)
             C, K, CCt = kernel_matrices(Xk, idx, coords, kern)
             sigma = torch.tensor(kern.bandwidth)
         else:
             C, K, CCt, sigma = kernel_matrices_nosync(Xk, idx, coords, cfg.kernel, cfg.bandwidth, cfg.sigma0)
-        g, T = self._gradients(loss, X, C, params)
+        g, T = self._backward(loss, X, C, params, taken, scale)
         g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
         g, T = self._reduce(g, T.to(g.dtype))
-        out = self._grad_buffer(g.numel(), params)
-        if reference and not cfg.diagonal_only:
-            f = self._reference_direction(T, CCt, K, g, N, eps, out)
+        out = self._grads.views(g.numel(), params)
+        if scale is not None and reference and not bool(torch.isfinite(g).all()):
+            f = overflowed_step(out, g)
+        elif reference and not cfg.diagonal_only:
+            f = reference_direction_into(out, T, CCt, K, g, N, eps=float(eps), lam=cfg.lam,
+                                         damping=cfg.damping, rcond=cfg.rcond, clip_norm=cfg.clip_norm)
         else:
             f = step_direction(out, T, CCt, K, g, N, eps=torch.as_tensor(eps, device=T.device), lam=cfg.lam,
                                damping=cfg.damping, rcond=cfg.rcond, clip_norm=cfg.clip_norm,
                                diagonal_only=cfg.diagonal_only)
-        self.lm.record(self._current_lr(), f["dot"])
+        self.lm.record(*predicted_decrease(self.groups, params, g, out, f["dot"], self._current_lr))
+        if scale is not None:
+            out.mul_(scale)  # GradScaler.step(optimizer) divides it again
+        self._grads.finish(params, taken)
         return self._account(f, eps, sigma, X.device, reference)
 
     def _account(self, f: dict, eps, sigma, device: torch.device, reference: bool) -> dict[str, Any]:
@@ -381,16 +397,3 @@ class KWNGPreconditioner:
         if reference and bool(info["fallback"]):  # the reference mode syncs anyway
             log.info("step %d: ⟨g, ĝ⟩ ≤ 0 or ĝ not finite: Euclidean gradient used", self.num_steps)
         return info
-
-
-def _check_lr(lr: Any, required: bool) -> float | Callable[[], float] | None:
-    """``lr`` as given: a number > 0, a callable, or ``None`` where no ε rule needs it."""
-    if lr is None:
-        if required:
-            raise ValueError("lr is required with an eps_schedule (the step size enters the reduction ratio "
-                             "r): pass lr=0.1, or lr=lambda: optimizer.param_groups[0]['lr']; or set "
-                             "eps_schedule=None for a fixed ε")
-        return None
-    if callable(lr):
-        return lr
-    return check_positive(lr, "lr")

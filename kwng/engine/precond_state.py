@@ -13,7 +13,8 @@ import torch
 from kwng._checks import check_int
 from kwng.engine.lm import LevenbergMarquardt
 
-__all__ = ["COUNTERS", "load_preconditioner_state", "upgrade_hyperparameters"]
+__all__ = ["COUNTERS", "generator_state", "load_generator_state",
+           "load_preconditioner_state", "upgrade_hyperparameters"]
 
 log = logging.getLogger(__name__)
 
@@ -64,3 +65,28 @@ def load_preconditioner_state(
             log.warning("load_state_dict: hyperparameters differ from the saved ones: "
                         "%s", hp)
     return steps, counters
+
+
+def generator_state(generator: torch.Generator | None) -> bytes | None:
+    """The state of the basis generator as bytes (a plain value: ``state_dict``s stay
+    comparable with ``==`` and load with ``torch.load(weights_only=True)``)."""
+    return None if generator is None else bytes(generator.get_state().numpy())
+
+
+def load_generator_state(state: dict[str, Any], generator: torch.Generator | None
+                         ) -> None:
+    """Restore the basis generator's state saved in ``state`` (nothing for a state
+    saved without one)."""
+    saved = state.get("generator")
+    if saved is None:
+        return
+    if not isinstance(saved, bytes):
+        raise ValueError("state['generator'] must be bytes (a generator's state), got "
+                         f"{type(saved).__name__}")
+    if generator is None:
+        log.warning("load_state_dict: the state holds a basis generator's state but "
+                    "this preconditioner has none (its bases come from torch's global "
+                    "stream); pass generator=torch.Generator() to resume the same "
+                    "draws")
+        return
+    generator.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))

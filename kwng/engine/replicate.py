@@ -64,7 +64,7 @@ from torch import nn
 from kwng.engine.replicate_bn import _BatchNorm
 from kwng.engine.replicate_layers import _Conv, _Linear, _State
 
-__all__ = ["ReplicatedEngine", "unsupported_reason"]
+__all__ = ["ReplicatedEngine", "disabled_engine", "unsupported_reason"]
 
 
 def unsupported_reason(model: nn.Module, params: list[torch.Tensor]) -> str | None:
@@ -191,12 +191,13 @@ class ReplicatedEngine:
     def __deepcopy__(self, memo: dict) -> ReplicatedEngine:
         """A deep copy of the model (hooks included) gets a disabled engine: its hooks
         do nothing."""
-        new = object.__new__(ReplicatedEngine)
-        new.model, new.state, new.outputs, new.first = None, _State(), None, None
-        new.enabled, new._patched, new._pre, new._post = False, [], None, None
-        new._dropouts = []
-        memo[id(self)] = new
+        new = memo[id(self)] = disabled_engine()
         return new
+
+    def __reduce__(self) -> tuple:
+        """A pickled model (``torch.save(model)``) carries a disabled engine: the
+        loaded model runs its own forward, on one copy of the batch."""
+        return (disabled_engine, ())
 
     def backward(
         self, cotangent: torch.Tensor, params: list[torch.Tensor]
@@ -228,10 +229,23 @@ class ReplicatedEngine:
         self._post.remove()
 
 
+def disabled_engine() -> ReplicatedEngine:
+    """An engine whose hooks do nothing (what a copied or pickled model carries)."""
+    new = object.__new__(ReplicatedEngine)
+    new.model, new.state, new.outputs, new.first = None, _State(), None, None
+    new.enabled, new._patched, new._pre, new._post = False, [], None, None
+    new._dropouts = []
+    return new
+
+
 class _Swapped:
     """Mixin of the swapped layer classes: the replicated computation while the engine's
-    forward is active, the layer's own otherwise; a deep copy is a plain layer of the
-    original class."""
+    forward is active, the layer's own otherwise; a deep copy or a pickled copy is a
+    plain layer of the original class."""
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        state = {k: v for k, v in self.__dict__.items() if k != "_kwng_state"}
+        return (_new_layer, (_ORIGINAL[type(self)],), state)
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
         cls = _ORIGINAL[type(self)]
@@ -245,6 +259,11 @@ class _Swapped:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         st = _active(self, x)
         return super().forward(x) if st is None else self._replicated(x, st)
+
+
+def _new_layer(cls: type) -> nn.Module:
+    """An empty layer of class ``cls`` (its state follows in the pickle)."""
+    return cls.__new__(cls)
 
 
 def _active(mod: nn.Module, x: torch.Tensor) -> _State | None:

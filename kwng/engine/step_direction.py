@@ -24,9 +24,10 @@ import torch
 
 from kwng import solve
 from kwng.engine.gpu_paths import compile_on_cuda, use_kernels
+from kwng.estimator import nystrom_solve
 from kwng.nosync import nystrom_solve_nosync
 
-__all__ = ["INFO_KEYS", "direction_into", "step_direction"]
+__all__ = ["INFO_KEYS", "direction_into", "reference_direction_into", "step_direction"]
 
 #: The 0-dim tensors that describe a step's direction (both paths return them).
 INFO_KEYS = ("rank", "ill_conditioned", "damping_floored", "floored_share", "loss_only",
@@ -82,3 +83,23 @@ def step_direction(out: torch.Tensor, T: torch.Tensor, CCt: torch.Tensor,
             return fused_direction(T, CCt, K, g, N, out=out, **settings)
     return _direction_into_compiled(out, T, CCt, K, g, N, diagonal_only=diagonal_only,
                                     **settings)
+
+
+def reference_direction_into(out: torch.Tensor, T: torch.Tensor, CCt: torch.Tensor,
+                             K: torch.Tensor | None, g: torch.Tensor, N: int, *,
+                             eps: float, lam: float, damping: str, rcond: float | None,
+                             clip_norm: float | None) -> dict[str, torch.Tensor]:
+    """The direction of a ``mode="reference"`` step: Prop. 6 through the validated
+    float64 solve :func:`kwng.nystrom_solve` (host diagnostics), then
+    :func:`kwng.solve.safeguard`, written into ``out``; the :data:`INFO_KEYS` as 0-dim
+    tensors on ``T``'s device."""
+    res = nystrom_solve(T, CCt, K, g, N, eps=eps, lam=lam, damping=damping,
+                        method="stable", rcond=rcond)
+    safe = solve.safeguard(g, res.direction, clip_norm)
+    out.copy_(safe.direction)
+    diag = res.diagnostics
+    info = {"rank": diag["rank"], "ill_conditioned": diag["rank"] < T.shape[0],
+            "damping_floored": diag["damping_floored"], "loss_only": diag["loss_only"],
+            "floored_share": diag["floored_share"]}
+    info = {k: torch.tensor(v, device=T.device) for k, v in info.items()}
+    return {**info, **{k: v for k, v in safe._asdict().items() if k != "direction"}}
