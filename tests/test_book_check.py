@@ -418,3 +418,17 @@ def test_screenshot_offset_finds_the_shift():
     full[40:60, 100:160] = heading  # drawn at x = 100
     assert check_book.screenshot_offset(png(full), png(heading), 100, 40) is None
     assert check_book.screenshot_offset(png(full), png(heading), 230, 40) == -130
+
+
+def test_a_glued_figure_is_shown_by_its_numbered_figure(tmp_path):
+    cell = (
+        '<div class="cell"><div class="cell_input"><pre>fig = pc.fig_eps(results)\n'
+        'glue("fig-eps", fig, display=False)</pre></div></div>'
+    )
+    shown = (
+        '<figure><img src="{png}" alt="eps"><figcaption>Fig. 1</figcaption></figure>'
+    )
+    assert _kinds(cell + shown, tmp_path / "a") == []
+    # without the numbered figure, the page shows fewer images than it draws
+    defects = _kinds(cell, tmp_path / "b")
+    assert {d.kind for d in defects} == {"figure-count"}, defects
