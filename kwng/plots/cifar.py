@@ -166,7 +166,7 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
     _legend_below(fig, axes)
-    fig.suptitle(title or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)")
+    fig.suptitle(title or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)", wrap=True)
     fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
     return fig
 
@@ -203,7 +203,7 @@ def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | N
             ax.grid(alpha=0.3)
     _legend_below(fig, axes)
     fig.suptitle(title or "CIFAR-10: accuracy against training time\n"
-                 + ("(per-step time measured alone)" if timing else "(recorded on a shared GPU)"))
+                 + ("(per-step time measured alone)" if timing else "(recorded on a shared GPU)"), wrap=True)
     fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
     return fig
 
@@ -222,7 +222,7 @@ def fig_ablation(results: dict, methods: Sequence[str]):
         ax.grid(alpha=0.3)
     _legend_below(fig, axes)
     fig.suptitle("Ill-conditioned CIFAR-10: damping, diagonal conditioning,\nkernel, "
-                 "estimator input")
+                 "estimator input", wrap=True)
     fig.tight_layout(rect=(0, _below(axes), 1, 0.9))
     return fig
 
@@ -245,10 +245,10 @@ def fig_eps(results: dict, floor: float = 1e-10):
         ax.set_title(f"{cond}-conditioned")
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
-        ax.legend(ncol=2)
     axes[0, 0].set_ylabel("ε at the end of the epoch")
-    fig.suptitle("Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)")
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    _legend_below(fig, axes)
+    fig.suptitle("Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)", wrap=True)
+    fig.tight_layout(rect=(0, _below(axes), 1, 0.9))
     return fig
 
 
@@ -363,12 +363,11 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
             ax.grid(alpha=0.3)
             if i == 0:
                 ax.set_title(f"{cond}-conditioned")
-                if n:
-                    ax.legend(ncol=2)
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
-    fig.suptitle("KWNG diagnostics per epoch\n(Levenberg–Marquardt ε, reduction ratio, clipping)")
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.suptitle("KWNG diagnostics per epoch\n(Levenberg–Marquardt ε, reduction ratio, clipping)", wrap=True)
+    _legend_below(fig, axes)
+    fig.tight_layout(rect=(0, _below(axes), 1, 0.94))
     return fig
 
 

@@ -5,10 +5,12 @@ Every figure function of :mod:`kwng.plots` draws inside :func:`book_figure`, whi
 SVG (vector, so ``tools/check_book.py`` can read the size of every text from the file).
 
 The sizes follow from the narrowest screen the book is read on. A phone shows a figure
-about 356 px wide; a figure :data:`FIG_WIDTH_IN` inches wide (72 units an inch in its
-SVG) is then drawn at 356 / (72 · 6.4) ≈ 0.77 px per point, so the smallest font of
-:data:`BOOK_STYLE`, 9.5 pt, is 7.3 px there, above the 7 px a reader can read. On a
-laptop the same figure is shown at its own size (614 px), 1.33 px per point.
+about 342 px wide; a figure :data:`FIG_WIDTH_IN` inches wide (72 units an inch in its
+SVG) is then drawn at 342 / (72 · 6.2) ≈ 0.77 px per point, so the smallest font of
+:data:`BOOK_STYLE`, 9.5 pt, is 7.3 px there, above the 7 px a reader can read (the
+margin covers a figure's content sticking out a little). On a laptop the same figure is
+shown at its own size (595 px), 1.33 px per point. Everything a figure draws (titles,
+legends) must stay inside its width.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import functools
 
 __all__ = ["BOOK_STYLE", "FIG_WIDTH_IN", "METHOD_COLORS", "method_color", "book_figure"]
 
-FIG_WIDTH_IN = 6.4
+FIG_WIDTH_IN = 6.2
 BOOK_STYLE = {
     "font.size": 10.0,
     "axes.titlesize": 10.5,

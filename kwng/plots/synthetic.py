@@ -293,7 +293,7 @@ def plot_flow_study(
         raise ValueError(f"floor must be > 0, got {floor}")
     cmap = plt.get_cmap("tab10")
     styles = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1))]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 5.2))
     for i, name in enumerate(names):
         for method in ("wng", "kwng"):
             loss = np.asarray(rows[name][method]["loss"], dtype=float)
@@ -316,6 +316,6 @@ def plot_flow_study(
     ax.axhline(floor, color="0.6", ls=(0, (1, 2)), lw=1)
     ax.set_xlabel("iteration")
     ax.set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
-    ax.legend(ncol=2, loc="lower left")
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.3, 1, 1))
     return fig
