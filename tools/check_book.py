@@ -288,6 +288,8 @@ def screenshot_offset(full, ref: bytes, x: int, y: int, reach: int = 400
     (document px), found by sliding ``ref``, a screenshot of the heading's box alone,
     along the heading's band; ``None`` when it is within :data:`SHOT_TOLERANCE` px of
     its place (or nothing is drawn there to compare with)."""
+    import numpy as np
+
     if isinstance(full, bytes):
         full = _gray(full)
     b = _gray(ref).astype(float)
@@ -302,7 +304,13 @@ def screenshot_offset(full, ref: bytes, x: int, y: int, reach: int = 400
     if not costs:
         return None
     best = min(costs, key=costs.get)
-    return None if abs(best) <= SHOT_TOLERANCE else best
+    near = range(-SHOT_TOLERANCE, SHOT_TOLERANCE + 1)
+    here = min(costs.get(dx, np.inf) for dx in near)
+    # in place when the heading is drawn where it should be (up to anti-aliasing), or
+    # when no other place matches it clearly better (a mostly blank heading box)
+    if abs(best) <= SHOT_TOLERANCE or here <= 2.0 or costs[best] > 0.5 * here:
+        return None
+    return best
 
 
 def find_chromium() -> str | None:
