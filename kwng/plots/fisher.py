@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kwng.plots.style import FIG_WIDTH_IN, book_figure, method_color
+from kwng.plots.style import FIG_WIDTH_IN, book_figure, grid_ticks, method_color
 
 __all__ = [
     "ESTIMATORS",
@@ -124,9 +124,7 @@ def plot_fisher_relerr(
             ax.set_ylabel("relative error")
             ax.set_title(f"{model}: error vs {x}")
             xs_all = sorted({r[x] for r in sub if r["panel"] == panel})
-            ax.set_xticks(xs_all)
-            ax.set_xticklabels([str(v) for v in xs_all])
-            ax.minorticks_off()
+            grid_ticks(ax, xs_all)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
     fig.tight_layout(rect=(0, 0.05 + 0.028 * -(-len(labels) // 2), 1, 1))
@@ -148,9 +146,7 @@ def _style_sphere_axes(axes, titles, rows: Sequence[dict]) -> None:
         ax.set_title(t)
         ax.legend()
         xs_all = sorted({r["N"] for r in rows if r["panel"] == "N"})
-        ax.set_xticks(xs_all)
-        ax.set_xticklabels([str(v) for v in xs_all])
-        ax.minorticks_off()
+        grid_ticks(ax, xs_all)
 
 
 @book_figure

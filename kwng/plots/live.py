@@ -11,18 +11,15 @@ from typing import Sequence
 
 import numpy as np
 
-from kwng.plots.style import FIG_WIDTH_IN, book_figure
+from kwng.plots.style import FIG_WIDTH_IN, book_figure, grid_ticks
 
 __all__ = ["plot_error_vs_n", "plot_rates", "plot_two_parametrisations"]
 
 
 def _n_axis(ax, sizes: Sequence[int], label: str = "number of samples $N$") -> None:
-    import matplotlib.pyplot as plt
-
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xticks(list(sizes), [str(n) for n in sizes])
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    grid_ticks(ax, list(sizes), most=5)
     ax.set_xlabel(label)
 
 

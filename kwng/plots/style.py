@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["BOOK_STYLE", "FIG_WIDTH_IN", "METHOD_COLORS", "method_color", "book_figure"]
+__all__ = ["BOOK_STYLE", "FIG_WIDTH_IN", "METHOD_COLORS", "method_color", "book_figure",
+           "grid_ticks"]
 
 FIG_WIDTH_IN = 6.2
 BOOK_STYLE = {
@@ -72,6 +73,19 @@ def method_color(method: str) -> str:
             f"no colour for method {method!r}: add it to "
             f"kwng.plots.style.METHOD_COLORS (known: {sorted(METHOD_COLORS)})"
         ) from None
+
+
+def grid_ticks(ax, xs, most: int = 4) -> None:
+    """Label at most ``most`` of the grid values ``xs`` on ``ax``'s (log) x axis, evenly
+    spread and always the first and the last, and no minor labels: a panel a third of a
+    phone wide has room for about four numbers."""
+    import matplotlib.pyplot as plt
+
+    xs = sorted(xs)
+    step = max(1, -(-(len(xs) - 1) // max(most - 1, 1)))
+    shown = xs[::step] if (len(xs) - 1) % step == 0 else xs[::step] + [xs[-1]]
+    ax.set_xticks(shown, [f"{x:g}" for x in shown])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
 
 
 _SVG_SET = False

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kwng.plots.style import FIG_WIDTH_IN, book_figure, method_color
+from kwng.plots.style import FIG_WIDTH_IN, book_figure, grid_ticks, method_color
 
 __all__ = [
     "summarise",
@@ -109,10 +109,7 @@ def plot_relerr(
         ax.set_xscale("log")
         ax.set_yscale("log")
         xs = sorted({x for s in summ.values() for x in s["x"]})
-        ax.set_xticks(
-            xs, [f"{x:g}" for x in xs]
-        )  # label the grid points, not log-minor ticks
-        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        grid_ticks(ax, xs)  # label grid points, not log-minor ticks
         ax.set_xlabel(lab)
         ax.set_ylabel(f"{stat} relative error")
         ax.set_title(ttl)
