@@ -186,14 +186,18 @@ def fig_accuracy(records: dict, seconds: dict[str, float] | None = None,
             x = ep if seconds is None else ep * seconds[key[2]]
             steps = seen.setdefault(key[2], {})
             ls = _DASHES[steps.setdefault(key[0], len(steps)) % len(_DASHES)]
-            ax.plot(x, acc, ls, lw=1.2, color=method_color(key[2]),
+            ax.plot(x, 100 * acc, ls, lw=1.2, color=method_color(key[2]),
                     label=run_label(key))
         ax.set_title(name)
         ax.set_xlabel("epoch" if seconds is None else "seconds (one GPU, alone)")
         ax.grid(alpha=0.3)
-        ax.legend(ncol=2)
-    axes[0].set_ylabel("test accuracy")
-    fig.tight_layout()
+    axes[0].set_ylabel("test accuracy (%)")
+    ax = max(axes, key=lambda a: len(a.get_legend_handles_labels()[1]))
+    handles, labels = ax.get_legend_handles_labels()
+    rows = -(-len(labels) // 2)
+    fig.set_figheight(3.2 + 0.19 * rows)
+    fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, (0.2 + 0.19 * rows) / fig.get_figheight(), 1, 1))
     return fig
 
 
