@@ -4,7 +4,9 @@
 # and three more serve the reader and CI:
 #   make check-book -> build the book, open every page in headless Chromium offline at 1440,
 #                      1280 and 390 px, fail on raw TeX, broken images/links, pipe tables,
-#                      console errors, wide blocks or pages, missing figures
+#                      console errors, equations or tables wider than their box, wide
+#                      pages, long code cells, missing figures, figure text below 7 px,
+#                      empty axes, shifted screenshots; count what scrolls on a phone
 #   make notebooks  -> the chapters as paired .ipynb notebooks in notebooks/ (ignored by git)
 #   make lab        -> JupyterLab in which the book/*.md chapters open as notebooks
 PYTHON ?= python3

@@ -227,3 +227,208 @@ def test_rejects_a_folder_without_pages(tmp_path):
         check_book.find_pages(tmp_path)
     with pytest.raises(ValueError, match="built book folder"):
         check_book.find_pages(tmp_path / "absent")
+
+
+# --- what a reader sees: each block against its own box, code, figures, screenshots
+
+# An equation narrower than the column but wider than the box the page gives it.
+BOXED_EQ = (
+    '<div class="math" style="width: 240px">\\[ '
+    + " + ".join(f"x_{{{i}}}" for i in range(14))
+    + " \\]</div>"
+)
+WIDE_TABLE = (
+    '<table class="table" style="display: block; overflow-x: auto; max-width: 100%">'
+    "<tr>" + "".join(f"<th>column {i}</th>" for i in range(14)) + "</tr>"
+    "<tr>" + "".join(f"<td>{i}.0</td>" for i in range(14)) + "</tr></table>"
+)
+NARROW_TABLE = (
+    '<table class="table"><tr><th>method</th><th>accuracy</th></tr>'
+    "<tr><td>sgd</td><td>0.9</td></tr></table>"
+)
+
+
+def _cell(lines: int, cls: str = "", folded: bool = False) -> str:
+    code = "\n".join(f"x{i} = {i}" for i in range(lines))
+    body = f'<div class="cell_input"><pre>{code}</pre></div>'
+    if folded:
+        body = f"<details><summary>Show code</summary>{body}</details>"
+    return f'<div class="cell {cls}">{body}</div>'
+
+
+def _kinds(body: str, tmp_path: Path, width: int = 1280, **kw):
+    root = _book(tmp_path, body)
+    shots = tmp_path / "shots"
+    defects = check_book.check_pages(
+        root, check_book.find_pages(root), shots, width=width, **kw
+    )
+    return defects
+
+
+def test_equation_wider_than_its_own_box_is_cut(tmp_path):
+    defects = _kinds(BOXED_EQ, tmp_path)
+    assert {d.kind for d in defects} == {"wide-equation"}, defects
+    assert "its box 240px" in defects[0].detail
+
+
+def test_phone_counts_a_cued_scrolling_equation(tmp_path):
+    cued = BOXED_EQ.replace('class="math"', 'class="math cue"')
+    scrolls: dict = {}
+    assert _kinds(cued, tmp_path, width=390, scrolls=scrolls) == []
+    assert scrolls["index.html"]["equations"] == 1, scrolls
+
+
+def test_table_wider_than_its_column_fails_on_a_laptop(tmp_path):
+    defects = _kinds(WIDE_TABLE, tmp_path)
+    assert {d.kind for d in defects} == {"wide-table"}, defects
+    assert "column 0 | column 1" in defects[0].detail
+    assert _kinds(NARROW_TABLE, tmp_path / "b") == []
+
+
+def test_phone_takes_a_cued_scrolling_table_but_not_a_bare_one(tmp_path):
+    scrolls: dict = {}
+    cued = WIDE_TABLE.replace('class="table"', 'class="table cue"')
+    assert _kinds(cued, tmp_path / "a", width=390, scrolls=scrolls) == []
+    assert scrolls["index.html"]["tables"] == 1, scrolls
+    defects = _kinds(WIDE_TABLE, tmp_path / "b", width=390)
+    assert {d.kind for d in defects} == {"wide-table"}, defects
+
+
+def test_phone_counts_scrolling_code(tmp_path):
+    scrolls: dict = {}
+    assert _kinds(SEEDED["wide-code"], tmp_path, width=390, scrolls=scrolls) == []
+    assert scrolls["index.html"] == {"equations": 0, "tables": 0, "code": 1}
+
+
+def test_cell_showing_more_than_fifteen_lines_fails(tmp_path):
+    defects = _kinds(_cell(16), tmp_path)
+    assert {d.kind for d in defects} == {"long-cell"}, defects
+    assert defects[0].detail.startswith("16 lines")
+    # fifteen lines, a folded cell, or a cell whose code is the point pass
+    assert _kinds(_cell(15), tmp_path / "a") == []
+    assert _kinds(_cell(40, folded=True), tmp_path / "b") == []
+    assert _kinds(_cell(40, cls="tag_show-code"), tmp_path / "c") == []
+    # counted once per page when asked
+    assert _kinds(_cell(16), tmp_path / "d", count_lines=False) == []
+
+
+def _svg(root: Path, name: str, width_in: float, fontsize: float, empty: bool = False):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(width_in, width_in / 3))
+    for ax in axes[: 1 if empty else 2]:
+        ax.plot([1, 2, 3], label="a")
+        ax.legend(fontsize=fontsize)
+    for ax in axes:
+        ax.tick_params(labelsize=fontsize)
+    (root / "_images").mkdir(exist_ok=True)
+    fig.savefig(root / "_images" / name, format=name.rsplit(".", 1)[1])
+    plt.close(fig)
+    return (
+        f'<div class="cell_output"><img src="_images/{name}" alt="figure" '
+        'style="max-width: 100%"></div>'
+    )
+
+
+def test_figure_text_below_seven_px_at_display_size_fails(tmp_path):
+    root = _book(tmp_path, "")
+    body = _svg(root, "small.svg", width_in=12.0, fontsize=7.0)
+    (root / "index.html").write_text(HEAD + CLEAN + body + TAIL)
+    defects = check_book.check_pages(root, [root / "index.html"], None, width=1280)
+    assert {d.kind for d in defects} == {"figure-text"}, defects
+    assert "px at 600px wide" in defects[0].detail  # drawn 1152 px, shown 600
+    # the same text on a figure shown at its own size passes
+    body = _svg(root, "fits.svg", width_in=5.0, fontsize=7.0)
+    (root / "index.html").write_text(HEAD + CLEAN + body + TAIL)
+    assert check_book.check_pages(root, [root / "index.html"], None, width=1280) == []
+
+
+def test_raster_figure_cannot_be_measured(tmp_path):
+    root = _book(tmp_path, "")
+    body = _svg(root, "figure.png", width_in=5.0, fontsize=12.0)
+    (root / "index.html").write_text(HEAD + CLEAN + body + TAIL)
+    defects = check_book.check_pages(root, [root / "index.html"], None, width=1280)
+    assert [d.kind for d in defects] == ["figure-text"], defects
+    assert "raster" in defects[0].detail
+
+
+def test_empty_axes_fail(tmp_path):
+    root = _book(tmp_path, "")
+    body = _svg(root, "half.svg", width_in=5.0, fontsize=12.0, empty=True)
+    (root / "index.html").write_text(HEAD + CLEAN + body + TAIL)
+    defects = check_book.check_pages(root, [root / "index.html"], None, width=1280)
+    assert [(d.kind, d.detail) for d in defects] == [
+        ("empty-axes", "half.svg: 1 empty axes")
+    ], defects
+
+
+def test_svg_facts_read_text_sizes_and_axes(tmp_path):
+    _svg(tmp_path, "f.svg", width_in=6.0, fontsize=9.0, empty=True)
+    facts = check_book.svg_figure_facts(tmp_path / "_images" / "f.svg")
+    assert facts["width"] == pytest.approx(6.0 * 72)
+    assert min(facts["text_sizes"]) == pytest.approx(9.0)
+    assert facts["empty_axes"] == 1
+
+
+# The page moves its article once the checker has measured it (it marks the headings
+# it will look for), so the full-page screenshot draws every heading 150 px to the
+# left of the place the page reported: the screenshot is not what the page measured.
+SHIFTING = """<div style="height: 1600px">a long page</div><h2>Further down</h2>
+<script>new MutationObserver(() => { document.querySelector('article').style
+.marginLeft = '-150px'; }).observe(document.body, {attributes: true, subtree: true,
+attributeFilter: ['data-kwng-anchor']});</script>
+"""
+
+
+def test_screenshot_that_draws_the_page_shifted_fails(tmp_path):
+    page = HEAD.replace("main {max-width:\n600px}", "main {max-width: 600px; "
+                        "margin-left: 200px}")
+    root = _book(tmp_path, "")
+    (root / "index.html").write_text(page + CLEAN + SHIFTING + TAIL)
+    defects = check_book.check_pages(
+        root, [root / "index.html"], tmp_path / "s", width=1280
+    )
+    assert {d.kind for d in defects} == {"screenshot-offset"}, defects
+    assert "150px to the left" in defects[0].detail
+    # the same page without the move passes
+    still = SHIFTING.split("<script>")[0]
+    (root / "index.html").write_text(page + CLEAN + still + TAIL)
+    assert check_book.check_pages(
+        root, [root / "index.html"], tmp_path / "s", width=1280
+    ) == []
+
+
+def test_screenshot_offset_finds_the_shift():
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    def png(a):
+        buf = io.BytesIO()
+        Image.fromarray(a.astype(np.uint8)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    rng = np.random.default_rng(0)
+    heading = rng.integers(0, 255, size=(20, 60))
+    full = np.full((100, 400), 255)
+    full[40:60, 100:160] = heading  # drawn at x = 100
+    assert check_book.screenshot_offset(png(full), png(heading), 100, 40) is None
+    assert check_book.screenshot_offset(png(full), png(heading), 230, 40) == -130
+
+
+def test_a_glued_figure_is_shown_by_its_numbered_figure(tmp_path):
+    cell = (
+        '<div class="cell"><div class="cell_input"><pre>fig = pc.fig_eps(results)\n'
+        'glue("fig-eps", fig, display=False)</pre></div></div>'
+    )
+    shown = (
+        '<figure><img src="{png}" alt="eps"><figcaption>Fig. 1</figcaption></figure>'
+    )
+    assert _kinds(cell + shown, tmp_path / "a") == []
+    # without the numbered figure, the page shows fewer images than it draws
+    defects = _kinds(cell, tmp_path / "b")
+    assert {d.kind for d in defects} == {"figure-count"}, defects

@@ -13,7 +13,9 @@ import nbformat
 import pytest
 
 from kwng.plots import synthetic as plotting
+from kwng.plots.style import BOOK_STYLE
 
+IMAGES = {"image/png", "image/svg+xml"}
 ROWS = [
     dict(panel="sigma", d=d, bandwidth_spec=s, error=0.1 * s * d)
     for d in (1, 2)
@@ -25,7 +27,7 @@ def test_style_leaves_no_rc_state_behind():
     before = dict(matplotlib.rcParams)
     interactive = matplotlib.is_interactive()
     fig = plotting.plot_bandwidth({"a": ROWS})
-    assert fig.axes[0].title.get_fontsize() == plotting.BOOK_STYLE["axes.titlesize"]
+    assert fig.axes[0].title.get_fontsize() == BOOK_STYLE["axes.titlesize"]
     assert dict(matplotlib.rcParams) == before
     assert matplotlib.is_interactive() == interactive
 
@@ -44,6 +46,20 @@ def test_every_figure_is_shown_in_a_kernel():
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()
     images = [
-        sum("image/png" in o.get("data", {}) for o in c.outputs) for c in nb.cells
+        sum(bool(IMAGES & set(o.get("data", {}))) for o in c.outputs) for c in nb.cells
     ]
     assert images == [0, 1, 2, 1], images
+
+
+def test_book_figures_are_shown_as_svg():
+    """A figure drawn by a book figure function is shown as SVG in a kernel, so the
+    book's checker can read the size of its text from the file."""
+    pytest.importorskip("nbclient")
+    from nbclient import NotebookClient
+
+    cells = [f"from kwng.plots import synthetic as plotting\nrows = {ROWS!r}",
+             "fig = plotting.plot_bandwidth({'a': rows})"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    kinds = [set(o.get("data", {})) & IMAGES for o in nb.cells[1].outputs]
+    assert kinds == [{"image/svg+xml"}], kinds

@@ -22,18 +22,33 @@ typesetting, the page fails on
 * ``pipe-table``: a paragraph of Markdown table syntax (``| a | b |`` / ``|---|``), the
   trace of a table that was parsed as plain text;
 * ``console``: a JavaScript error or a console message of level error;
-* ``wide-equation``: a display equation wider than the text column. At a phone's width
-  (below :data:`NARROW` px) an equation may instead scroll inside its own box if the box
-  shows a scroll cue (a background image: the book's CSS draws a shadow at the edge that
-  hides more formula);
+* ``wide-equation``: a display equation wider than the box that holds it (the
+  narrowest of its own scroll box, its ancestors and the text column). At a phone's
+  width (below :data:`NARROW` px) an equation may instead scroll inside its own box if
+  the box shows a scroll cue (a background image: the book's CSS draws a shadow at the
+  edge that hides more formula); those are counted per page, not failed;
+* ``wide-table``: a table wider than its box, by the same rule (cut or scrolling at a
+  laptop's width; at a phone's width allowed, and counted, in a cued scroll box);
 * ``wide-code``: a code cell or a printed output wider than its block (it scrolls
-  sideways); not checked below :data:`NARROW` px, where an 80-column line cannot fit;
+  sideways); at a phone's width, where an 80-column line cannot fit, counted instead;
 * ``wide-page``: a page wider than the window (the reader must scroll the whole page);
+* ``long-cell``: a code cell that shows more than :data:`MAX_CELL_LINES` lines (folded
+  ``hide-input`` cells do not count; a cell tagged ``show-code``, whose code is the
+  point, may);
 * ``missing-figure``: a code cell that draws a figure (calls a ``plot_*`` or ``fig_*``
   helper, ``plt.subplots`` or ``plt.figure``) but shows no image;
 * ``figure-count``: a page that shows fewer images in its cell outputs than its cells
   make figure calls (helpers the page defines itself, e.g. one that draws on a given
-  axis, are not counted).
+  axis, are not counted);
+* ``figure-text``: a figure whose smallest text is below :data:`MIN_TEXT_PX` px at the
+  width it is shown, computed from the figure file (its size and the size of each text
+  in it) and the displayed width; a raster figure cannot be measured and is reported;
+* ``empty-axes``: a figure with a framed axes that shows nothing;
+* ``screenshot-offset``: the full-page screenshot draws a heading away from where the
+  page has it (compared with a screenshot of the heading alone), after three tries.
+
+At a phone's width the blocks that scroll sideways in a cued box (equations, tables,
+code) are counted per page and summed in the summary and in ``report.json``.
 
 A full-page screenshot of each page goes to the screenshot folder, with ``report.json``
 listing every defect found. The exit status is 1 when any page has a defect, 2 when the
@@ -85,121 +100,41 @@ KINDS = (
     "wide-page",
     "missing-figure",
     "figure-count",
+    "wide-table",
+    "long-cell",
+    "figure-text",
+    "empty-axes",
+    "screenshot-offset",
 )
+SCROLLING = ("equations", "tables", "code")  # counted at a phone's width
 WIDTHS = (1440, 1280, 390)
 NARROW = 600  # below this width the page is read on a phone
 
-# Runs in the page once MathJax is done; returns the defects it can see in the DOM.
-PAGE_PROBE = r"""
-(narrow) => {
-  const out = [];
-  const add = (kind, detail) => out.push({kind, detail: String(detail).slice(0, 300)});
-  const main = document.querySelector('main article, article, main, [role=main]')
-               || document.body;
-  const skip = el => el.closest('pre, code, script, style, textarea, mjx-container, '
-                                + 'mjx-assistive-mml, .highlight, .MathJax_Preview');
-  // raw TeX left in the text of the page
-  const walker = document.createTreeWalker(main, NodeFilter.SHOW_TEXT);
-  const texRe = /(\\\(|\\\)|\\\[|\\\]|\$\$|\\begin\{|\\frac\{|\\mathcal\{)/;
-  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
-    if (!n.parentElement || skip(n.parentElement)) continue;
-    const m = n.nodeValue.match(texRe);
-    if (m) add('raw-tex', n.nodeValue.trim().slice(0, 160));
-  }
-  // math elements that did not become a formula
-  const mathEls = main.querySelectorAll('div.math, span.math');
-  for (const el of mathEls) {
-    if (!el.querySelector('mjx-container') && el.textContent.trim())
-      add('raw-tex', 'math not typeset: ' + el.textContent.trim().slice(0, 120));
-  }
-  if (mathEls.length && !(window.MathJax && window.MathJax.startup))
-    add('raw-tex', 'page has ' + mathEls.length + ' formulas but MathJax did not load');
-  for (const el of main.querySelectorAll('mjx-merror, [data-mjx-error]'))
-    add('mathjax-error', el.getAttribute('data-mjx-error') || el.textContent);
-  // images
-  for (const img of document.images)
-    if (!img.complete || img.naturalWidth === 0) add('broken-image',
-    img.getAttribute('src'));
-  // Markdown tables that stayed text
-  const pipeRe = /\|\s*:?-{3,}:?\s*\|/;
-  for (const p of main.querySelectorAll('p, div.output pre, div.cell_output pre')) {
-    const t = p.textContent;
-    if (pipeRe.test(t)) add('pipe-table', t.trim().slice(0, 160));
-  }
-  // widths: the text column is the article's content box
-  const col = (document.querySelector('main article') || main).getBoundingClientRect();
-  for (const c of main.querySelectorAll('mjx-container[display="true"]')) {
-    const w = Math.max(c.scrollWidth,
-                       ...[...c.querySelectorAll('mjx-math')].map(m =>
-                       m.getBoundingClientRect().width));
-    if (w > col.width + 1) {
-      if (narrow) {  // on a phone a wide formula may scroll in a box that says so
-        let box = c;
-        while (box && box !== main) {
-          const st = getComputedStyle(box);
-          if (['auto', 'scroll'].includes(st.overflowX)) break;
-          box = box.parentElement;
-        }
-        if (box && box !== main && box.getBoundingClientRect().width <= col.width + 1
-            && getComputedStyle(box).backgroundImage !== 'none') continue;
-      }
-      const src = c.closest('.math');
-      const tex = c.querySelector('mjx-assistive-mml math');
-      add('wide-equation', Math.round(w) + 'px > column ' + Math.round(col.width)
-          + 'px: ' + (src && src.id ? src.id + ' ' : '')
-          + (tex ? tex.textContent.slice(0, 80) : ''));
-    }
-  }
-  if (!narrow) {
-    for (const pre of main.querySelectorAll('pre')) {
-      if (pre.scrollWidth > pre.clientWidth + 1) {
-        const lines = pre.textContent.split('\n');
-        const longest = lines.reduce((a, b) => (b.length > a.length ? b : a), '');
-        add('wide-code', pre.scrollWidth + 'px > ' + pre.clientWidth + 'px: '
-            + longest.trim().slice(0, 120));
-      }
-    }
-  }
-  const pageW = Math.max(document.documentElement.scrollWidth,
-                         document.body.scrollWidth);
-  if (pageW > window.innerWidth + 1)
-    add('wide-page', 'page ' + pageW + 'px > window ' + window.innerWidth + 'px');
-  // figures: a cell that draws one shows an image; the page shows as many as it draws
-  const cells = [...main.querySelectorAll('div.cell')];
-  const src = el => { const i = el.querySelector('.cell_input');
-                      return i ? i.textContent : ''; };
-  const own = new Set();
-  for (const cell of cells)
-    for (const m of src(cell).matchAll(/\bdef\s+(\w+)/g)) own.add(m[1]);
-  const callRe = /(?:\b([A-Za-z_]\w*)\.)?\b((?:plot|fig)_\w+|subplots|figure)\s*\(/g;
-  let calls = 0, images = 0;
-  for (const cell of cells) {
-    let n = 0;
-    for (const m of src(cell).replace(/#.*$/gm, '').matchAll(callRe)) {
-      const [, owner, name] = m;
-      if (name === 'subplots' || name === 'figure') { if (owner === 'plt') n++; }
-      else if (!own.has(name)) n++;
-    }
-    const out = cell.querySelector('.cell_output');
-    const k = out ? out.querySelectorAll('img').length : 0;
-    calls += n; images += k;
-    if (n && !k) add('missing-figure', 'no image from: '
-                     + src(cell).trim().split('\n').slice(0, 3).join(' / ')
-                       .slice(0, 160));
-  }
-  if (images < calls)
-    add('figure-count', images + ' images for ' + calls + ' figure calls');
-  // links, checked by the caller against the files on disk
-  const links = [...document.querySelectorAll('a[href]')].map(a => a.href);
-  return {defects: out, links};
-}
-"""
+# Runs in the page once MathJax is done: the defects it can see in the DOM, the counts
+# of blocks that scroll, the figures shown and where the heading is (see the file).
+PAGE_PROBE = (Path(__file__).with_name("check_book_probe.js")).read_text()
+MAX_CELL_LINES = 15  # code lines a cell may show unless tagged ``show-code``
+MIN_TEXT_PX = 7.0  # the smallest figure text a reader can read, at display size
+SHOT_TOLERANCE = 12  # px a screenshot may draw a heading away from its place
 
 WAIT_FOR_MATHJAX = r"""
 async () => {
   if (window.MathJax && window.MathJax.startup && window.MathJax.startup.promise)
     await window.MathJax.startup.promise;
   if (document.fonts) await document.fonts.ready;
+  return true;
+}
+"""
+
+
+# Waits until no CSS transition or animation runs and two frames have been drawn.
+SETTLE = r"""
+async () => {
+  const t0 = performance.now();
+  while (document.getAnimations().some(a => a.playState === 'running')
+         && performance.now() - t0 < 2000)
+    await new Promise(r => setTimeout(r, 50));
+  await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
   return true;
 }
 """
@@ -261,6 +196,123 @@ def check_links(links: list[str], page: Path) -> list[str]:
     return bad
 
 
+_SVG = "{http://www.w3.org/2000/svg}"
+# matplotlib draws a text as glyph paths in a group scaled by size / 100 (y flipped)
+_TEXT_SCALE = re.compile(r"scale\(\s*([0-9.eE+-]+)[ ,]+-([0-9.eE+-]+)\s*\)")
+# what an axes shows: lines, collections, images, a legend
+_DATA_ID = re.compile(
+    r"^(line2d|\w*Collection|QuadMesh|image|legend|text)_\d+$", re.IGNORECASE
+)
+
+
+def svg_figure_facts(path: Path) -> dict:
+    """What a matplotlib SVG figure shows: its width in its own units, the size of each
+    text in those units and the number of empty axes (a framed axes that shows no
+    line, collection, image, legend or text other than its tick labels and title).
+
+    The returned ``{"width", "text_sizes", "empty_axes"}`` are read from the file:
+    text is drawn as glyphs under ``scale(s, -s)`` with ``s`` = font size / 100, and
+    each axes is a group ``axes_N``; the axis titles are ``text_N`` children only
+    when set, so an axes with nothing but a title counts as empty.
+    """
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()
+    box = root.get("viewBox")
+    if box:
+        width = float(box.split()[2])
+    else:
+        width = float(re.sub(r"[a-z%]+$", "", root.get("width", "0")))
+    sizes = []
+    for g in root.iter(_SVG + "g"):
+        m = _TEXT_SCALE.search(g.get("transform", ""))
+        if m and abs(float(m[1]) - float(m[2])) < 1e-12:
+            sizes.append(100.0 * float(m[1]))
+    empty = 0
+    for g in root.iter(_SVG + "g"):
+        if not re.fullmatch(r"axes_\d+", g.get("id", "")):
+            continue
+        ids = [c.get("id", "") for c in g]
+        framed = any(i.startswith("matplotlib.axis") for i in ids)
+        shows = [i for i in ids if _DATA_ID.match(i) and not i.startswith("text_")]
+        patches = sum(i.startswith("patch_") for i in ids)
+        if framed and not shows and patches <= 5:  # background + four spines
+            empty += 1
+    return {"width": width, "text_sizes": sizes, "empty_axes": empty}
+
+
+def check_figures(figures: list[dict]) -> list[tuple[str, str]]:
+    """``(kind, detail)`` of each figure shown whose text is below
+    :data:`MIN_TEXT_PX` at the width it is displayed, or that has empty axes.
+
+    ``figures`` are the probe's ``{"src", "natural", "shown"}``. A raster image
+    (PNG) carries no record of its text, so it cannot be checked and is reported: the
+    book's figures are vector (SVG)."""
+    out = []
+    for fig in figures:
+        parts = urlsplit(fig["src"])
+        path = Path(unquote(parts.path))
+        name = path.name[:16]
+        if parts.scheme != "file" or not path.exists():
+            continue
+        if path.suffix.lower() != ".svg":
+            out.append(("figure-text", f"{name}: a raster figure, its text size "
+                        "cannot be measured (draw it as SVG)"))
+            continue
+        facts = svg_figure_facts(path)
+        scale = fig["shown"] / facts["width"] if facts["width"] else 0.0
+        if facts["text_sizes"]:
+            smallest = min(facts["text_sizes"]) * scale
+            if smallest < MIN_TEXT_PX:
+                out.append(("figure-text", f"{name}: text {smallest:.1f}px < "
+                            f"{MIN_TEXT_PX:g}px at {fig['shown']:.0f}px wide"))
+        if facts["empty_axes"]:
+            out.append(("empty-axes", f"{name}: {facts['empty_axes']} empty axes"))
+    return out
+
+
+def _gray(png: bytes):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = None  # a long page is a tall screenshot, not an attack
+    return np.asarray(Image.open(io.BytesIO(png)).convert("L"))
+
+
+def screenshot_offset(full, ref: bytes, x: int, y: int, reach: int = 400
+                      ) -> int | None:
+    """How many px (negative: to the left) a full-page screenshot ``full`` (PNG bytes,
+    or the gray image of :func:`_gray`) draws a heading away from its place ``(x, y)``
+    (document px), found by sliding ``ref``, a screenshot of the heading's box alone,
+    along the heading's band; ``None`` when it is within :data:`SHOT_TOLERANCE` px of
+    its place (or nothing is drawn there to compare with)."""
+    import numpy as np
+
+    if isinstance(full, bytes):
+        full = _gray(full)
+    b = _gray(ref).astype(float)
+    h, w = b.shape
+    if h == 0 or w == 0 or b.std() < 1.0 or y + h > full.shape[0]:
+        return None
+    band = full[y : y + h].astype(float)
+    costs = {
+        dx: abs(band[:, x + dx : x + dx + w] - b).mean()
+        for dx in range(max(-reach, -x), min(reach, full.shape[1] - w - x) + 1)
+    }
+    if not costs:
+        return None
+    best = min(costs, key=costs.get)
+    near = range(-SHOT_TOLERANCE, SHOT_TOLERANCE + 1)
+    here = min(costs.get(dx, np.inf) for dx in near)
+    # in place when the heading is drawn where it should be (up to anti-aliasing), or
+    # when no other place matches it clearly better (a mostly blank heading box)
+    if abs(best) <= SHOT_TOLERANCE or here <= 2.0 or costs[best] > 0.5 * here:
+        return None
+    return best
+
+
 def find_chromium() -> str | None:
     for name in (
         os.environ.get("CHROMIUM"),
@@ -306,6 +358,51 @@ def _failed(add):
     return on_failed
 
 
+def _shot_offset(page, full, anchor: dict) -> int | None:
+    """The offset of one heading in the full-page screenshot ``full``, against a
+    screenshot of that heading alone (:func:`screenshot_offset`)."""
+    el = page.query_selector(f'[data-kwng-anchor="{anchor["k"]}"]')
+    if el is None or anchor["w"] < 8 or anchor["h"] < 4:
+        return None
+    ref = el.screenshot()
+    return screenshot_offset(full, ref, round(anchor["x"]), round(anchor["y"]))
+
+
+def _inspect(page, page_path: Path, name: str, add, screenshots: Path | None,
+             width: int, count_lines: bool) -> dict:
+    """Load one page, run the probe and the file-based checks, take (and check) its
+    screenshot; return the counts of blocks that scroll sideways."""
+    page.goto(page_path.as_uri(), wait_until="load")
+    page.evaluate(WAIT_FOR_MATHJAX)
+    opts = {"narrow": width < NARROW, "lines": count_lines, "maxLines": MAX_CELL_LINES}
+    result = page.evaluate(PAGE_PROBE, opts)
+    for d in result["defects"]:
+        add(d["kind"], d["detail"])
+    for bad in check_links(result["links"], page_path):
+        add("broken-link", bad)
+    for kind, detail in check_figures(result["figures"]):
+        add(kind, detail)
+    if screenshots is not None:
+        shot = screenshots / (
+            name.replace("/", "__").removesuffix(".html") + f"-{width}.png"
+        )
+        for _ in range(3):  # a layout still settling is drawn shifted: take it again
+            page.evaluate(SETTLE)
+            full = page.screenshot(full_page=True)
+            gray = _gray(full)
+            offsets = [(a, _shot_offset(page, gray, a)) for a in result["anchors"]]
+            offsets = [(a, dx) for a, dx in offsets if dx is not None]
+            page.evaluate("() => window.scrollTo(0, 0)")
+            if not offsets:
+                break
+        shot.write_bytes(full)
+        for a, dx in offsets[:1]:
+            side = "left" if dx < 0 else "right"
+            add("screenshot-offset", f"{shot.name}: a heading at y = {a['y']:.0f}px "
+                f"is drawn {abs(dx)}px to the {side} of its place")
+    return result["counts"]
+
+
 def check_pages(
     root: Path,
     pages: list[Path],
@@ -313,9 +410,13 @@ def check_pages(
     width: int = 1440,
     height: int = 900,
     executable: str | None = None,
+    count_lines: bool = True,
+    scrolls: dict | None = None,
 ) -> list[Defect]:
     """Open each page offline in headless Chromium; return the defects found (see module
-    doc)."""
+    doc). ``scrolls``, if given, receives ``{page: {"equations", "tables",
+    "code"}}``, the blocks that scroll sideways inside a cued box at a phone's width;
+    ``count_lines`` checks the code lines each cell shows (once per page is enough)."""
     if width < 320 or height < 200:
         raise ValueError(
             f"width must be >= 320 and height >= 200, got {width}x{height}"
@@ -373,21 +474,16 @@ def check_pages(
                 print(f"{name}: redirect to {redirect.group(1)}", flush=True)
                 page.close()
                 continue
-            page.goto(page_path.as_uri(), wait_until="load")
-            page.evaluate(WAIT_FOR_MATHJAX)
-            result = page.evaluate(PAGE_PROBE, width < NARROW)
-            for d in result["defects"]:
-                add(d["kind"], d["detail"])
-            for bad in check_links(result["links"], page_path):
-                add("broken-link", bad)
-            if screenshots is not None:
-                shot = screenshots / (
-                    name.replace("/", "__").removesuffix(".html") + f"-{width}.png"
-                )
-                page.screenshot(path=str(shot), full_page=True)
+            counts = _inspect(page, page_path, name, add, screenshots, width,
+                              count_lines)
             page.close()
             defects.extend(found)
+            scrolling = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+            if width < NARROW and scrolls is not None:
+                scrolls[name] = counts
             status = "ok" if not found else f"{len(found)} defect(s)"
+            if scrolling:
+                status += f"; scroll sideways: {scrolling}"
             print(f"{name} at {width} px: {status}", flush=True)
             for d in found[:20]:
                 print(f"    [{d.kind}] {d.detail}", flush=True)
@@ -431,10 +527,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.page:
         pages = [args.root / p for p in args.page]
-    defects = []
-    for width in args.width or WIDTHS:
+    defects, scrolls = [], {}
+    for i, width in enumerate(args.width or WIDTHS):
+        scrolls[width] = {}
         try:
-            defects += check_pages(args.root, pages, args.screenshots, width=width)
+            defects += check_pages(args.root, pages, args.screenshots, width=width,
+                                   count_lines=i == 0, scrolls=scrolls[width])
         except FileNotFoundError as err:
             print(f"check_book: {err}", file=sys.stderr)
             return 2
@@ -444,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             p.resolve().relative_to(args.root.resolve()).as_posix() for p in pages
         ],
         "defects": [asdict(d) for d in defects],
+        "scrolls": {w: c for w, c in scrolls.items() if c},
     }
     (args.screenshots / "report.json").write_text(json.dumps(report, indent=1))
     allowed = set()
@@ -465,6 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(map(str, args.width or WIDTHS))} px,"
         f" {summary}; screenshots in {args.screenshots}"
     )
+    for width, by_page in scrolls.items():
+        if by_page:
+            total = {k: sum(c[k] for c in by_page.values()) for k in SCROLLING}
+            print(f"check_book: at {width} px, scrolling sideways in a cued box: "
+                  + ", ".join(f"{v} {k}" for k, v in total.items()))
     if tolerated:
         for page, kind in sorted(allowed):
             n = sum(d.page == page and d.kind == kind for d in tolerated)

@@ -78,8 +78,10 @@ def _missing_reference(app, env, node, contnode):
             )
             if found is not None:
                 return found
-    if target.split(".")[-1].startswith("_") and canonical is not None:
-        return contnode  # a private helper: named in the text, not part of the API page
+    if canonical is not None:
+        # an object of the package without a docstring (or a private helper): named in
+        # the text, not part of the API pages, which list documented public names only
+        return contnode
     return None
 
 
@@ -173,7 +175,28 @@ def _dedupe_pages(app, exception):
             path.write_text(new, encoding="utf-8")
 
 
+def source_link(pathto, sourcename: str, suffix: str = ".md") -> str:
+    """The HTML line that ends each chapter: a plain link to the page's own source
+    (the jupytext ``.md`` file the book copies to ``_sources/``), which opens as a
+    notebook in ``make lab``."""
+    source = sourcename.removesuffix(".txt")
+    if not source.endswith(suffix):
+        return ""
+    href = pathto("_sources/" + source, 1)
+    return (
+        f'<p class="kwng-source">This page is <a href="{href}"><code>{source}</code>'
+        "</a> in the repository; <code>make lab</code> opens it as a notebook.</p>"
+    )
+
+
+def _page_source(app, pagename, templatename, context, doctree):
+    if doctree is None or "body" not in context or not context.get("sourcename"):
+        return
+    context["body"] += source_link(context["pathto"], context["sourcename"])
+
+
 def setup(app):
+    app.connect("html-page-context", _page_source)
     app.connect("build-finished", _dedupe_pages)
     app.connect("missing-reference", _missing_reference)
     app.connect("autodoc-process-docstring", _process_docstring)

@@ -22,9 +22,13 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from kwng.plots.style import FIG_WIDTH_IN, book_figure, method_color
+
 __all__ = ["final_rows", "scale_points", "scale_threshold", "fig_logit_scale",
            "learned_epochs", "max_scale",
            "epoch_seconds", "fig_accuracy", "time_to_accuracy", "run_label"]
+
+_DASHES = ("-", "--", ":", "-.")  # one per step size of a method, in order seen
 
 #: a class counts as learned when its test recall and precision both reach this
 LEARNED = 0.5
@@ -96,6 +100,7 @@ def scale_threshold(records: dict, small_u: float = 1e-3) -> dict:
             "max_unlearned": float(s[~ok].max()) if (~ok).any() else float("nan")}
 
 
+@book_figure
 def fig_logit_scale(records: dict, keys: Sequence[tuple] | None = None,
                     threshold: float | None = None):
     """``U_k ‖W_k‖ ‖φ‖`` against epoch for every class, one panel per run (default:
@@ -109,8 +114,8 @@ def fig_logit_scale(records: dict, keys: Sequence[tuple] | None = None,
     n = len(keys)
     cols = min(n, 3)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 2.6 * rows), sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(FIG_WIDTH_IN, 2.4 * rows + 0.4),
+                             sharey=True, squeeze=False, layout="constrained")
     cmap = plt.get_cmap("viridis")
     for ax, key in zip(axes.flat, keys):
         r = records[key]
@@ -131,7 +136,7 @@ def fig_logit_scale(records: dict, keys: Sequence[tuple] | None = None,
         if threshold is not None:
             ax.axhline(threshold, color="k", ls="--", lw=0.8)
         ax.set_yscale("log")
-        ax.set_title(run_label(key), fontsize=9)
+        ax.set_title(run_label(key))
         ax.grid(alpha=0.3, which="major")
     for ax in axes.flat[n:]:
         ax.set_visible(False)
@@ -140,7 +145,8 @@ def fig_logit_scale(records: dict, keys: Sequence[tuple] | None = None,
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(-6, 1))
-    fig.colorbar(sm, ax=axes, label=r"$\log_{10} U_k$", shrink=0.8)
+    fig.colorbar(sm, ax=axes, label=r"$\log_{10} U_k$", shrink=0.8,
+                 location="bottom", aspect=40)
     return fig
 
 
@@ -162,13 +168,15 @@ def _curve(r: dict) -> tuple[np.ndarray, np.ndarray]:
             np.array([e["test_acc"] for e in r["epochs"]]))
 
 
+@book_figure
 def fig_accuracy(records: dict, seconds: dict[str, float] | None = None,
                  keys: Sequence[tuple] | None = None):
     """Test accuracy per epoch (Fig. 3 of the paper), or, with ``seconds`` (per method,
     :func:`epoch_seconds`), per second of one GPU (Fig. 7): IC and WC panels."""
     if keys is None:
         keys = [k for k in sorted(records) if not k[0].startswith("fp32")]
-    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 3.4), sharey=True)
+    seen: dict[str, dict[str, int]] = {}  # method -> step tag -> its line style
     for ax, cond, name in zip(axes, ("ill", "well"), ("ill-conditioned",
                                                        "well-conditioned")):
         for key in keys:
@@ -176,14 +184,20 @@ def fig_accuracy(records: dict, seconds: dict[str, float] | None = None,
                 continue
             ep, acc = _curve(records[key])
             x = ep if seconds is None else ep * seconds[key[2]]
-            ls = "-" if key[2].startswith("kwng") or key[2] == "diag_Ttilde" else "--"
-            ax.plot(x, acc, ls, lw=1.2, label=run_label(key))
+            steps = seen.setdefault(key[2], {})
+            ls = _DASHES[steps.setdefault(key[0], len(steps)) % len(_DASHES)]
+            ax.plot(x, 100 * acc, ls, lw=1.2, color=method_color(key[2]),
+                    label=run_label(key))
         ax.set_title(name)
         ax.set_xlabel("epoch" if seconds is None else "seconds (one GPU, alone)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-    axes[0].set_ylabel("test accuracy")
-    fig.tight_layout()
+    axes[0].set_ylabel("test accuracy (%)")
+    ax = max(axes, key=lambda a: len(a.get_legend_handles_labels()[1]))
+    handles, labels = ax.get_legend_handles_labels()
+    rows = -(-len(labels) // 2)
+    fig.set_figheight(3.2 + 0.19 * rows)
+    fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, (0.2 + 0.19 * rows) / fig.get_figheight(), 1, 1))
     return fig
 
 

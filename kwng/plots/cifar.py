@@ -26,16 +26,12 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from kwng.plots.style import FIG_WIDTH_IN, book_figure, method_color
+
 __all__ = ["at_epoch", "curves", "diag_series", "final_accuracy_table", "format_table",
            "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps", "fig_per_class_vs_U",
            "fig_kwng_diagnostics", "selection_table", "class_scalings", "final_per_class"]
 
-_COLORS = {"kwng_samples_before_U": "tab:orange", "kwng_lm_same_batch": "tab:pink",
-           "sgd": "tab:blue", "sgd_momentum": "tab:cyan", "sgd_momentum_wd": "tab:olive", "adam": "tab:green",
-           "kfac": "tab:purple", "ekfac": "tab:orange", "kwng": "tab:red", "kwng_m20": "tab:brown",
-           "kwng_momentum": "tab:gray", "kwng_bigbatch": "tab:pink", "kwng_damping_identity": "tab:blue",
-           "kwng_damping_T": "tab:green", "diag_T": "tab:purple", "diag_Ttilde": "tab:cyan",
-           "kwng_rq": "gold", "kwng_scaled_logits": "tab:brown"}
 _STYLES = {"kwng_samples_before_U": "--", "kwng_lm_same_batch": "-.",
            "kwng_m20": "--", "kwng_momentum": "-.", "kwng_bigbatch": ":", "sgd_momentum": "--",
            "sgd_momentum_wd": ":", "ekfac": "--", "diag_T": "--", "diag_Ttilde": ":", "kwng_rq": "-.",
@@ -117,11 +113,29 @@ def _band(ax, x, vals, label, color, ls="-"):
 
 
 def _legend_below(fig, axes):
-    """One legend under the figure, from the panel with the most labelled lines."""
+    """One legend under the figure, in two columns, from the panel with the most
+    labelled lines."""
     ax = max(axes.flat, key=lambda a: len(a.get_legend_handles_labels()[1]))
     handles, labels = ax.get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, frameon=False)
+        fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
+
+
+def _below(axes) -> float:
+    """The share of the figure's height that :func:`_legend_below` needs."""
+    fig = axes.flat[0].figure
+    n = max(len(a.get_legend_handles_labels()[1]) for a in axes.flat)
+    return min(0.45, (0.25 + 0.19 * -(-n // 2)) / fig.get_figheight())
+
+
+def _conditions(results: dict) -> tuple[str, ...]:
+    """The conditionings (``"ill"``, ``"well"``) of which ``results`` hold a run with at
+    least one epoch: a figure draws a column only for those (no empty panels)."""
+    present = {c for (c, _, _), r in results.items() if r["epochs"]}
+    conds = tuple(c for c in ("ill", "well") if c in present)
+    if not conds:
+        raise ValueError("results hold no run with a recorded epoch")
+    return conds
 
 
 def _label(results: dict, cond: str, method: str) -> str:
@@ -133,34 +147,41 @@ def _label(results: dict, cond: str, method: str) -> str:
     return lab
 
 
+@book_figure
 def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = ""):
-    """Fig. 3: rows test / training accuracy, columns ill- / well-conditioned."""
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, squeeze=False)
-    for j, cond in enumerate(("ill", "well")):
+    """Fig. 3: rows test / training accuracy, columns ill- / well-conditioned (a column
+    only for a conditioning with records)."""
+    conds = _conditions(results)
+    fig, axes = plt.subplots(2, len(conds), figsize=(FIG_WIDTH_IN, 6.2), sharex=True,
+                             squeeze=False)
+    for j, cond in enumerate(conds):
         for i, (key, name) in enumerate((("test_acc", "test accuracy (%)"), ("train_acc", "training accuracy (%)"))):
             ax = axes[i, j]
             for m in methods:
                 x, v = curves(results, cond, m, key)
-                _band(ax, x, v, _label(results, cond, m), _COLORS.get(m), _STYLES.get(m, "-"))
+                _band(ax, x, v, _label(results, cond, m), method_color(m), _STYLES.get(m, "-"))
             ax.set_ylabel(name)
             ax.set_title(f"{cond}-conditioned")
             ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
     _legend_below(fig, axes)
-    fig.suptitle(title or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    fig.suptitle(title or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)", wrap=True)
+    fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
     return fig
 
 
+@book_figure
 def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | None = None,
                          train_size: int = 50_000, title: str = ""):
     """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``: the cumulative
     training wall clock recorded by each run (mean over seeds), which includes the slow-down from other
     runs sharing the GPU. With ``timing`` (the record of ``cifar timing``): ``epoch × steps per epoch ×
     seconds per step measured alone`` (methods missing from ``timing`` are left out)."""
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), squeeze=False)
-    for i, cond in enumerate(("ill", "well")):
+    conds = _conditions(results)
+    fig, axes = plt.subplots(len(conds), 2, figsize=(FIG_WIDTH_IN, 3.1 * len(conds) + 1.4),
+                             squeeze=False)
+    for i, cond in enumerate(conds):
         for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
             ax = axes[i, j]
             for m in methods:
@@ -175,54 +196,59 @@ def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | N
                 else:
                     _, tt = curves(results, cond, m, "time_train")
                     tx = tt.mean(0)
-                _band(ax, tx / 60, v, _label(results, cond, m), _COLORS.get(m), _STYLES.get(m, "-"))
+                _band(ax, tx / 60, v, _label(results, cond, m), method_color(m), _STYLES.get(m, "-"))
             ax.set_title(f"{cond}-conditioned")
             ax.set_ylabel(name)
-            ax.set_xlabel("training time (min)" + (", per-step time measured alone" if timing else
-                                                   ", recorded on a shared GPU"))
+            ax.set_xlabel("training time (min)")
             ax.grid(alpha=0.3)
     _legend_below(fig, axes)
-    fig.suptitle(title or "CIFAR-10: accuracy against training time")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    fig.suptitle(title or "CIFAR-10: accuracy against training time\n"
+                 + ("(per-step time measured alone)" if timing else "(recorded on a shared GPU)"), wrap=True)
+    fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
     return fig
 
 
+@book_figure
 def fig_ablation(results: dict, methods: Sequence[str]):
     """Fig. 8: ill-conditioned case, KWNG against its variants (training and test accuracy per epoch)."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.6), squeeze=False)
     for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
         ax = axes[0, j]
         for m in methods:
             x, v = curves(results, "ill", m, key)
-            _band(ax, x, v, _label(results, "ill", m), _COLORS.get(m), _STYLES.get(m, "-"))
+            _band(ax, x, v, _label(results, "ill", m), method_color(m), _STYLES.get(m, "-"))
         ax.set_xlabel("epoch")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7, loc="lower right")
-    fig.suptitle("Ill-conditioned CIFAR-10: damping, diagonal conditioning, kernel, estimator input")
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    _legend_below(fig, axes)
+    fig.suptitle("Ill-conditioned CIFAR-10: damping, diagonal conditioning,\nkernel, "
+                 "estimator input", wrap=True)
+    fig.tight_layout(rect=(0, _below(axes), 1, 0.9))
     return fig
 
 
+@book_figure
 def fig_eps(results: dict, floor: float = 1e-10):
     """The Levenberg–Marquardt ε at the end of every epoch, one line per KWNG run (both conditionings)."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True, squeeze=False)
-    for j, cond in enumerate(("ill", "well")):
+    conds = _conditions(results)
+    fig, axes = plt.subplots(1, len(conds), figsize=(FIG_WIDTH_IN, 3.6), sharey=True,
+                             squeeze=False)
+    for j, cond in enumerate(conds):
         ax = axes[0, j]
         for (c, m, s), r in sorted(results.items()):
             if c != cond or not r["epochs"] or "eps" not in r["epochs"][0]:
                 continue
             eps = [row["eps"] for row in r["epochs"]]
-            ax.semilogy(range(1, len(eps) + 1), eps, color=_COLORS.get(m), ls=_STYLES.get(m, "-"), marker="o",
+            ax.semilogy(range(1, len(eps) + 1), eps, color=method_color(m), ls=_STYLES.get(m, "-"), marker="o",
                         ms=2.5, lw=1.2, label=m if s == 0 else None)
         ax.axhline(floor, color="k", lw=0.8, ls=":")
         ax.set_title(f"{cond}-conditioned")
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, ncol=2)
     axes[0, 0].set_ylabel("ε at the end of the epoch")
-    fig.suptitle("Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)")
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    _legend_below(fig, axes)
+    fig.suptitle("Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)", wrap=True)
+    fig.tight_layout(rect=(0, _below(axes), 1, 0.9))
     return fig
 
 
@@ -246,6 +272,7 @@ def final_per_class(results: dict, cond: str, method: str) -> np.ndarray | None:
     return np.mean([r["epochs"][-1]["test_acc_per_class"] for r in runs], axis=0)
 
 
+@book_figure
 def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
                        mark: float | None = None):
     """Final test accuracy of each class against its scaling ``U_k`` (log x), one line per method
@@ -253,12 +280,12 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
     reparametrisation gives a flat line."""
     U = class_scalings(results)
     order = np.argsort(U)
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 4.2))
     for m in methods:
         acc = final_per_class(results, cond, m)
         if acc is None:
             continue
-        ax.semilogx(U[order], 100 * acc[order], marker="o", ms=4, lw=1.3, color=_COLORS.get(m),
+        ax.semilogx(U[order], 100 * acc[order], marker="o", ms=4, lw=1.3, color=method_color(m),
                     ls=_STYLES.get(m, "-"), label=_label(results, cond, m))
     if mark is not None:
         ax.axvline(mark, color="k", lw=0.8, ls=":")
@@ -266,8 +293,8 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
     ax.set_ylabel("test accuracy of the class (%)")
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="lower right")
-    ax.set_title(f"{cond}-conditioned: per-class test accuracy after the last epoch against $U_k$")
+    ax.legend(ncol=2, loc="lower right")
+    ax.set_title(f"{cond}-conditioned: per-class test accuracy\nafter the last epoch against $U_k$")
     fig.tight_layout()
     return fig
 
@@ -298,6 +325,7 @@ def diag_series(rec: dict, key: str) -> np.ndarray:
     return np.zeros(0) if any(v is None for v in vals) else np.array(vals, dtype=float)
 
 
+@book_figure
 def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_samples_before_U", "diag_Ttilde",
                                                                     "kwng_lm_same_batch")):
     """Rows: ε (epoch mean; in the authors' units ``ε_ours / √N`` for runs of the authors' convention),
@@ -305,8 +333,10 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
     ill- and well-conditioned. One line per run; panels without records say so."""
     keys = (("eps", "ε (authors' units)"), ("reduction_ratio", "reduction ratio r"),
             ("clipped", "fraction of steps clipped"))
-    fig, axes = plt.subplots(3, 2, figsize=(10, 8), sharex=True, squeeze=False)
-    for j, cond in enumerate(("ill", "well")):
+    conds = _conditions(results)
+    fig, axes = plt.subplots(3, len(conds), figsize=(FIG_WIDTH_IN, 7.5), sharex=True,
+                             squeeze=False)
+    for j, cond in enumerate(conds):
         for i, (key, name) in enumerate(keys):
             ax = axes[i, j]
             n = 0
@@ -318,11 +348,13 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
                     continue
                 x = np.arange(1, v.size + 1)
                 plot = ax.semilogy if key == "eps" else ax.plot
-                plot(x, v, color=_COLORS.get(m), ls=_STYLES.get(m, "-"), marker="o", ms=2, lw=1.1,
+                plot(x, v, color=method_color(m), ls=_STYLES.get(m, "-"), marker="o", ms=2, lw=1.1,
                      label=f"{m} s{s}")
                 n += 1
-            if not n:
-                ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+            if not n:  # a note, not an empty frame
+                ax.set_axis_off()
+                ax.text(0.5, 0.5, f"{name}: not recorded", ha="center", va="center",
+                        transform=ax.transAxes)
             if key == "clipped":
                 ax.set_ylim(-0.03, 1.03)
             if key == "eps" and n:
@@ -331,12 +363,11 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
             ax.grid(alpha=0.3)
             if i == 0:
                 ax.set_title(f"{cond}-conditioned")
-                if n:
-                    ax.legend(fontsize=6.5, ncol=2)
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
-    fig.suptitle("KWNG diagnostics per epoch (Levenberg–Marquardt ε, reduction ratio, clipping)")
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.suptitle("KWNG diagnostics per epoch\n(Levenberg–Marquardt ε, reduction ratio, clipping)", wrap=True)
+    _legend_below(fig, axes)
+    fig.tight_layout(rect=(0, _below(axes), 1, 0.94))
     return fig
 
 

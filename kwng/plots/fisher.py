@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kwng.plots.style import FIG_WIDTH_IN, book_figure, grid_ticks, method_color
+
 __all__ = [
     "ESTIMATORS",
     "median_by",
@@ -29,12 +31,13 @@ ESTIMATORS = {
     "err_fng_lam": ("kernel Fisher, λ = 1e-4", "-."),
     "err_fng_score": ("kernel Fisher, score T", ":"),
 }
+# method -> (label, line style); the colour is the method's (kwng.plots.style)
 _METHOD_STYLE = {
-    "wng": ("exact WNG", "C0", "-"),
-    "kwng": ("KWNG", "C0", "--"),
-    "fng": ("exact Fisher NG", "C3", "-"),
-    "kfng": ("kernel Fisher NG", "C3", "--"),
-    "eg": ("Euclidean", "0.4", ":"),
+    "wng": ("exact WNG", "-"),
+    "kwng": ("KWNG", "--"),
+    "fng": ("exact Fisher NG", "-"),
+    "kfng": ("kernel Fisher NG", "--"),
+    "eg": ("Euclidean", ":"),
 }
 
 
@@ -70,6 +73,7 @@ def _dims(rows):
     return sorted({int(r["d"]) for r in rows})
 
 
+@book_figure
 def plot_fisher_relerr(
     rows: Sequence[dict], models: Sequence[str] = ("normal", "lognormal")
 ):
@@ -82,7 +86,7 @@ def plot_fisher_relerr(
     dims = _dims(rows)
     colors = {d: f"C{i}" for i, d in enumerate(dims)}
     fig, axes = plt.subplots(
-        2, len(models), figsize=(5.2 * len(models), 7.5), squeeze=False
+        2, len(models), figsize=(FIG_WIDTH_IN, 8.6), squeeze=False
     )
     for j, model in enumerate(models):
         sub = [r for r in rows if r["model"] == model]
@@ -120,11 +124,10 @@ def plot_fisher_relerr(
             ax.set_ylabel("relative error")
             ax.set_title(f"{model}: error vs {x}")
             xs_all = sorted({r[x] for r in sub if r["panel"] == panel})
-            ax.set_xticks(xs_all)
-            ax.set_xticklabels([str(v) for v in xs_all])
-            ax.minorticks_off()
-    axes[0, 0].legend(fontsize=7, ncol=1)
-    fig.tight_layout()
+            grid_ticks(ax, xs_all)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.05 + 0.028 * -(-len(labels) // 2), 1, 1))
     return fig
 
 
@@ -140,14 +143,13 @@ def _style_sphere_axes(axes, titles, rows: Sequence[dict]) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("N (M = ⌊d√N⌋)")
-        ax.set_title(t, fontsize=10)
-        ax.legend(fontsize=7)
+        ax.set_title(t)
+        ax.legend()
         xs_all = sorted({r["N"] for r in rows if r["panel"] == "N"})
-        ax.set_xticks(xs_all)
-        ax.set_xticklabels([str(v) for v in xs_all])
-        ax.minorticks_off()
+        grid_ticks(ax, xs_all)
 
 
+@book_figure
 def plot_fisher_sphere(rows: Sequence[dict]):
     """Where the Fisher metric does not exist. Left: the largest eigenvalue of the
     kernel Fisher metric ``Ĝ_F`` against ``N`` (``M = ⌊d√N⌋``) on the sphere and the
@@ -156,7 +158,7 @@ def plot_fisher_sphere(rows: Sequence[dict]):
     sphere (the Wasserstein side converges)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(3, 1, figsize=(FIG_WIDTH_IN, 10.5))
     dims = _dims(rows)
 
     def median_line(ax, sub, col, *fmt, **style):  # median of ``col`` against N
@@ -189,6 +191,7 @@ def plot_fisher_sphere(rows: Sequence[dict]):
     return fig
 
 
+@book_figure
 def plot_fisher_flow(flow: dict[str, dict[str, np.ndarray]]):
     """Loss against iteration for each loss (``w2``, ``kl``) and method of the flow
     experiment."""
@@ -197,15 +200,15 @@ def plot_fisher_flow(flow: dict[str, dict[str, np.ndarray]]):
     if not flow:
         raise ValueError("flow must map a loss name to {method: values}")
     titles = {"w2": "loss W2²(ρ_θ, ρ*)", "kl": "loss KL(ρ_θ ‖ ρ*)"}
-    fig, axes = plt.subplots(1, len(flow), figsize=(6 * len(flow), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(flow), figsize=(FIG_WIDTH_IN, 3.6), squeeze=False)
     for ax, (loss, curves) in zip(axes[0], flow.items()):
         for method, v in curves.items():
-            label, color, ls = _METHOD_STYLE.get(method, (method, "k", "-"))
-            ax.plot(np.arange(len(v)), v, ls, color=color, label=label)
+            label, ls = _METHOD_STYLE.get(method, (method, "-"))
+            ax.plot(np.arange(len(v)), v, ls, color=method_color(method), label=label)
         ax.set_yscale("log")
         ax.set_xlabel("iteration")
         ax.set_title(titles.get(loss, loss))
-        ax.legend(fontsize=8)
+        ax.legend()
     fig.tight_layout()
     return fig
 

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kwng.plots.style import FIG_WIDTH_IN, book_figure, grid_ticks, method_color
+
 __all__ = [
     "summarise",
     "plot_relerr",
@@ -23,38 +25,6 @@ __all__ = [
     "plot_flow_study",
     "dim_colors",
 ]
-
-
-# The book's text column is about 750 px wide and inline figures are drawn at 100 dpi,
-# so a figure 10 inches wide is shown at 3/4 of its size: fonts of 11 pt (9 pt in the
-# legends) stay readable. Every figure function draws inside this style.
-BOOK_STYLE = {"font.size": 11, "axes.titlesize": 11, "axes.labelsize": 11,
-              "legend.fontsize": 9, "xtick.labelsize": 10, "ytick.labelsize": 10}
-MAX_WIDTH_IN = 10.0
-
-
-def _book_style(func):
-    """Draw ``func``'s figure with :data:`BOOK_STYLE` and leave no global state behind.
-
-    Only the keys of :data:`BOOK_STYLE` are set and restored. ``plt.rc_context`` is not
-    used: it restores *every* rc parameter on exit, so when pyplot is first imported
-    inside it, the interactive flag that the notebook backend switches on is switched
-    off again and every later figure of the session is never shown."""
-    import functools
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        import matplotlib
-        import matplotlib.pyplot  # noqa: F401  (the backend is set up outside the style)
-
-        saved = {k: matplotlib.rcParams[k] for k in BOOK_STYLE}
-        matplotlib.rcParams.update(BOOK_STYLE)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            matplotlib.rcParams.update(saved)
-
-    return wrapper
 
 
 def dim_colors(dims: Sequence[int]) -> dict[int, tuple]:
@@ -98,7 +68,7 @@ def summarise(
     return out
 
 
-@_book_style
+@book_figure
 def plot_relerr(
     rows: Sequence[dict], title: str = "", N_box: int | None = None, stat: str = "mean"
 ):
@@ -114,7 +84,7 @@ def plot_relerr(
     byM = summarise(rows, "M", "M")
     colors = dim_colors(list(byN) + list(byM))
     N_box = N_box or int(max(max(v["x"]) for v in byN.values()))
-    fig, axes = plt.subplots(1, 3, figsize=(MAX_WIDTH_IN, 3.4))
+    fig, axes = plt.subplots(1, 3, figsize=(FIG_WIDTH_IN, 2.9))
     dims = sorted(byN)
     data = [byN[d]["errors"][list(byN[d]["x"]).index(N_box)] for d in dims]
     bp = axes[0].boxplot(
@@ -139,21 +109,18 @@ def plot_relerr(
         ax.set_xscale("log")
         ax.set_yscale("log")
         xs = sorted({x for s in summ.values() for x in s["x"]})
-        ax.set_xticks(
-            xs, [f"{x:g}" for x in xs]
-        )  # label the grid points, not log-minor ticks
-        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        grid_ticks(ax, xs)  # label grid points, not log-minor ticks
         ax.set_xlabel(lab)
         ax.set_ylabel(f"{stat} relative error")
         ax.set_title(ttl)
-    axes[2].legend(ncol=2, fontsize=8, handlelength=1.2, columnspacing=0.8)
+    axes[2].legend(ncol=2, handlelength=1.2, columnspacing=0.8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
-@_book_style
+@book_figure
 def plot_bandwidth(rows_by_model: dict[str, Sequence[dict]], stat: str = "mean"):
     """Fig. 6: relative error against the fixed bandwidth ``σ``, one panel per model."""
     import matplotlib.pyplot as plt
@@ -163,7 +130,7 @@ def plot_bandwidth(rows_by_model: dict[str, Sequence[dict]], stat: str = "mean")
     fig, axes = plt.subplots(
         1,
         len(rows_by_model),
-        figsize=(min(MAX_WIDTH_IN, 3.4 * len(rows_by_model)), 3.4),
+        figsize=(FIG_WIDTH_IN, 2.9),
         squeeze=False,
     )
     for ax, (name, rows) in zip(axes[0], rows_by_model.items()):
@@ -176,26 +143,27 @@ def plot_bandwidth(rows_by_model: dict[str, Sequence[dict]], stat: str = "mean")
         ax.set_xlabel(r"bandwidth $\sigma$")
         ax.set_ylabel(f"{stat} relative error")
         ax.set_title(name)
-    axes[0][-1].legend(ncol=2, fontsize=8, handlelength=1.2, columnspacing=0.8)
+    axes[0][-1].legend(ncol=2, handlelength=1.2, columnspacing=0.8)
     fig.tight_layout()
     return fig
 
 
 _FLOW_STYLES = {
-    "wng": dict(color="k", ls="-", label="WNG (exact)"),
-    "kwng": dict(color="tab:red", ls="--", marker="o", ms=3, label="KWNG"),
-    "eg": dict(color="tab:blue", ls=":", lw=2, label="EG"),
+    "wng": dict(ls="-", label="WNG (exact)"),
+    "kwng": dict(ls="--", marker="o", ms=3, label="KWNG"),
+    "eg": dict(ls=":", lw=2, label="EG"),
 }
 _EXTRA_STYLES = [
-    dict(color="tab:orange", ls="-.", marker="s", ms=3),
-    dict(color="tab:green", ls=(0, (5, 1)), marker="^", ms=3),
-    dict(color="tab:purple", ls=(0, (1, 1)), marker="v", ms=3),
-    dict(color="tab:brown", ls=(0, (3, 1, 1, 1)), marker="D", ms=3),
+    dict(ls="-.", marker="s", ms=3),
+    dict(ls=(0, (5, 1)), marker="^", ms=3),
+    dict(ls=(0, (1, 1)), marker="v", ms=3),
+    dict(ls=(0, (3, 1, 1, 1)), marker="D", ms=3),
 ]
 
 
 def flow_styles(methods: Sequence[str]) -> dict[str, dict]:
-    """A distinct colour, line style and marker for every method of a flow figure."""
+    """A line style and marker for every method of a flow figure, in the method's colour
+    (:func:`kwng.plots.style.method_color`)."""
     styles, extra = {}, iter(_EXTRA_STYLES)
     for m in methods:
         if m in _FLOW_STYLES:
@@ -208,6 +176,7 @@ def flow_styles(methods: Sequence[str]) -> dict[str, dict]:
                     f"at most {len(_EXTRA_STYLES)} extra methods, got {list(methods)}"
                 ) from None
         styles[m].setdefault("lw", 1.5)
+        styles[m]["color"] = method_color(m)
     return styles
 
 
@@ -243,7 +212,7 @@ def _label_flow_axes(ax_l, ax_p) -> None:
     ax_p.legend()
 
 
-@_book_style
+@book_figure
 def plot_flow(flow: dict, floor: float = 1e-12, markevery: int = 20):
     """Fig. 2: (a) W2² loss per iteration, (b) trajectories on the two leading PCA
     directions of the WNG trajectory. ``flow`` is the output of
@@ -259,7 +228,7 @@ def plot_flow(flow: dict, floor: float = 1e-12, markevery: int = 20):
 
     _check_flow_args(flow, floor, markevery)
     styles = flow_styles(list(flow["loss"]))
-    fig, (ax_l, ax_p) = plt.subplots(1, 2, figsize=(MAX_WIDTH_IN, 3.8))
+    fig, (ax_l, ax_p) = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 3.2))
     box = []
     for m, loss in flow["loss"].items():
         loss = np.asarray(loss, dtype=float)
@@ -290,7 +259,6 @@ def plot_flow(flow: dict, floor: float = 1e-12, markevery: int = 20):
         xycoords=("axes fraction", "data"),
         ha="right",
         va="bottom",
-        fontsize=9,
         color="0.4",
     )
     _frame_finite_runs(ax_p, box)
@@ -299,7 +267,7 @@ def plot_flow(flow: dict, floor: float = 1e-12, markevery: int = 20):
     return fig
 
 
-@_book_style
+@book_figure
 def plot_flow_study(
     rows: dict, names: Sequence[str] | None = None, floor: float = 1e-12
 ):
@@ -322,7 +290,7 @@ def plot_flow_study(
         raise ValueError(f"floor must be > 0, got {floor}")
     cmap = plt.get_cmap("tab10")
     styles = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1))]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 5.2))
     for i, name in enumerate(names):
         for method in ("wng", "kwng"):
             loss = np.asarray(rows[name][method]["loss"], dtype=float)
@@ -345,6 +313,6 @@ def plot_flow_study(
     ax.axhline(floor, color="0.6", ls=(0, (1, 2)), lw=1)
     ax.set_xlabel("iteration")
     ax.set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
-    ax.legend(ncol=2, loc="lower left")
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.3, 1, 1))
     return fig

@@ -1,0 +1,138 @@
+"""How the book's figures look: one size, one set of fonts, one colour per method.
+
+Every figure function of :mod:`kwng.plots` draws inside :func:`book_figure`, which sets
+:data:`BOOK_STYLE` while the figure is drawn and, in a notebook, has the figure shown as
+SVG (vector, so ``tools/check_book.py`` can read the size of every text from the file).
+
+The sizes follow from the narrowest screen the book is read on. A phone shows a figure
+about 342 px wide; a figure :data:`FIG_WIDTH_IN` inches wide (72 units an inch in its
+SVG) is then drawn at 342 / (72 · 6.2) ≈ 0.77 px per point, so the smallest font of
+:data:`BOOK_STYLE`, 9.5 pt, is 7.3 px there, above the 7 px a reader can read (the
+margin covers a figure's content sticking out a little). On a laptop the same figure is
+shown at its own size (595 px), 1.33 px per point. Everything a figure draws (titles,
+legends) must stay inside its width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["BOOK_STYLE", "FIG_WIDTH_IN", "METHOD_COLORS", "method_color", "book_figure",
+           "grid_ticks"]
+
+FIG_WIDTH_IN = 6.2
+BOOK_STYLE = {
+    "font.size": 10.0,
+    "axes.titlesize": 10.5,
+    "axes.labelsize": 10.0,
+    "legend.fontsize": 9.5,
+    "legend.title_fontsize": 9.5,
+    "xtick.labelsize": 9.5,
+    "ytick.labelsize": 9.5,
+    "figure.titlesize": 10.5,
+    "figure.dpi": 100.0,
+    "svg.fonttype": "path",
+}
+
+# One colour per method, for every figure of the book: the synthetic flows, the
+# Fisher–Rao companion and the CIFAR study (baselines, KWNG variants, ablations).
+METHOD_COLORS = {
+    "wng": "#000000",
+    "eg": "#4d4d4d",
+    "fng": "#6a3d9a",
+    "kfng": "#cab2d6",
+    "kwng": "#d62728",
+    "kwng_N1024": "#fdae6b",
+    "sgd": "#1f77b4",
+    "sgd_momentum": "#17becf",
+    "sgd_momentum_wd": "#bcbd22",
+    "adam": "#2ca02c",
+    "kfac": "#9467bd",
+    "ekfac": "#ff7f0e",
+    "kwng_m20": "#8c564b",
+    "kwng_momentum": "#7f7f7f",
+    "kwng_bigbatch": "#e377c2",
+    "kwng_samples_before_U": "#ff9896",
+    "kwng_lm_same_batch": "#b15928",
+    "kwng_damping_identity": "#aec7e8",
+    "kwng_damping_T": "#98df8a",
+    "diag_T": "#c49c94",
+    "diag_Ttilde": "#393b79",
+    "kwng_rq": "#daa520",
+    "kwng_scaled_logits": "#9edae5",
+    "kwng_basis20": "#5e3c99",
+    "kwng_mom": "#525252",
+    "kwng_D_identity": "#6baed6",
+    "kwng_D_T": "#31a354",
+    "kwng_diag_T": "#843c39",
+    "kwng_kernel_rq": "#e6ab02",
+}
+
+
+def method_color(method: str) -> str:
+    """The colour of ``method`` in every figure (:data:`METHOD_COLORS`); an unknown
+    method raises, naming the known ones."""
+    try:
+        return METHOD_COLORS[method]
+    except KeyError:
+        raise ValueError(
+            f"no colour for method {method!r}: add it to "
+            f"kwng.plots.style.METHOD_COLORS (known: {sorted(METHOD_COLORS)})"
+        ) from None
+
+
+def grid_ticks(ax, xs, most: int = 4) -> None:
+    """Label at most ``most`` of the grid values ``xs`` on ``ax``'s (log) x axis, evenly
+    spread and always the first and the last, and no minor labels: a panel a third of a
+    phone wide has room for about four numbers."""
+    import matplotlib.pyplot as plt
+
+    xs = sorted(xs)
+    step = max(1, -(-(len(xs) - 1) // max(most - 1, 1)))
+    shown = xs[::step] if (len(xs) - 1) % step == 0 else xs[::step] + [xs[-1]]
+    ax.set_xticks(shown, [f"{x:g}" for x in shown])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+
+
+_SVG_SET = False
+
+
+def _show_as_svg() -> None:
+    """In an IPython kernel, have figures displayed as SVG (once per session)."""
+    global _SVG_SET
+    if _SVG_SET:
+        return
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    if get_ipython() is None:
+        return
+    from matplotlib_inline.backend_inline import set_matplotlib_formats
+
+    set_matplotlib_formats("svg")
+    _SVG_SET = True
+
+
+def book_figure(func):
+    """Draw ``func``'s figure with :data:`BOOK_STYLE` and leave no global state behind.
+
+    Only the keys of :data:`BOOK_STYLE` are set and restored. ``plt.rc_context`` is not
+    used: it restores *every* rc parameter on exit, so when pyplot is first imported
+    inside it, the interactive flag that the notebook backend switches on is switched
+    off again and every later figure of the session is never shown."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        import matplotlib
+        import matplotlib.pyplot  # noqa: F401  (the backend is set up outside the style)
+
+        _show_as_svg()
+        saved = {k: matplotlib.rcParams[k] for k in BOOK_STYLE}
+        matplotlib.rcParams.update(BOOK_STYLE)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            matplotlib.rcParams.update(saved)
+
+    return wrapper
