@@ -50,8 +50,8 @@ from kwng.experiments.run_lock import run_lock
 
 log = logging.getLogger(__name__)
 
-#: keys of a plan's job that are not run settings: the worker slot and the estimated
-#: seconds the run takes (``est_s``, for ``--finish-by-s``)
+#: the keys of a plan's job that are not run settings, the worker slot and the
+#: estimated seconds the run takes (``est_s``, read by ``--finish-by-s``)
 JOB_META = ("slot", "est_s")
 
 
