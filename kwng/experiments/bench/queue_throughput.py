@@ -10,10 +10,10 @@ which lets the kernels of several processes run side by side). Each run trains
 ``k`` runs train at once (from the per-epoch Unix times of their records: a run still
 starting or already finished would flatter the others), and reported as 100-epoch runs
 per hour of the Fig. 3 protocol (45,000 training images, batch 128) and as the ratio to
-``k = 1``, printed side by side.
+``k = 1``, printed side by side. The command::
 
-    python -m kwng.experiments.bench.queue_throughput --data-root DATA --ks 1,2,4,8 \\
-        --json $OUT/queue_throughput.json
+    python -m kwng.experiments.bench.queue_throughput \\
+        --data-root DATA --json OUT.json
 """
 
 from __future__ import annotations

@@ -30,8 +30,13 @@ from kwng.experiments.provenance import ResultFileError, read_json
 __all__ = ["FIG3", "PROTOCOL_FILE", "load_protocol", "window_for", "protocol_commit",
            "run_status", "record_at", "grid_state", "fig3_plan", "check_fig3"]
 
+#: the study's records, ``results/cifar/fig3`` of the checkout
+#:
+#: :meta hide-value:
 FIG3 = RESULTS / "fig3"
 #: the protocol, committed before the first run of the study
+#:
+#: :meta hide-value:
 PROTOCOL_FILE = FIG3 / "protocol.json"
 _PARTS = ("grid", "seeds", "ablation")
 
