@@ -128,17 +128,6 @@ async () => {
 
 
 # Waits until no CSS transition or animation runs and two frames have been drawn.
-#: where the probe's marked headings are now (document px): the layout may have moved
-#: since the probe ran (a sidebar settling), and a heading is compared with where it is
-#: when the screenshot is taken
-ANCHORS = r"""
-() => [...document.querySelectorAll('[data-kwng-anchor]')].map(h => {
-  const r = h.getBoundingClientRect();
-  return {k: h.getAttribute('data-kwng-anchor'), x: r.left + window.scrollX,
-          y: r.top + window.scrollY, w: r.width, h: r.height};
-})
-"""
-
 SETTLE = r"""
 async () => {
   const t0 = performance.now();
@@ -397,13 +386,13 @@ def _inspect(page, page_path: Path, name: str, add, screenshots: Path | None,
         shot = screenshots / (
             name.replace("/", "__").removesuffix(".html") + f"-{width}.png"
         )
+        anchors = result["anchors"]
         for attempt in range(3):  # a layout still settling is drawn shifted: again,
             if attempt:           # from a fresh load of the page
                 page.reload(wait_until="load")
                 page.evaluate(WAIT_FOR_MATHJAX)
-                page.evaluate(PAGE_PROBE, opts)  # marks the headings again
+                anchors = page.evaluate(PAGE_PROBE, opts)["anchors"]
             page.evaluate(SETTLE)
-            anchors = page.evaluate(ANCHORS)
             full = page.screenshot(full_page=True)
             gray = _gray(full)
             offsets = [(a, _shot_offset(page, gray, a)) for a in anchors]
