@@ -11,7 +11,7 @@ Each function takes the dictionary of :func:`kwng.experiments.cifar.results.load
 * :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each epoch;
 * :func:`final_accuracy_table` — final test accuracy per method and conditioning, mean ± spread.
 
-For the claim suite (issue 10; records with per-class accuracy and KWNG diagnostics per epoch):
+For the claim suite (records with per-class accuracy and KWNG diagnostics per epoch):
 
 * :func:`fig_per_class_vs_U` — per-class test accuracy against the class's scaling ``U_k`` (IC);
 * :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped fraction per epoch;

@@ -1,6 +1,6 @@
 """The scaling record of :mod:`kwng.experiments.bench.ddp_scaling`: :func:`merge` makes
 one record from the per-``W`` files, with the weak-scaling efficiency of every row and
-the summary that issue 24's target reads; :func:`check_scaling` audits its shape and
+the summary the scaling target reads; :func:`check_scaling` audits its shape and
 provenance and :func:`load_scaling` reads the committed one (book chapter
 :ref:`distributed`; ``None`` when it does not exist, never an error)."""
 
@@ -19,7 +19,7 @@ from kwng.experiments.provenance import make_provenance, read_json
 
 __all__ = ["merge", "TARGET_POINTS", "SCALING_PATH", "check_scaling", "load_scaling"]
 
-#: issue 24's target in points (KWNG's efficiency at most this far below SGD's)
+#: the scaling target in points (KWNG's efficiency at most this far below SGD's)
 TARGET_POINTS = 10.0
 
 
@@ -74,7 +74,7 @@ def merge(parts: list[str | os.PathLike]) -> dict:
     ``None`` for the plain rows themselves) and ``allreduce_share`` (the step's
     all-reduce timed alone ÷ the step), the collectives per ``W``, and a ``summary`` at
     the largest ``W``: both efficiencies, their gap in points and whether KWNG is within
-    10 points of SGD (the target of issue 24)."""
+    10 points of SGD (the scaling target)."""
     recs = sorted((read_json(p) for p in parts), key=lambda r: r["world_size"])
     sizes = [r["world_size"] for r in recs]
     if len(set(sizes)) != len(sizes):

@@ -30,7 +30,7 @@ the gradient buffer) against the four kernels of
 
 Each timing replays the part captured in a CUDA graph, as in the captured training step
 (no launch or guard cost), after warm-up (which compiles); CUDA events, median of
-``--reps`` replays. Each part gets the verdict of the rule of issue 22: the kernel stays
+``--reps`` replays. Each part gets the verdict of the kernel rule: the kernel stays
 only if the compiled function is slower by more than ``max(0.3 ms, 5 % of the captured
 step)`` per step (the step of ``results/benchmarks/step_cost.json``, fp32 or bf16
 channels_last, ``M = 5``). ``--json PATH`` writes the table with provenance.

@@ -89,7 +89,7 @@ METHODS: dict[str, dict[str, Any]] = {
                     "lr_from": "kwng"},
     "kwng_kernel_rq": {**_SGD, **_KWNG, "kernel": "rq", "lr_from": "kwng"},
 }
-#: the methods of the claim suite (issue 10), each in both conditionings
+#: the methods of the claim suite, each in both conditionings
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U",
                  "diag_Ttilde")
 #: the methods of the claim suite run with a second seed
@@ -144,10 +144,10 @@ AUTHORS100 = RESULTS / "authors100"
 #: The authors'-horizon study (plan ``authors100``), 100 epochs of the authors' schedule
 #: (``authors``, ×0.1 after epoch 50), batch 128, clip 1, bf16 forward/backward in
 #: channels_last, every capturable step replayed from a CUDA graph. Entries: (tier,
-#: method, conditioning, step size, seed, epochs, extra settings). Tier 1 is the issue's
+#: method, conditioning, step size, seed, epochs, extra settings). Tier 1 is the study's
 #: first list, tier 2 the Euclidean baselines at 10× their selected step, tier 3 a
 #: second seed and an fp32 control of the first 30 epochs, tier 4 (not in the plan by
-#: default: it did not fit the GPU budget of the session that ran the others) M = 20.
+#: default: it does not fit one GPU budget with the others) M = 20.
 #: The Euclidean step sizes are the claim suite's selection
 #: (the claim suite's ``selected.json``: sgd 0.1, adam 1e-4, kfac 1).
 AUTHORS100_RUNS: tuple[tuple[int, str, str, float, int, int, dict], ...] = (

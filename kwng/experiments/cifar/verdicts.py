@@ -80,7 +80,7 @@ def authors100_verdict(
     learned: float = 0.5,
 ) -> dict:
     """The decision rule of the authors'-horizon study, fixed before its results were
-    read into the book (issue 20): the three criteria of the 30-epoch claim suite,
+    read into the book: the three criteria of the 30-epoch claim suite,
     evaluated at the last epoch (100), plus a fourth. With ``a`` the final test accuracy
     (mean over the seeds present) of ``kwng`` at the authors' step 10:
 
