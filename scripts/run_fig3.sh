@@ -10,7 +10,7 @@
 #                                              # session: it outlives the call), then waits
 #   MODE=wait       bash scripts/run_fig3.sh  # waits up to LIMIT s, then tars the records
 #
-# Knobs: GPU_IDS (the GPUs of this queue, "0"), PROCS (runs per GPU, 4), METHODS (comma
+# Knobs: GPU_IDS (the GPUs of this queue, "0"), PROCS (runs per GPU, 1), METHODS (comma
 # list: the methods of this queue; queues on other GPUs take other methods), START_BY
 # (seconds from now after which no run starts), FINISH_BY (seconds from now by which a
 # run must end: a run whose estimated duration, from the finished runs of its method,
@@ -23,7 +23,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 MODE=${MODE:-wait}
 GPU_IDS=${GPU_IDS:-0}
-PROCS=${PROCS:-4}
+PROCS=${PROCS:-1}
 LIMIT=${LIMIT:-560}
 START_BY=${START_BY:-1200}
 FINISH_BY=${FINISH_BY:-1560}
@@ -56,9 +56,11 @@ if [ "$MODE" = throughput ]; then
 fi
 
 # the committed records (earlier sessions) join the work folder: finished runs are
-# skipped and the early-stop rule and the selection see them
+# skipped, the early-stop rule and the selection see them, and the authors100 records
+# give the run-time estimate of a method without a Fig. 3 run yet
 if [ ! -f "$WORK/.seeded" ]; then
-  cp -rn "$ROOT/results/cifar/fig3" "$WORK/results/cifar/" && touch "$WORK/.seeded"
+  cp -rn "$ROOT/results/cifar/fig3" "$ROOT/results/cifar/authors100" "$WORK/results/cifar/" \
+    && touch "$WORK/.seeded"
 fi
 cd "$WORK"
 
