@@ -223,6 +223,25 @@ def test_a_worker_does_not_start_a_run_that_cannot_finish(tmp_path, monkeypatch)
     assert list((tmp_path / "fits").rglob("metrics.json"))
 
 
+def test_two_workers_of_a_session_never_share_a_finished_run(tmp_path, monkeypatch):
+    """Workers of one sweep session walk the same job list: a run another worker
+    finished is claimed (and re-checked) by one worker only, and the others pass it
+    by without touching its lock (the queue logged a false failure before)."""
+    from kwng.experiments.cifar import sweep
+    from kwng.experiments.run_lock import run_lock
+
+    monkeypatch.chdir(tmp_path)
+    job = {"source": "sample", "model": "tiny", "batch_size": 100, "epochs": 1,
+           "lr": 0.1, "device": "cpu", "method": "sgd", "train_subset": 200,
+           "checkpoint_dir": "ck", "out": "res"}
+    assert sweep.worker([job], "s1", None) == []  # worker A trains it
+    cfg = sweep.RunConfig(**job)
+    # worker B, same session, while a third process holds the run's lock
+    with run_lock(sweep.checkpoint_path_for(cfg).parent / "run.lock", "other"):
+        assert sweep.worker([job], "s1", None) == []
+    assert sweep.worker([job], "s2", None) == []  # a new session checks it again
+
+
 def test_the_throughput_window_is_where_every_run_trains():
     """queue_throughput counts only the time all runs train at once: two runs of 100
     steps an epoch, the second starting 10 s late, overlap from 10 s to 30 s."""

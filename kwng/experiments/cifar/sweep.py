@@ -108,10 +108,9 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
         try:
             cfg = RunConfig(**{**job, "deadline": deadline})
             name = str(run_dir_for(cfg))
-            mp = run_dir_for(cfg) / "metrics.json"
-            rec = read_json(mp) if mp.is_file() else None
-            done = isinstance(rec, dict) and rec.get("complete")
-            if done or _claim(cfg, session):  # a finished run is still checked
+            # one worker of the session takes each run, finished or not: a finished
+            # run is still checked against the job (its identity), by that worker
+            if _claim(cfg, session):
                 with run_lock_for(cfg):
                     run(cfg, progress=False)
         # one bad run must not stop a sweep
