@@ -228,6 +228,8 @@ def test_two_workers_of_a_session_never_share_a_finished_run(tmp_path, monkeypat
     finished is claimed (and re-checked) by one worker only, and the others pass it
     by without touching its lock (the queue logged a false failure before)."""
     from kwng.experiments.cifar import sweep
+    from kwng.experiments.cifar.methods import RunConfig
+    from kwng.experiments.cifar.runtime import checkpoint_path_for
     from kwng.experiments.run_lock import run_lock
 
     monkeypatch.chdir(tmp_path)
@@ -235,11 +237,44 @@ def test_two_workers_of_a_session_never_share_a_finished_run(tmp_path, monkeypat
            "lr": 0.1, "device": "cpu", "method": "sgd", "train_subset": 200,
            "checkpoint_dir": "ck", "out": "res"}
     assert sweep.worker([job], "s1", None) == []  # worker A trains it
-    cfg = sweep.RunConfig(**job)
+    cfg = RunConfig(**job)
     # worker B, same session, while a third process holds the run's lock
-    with run_lock(sweep.checkpoint_path_for(cfg).parent / "run.lock", "other"):
+    with run_lock(checkpoint_path_for(cfg).parent / "run.lock", "other"):
         assert sweep.worker([job], "s1", None) == []
     assert sweep.worker([job], "s2", None) == []  # a new session checks it again
+
+
+def test_every_record_belongs_to_one_round_of_the_ledger():
+    """``rounds.json`` lists every GPU round; each committed record's provenance names
+    the commit of exactly one, and the rounds' record counts add up."""
+    from kwng.experiments.cifar import fig3_results
+    from kwng.experiments.provenance import read_json
+
+    rounds = fig3_results.rounds(FIG3)
+    counts = dict.fromkeys((r["round"] for r in rounds), 0)
+    for prov in FIG3.glob("*/lr*/*/*/*/seed*/provenance.json"):
+        rd = fig3_results.round_of(read_json(prov), rounds)
+        assert rd is not None, prov
+        counts[rd["round"]] += 1
+    assert counts == {r["round"]: r["records"] for r in rounds}
+
+
+def test_seconds_to_accuracy_counts_training_time_to_the_first_epoch_there(tmp_path):
+    """A run alone reaching 80 % at epoch 2 and 85 % never; a run that shared its GPU
+    is left out."""
+    from kwng.experiments.cifar import fig3_results
+
+    rows = [{"epoch": e, "test_acc": a, "time_train": 2.0 * e, "val_acc": a,
+             "train_acc": a, "train_loss": 1.0}
+            for e, a in ((1, 0.5), (2, 0.81), (3, 0.84))]
+    assert fig3_results._seconds_to(rows, 0.8) == 4.0
+    assert fig3_results._seconds_to(rows, 0.85) is None
+    rounds = [{"round": 1, "git_commit": "abc123", "alone": False},
+              {"round": 2, "git_commit": "def456", "alone": True}]
+    assert fig3_results.round_of({"git_commit": "def4567890"}, rounds)["round"] == 2
+    assert fig3_results.round_of({"git_commit": "abc"}, rounds)["round"] == 1
+    assert fig3_results.round_of({"git_commit": "fff"}, rounds) is None
+    assert fig3_results.round_of({}, rounds) is None
 
 
 def test_the_throughput_window_is_where_every_run_trains():
