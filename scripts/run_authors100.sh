@@ -38,11 +38,7 @@ say() { echo "[${SECONDS}s] $*"; }
 # ---- prerequisites, before anything is written
 [ -f "$DATA" ] || { echo "missing $DATA (copy ../shared/data/cifar10_jpeg.npz there)"; exit 2; }
 case "$MODE" in timing|start|wait) ;; *) echo "MODE must be timing, start or wait"; exit 2;; esac
-if ls .whl/nngeometry-*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/nngeometry-*.whl 2>&1 | tail -1
-fi
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$ROOT/scripts/nngeometry_site.sh" && nngeometry_site "$ROOT"
 $PY -c "import nngeometry, torch; assert torch.cuda.is_available(); print('torch', torch.__version__, torch.cuda.device_count(), 'GPU(s)')" || exit 2
 mkdir -p "$OUT" "$LOGS" "$WORK"
 DATA=$(readlink -f "$DATA")

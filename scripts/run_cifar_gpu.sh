@@ -104,11 +104,7 @@ left() { echo $(( LIMIT - SECONDS )); }
 say() { echo "[${SECONDS}s] $*" | tee -a "$LOG"; }
 
 # ---- setup (only ignored folders and $OUT are written)
-if ls .whl/nngeometry-*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/nngeometry-*.whl 2>&1 | tail -1
-fi
-export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+. "$REPO/scripts/nngeometry_site.sh" && nngeometry_site "$REPO"
 [ "$GPUS" -gt 0 ] && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$LOG"
 # the machine's state: a copy (never a move) of the tracked results, made once
 if [ ! -d "$WORK/results/cifar/claim" ]; then

@@ -41,11 +41,7 @@ say() { echo "[${SECONDS}s] $*"; }
 
 [ -f "$DATA" ] || { echo "missing $DATA (copy ../shared/data/cifar10_jpeg.npz there)"; exit 2; }
 case "$MODE" in throughput|start|wait) ;; *) echo "MODE must be throughput, start or wait"; exit 2;; esac
-if ls .whl/nngeometry-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/nngeometry ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/nngeometry-*.whl 2>&1 | tail -1
-fi
-export PYTHONPATH="/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+. "$ROOT/scripts/nngeometry_site.sh" && nngeometry_site "$ROOT"
 mkdir -p "$OUT" "$LOGS" "$WORK/results/cifar"
 DATA=$(readlink -f "$DATA")
 
