@@ -244,6 +244,18 @@ def test_two_workers_of_a_session_never_share_a_finished_run(tmp_path, monkeypat
     assert sweep.worker([job], "s2", None) == []  # a new session checks it again
 
 
+def test_a_run_estimate_comes_from_the_method_or_its_family():
+    """A method's own fastest run; a KWNG variant at most KWNG's; a method without
+    runs the longest estimate (twice for KFAC/EKFAC)."""
+    times = {"kwng": 600.0, "sgd": 200.0, "diag_Ttilde": 1200.0}
+    assert fig3._estimate(times, "sgd") == 200.0
+    assert fig3._estimate(times, "diag_Ttilde") == 600.0
+    assert fig3._estimate(times, "kwng_kernel_rq") == 600.0
+    assert fig3._estimate(times, "adam") == 1200.0
+    assert fig3._estimate(times, "kfac") == 2400.0
+    assert fig3._estimate({}, "sgd") is None
+
+
 def test_every_record_belongs_to_one_round_of_the_ledger():
     """``rounds.json`` lists every GPU round; each committed record's provenance names
     the commit of exactly one, and the rounds' record counts add up."""

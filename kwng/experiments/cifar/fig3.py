@@ -194,12 +194,17 @@ def run_seconds(root: str | os.PathLike = FIG3,
 
 
 def _estimate(times: dict[str, float], method: str) -> float | None:
-    if method in times:
-        return times[method]
+    """A method's own estimate; a KWNG variant (the same Jacobian block, another
+    damping, kernel or momentum) at most KWNG's; else the longest method's, twice
+    that for KFAC/EKFAC."""
+    precond = METHODS[method].get("precond")
+    own = [times[k] for k in (method, "kwng" if precond == "kwng" else None)
+           if k in times]
+    if own:
+        return min(own)
     if not times:
         return None
-    slow = METHODS[method].get("precond") in ("kfac", "ekfac")
-    return max(times.values()) * (2.0 if slow else 1.0)
+    return max(times.values()) * (2.0 if precond in ("kfac", "ekfac") else 1.0)
 
 
 def _job(p: dict, part: str, cond: str, method: str, lr: float, seed: int,
