@@ -29,7 +29,9 @@ each record names its ``gpu_path``): the whole step side by side, for the rule t
 kernel only where it is measurably faster.
 
 Each row is timed after warm-up steps, with a device synchronisation after every step; the median
-is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory.
+is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory
+(``peak_mem_mb``, warm-up included; ``steady_peak_mem_mb``, the timed steps only: the warm-up
+of a process's first KWNG row also holds the compilation's and cuDNN's one-off allocations).
 The table goes to ``results/benchmarks/step_cost.json`` with provenance; an existing file is kept
 unless ``--force`` (which moves it to a dated backup).
 """
@@ -93,6 +95,30 @@ def time_steps(fn: Callable[[], None], device: torch.device, steps: int, warmup:
     return times
 
 
+class _Times(list):
+    """Step times (ms) with the peak memory of the warm-up (``warm_peak``: first calls,
+    compilation, cuDNN's algorithm search) and of the timed steps (``steady_peak``)."""
+
+    warm_peak = steady_peak = 0
+
+
+def _warm_then_time(fn: Callable[[], None], device: torch.device, steps: int,
+                    warmup: int) -> _Times:
+    """:func:`time_steps` with the peak memory of the warm-up and of the timed steps
+    apart (the step's own footprint, without the first calls' one-off allocations)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = _Times()
+    if device.type == "cuda":
+        out.warm_peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    out.extend(time_steps(fn, device, steps, 0))
+    if device.type == "cuda":
+        out.steady_peak = torch.cuda.max_memory_allocated(device)
+    return out
+
+
 def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num_basis: int,
                amp: torch.dtype | None, refresh_every: int = 1
                ) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
@@ -148,14 +174,15 @@ def _time_row(row: str, M: int, base: nn.Module, z: torch.Tensor, y: torch.Tenso
     step, precond = _make_step(row, m, z, y, max(M, 1), amp, refresh_every)
     n = steps if row != "kwng_reference" else max(5, steps // 3)
     n = -(-n // refresh_every) * refresh_every
-    times = time_steps(step, device, n, warmup)
+    times = _warm_then_time(step, device, n, warmup)
     rec = {"mode": row, "num_basis": M or None, "median_ms": statistics.median(times),
            "mean_ms": statistics.fmean(times), "min_ms": min(times),
            "q25_ms": statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0],
            "q75_ms": statistics.quantiles(times, n=4)[2] if len(times) > 1 else times[0],
            "steps": len(times)}
     if device.type == "cuda":
-        rec["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+        rec["steady_peak_mem_mb"] = times.steady_peak / 2 ** 20
+        rec["peak_mem_mb"] = max(times.warm_peak, times.steady_peak) / 2 ** 20
     if precond is not None:
         rec["refresh_every"] = refresh_every
         rec["counters"] = precond.counters()
