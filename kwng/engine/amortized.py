@@ -98,6 +98,11 @@ class SystemCache:
     def refresh_now(self, q: int, device: torch.device) -> bool:
         """Whether the step about to run refreshes: :attr:`due`, or no cached system
         fits ``q`` parameters on ``device``."""
+        if (self.every > 1 and self._forced is None and device.type == "cuda"
+                and torch.cuda.is_current_stream_capturing()):
+            raise ValueError("a step with refresh_every > 1 is being captured without "
+                             "choosing its kind: use kwng.capture_step(step, "
+                             "preconditioner=precond), which records both graphs")
         if self.due:
             return True
         if self.T is not None and self.T.shape[-1] == q and self.T.device == device:
