@@ -68,7 +68,29 @@ def test_bench_times_the_kwng_rows_once_per_gpu_path(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(args[:-1] + ["cudnn", "--out", str(tmp_path / "x.json")])
     err = capsys.readouterr().err
-    assert "--gpu-paths must be a comma list of ['triton', 'compile']" in err
+    assert "--gpu-paths must be a comma list of ['triton', 'compile', 'eager']" in err
+
+
+def test_bench_times_each_kwng_row_once_per_refresh_every(tmp_path, capsys):
+    """--refresh-every 1,3: every KWNG row once per k (a whole period timed: 3 steps
+    for k = 3), the SGD and Adam rows once; mean and median with their ratios."""
+    args = ARGS[:-1] + ["sgd,adam,kwng_fast,kwng_reference,diag_fast",
+                        "--refresh-every", "1,3", "--steps", "2"]
+    rec = bench.main(args + ["--out", str(tmp_path / "k.json")])
+    got = [(r["mode"], r.get("refresh_every"), r["steps"]) for r in rec["rows"]]
+    assert got == [("sgd", None, 2), ("adam", None, 2),
+                   ("kwng_fast", 1, 2), ("kwng_fast", 3, 3),
+                   ("kwng_reference", 1, 5), ("kwng_reference", 3, 6),
+                   ("diag_fast", 1, 2), ("diag_fast", 3, 3)]
+    for r in rec["rows"]:
+        assert r["mean_ms"] > 0 and r["ratio_to_sgd_graph"] is None
+        if "counters" in r:
+            assert r["counters"]["serial_steps"] == r["counters"]["fallbacks"] == 0
+    with pytest.raises(SystemExit):
+        bench.main(args[:-4] + ["--refresh-every", "0",
+                                "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert "--refresh-every must be a comma list of integers >= 1" in err
 
 
 def test_bench_refuses_to_replace_a_result_and_checks_its_arguments(tmp_path, capsys):

@@ -27,13 +27,13 @@ casts (``cache_enabled=False``), or the replay reads memory freed after the capt
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from kwng._checks import check_int
 
-__all__ = ["capture_step", "record_graph"]
+__all__ = ["amortized_replay", "capture_step", "record_graph"]
 
 
 def record_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -52,7 +52,8 @@ def record_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def capture_step(step: Callable[[], None], warmup: int = 3) -> Callable[[], None]:
+def capture_step(step: Callable[[], None], warmup: int = 3,
+                 preconditioner: Any = None) -> Callable[[], None]:
     """Run ``step`` ``warmup`` times on a side stream, record one call in a CUDA graph
     and return the graph's replay (a function of no arguments).
 
@@ -62,6 +63,12 @@ def capture_step(step: Callable[[], None], warmup: int = 3) -> Callable[[], None
     Do not call ``torch.cuda.empty_cache()`` while the graph is in use: in the step-cost
     benchmark a replay after it hit an illegal memory access on an H200 (the cache gave
     back memory the graph still uses, most likely the cuBLAS workspace).
+
+    ``preconditioner``: the :class:`kwng.KWNGPreconditioner` that ``step`` calls. With
+    ``refresh_every = k > 1`` its two kinds of step are two programs
+    (:mod:`kwng.engine.amortized`): the warm-up alternates them (at least one of each),
+    one graph of each is recorded, and each replay runs the one that the
+    preconditioner's host-side counter names (:func:`amortized_replay`).
     """
     if not callable(step):
         raise ValueError(
@@ -72,10 +79,39 @@ def capture_step(step: Callable[[], None], warmup: int = 3) -> Callable[[], None
         raise ValueError(
             "capture_step needs a CUDA device (torch.cuda.is_available() is False)"
         )
+    cache = getattr(preconditioner, "cache", None)
+    two = cache is not None and cache.every > 1
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step()
+        for i in range(max(warmup, 2) if two else warmup):
+            if two:
+                with cache.forced(i % 2 == 0):
+                    step()
+            else:
+                step()
     torch.cuda.current_stream().wait_stream(side)
-    return record_graph(step).replay
+    if not two:
+        return record_graph(step).replay
+    return amortized_replay(cache, lambda: record_graph(step))
+
+
+def amortized_replay(cache: Any, record: Callable[[], Any]) -> Callable[[], None]:
+    """Record one refresh step and one step between refreshes with ``record`` (a
+    function that records the step and returns an object with ``replay()``), each under
+    ``cache.forced`` (:class:`kwng.engine.amortized.SystemCache`); returns the replay
+    that runs, at each call, the graph of the kind ``cache.due`` names, then counts the
+    step. The recordings run no step: the counter is left where the warm-up put it."""
+    steps = cache.steps
+    graphs = {}
+    for refresh in (True, False):
+        with cache.forced(refresh):
+            graphs[refresh] = record()
+    cache.steps = steps
+    cache.notify()
+
+    def replay() -> None:
+        graphs[cache.due].replay()
+        cache.advance()
+
+    return replay

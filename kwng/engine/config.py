@@ -18,7 +18,7 @@ from kwng.engine.lm import LMSchedule
 from kwng.kernels import BANDWIDTH_RULES, Kernel, make_kernel
 from kwng.solve import DAMPINGS
 
-__all__ = ["AUTO_MODES", "KWNGConfig", "MODES", "authors_eps_factor",
+__all__ = ["AUTO_MODES", "KWNGConfig", "MODES", "authors_eps_factor", "config_with",
            "eps_from_authors", "resolve_mode"]
 
 MODES = ("fast", "reference", "auto")
@@ -99,6 +99,10 @@ class KWNGConfig:
       ``diagonal_only`` — ``D⁻¹ g`` only (needs ``damping`` ``"T"`` or
       ``"T_tilde"``); ``rcond`` > 0 — relative pivot threshold of the stable solve
       (``None``: ``M · float-eps``).
+    * ``refresh_every`` [``k``] ≥ 1 — build ``T``, ``C``, ``K`` afresh every ``k`` steps
+      and apply the cached system to each step's fresh gradient in between
+      (:mod:`kwng.engine.amortized`); ``1`` (the default) is the exact step of every
+      step.
     """
 
     num_basis: int = 5
@@ -113,6 +117,7 @@ class KWNGConfig:
     mode: str = "fast"
     diagonal_only: bool = False
     rcond: float | None = None
+    refresh_every: int = 1
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -149,6 +154,11 @@ class KWNGConfig:
                              "'identity' it is plain SGD)")
         if self.rcond is not None:
             put("rcond", check_positive(self.rcond, "rcond"))
+        k = self.refresh_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError("refresh_every must be an integer in [1, inf) (steps "
+                             "between refreshes of T, C, K; 1: the exact step), got "
+                             f"{k!r}")
 
     def replace(self, **changes: Any) -> KWNGConfig:
         """A copy with ``changes`` applied (validated again)."""
@@ -158,3 +168,20 @@ class KWNGConfig:
     def fields(cls) -> tuple[str, ...]:
         """The names of the hyperparameters."""
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def config_with(config: KWNGConfig | None,
+                hyperparameters: dict[str, Any]) -> KWNGConfig:
+    """``config`` (default :class:`KWNGConfig`) with the keyword ``hyperparameters``
+    of a preconditioner's constructor applied; names a stray or unknown keyword."""
+    if "optimizer" in hyperparameters:
+        raise ValueError("optimizer= is no longer taken: pass lr= (a number, or a "
+                         "callable such as lambda: optimizer.param_groups[0]['lr'])")
+    unknown = set(hyperparameters) - set(KWNGConfig.fields())
+    if unknown:
+        raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; accepted: "
+                         f"{', '.join(KWNGConfig.fields())}")
+    if config is not None and not isinstance(config, KWNGConfig):
+        raise ValueError("config must be a kwng.KWNGConfig or None, got "
+                         f"{type(config).__name__}")
+    return (config or KWNGConfig()).replace(**hyperparameters)

@@ -50,6 +50,11 @@ Design choices:
 * **The basis is rank 0's draw**, carried by the same all-gather as the samples: the
   other ranks never touch their random streams, and nothing has to keep generators in
   step.
+* **Between refreshes** (``refresh_every = k > 1``, :mod:`kwng.engine.amortized`):
+  every rank holds the same cached system (it came from the same reduced ``T``); a step
+  that reuses it needs no all-gather and one all-reduce of ``q + 1`` values (``g`` and
+  ``N_r L_r``), as DDP's gradient reduction; the ``(M + 1)·q`` one runs on refresh
+  steps only.
 * **Shard sizes.** ``batch_sizes`` (one integer per rank, or one for all) declares them:
   no size exchange, nothing waits for the host, so the step can be captured in a CUDA
   graph. ``None`` exchanges the sizes every step (one small all-gather read on the host)
@@ -350,6 +355,25 @@ class DistributedKWNG(KWNGPreconditioner):
             g, T = flat[:g.numel()], flat[g.numel():].view(T.shape)
         dist.all_reduce(flat, group=self.group)
         return g, T
+
+    def _plain_gradient(self, loss: torch.Tensor, X: torch.Tensor,
+                        params: list[torch.Tensor]) -> torch.Tensor:
+        """A step between refreshes (``refresh_every > 1``): this rank's share
+        ``∇(N_r/N · L_r)`` of ``g``."""
+        n = X.shape[0]
+        sizes = self._shard_sizes(n, X.device)
+        N = sum(sizes)
+        self._rows = (sum(sizes[:self.rank]), n, N)
+        return super()._plain_gradient(loss * (n / N), X, params)
+
+    def _reduce_gradient(self, g: torch.Tensor, loss: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum ``[g; N_r L_r]`` over the ranks in one all-reduce of ``q + 1`` values:
+        the global ``g`` and the global batch's mean loss (for the ε rule)."""
+        _, n, N = self._rows
+        flat = torch.cat([g, (loss.detach() * n).reshape(1).to(g.dtype)])
+        dist.all_reduce(flat, group=self.group)
+        return flat[:-1], flat[-1] / N
 
     def observe_loss_after_step(self, loss_after: torch.Tensor) -> None:
         """``LMSchedule(rule="same_batch")``: this rank's shard loss after the step;

@@ -36,8 +36,10 @@ from kwng._checks import check_choice
 __all__ = ["GPU_PATHS", "gpu_path", "use_gpu_path", "use_kernels", "compile_on_cuda"]
 
 #: ``"triton"``: the hand-written kernels where they run (else the compiled PyTorch
-#: functions); ``"compile"``: the compiled PyTorch functions everywhere on CUDA.
-GPU_PATHS = ("triton", "compile")
+#: functions); ``"compile"``: the compiled PyTorch functions everywhere on CUDA;
+#: ``"eager"``: the PyTorch functions uncompiled (no compiler dispatch per call: the
+#: eager step's host time, issue 32's item 5).
+GPU_PATHS = ("triton", "compile", "eager")
 _current = ["triton"]
 
 
@@ -75,7 +77,8 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 def compile_on_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` compiled with ``torch.compile`` when its first tensor argument lives on
-    CUDA, ``fn`` itself otherwise (see the module docstring). The compiler is set up at
+    CUDA and the path is not ``"eager"``, ``fn`` itself otherwise (see the module
+    docstring). The compiler is set up at
     the first CUDA call (``import kwng`` loads no compiler). Each function compiles
     into one graph (``tests/test_step_direction.py`` traces them with
     ``fullgraph=True``); it is not requested here, so a process that meets more shapes
@@ -86,7 +89,7 @@ def compile_on_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         first = next(a for a in args if isinstance(a, torch.Tensor))
-        if not first.is_cuda:
+        if not first.is_cuda or _current[0] == "eager":
             return fn(*args, **kwargs)
         if not compiled:
             compiled.append(torch.compile(fn, mode="default"))

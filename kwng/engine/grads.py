@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from kwng.engine.graph import direct_params
+from kwng.engine.graph import derived_from, direct_params
 from kwng.engine.replicate import ReplicatedEngine
+from kwng.estimator import jacobian_from_outputs
 
 
 def replicated_gradients(
@@ -60,3 +61,29 @@ def replicated_gradients(
         if id(p) in g_direct:
             dst[0].copy_(g_direct[id(p)])
     return Gall[0], Gall[1:]
+
+
+def step_gradients(
+    loss: torch.Tensor,
+    X: torch.Tensor,
+    C: torch.Tensor,
+    params: list[torch.Tensor],
+    eng: ReplicatedEngine | None,
+    fast: bool,
+    warn_once: Callable[..., None],
+    counters: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g`` (``q``) and ``T`` (``M × q``) of a refresh step: one replicated backward pass
+    where ``X`` is (computed from) the output of the engine's last forward, else ``M + 1``
+    serial passes (in fast mode logged once and counted in ``counters["serial_steps"]``)."""
+    X0 = None if eng is None else eng.first
+    if X0 is not None and (X is X0 or (X.shape == X0.shape and derived_from(X, X0, params))):
+        return replicated_gradients(loss, X, X0, C, params, eng, warn_once)
+    if fast:
+        warn_once("serial", "KWNG fast mode: outputs are not the output of the model's last training "
+                  "forward (or the model is unsupported): serial backward passes are used")
+        counters["serial_steps"] += 1
+    g_parts = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=True)
+    g = torch.cat([gp.reshape(-1) for gp in g_parts])
+    T = jacobian_from_outputs(X, params, C.to(X.dtype), retain_graph=False)
+    return g, T

@@ -22,6 +22,8 @@ Algorithm (one call of :meth:`KWNGPreconditioner.step`; symbols ↔ arguments)::
     g ← ∇_θ L,  T_m ← (C_m / N)ᵀ ∂X/∂θ   (m = 1..M)                             (the backward passes)
     ĝ ← (1/ε)[D⁻¹ − D⁻¹T̃ᵀ(T̃D⁻¹T̃ᵀ + (ε/N) I)⁻¹T̃D⁻¹] g,  D = diag ‖T̃_{·,i}‖  (Prop. 6, damping)
         (diagonal_only: ĝ ← D⁻¹ g, the paper's "diagonal conditioning" ablation)
+    (refresh_every = k > 1: the lines above only every k steps; in between, g from one plain
+     backward pass and ĝ from the cached T, CCᵀ, K at this step's ε: kwng.engine.amortized)
     if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g                                       (counted fallback)
     if ‖ĝ‖ > clip_norm:  ĝ ← clip_norm · ĝ / ‖ĝ‖                                 (clip_norm)
     p.grad ← ĝ
@@ -75,9 +77,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kwng.engine.config import KWNGConfig, resolve_mode
-from kwng.engine.grads import replicated_gradients
-from kwng.engine.graph import derived_from
+from kwng.engine.amortized import SystemCache
+from kwng.engine.config import KWNGConfig, config_with, resolve_mode
+from kwng.engine.grads import step_gradients
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.engine.precond_loop import (
     GradWriter,
@@ -96,18 +98,15 @@ from kwng.engine.precond_loop import (
 )
 from kwng.engine.precond_state import (
     COUNTERS,
+    count_step,
+    counters_report,
     generator_state,
     load_generator_state,
     load_preconditioner_state,
 )
 from kwng.engine.replicate import ReplicatedEngine, unsupported_reason
 from kwng.engine.step_direction import reference_direction_into, step_direction
-from kwng.estimator import (
-    draw_basis,
-    jacobian_from_outputs,
-    kernel_matrices,
-    with_bandwidth,
-)
+from kwng.estimator import draw_basis, kernel_matrices, with_bandwidth
 from kwng.nosync import kernel_matrices_nosync
 
 __all__ = ["KWNGPreconditioner"]
@@ -124,7 +123,7 @@ class KWNGPreconditioner:
     the preconditioner to the network that the training loop calls. ``config`` — a
     :class:`kwng.KWNGConfig` with the hyperparameters (``num_basis``, ``eps``, ``lam``,
     ``kernel``, ``bandwidth``, ``sigma0``, ``damping``, ``eps_schedule``, ``clip_norm``,
-    ``mode``, ``diagonal_only``, ``rcond``; see there); keyword arguments of the same names
+    ``mode``, ``diagonal_only``, ``rcond``, ``refresh_every``; see there); keyword arguments of the same names
     build it (or override fields of ``config``). ``lr`` — the optimizer's step size, a number
     or a callable of no arguments that returns the current one (e.g.
     ``lambda: optimizer.param_groups[0]["lr"]`` under a learning-rate schedule); it enters the
@@ -154,16 +153,7 @@ class KWNGPreconditioner:
                  lr: float | Callable[[], float] | None = None,
                  generator: torch.Generator | None = None, params: Any = None,
                  grad_scaler: Any = None, **hyperparameters: Any) -> None:
-        if "optimizer" in hyperparameters:
-            raise ValueError("optimizer= is no longer taken: pass lr= (a number, or a callable such as "
-                             "lambda: optimizer.param_groups[0]['lr'])")
-        unknown = set(hyperparameters) - set(KWNGConfig.fields())
-        if unknown:
-            raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; accepted: "
-                             f"{', '.join(KWNGConfig.fields())}")
-        if config is not None and not isinstance(config, KWNGConfig):
-            raise ValueError(f"config must be a kwng.KWNGConfig or None, got {type(config).__name__}")
-        cfg = self.config = (config or KWNGConfig()).replace(**hyperparameters)
+        cfg = self.config = config_with(config, hyperparameters)
         check_model(model)
         self.model = model
         self.params, self.groups = resolve_params(model, params)
@@ -189,6 +179,7 @@ class KWNGPreconditioner:
             else:
                 self._warn_once("unsupported", "KWNG fast mode: %s; this model uses serial backward passes", reason)
         self._grads = GradWriter(self.adds_prefilled_grads)
+        self.cache = SystemCache(cfg.refresh_every, self._follow_schedule)  # refresh_every > 1
         self._counters = {k: torch.zeros((), dtype=torch.long, device=dev) for k in COUNTERS}
 
     # --- state ------------------------------------------------------------------------------
@@ -202,6 +193,11 @@ class KWNGPreconditioner:
         """The current ``ε`` (a host sync on GPU)."""
         return float(self.lm.eps)
 
+    def _follow_schedule(self, due: bool) -> None:
+        """The replicated forward runs before refresh steps only (:mod:`kwng.engine.amortized`)."""
+        if self._engine is not None:
+            self._engine.enabled = due
+
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -209,18 +205,7 @@ class KWNGPreconditioner:
 
     def counters(self) -> dict[str, int]:
         """Counters since construction, as Python ints (a host sync); logs fallbacks if any."""
-        out = {k: int(v) for k, v in self._counters.items()}
-        out["eps_up"], out["eps_down"] = int(self.lm.ups), int(self.lm.downs)
-        out["steps"] = steps = self.num_steps
-        if out["fallbacks"]:
-            log.info("KWNG fell back to the Euclidean gradient in %d of %d steps", out["fallbacks"], steps)
-        if out["ill_conditioned"]:
-            log.info("C Cᵀ was rank deficient in %d of %d steps", out["ill_conditioned"], steps)
-        if out["loss_only"]:
-            self._warn_once("loss_only", "KWNG: parameters that move the loss but not the samples (zero column "
-                            "of T) took the Euclidean gradient scaled like the rest (%d components over %d "
-                            "steps)", out["loss_only"], steps)
-        return out
+        return counters_report(self._counters, self.lm, self.num_steps, self._warn_once)
 
     def hyperparameters(self) -> dict[str, Any]:
         """The configuration as plain values (the kernel as its repr, the schedule as a dict)."""
@@ -232,11 +217,12 @@ class KWNGPreconditioner:
 
     def state_dict(self) -> dict[str, Any]:
         """The Levenberg-Marquardt state (``lm``, with the current ``ε``), the counters, the
-        basis generator's state (``None`` without a generator) and the hyperparameters (for
-        checking): a run resumed from it draws the same bases."""
+        basis generator's state (``None`` without a generator), the cached system of
+        ``refresh_every > 1`` (``cache``: :meth:`kwng.engine.amortized.SystemCache.state_dict`)
+        and the hyperparameters (for checking): a run resumed from it takes the same directions."""
         return {"lm": self.lm.state_dict(), "num_steps": self.num_steps,
                 "counters": {k: int(v) for k, v in self._counters.items()},
-                "generator": generator_state(self.generator),
+                "generator": generator_state(self.generator), "cache": self.cache.state_dict(),
                 "hyperparameters": self.hyperparameters()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -244,6 +230,7 @@ class KWNGPreconditioner:
         ``lm_*``/``adapt_eps``/``eps_min``/``eps_max`` fields); warns if the hyperparameters differ."""
         self._step_count, self._counters = load_preconditioner_state(state, self.lm, self.hyperparameters())
         load_generator_state(state, self.generator)
+        self.cache.load_state_dict(state.get("cache"), int(self._step_count), self.params[0].device)
 
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
@@ -276,19 +263,10 @@ class KWNGPreconditioner:
 
     def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g`` (``q``) and ``T`` (``M × q``) of the active parameters, from the graph of ``loss``, ``X``."""
-        eng = self._engine
-        X0 = None if eng is None else eng.first
-        if X0 is not None and (X is X0 or (X.shape == X0.shape and derived_from(X, X0, params))):
-            return replicated_gradients(loss, X, X0, C, params, eng, self._warn_once)
-        if self.mode == "fast":
-            self._warn_once("serial", "KWNG fast mode: outputs are not the output of the model's last training "
-                            "forward (or the model is unsupported): serial backward passes are used")
-            self._counters["serial_steps"] += 1
-        g_parts = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=True)
-        g = torch.cat([gp.reshape(-1) for gp in g_parts])
-        T = jacobian_from_outputs(X, params, C.to(X.dtype), retain_graph=False)
-        return g, T
+        """``g`` (``q``) and ``T`` (``M × q``) of the active parameters, from the graph of ``loss``, ``X``
+        (:func:`kwng.engine.grads.step_gradients`)."""
+        return step_gradients(loss, X, C, params, self._engine, self.mode == "fast", self._warn_once,
+                              self._counters)
 
     def step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
         """Backward pass(es), KWNG direction, fallback, clipping; the result is written into ``p.grad``.
@@ -333,12 +311,12 @@ class KWNGPreconditioner:
         preconditioner sums the ranks' shares)."""
         return g, T
 
-    def _backward(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor],
-                  taken: dict[int, torch.Tensor], scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g`` and ``T`` of :meth:`_gradients`, ``g`` unscaled (``scale``: the loss scale of a
+    def _backward(self, gradients: Callable[[], tuple], params: list[torch.Tensor],
+                  taken: dict[int, torch.Tensor], scale: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """``gradients()`` (``g`` and ``T`` or ``None``), ``g`` unscaled (``scale``: the loss scale of a
         ``GradScaler``; the cotangents of ``T`` are not scaled); a loop's mistake is named."""
         try:
-            g, T = self._gradients(loss, X, C, params)
+            g, T = gradients()
         except RuntimeError as err:
             hint = backward_hint(err, is_compiled(self.model), self.mode)
             if hint is err:
@@ -347,25 +325,56 @@ class KWNGPreconditioner:
         check_not_loss_gradient(taken, g, params)
         return (g, T) if scale is None else (g / scale, T)
 
-    def _step(self, loss: torch.Tensor, outputs: torch.Tensor, scale: torch.Tensor | None) -> dict[str, Any]:
-        cfg, X = self.config, outputs
-        params = self._active_params(X.device)
-        taken = self._grads.take(params)
-        self._step_count += 1
+    def _refresh(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor],
+                 taken: dict[int, torch.Tensor], scale: torch.Tensor | None) -> tuple:
+        """The exact step's system: ``(g, T, CCᵀ, K, N, σ, ε)`` (kept by the cache when ``k > 1``)."""
+        cfg = self.config
         Xk = X.detach().to(torch.promote_types(X.dtype, torch.float32))
         Xk, idx, coords, loss_all = self._share(Xk, loss if scale is None else loss.detach() / scale)
         N = Xk.shape[0]
         eps = self.lm.update(loss_all) if cfg.eps_schedule is not None else self.lm.eps
-        reference = self.mode == "reference"
-        if reference:
+        if self.mode == "reference":
             kern = with_bandwidth(cfg.kernel, Xk, idx, cfg.bandwidth, cfg.sigma0)
             C, K, CCt = kernel_matrices(Xk, idx, coords, kern)
             sigma = torch.tensor(kern.bandwidth)
         else:
             C, K, CCt, sigma = kernel_matrices_nosync(Xk, idx, coords, cfg.kernel, cfg.bandwidth, cfg.sigma0)
-        g, T = self._backward(loss, X, C, params, taken, scale)
+        g, T = self._backward(lambda: self._gradients(loss, X, C, params), params, taken, scale)
         g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
         g, T = self._reduce(g, T.to(g.dtype))
+        self.cache.store(T, CCt, K, N, sigma)
+        return g, T, CCt, K, N, sigma, eps
+
+    def _cached(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor],
+                taken: dict[int, torch.Tensor], scale: torch.Tensor | None) -> tuple:
+        """A step between refreshes (:mod:`kwng.engine.amortized`): the fresh ``g`` with the cached system."""
+        c = self.cache
+        g, _ = self._backward(lambda: (self._plain_gradient(loss, X, params), None), params, taken, scale)
+        g = g.to(c.T.dtype) if g.dtype not in (torch.float32, torch.float64) else g
+        g, loss_all = self._reduce_gradient(g, loss if scale is None else loss.detach() / scale)
+        eps = self.lm.update(loss_all) if self.config.eps_schedule is not None else self.lm.eps
+        return g, c.T, c.CCt, c.K, c.N, c.sigma, eps
+
+    def _plain_gradient(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """``g`` alone, from one ordinary backward pass (``X``: the step's outputs)."""
+        parts = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+        if self._engine is not None:  # a replicated forward's graph is not kept
+            self._engine.outputs = self._engine.first = None
+        return torch.cat([gp.reshape(-1) for gp in parts])
+
+    def _reduce_gradient(self, g: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g`` and the loss of a step between refreshes as the solve and the ε rule see them: here
+        unchanged (the distributed preconditioner sums the ranks' shares)."""
+        return g, loss
+
+    def _step(self, loss: torch.Tensor, outputs: torch.Tensor, scale: torch.Tensor | None) -> dict[str, Any]:
+        cfg, X = self.config, outputs
+        params = self._active_params(X.device)
+        taken = self._grads.take(params)
+        refresh = self.cache.refresh_now(sum(p.numel() for p in params), X.device)
+        self._step_count += 1
+        g, T, CCt, K, N, sigma, eps = (self._refresh if refresh else self._cached)(loss, X, params, taken, scale)
+        reference = self.mode == "reference"
         out = self._grads.views(g.numel(), params)
         if scale is not None and reference and not bool(torch.isfinite(g).all()):
             f = overflowed_step(out, g)
@@ -380,20 +389,9 @@ class KWNGPreconditioner:
         if scale is not None:
             out.mul_(scale)  # GradScaler.step(optimizer) divides it again
         self._grads.finish(params, taken)
-        return self._account(f, eps, sigma, X.device, reference)
-
-    def _account(self, f: dict, eps, sigma, device: torch.device, reference: bool) -> dict[str, Any]:
-        """Add the step to the counters; the step's info (0-dim tensors on ``device``)."""
-        c = self._counters
-        for key, name in (("fallbacks", "fallback"), ("ill_conditioned", "ill_conditioned"),
-                          ("rank_sum", "rank"), ("damping_floored", "damping_floored"),
-                          ("clipped", "clipped"), ("loss_only", "loss_only")):
-            c[key] += f[name].long()
-        info = {"eps": eps, "reduction_ratio": self.lm.ratio.clone(), "fallback": f["fallback"],
-                "clipped": f["clipped"], "rank": f["rank"], "floored_columns": f["damping_floored"].long(),
-                "floored_share": f["floored_share"], "loss_only": f["loss_only"], "dot": f["dot"],
-                "grad_norm": f["grad_norm"], "direction_norm": f["direction_norm"], "bandwidth": sigma}
-        info = {k: torch.as_tensor(v, device=device) for k, v in info.items()}
+        self.cache.advance()
+        info = count_step(self._counters, f, {"eps": eps, "reduction_ratio": self.lm.ratio.clone(),
+                                              "bandwidth": sigma}, X.device)
         if reference and bool(info["fallback"]):  # the reference mode syncs anyway
             log.info("step %d: ⟨g, ĝ⟩ ≤ 0 or ĝ not finite: Euclidean gradient used", self.num_steps)
         return info

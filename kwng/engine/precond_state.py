@@ -6,6 +6,7 @@ a ``state_dict``, including one saved before the ε rule became one object
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,8 +14,9 @@ import torch
 from kwng._checks import check_int
 from kwng.engine.lm import LevenbergMarquardt
 
-__all__ = ["COUNTERS", "generator_state", "load_generator_state",
-           "load_preconditioner_state", "upgrade_hyperparameters"]
+__all__ = ["COUNTERS", "count_step", "counters_report", "generator_state",
+           "load_generator_state", "load_preconditioner_state",
+           "upgrade_hyperparameters"]
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +30,52 @@ _OLD_LM_KEYS = {"lm_interval": "interval", "lm_omega": "omega", "lm_low": "low",
                 "lm_rule": "rule"}
 
 
+def count_step(counters: dict[str, torch.Tensor], f: dict[str, torch.Tensor],
+               extra: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """Add a step's direction info ``f`` (:data:`kwng.engine.step_direction.INFO_KEYS`)
+    to ``counters``; the step's info: ``f``'s entries with ``extra`` (``eps``,
+    ``reduction_ratio``, ``bandwidth``), as 0-dim tensors on ``device``."""
+    for key, name in (("fallbacks", "fallback"), ("ill_conditioned", "ill_conditioned"),
+                      ("rank_sum", "rank"), ("damping_floored", "damping_floored"),
+                      ("clipped", "clipped"), ("loss_only", "loss_only")):
+        counters[key] += f[name].long()
+    info = {"eps": extra["eps"], "reduction_ratio": extra["reduction_ratio"],
+            "fallback": f["fallback"], "clipped": f["clipped"], "rank": f["rank"],
+            "floored_columns": f["damping_floored"].long(),
+            "floored_share": f["floored_share"], "loss_only": f["loss_only"],
+            "dot": f["dot"], "grad_norm": f["grad_norm"],
+            "direction_norm": f["direction_norm"], "bandwidth": extra["bandwidth"]}
+    return {k: torch.as_tensor(v, device=device) for k, v in info.items()}
+
+
+def counters_report(counters: dict[str, torch.Tensor], lm: LevenbergMarquardt,
+                    steps: int, warn_once: Callable[..., None]) -> dict[str, int]:
+    """:meth:`kwng.KWNGPreconditioner.counters`: ``counters`` with the ε rule's moves
+    and ``steps`` as Python ints (a host sync); logs fallbacks and rank deficiencies if
+    any."""
+    out = {k: int(v) for k, v in counters.items()}
+    out["eps_up"], out["eps_down"] = int(lm.ups), int(lm.downs)
+    out["steps"] = steps
+    if out["fallbacks"]:
+        log.info("KWNG fell back to the Euclidean gradient in %d of %d steps",
+                 out["fallbacks"], steps)
+    if out["ill_conditioned"]:
+        log.info("C Cᵀ was rank deficient in %d of %d steps", out["ill_conditioned"],
+                 steps)
+    if out["loss_only"]:
+        warn_once("loss_only", "KWNG: parameters that move the loss but not the "
+                  "samples (zero column of T) took the Euclidean gradient scaled like "
+                  "the rest (%d components over %d steps)", out["loss_only"], steps)
+    return out
+
+
 def upgrade_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
     """``hp`` in the current form: the ``lm_*``, ``eps_min``, ``eps_max`` and
     ``adapt_eps`` entries of an older state become ``eps_schedule`` (a dict, or ``None``
-    for ``adapt_eps=False``); a current ``hp`` is returned unchanged."""
+    for ``adapt_eps=False``), and a state saved before ``refresh_every`` gets its
+    default ``1``; a current ``hp`` is returned unchanged."""
+    if "refresh_every" not in hp:
+        hp = {**hp, "refresh_every": 1}
     if "eps_schedule" in hp or not any(k in hp for k in (*_OLD_LM_KEYS, "adapt_eps")):
         return hp
     new = {k: v for k, v in hp.items() if k not in _OLD_LM_KEYS and k != "adapt_eps"}

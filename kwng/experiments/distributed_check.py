@@ -145,8 +145,9 @@ def _steps(precond, model, shards_z, shards_y, steps: int) -> list[dict[str, Any
 
 
 def _run_case(net: str, mode: str, sizes: Sequence[int], steps: int,
-              rank: int | None) -> list[dict[str, Any]]:
-    """The steps of one case on ``rank`` (``None``: the single-process reference)."""
+              rank: int | None, refresh_every: int = 1) -> list[dict[str, Any]]:
+    """The steps of one case on ``rank`` (``None``: the single-process reference),
+    refreshing the kernel system every ``refresh_every`` steps."""
     from kwng.engine.distributed import DistributedKWNG
     from kwng.engine.lm import LMSchedule
     from kwng.engine.precond import KWNGPreconditioner
@@ -156,7 +157,7 @@ def _run_case(net: str, mode: str, sizes: Sequence[int], steps: int,
         zs, ys = [torch.cat(zs)], [torch.cat(ys)]  # no batch norm: one forward
     gen = torch.Generator().manual_seed(_BASIS_SEED)
     kw = dict(lr=0.1, generator=gen, mode=mode, eps_schedule=LMSchedule(interval=1),
-              **_SETTINGS)
+              refresh_every=refresh_every, **_SETTINGS)
     if rank is None:
         precond = KWNGPreconditioner(model, **kw)
     else:
@@ -174,7 +175,8 @@ def _run_case(net: str, mode: str, sizes: Sequence[int], steps: int,
 
 
 def worker(out: str | os.PathLike, sizes: Sequence[int], steps: int,
-           cases: Sequence[tuple[str, str]] = CASES, timeout: float = 60.0) -> None:
+           cases: Sequence[tuple[str, str]] = CASES, timeout: float = 60.0,
+           refresh_every: int = 1) -> None:
     """One rank of :func:`compare_directions` (gloo, environment as under torchrun):
     every case's steps saved to ``out/rank<r>.pt``."""
     import torch.distributed as dist
@@ -182,7 +184,7 @@ def worker(out: str | os.PathLike, sizes: Sequence[int], steps: int,
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     try:
         rank = dist.get_rank()
-        res = {f"{net}/{mode}": _run_case(net, mode, sizes, steps, rank)
+        res = {f"{net}/{mode}": _run_case(net, mode, sizes, steps, rank, refresh_every)
                for net, mode in cases}
         torch.save(res, Path(out) / f"rank{rank}.pt")
     finally:
@@ -191,9 +193,11 @@ def worker(out: str | os.PathLike, sizes: Sequence[int], steps: int,
 
 def compare_directions(world_size: int = 2, sizes: Sequence[int] | None = None,
                        steps: int = 2, cases: Sequence[tuple[str, str]] = CASES,
-                       timeout: float = 60.0) -> list[dict[str, Any]]:
+                       timeout: float = 60.0, refresh_every: int = 1
+                       ) -> list[dict[str, Any]]:
     """Run the cases on ``world_size`` ranks (shards of ``sizes``, default 6 samples
-    each) and in one process; one row per case with ``rel_err`` (the largest
+    each) and in one process, with the kernel system refreshed every
+    ``refresh_every`` steps; one row per case with ``rel_err`` (the largest
     ``‖ĝ_rank − ĝ_one‖ / ‖ĝ_one‖`` over ranks and steps), ``eps_rel_err`` (the same for
     the Levenberg–Marquardt ``ε`` of each step), ``ratio_rel_err`` (the same for its
     reduction ratio ``r``, from the second step on) and ``rank_spread`` (the largest
@@ -210,12 +214,13 @@ def compare_directions(world_size: int = 2, sizes: Sequence[int] | None = None,
     with tempfile.TemporaryDirectory(prefix="kwng-ddp-") as tmp:
         launch(["-m", "kwng.experiments.distributed_check", "--out", tmp, "--sizes",
                 ",".join(map(str, sizes)), "--steps", str(steps), "--cases",
-                ",".join(f"{n}/{m}" for n, m in cases), "--timeout", str(timeout)],
+                ",".join(f"{n}/{m}" for n, m in cases), "--timeout", str(timeout),
+                "--refresh-every", str(refresh_every)],
                world_size, timeout, logdir=tmp)
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world_size)]
     rows = []
     for net, mode in cases:
-        ref = _run_case(net, mode, sizes, steps, None)
+        ref = _run_case(net, mode, sizes, steps, None, refresh_every)
         got = [res[f"{net}/{mode}"] for res in ranks]
         pairs = [(g[s], ref[s], got[0][s]) for g in got for s in range(steps)]
         later = [(a, b) for g in got for a, b in zip(g[1:], ref[1:])]  # r from step 2
@@ -241,9 +246,11 @@ def _main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--cases", default=",".join(f"{n}/{m}" for n, m in CASES))
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--refresh-every", type=int, default=1)
     a = p.parse_args(argv)
     cases = [tuple(c.split("/")) for c in a.cases.split(",")]
-    worker(a.out, [int(s) for s in a.sizes.split(",")], a.steps, cases, a.timeout)
+    worker(a.out, [int(s) for s in a.sizes.split(",")], a.steps, cases, a.timeout,
+           a.refresh_every)
 
 
 if __name__ == "__main__":

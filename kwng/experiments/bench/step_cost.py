@@ -13,7 +13,15 @@ bf16 autocast + ``channels_last`` — and for each configuration the rows
 * ``sgd_graph`` / ``kwng_fast_graph``: the step captured once in a CUDA graph and replayed
   (possible for KWNG because the fast step never synchronises with the host); the step size
   and the batch are then fixed at capture, as in any graph-captured training loop
-  (:func:`kwng.engine.capture.capture_step`).
+  (:func:`kwng.engine.capture.capture_step`);
+* on request (``--rows``, not in the default set): ``adam`` / ``adam_graph`` (Adam, eager and
+  captured) and ``diag_fast_graph`` (the diagonal variant captured).
+
+With ``--refresh-every 1,5,20,100`` every KWNG row runs once per ``k`` (``refresh_every``,
+:mod:`kwng.engine.amortized`; records name it): a captured row with ``k > 1`` records two
+graphs and replays the refresh graph every ``k`` steps. Such a row times a whole number of
+periods (``--steps`` rounded up to a multiple of ``k``), so its ``mean_ms`` is the amortized
+step's cost whatever the phase; ``ratio_to_sgd_graph`` compares it with the captured SGD step.
 
 With ``--gpu-paths triton,compile`` the KWNG rows run once with the hand-written Triton
 kernels and once with the ``torch.compile``d PyTorch functions (:mod:`kwng.engine.gpu_paths`;
@@ -21,7 +29,9 @@ each record names its ``gpu_path``): the whole step side by side, for the rule t
 kernel only where it is measurably faster.
 
 Each row is timed after warm-up steps, with a device synchronisation after every step; the median
-is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory.
+is reported with its ratio to the ``sgd`` row of the same configuration, and the peak memory
+(``peak_mem_mb``, warm-up included; ``steady_peak_mem_mb``, the timed steps only: the warm-up
+of a process's first KWNG row also holds the compilation's and cuDNN's one-off allocations).
 The table goes to ``results/benchmarks/step_cost.json`` with provenance; an existing file is kept
 unless ``--force`` (which moves it to a dated backup).
 """
@@ -52,7 +62,7 @@ from kwng.experiments.provenance import (
     make_provenance,
 )
 
-__all__ = ["time_steps", "bench_config", "CONFIGS", "main"]
+__all__ = ["time_steps", "bench_config", "CONFIGS", "EXTRA_ROWS", "ROWS", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +71,9 @@ CONFIGS = {"fp32_nchw": (torch.float32, torch.contiguous_format),
            "bf16_channels_last": (torch.bfloat16, torch.channels_last)}
 ROWS = ("sgd", "sgd_graph", "fwd_bwd_N", "fwd_bwd_RN", "kwng_fast", "kwng_reference", "diag_fast",
         "kwng_fast_graph")
+#: rows run only when ``--rows`` names them (the committed table holds :data:`ROWS`)
+EXTRA_ROWS = ("adam", "adam_graph", "diag_fast_graph")
+_PLAIN = ("sgd", "sgd_graph", "fwd_bwd_N", "adam", "adam_graph")
 
 
 def _sync(device: torch.device) -> None:
@@ -82,17 +95,43 @@ def time_steps(fn: Callable[[], None], device: torch.device, steps: int, warmup:
     return times
 
 
+class _Times(list):
+    """Step times (ms) with the peak memory of the warm-up (``warm_peak``: first calls,
+    compilation, cuDNN's algorithm search) and of the timed steps (``steady_peak``)."""
+
+    warm_peak = steady_peak = 0
+
+
+def _warm_then_time(fn: Callable[[], None], device: torch.device, steps: int,
+                    warmup: int) -> _Times:
+    """:func:`time_steps` with the peak memory of the warm-up and of the timed steps
+    apart (the step's own footprint, without the first calls' one-off allocations)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = _Times()
+    if device.type == "cuda":
+        out.warm_peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    out.extend(time_steps(fn, device, steps, 0))
+    if device.type == "cuda":
+        out.steady_peak = torch.cuda.max_memory_allocated(device)
+    return out
+
+
 def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num_basis: int,
-               amp: torch.dtype | None) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
+               amp: torch.dtype | None, refresh_every: int = 1
+               ) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
     loss_fn = nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    precond = None
     graph = row.endswith("_graph")
     row = row.removesuffix("_graph")
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph) if row == "adam"
+           else torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+    precond = None
     if row in ("kwng_fast", "kwng_reference", "diag_fast"):
         precond = KWNGPreconditioner(model, lr=1e-3, num_basis=num_basis, eps=1e-5,
                                      mode="reference" if row == "kwng_reference" else "fast",
-                                     diagonal_only=row == "diag_fast")
+                                     diagonal_only=row == "diag_fast", refresh_every=refresh_every)
     if row == "fwd_bwd_RN":
         z = z.repeat((num_basis + 1,) + (1,) * (z.dim() - 1)).contiguous(
             memory_format=torch.channels_last if z.is_contiguous(memory_format=torch.channels_last)
@@ -110,7 +149,7 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num
             loss = loss_fn(X.float(), y)
         if precond is None:
             loss.backward()
-            if row != "sgd":
+            if row not in ("sgd", "adam"):
                 return
         else:
             precond.step(loss, X)
@@ -119,27 +158,33 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num
     if graph:  # the whole step captured once and replayed: no Python or launch cost per step
         if z.device.type != "cuda":
             raise ValueError("the *_graph rows need a CUDA device")
-        return capture_step(step), precond
+        return capture_step(step, preconditioner=precond), precond
     return step, precond
 
 
 def _time_row(row: str, M: int, base: nn.Module, z: torch.Tensor, y: torch.Tensor,
-              amp: torch.dtype | None, steps: int, warmup: int) -> dict:
-    """One row's record (times in ms, peak memory, the preconditioner's counters)."""
+              amp: torch.dtype | None, steps: int, warmup: int, refresh_every: int = 1) -> dict:
+    """One row's record (times in ms, peak memory, the preconditioner's counters); with
+    ``refresh_every = k > 1`` a whole number of periods is timed."""
     device = z.device
     m = copy.deepcopy(base).train()
     if device.type == "cuda":  # before the step is built: emptying the cache after a
         torch.cuda.empty_cache()  # capture also freed the cuBLAS workspace that the
         torch.cuda.reset_peak_memory_stats(device)  # graph replays (illegal access)
-    step, precond = _make_step(row, m, z, y, max(M, 1), amp)
-    times = time_steps(step, device, steps if row != "kwng_reference" else max(5, steps // 3), warmup)
-    rec = {"mode": row, "num_basis": M or None, "median_ms": statistics.median(times), "min_ms": min(times),
+    step, precond = _make_step(row, m, z, y, max(M, 1), amp, refresh_every)
+    n = steps if row != "kwng_reference" else max(5, steps // 3)
+    n = -(-n // refresh_every) * refresh_every
+    times = _warm_then_time(step, device, n, warmup)
+    rec = {"mode": row, "num_basis": M or None, "median_ms": statistics.median(times),
+           "mean_ms": statistics.fmean(times), "min_ms": min(times),
            "q25_ms": statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0],
            "q75_ms": statistics.quantiles(times, n=4)[2] if len(times) > 1 else times[0],
            "steps": len(times)}
     if device.type == "cuda":
-        rec["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+        rec["steady_peak_mem_mb"] = times.steady_peak / 2 ** 20
+        rec["peak_mem_mb"] = max(times.warm_peak, times.steady_peak) / 2 ** 20
     if precond is not None:
+        rec["refresh_every"] = refresh_every
         rec["counters"] = precond.counters()
         precond.remove_hooks()
     return rec
@@ -147,39 +192,46 @@ def _time_row(row: str, M: int, base: nn.Module, z: torch.Tensor, y: torch.Tenso
 
 def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *, precision: torch.dtype,
                  memory_format: torch.memory_format, basis_sizes: tuple[int, ...], steps: int, warmup: int,
-                 rows: tuple[str, ...] = ROWS, gpu_paths: tuple[str, ...] = ("triton",)) -> list[dict]:
-    """Time every row in one configuration; returns records with ``ratio_to_sgd``. The
-    KWNG rows run once per entry of ``gpu_paths`` (:mod:`kwng.engine.gpu_paths`: the hand-written
-    kernels or ``torch.compile``), their records name it (``gpu_path``)."""
+                 rows: tuple[str, ...] = ROWS, gpu_paths: tuple[str, ...] = ("triton",),
+                 refresh_every: tuple[int, ...] = (1,)) -> list[dict]:
+    """Time every row in one configuration; returns records with ``ratio_to_sgd`` (medians)
+    and ``ratio_to_sgd_graph`` (means, where an ``sgd_graph`` row ran). The KWNG rows run
+    once per entry of ``gpu_paths`` (:mod:`kwng.engine.gpu_paths`: the hand-written kernels or
+    ``torch.compile``) and of ``refresh_every``; their records name both."""
     base = copy.deepcopy(model).to(memory_format=memory_format)
     z = z.contiguous(memory_format=memory_format) if z.dim() == 4 else z
     amp = None if precision == torch.float32 else precision
     out = []
     for row in rows:
         kwng_row = row.startswith(("kwng", "diag"))
-        for M in (basis_sizes if row not in ("sgd", "sgd_graph", "fwd_bwd_N") else (0,)):
+        for M in (basis_sizes if row not in _PLAIN else (0,)):
             for path in gpu_paths if kwng_row else gpu_paths[:1]:
-                with use_gpu_path(path):
-                    rec = _time_row(row, M, base, z, y, amp, steps, warmup)
-                if kwng_row:
-                    rec["gpu_path"] = path
-                out.append(rec)
-                log.info("  %-15s M=%-3s %-8s %8.2f ms", row, M or "-", rec.get("gpu_path", ""),
-                         rec["median_ms"])
+                for k in refresh_every if kwng_row else (1,):
+                    with use_gpu_path(path):
+                        rec = _time_row(row, M, base, z, y, amp, steps, warmup, k)
+                    if kwng_row:
+                        rec["gpu_path"] = path
+                    out.append(rec)
+                    log.info("  %-15s M=%-3s k=%-4s %-8s %8.2f ms (mean %.2f)", row, M or "-",
+                             rec.get("refresh_every", "-"), rec.get("gpu_path", ""),
+                             rec["median_ms"], rec["mean_ms"])
     sgd = next((r["median_ms"] for r in out if r["mode"] == "sgd"), None)
+    sgd_graph = next((r["mean_ms"] for r in out if r["mode"] == "sgd_graph"), None)
     for r in out:
         r["ratio_to_sgd"] = None if sgd is None else r["median_ms"] / sgd
+        r["ratio_to_sgd_graph"] = None if sgd_graph is None else r["mean_ms"] / sgd_graph
     return out
 
 
 def _table(records: list[dict]) -> str:
-    lines = ["| precision | memory format | mode | M | GPU path | median ms | × SGD | peak MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| precision | memory format | mode | M | k | GPU path | median ms | mean ms | × SGD | "
+             "peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ratio = "" if r["ratio_to_sgd"] is None else f"{r['ratio_to_sgd']:.2f}"
         mem = f"{r['peak_mem_mb']:.0f}" if "peak_mem_mb" in r else ""
         lines.append(f"| {r['precision']} | {r['memory_format']} | {r['mode']} | {r['num_basis'] or ''} | "
-                     f"{r.get('gpu_path', '')} | {r['median_ms']:.2f} | {ratio} | {mem} |")
+                     f"{r.get('refresh_every', '')} | {r.get('gpu_path', '')} | {r['median_ms']:.2f} | "
+                     f"{r['mean_ms']:.2f} | {ratio} | {mem} |")
     return "\n".join(lines)
 
 
@@ -222,8 +274,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, di
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--num-basis", default="5,20", help="comma list of M")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
-    p.add_argument("--rows", default=None, help=f"comma list of {list(ROWS)} (default: all; "
-                   "on a CPU all but the *_graph rows, which need CUDA)")
+    p.add_argument("--rows", default=None, help=f"comma list of {list(ROWS + EXTRA_ROWS)} (default: "
+                   f"{list(ROWS)}; on a CPU all but the *_graph rows, which need CUDA)")
+    p.add_argument("--refresh-every", default="1", help="comma list of k (refresh_every): the KWNG "
+                   "rows run once per k (kwng.engine.amortized)")
     p.add_argument("--gpu-paths", default="triton", help=f"comma list of {list(GPU_PATHS)}: the KWNG "
                    "rows run once per path (kwng.engine.gpu_paths)")
     p.add_argument("--steps", type=int, default=30)
@@ -238,7 +292,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, di
              "rows": tuple(r for r in (args.rows or ",".join(
                  r for r in ROWS if device.type == "cuda" or not r.endswith("_graph"))).split(",") if r),
              "gpu_paths": tuple(g for g in args.gpu_paths.split(",") if g)}
-    for name, allowed in (("configs", CONFIGS), ("rows", ROWS), ("gpu_paths", GPU_PATHS)):
+    for name, allowed in (("configs", CONFIGS), ("rows", ROWS + EXTRA_ROWS), ("gpu_paths", GPU_PATHS)):
         got = lists[name]
         if set(got) - set(allowed) or not got:
             p.error(f"--{name.replace('_', '-')} must be a comma list of {list(allowed)}, "
@@ -252,6 +306,12 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, di
         p.error(f"--num-basis must be a comma list of integers, got {args.num_basis!r}")
     if any(m < 1 or m > args.batch for m in lists["basis_sizes"]):
         p.error(f"--num-basis entries must lie in [1, --batch={args.batch}], got {lists['basis_sizes']}")
+    try:
+        lists["refresh_every"] = tuple(int(k) for k in args.refresh_every.split(","))
+    except ValueError:
+        lists["refresh_every"] = ()
+    if not lists["refresh_every"] or min(lists["refresh_every"]) < 1:
+        p.error(f"--refresh-every must be a comma list of integers >= 1, got {args.refresh_every!r}")
     if Path(args.out).exists() and not args.force:
         raise SystemExit(f"{args.out} exists (a committed result?): pass --out elsewhere, or --force")
     return args, device, lists
@@ -278,7 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
         log.info("%s:", name)
         for r in bench_config(model, z, y, precision=precision, memory_format=fmt,
                               basis_sizes=lists["basis_sizes"], steps=args.steps, warmup=args.warmup,
-                              rows=lists["rows"], gpu_paths=lists["gpu_paths"]):
+                              rows=lists["rows"], gpu_paths=lists["gpu_paths"],
+                              refresh_every=lists["refresh_every"]):
             r["precision"] = "bf16_autocast" if precision == torch.bfloat16 else "fp32"
             r["memory_format"] = "channels_last" if fmt == torch.channels_last else "nchw"
             records.append(r)

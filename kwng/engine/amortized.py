@@ -1,0 +1,180 @@
+"""The amortized KWNG step: ``refresh_every = k`` (:class:`kwng.KWNGConfig`) builds the
+kernel system every ``k`` steps and applies it to every step's fresh gradient.
+
+The schedule. Steps are counted from 0 on the host (:attr:`SystemCache.steps`, equal to
+the preconditioner's ``num_steps``). Step ``s`` is a *refresh* step when ``s % k == 0``,
+when nothing is cached yet, or when the cached system does not fit the active parameters
+(one frozen since): it is the exact step (basis draw, bandwidth, ``C``, ``K``,
+``CCᵀ``, the backward pass(es) for ``g`` and ``T``, the solve), and it stores ``T``,
+``CCᵀ``, ``K``, ``N`` and the bandwidth ``σ`` here. Each other step takes one
+ordinary backward pass for the fresh ``g`` and applies Prop. 6 to it with the cached
+system::
+
+    ĝ = (1/ε)[D⁻¹ − D⁻¹T̃ᵀ(T̃D⁻¹T̃ᵀ + (ε/N) I)⁻¹T̃D⁻¹] g   (T̃ = W T, D from the cached T)
+
+then the safeguard and the clipping, as on every step (``diagonal_only``: ``D⁻¹ g`` with
+the cached ``D``). ``k = 1`` stores nothing and is the exact step bit for bit.
+
+The damping ``ε``. The Levenberg–Marquardt rule (App. D.2) runs on every step,
+refresh or not: it reads each step's loss and ``⟨g, ĝ⟩``. ``ε`` enters the direction
+only through the ``M × M`` system ``T̃D⁻¹T̃ᵀ + (ε/N) I`` and the factor ``1/ε``, so no
+factorisation that depends on ``ε`` is cached: only ``T``, ``CCᵀ`` and ``K``, which do
+not depend on it. The whitening ``W``, the damping ``D``, the system and its Cholesky
+factor are formed again from them on every step (the solve of an exact step: a few
+passes over the ``M × q`` block and an ``M × M`` factorisation), so a step between
+refreshes is exactly Prop. 6 with the cached system at *this* step's ``ε``
+(``tests/test_amortized.py`` checks it in float64) and costs a plain forward and
+backward pass plus that solve.
+
+Why it stays a descent direction. By the Woodbury identity the operator above is
+``(1/ε)(D + (N/ε) T̃ᵀT̃)⁻¹``, positive definite for any ``T̃`` and any ``D > 0``: a
+stale ``T`` changes the metric, never the sign of ``⟨g, ĝ⟩`` (and the safeguard falls
+back to ``g`` if round-off does).
+
+Where it runs.
+
+* ``mode="fast"``: the replicated forward is needed on refresh steps only. The cache
+  tells the engine (:class:`kwng.engine.replicate.ReplicatedEngine`) before each step's
+  forward whether to replicate (its ``enabled`` flag follows :attr:`SystemCache.due`);
+  between refreshes the model runs its own forward. A refresh that the cache forces
+  because a parameter was frozen meets an unreplicated forward and takes the serial
+  passes once (``serial_steps``).
+* ``mode="reference"``: the same schedule; a cached step's direction goes through the
+  float64 solve of the reference path. It syncs with the host and is never captured.
+* Captured (:func:`kwng.engine.capture.capture_step` with ``preconditioner=``): the two
+  kinds of step are two programs, so two CUDA graphs are recorded (:meth:`forced` picks
+  the kind while recording) and each replay runs the one that :attr:`SystemCache.due`
+  names — a host counter, no sync. The cached tensors are updated in place, so both
+  graphs read and write the same memory.
+* :class:`kwng.DistributedKWNG`: the ``(M + 1)·q`` all-reduce of ``[g; T]`` happens on
+  refresh steps only; the other steps all-reduce ``q + 1`` values (``g`` and the shard's
+  loss, for the ε rule), as DistributedDataParallel reduces ``g``.
+
+State: :meth:`kwng.KWNGPreconditioner.state_dict` holds the cache (``None`` when nothing
+is cached); with the basis generator's state and the ε rule's, a resumed run takes the
+same directions as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["SystemCache"]
+
+_TENSORS = ("T", "CCt", "K", "sigma")
+
+
+class SystemCache:
+    """The system of the last refresh step (``T``, ``CCᵀ``, ``K``, ``N``, ``σ``) and the
+    host-side step counter that says when to refresh (see the module docstring).
+
+    ``every`` is ``k`` (``refresh_every``); ``on_due`` is called with :attr:`due`
+    whenever it may have changed (the preconditioner switches its replicated forward
+    with it)."""
+
+    def __init__(self, every: int,
+                 on_due: Callable[[bool], None] | None = None) -> None:
+        self.every = every
+        self.steps = 0
+        self.T: torch.Tensor | None = None
+        self.CCt: torch.Tensor | None = None
+        self.K: torch.Tensor | None = None
+        self.sigma: torch.Tensor | None = None
+        self.N = 0
+        self._forced: bool | None = None
+        self._on_due = on_due
+
+    @property
+    def due(self) -> bool:
+        """Whether the next step refreshes the system (builds ``T``, ``C``, ``K``)."""
+        if self._forced is not None:
+            return self._forced
+        return self.every == 1 or self.T is None or self.steps % self.every == 0
+
+    def refresh_now(self, q: int, device: torch.device) -> bool:
+        """Whether the step about to run refreshes: :attr:`due`, or no cached system
+        fits ``q`` parameters on ``device``."""
+        if (self.every > 1 and self._forced is None and device.type == "cuda"
+                and torch.cuda.is_current_stream_capturing()):
+            raise ValueError("a step with refresh_every > 1 is being captured without "
+                             "choosing its kind: use kwng.capture_step(step, "
+                             "preconditioner=precond), which records both graphs")
+        if self.due:
+            return True
+        if self.T is not None and self.T.shape[-1] == q and self.T.device == device:
+            return False
+        if self._forced is False:
+            raise ValueError("a step between refreshes was forced, but no cached "
+                             f"system fits these {q} parameters: run a refresh step "
+                             "first")
+        return True
+
+    def store(self, T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, N: int,
+              sigma: torch.Tensor) -> None:
+        """Keep the system of a refresh step (in place where the shapes match, so that
+        captured graphs share it); nothing with ``every == 1``."""
+        if self.every == 1:
+            return
+        new = (T, CCt, K, torch.as_tensor(sigma))
+        old = tuple(getattr(self, k) for k in _TENSORS)
+        if all(o is not None and o.shape == n.shape and o.dtype == n.dtype
+               and o.device == n.device for o, n in zip(old, new)):
+            for o, n in zip(old, new):
+                o.copy_(n.detach())
+        else:
+            for k, n in zip(_TENSORS, new):
+                setattr(self, k, n.detach().clone())
+        self.N = int(N)
+
+    def advance(self) -> None:
+        """Count a step taken (eagerly or by a graph replay)."""
+        self.steps += 1
+        self.notify()
+
+    def notify(self) -> None:
+        """Hand :attr:`due` to the listener."""
+        if self._on_due is not None:
+            self._on_due(self.due)
+
+    @contextlib.contextmanager
+    def forced(self, refresh: bool) -> Iterator[None]:
+        """Steps inside the block refresh (``True``) or apply the cached system
+        (``False``) whatever the counter says: the recording of the two CUDA graphs."""
+        if not isinstance(refresh, bool):
+            raise ValueError(f"refresh must be True or False, got {refresh!r}")
+        if not refresh and self.every == 1:
+            raise ValueError("refresh_every = 1: every step refreshes, none can be "
+                             "forced to reuse a cached system")
+        old, self._forced = self._forced, refresh
+        self.notify()
+        try:
+            yield
+        finally:
+            self._forced = old
+            self.notify()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The cached system (tensors on their device, ``N`` an int); ``None`` if
+        nothing is cached."""
+        if self.T is None:
+            return None
+        return {**{k: getattr(self, k).clone() for k in _TENSORS}, "N": self.N}
+
+    def load_state_dict(self, state: dict[str, Any] | None, steps: int,
+                        device: torch.device) -> None:
+        """Restore a :meth:`state_dict` (moved to ``device``) at step ``steps``."""
+        self.steps = steps
+        if state is None:
+            for k in _TENSORS:
+                setattr(self, k, None)
+        else:
+            if not isinstance(state, dict) or {*_TENSORS, "N"} - set(state):
+                raise ValueError("state['cache'] must be None or a dict with the keys "
+                                 f"{[*_TENSORS, 'N']}, got {state!r:.200}")
+            T, CCt, K, sigma = (torch.as_tensor(state[k]).to(device) for k in _TENSORS)
+            self.store(T, CCt, K, state["N"], sigma)
+        self.notify()
