@@ -110,8 +110,6 @@ def _run_cfg(tmp_path, **kw):
 
 @pytest.mark.parametrize("method", ["sgd_momentum", "kwng"])
 def test_runner_exact_resume(tmp_path, method):
-    pytest.importorskip("kwng.engine.precond")
-
     full = train.run(_run_cfg(tmp_path / "a", method=method), progress=False)
     part = train.run(_run_cfg(tmp_path / "b", method=method, stop_after_epoch=1), progress=False)
     assert len(part["epochs"]) == 1 and not part["complete"]

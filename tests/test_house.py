@@ -1,4 +1,4 @@
-"""The package's structure, checked from its source (style items 14-15 and issue 22).
+"""The package's structure, checked from its source (style items 14-15).
 
 * ``import kwng`` loads the core and the engine's preconditioner only: no theory, plot,
   experiment or GPU-kernel module (the kernels load on the first fast step on a GPU).
