@@ -198,7 +198,7 @@ def _estimate(times: dict[str, float], method: str) -> float | None:
         return times[method]
     if not times:
         return None
-    slow = METHODS[method].get("precond") in ("kfac", "ekfac")
+    slow = METHODS[method].spec.get("precond") in ("kfac", "ekfac")
     return max(times.values()) * (2.0 if slow else 1.0)
 
 
