@@ -62,7 +62,7 @@ from kwng.kernels import (
     mean_sq_bandwidth,
     median_bandwidth,
 )
-from kwng.samples import RESOLUTION_WARN, _check_finite_counted, check_sample_resolution  # noqa: F401
+from kwng.samples import check_sample_resolution
 from kwng.solve import DAMPING_FLOOR, DAMPINGS, SOLVE_METHODS
 
 __all__ = ["KWNGResult", "draw_basis", "kernel_matrices", "jacobian_from_sampler",

@@ -148,9 +148,14 @@ def damping_diagonal(
         shape = T.shape[:-2] + T.shape[-1:]
         none = torch.zeros(shape, dtype=torch.bool, device=T.device)
         return torch.ones(shape, dtype=T.dtype, device=T.device), none, none
-    if kind == "T_tilde" and T_tilde is None:
-        raise ValueError("damping 'T_tilde' needs T_tilde (the whitened block)")
-    src = T if kind == "T" else T_tilde
+    if kind == "T":
+        src = T
+    elif kind == "T_tilde":
+        if T_tilde is None:
+            raise ValueError("damping 'T_tilde' needs T_tilde (the whitened block)")
+        src = T_tilde
+    else:  # a name of DAMPINGS without its branch here is never computed as another
+        raise ValueError(f"damping {kind!r} has no definition in damping_diagonal")
     # Two reductions of the same norm, kept so that the committed results reproduce bit
     # for bit on the same device (the sweeps at ε = 1e-10 amplify one ulp to a few per
     # cent): one problem as the estimator always did (an einsum here becomes q tiny gemv

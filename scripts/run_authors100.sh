@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The CIFAR-10 study at the authors' horizon (plan authors100, issue 20) on a GPU machine.
+# The CIFAR-10 study at the authors' horizon (plan authors100) on a GPU machine.
 # Checks every prerequisite before starting anything; moves nothing. The sweep runs in
 # checkpoints/authors100_work/ (ignored by git), so its results/ and checkpoints/ live
 # outside the synced working tree: the device tool replaces the tree's non-ignored files
 # at every call, which deleted the records of finished runs from results/ between calls
-# when this script wrote there (the session of issue 20 had to merge them back from the
+# when this script wrote there (a session had to merge them back from the
 # tarballs of each call).
 #
 #   MODE=timing  bash scripts/run_authors100.sh   # one GPU: eager vs captured trainer

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CIFAR-10 claim suite (book chapter experiments_cifar, issue 10) on one multi-GPU machine, in
+# The CIFAR-10 claim suite (book chapter experiments_cifar) on one multi-GPU machine, in
 # calls of at most LIMIT seconds each. Run the SAME command again until it prints "claim suite
 # complete"; every call resumes where the previous one stopped (checkpoints and results persist in
 # the ignored folder checkpoints/keep/ on the machine's disk between calls):

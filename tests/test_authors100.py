@@ -1,5 +1,5 @@
 """The graph-capture-ready trainer (state updated in place, epoch draws, mechanism
-records) and the committed authors'-horizon records (issue 20)."""
+records) and the committed authors'-horizon records."""
 
 from __future__ import annotations
 

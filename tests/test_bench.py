@@ -210,7 +210,7 @@ def test_the_house_recheck_is_one_machine_before_and_after():
 
 def test_the_kernel_verdicts_are_the_code():
     """results/benchmarks/engine_parts.json decided which Triton kernels stay: the kept
-    ones are in the engine, the deleted ones are not (the rule of issue 22)."""
+    ones are in the engine, the deleted ones are not (the measured rule)."""
     from kwng.engine import triton_support
     from kwng.plots.bench import kernel_verdicts, path_rows
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -110,8 +112,6 @@ def _run_cfg(tmp_path, **kw):
 
 @pytest.mark.parametrize("method", ["sgd_momentum", "kwng"])
 def test_runner_exact_resume(tmp_path, method):
-    pytest.importorskip("kwng.engine.precond")
-
     full = train.run(_run_cfg(tmp_path / "a", method=method), progress=False)
     part = train.run(_run_cfg(tmp_path / "b", method=method, stop_after_epoch=1), progress=False)
     assert len(part["epochs"]) == 1 and not part["complete"]
@@ -472,7 +472,7 @@ def test_claim_protocol_plans_and_schedule():
     sel = plans.build_plan("claim_select", select_epochs=2)
     assert len(sel) == len(methods.CLAIM_METHODS) * 2 * len(methods.LR_GRID)
     assert all(j["val_size"] > 0 and j["schedule"] == "constant" and j["epochs"] == 2 for j in sel)
-    spec = methods.METHODS
+    spec = {m: r.spec for m, r in methods.METHODS.items()}
     assert spec["kwng"]["estimator_input"] == "scaled" and spec["kwng_samples_before_U"]["estimator_input"] == "logits"
     assert spec["diag_Ttilde"]["estimator_input"] == "scaled" and spec["diag_Ttilde"]["diagonal_only"]
     # balanced slots: every GPU gets a similar share of the expensive runs
@@ -679,3 +679,40 @@ def test_scale_selects_the_small_run_settings(monkeypatch):
     full = cfg()
     assert (full["model"], full["source"], full["epochs"], full["out"]) == (
         "resnet18", "auto", 30, str(methods.RESULTS))
+
+
+def test_a_new_optimizer_is_one_optimizers_entry_and_one_methods_entry(tmp_path, monkeypatch):
+    """Adding an optimizer touches two tables: OPTIMIZERS (how to build it) and METHODS
+    (its record). The new method then trains (2 steps of the tiny model), is priced by
+    the plans, timed at its own step and drawn in its own colour; a method without a
+    record is refused by every table."""
+    import dataclasses
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kwng.experiments.cifar.methods import Method
+    from kwng.plots import cifar as pcf
+
+    def rmsprop(model, lr, spec):
+        return torch.optim.RMSprop(model.parameters(), lr=lr, alpha=spec["alpha"])
+
+    monkeypatch.setitem(methods.OPTIMIZERS, "rmsprop", rmsprop)
+    record = Method("rmsprop", {"alpha": 0.9}, "#010203", "-", "RMSprop", 99, 1.2,
+                    1e-3, None)
+    monkeypatch.setitem(methods.METHODS, "rmsprop", record)
+    assert record.spec == {"optimizer": "rmsprop", "alpha": 0.9}
+    rec = train.run(_run_cfg(tmp_path, method="rmsprop", epochs=1, max_steps=2),
+                    progress=False)
+    assert rec["method_spec"] == record.spec and rec["epochs"][-1]["steps"] == 2
+    assert math.isfinite(rec["epochs"][-1]["train_loss"])
+    assert plans.job_cost({"method": "rmsprop", "epochs": 3}) == pytest.approx(3.6)
+    assert pcf._look("rmsprop") == {"color": "#010203", "ls": "-"}
+    with pytest.raises(TypeError):  # a record lacking a fact does not build
+        Method("rmsprop", {}, "#010203", "-", "RMSprop", 99, 1.2, 1e-3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.color = "#000000"
+    with pytest.raises(KeyError):
+        plans.job_cost({"method": "nope"})
+    with pytest.raises(ValueError, match="no method 'nope'"):
+        pcf._look("nope")

@@ -1,5 +1,5 @@
-"""Audit of the committed scaling record ``results/benchmarks/ddp_scaling.json``
-(issue 24): its shape and provenance
+"""Audit of the committed scaling record ``results/benchmarks/ddp_scaling.json``:
+its shape and provenance
 (:func:`kwng.experiments.bench.ddp_record.check_scaling`), the 2- and 4-GPU rows the
 issue asks for, and devices that are GPUs (a CPU dry run of
 ``scripts/run_ddp_scaling.sh`` must never be committed). Skipped, with the reason,

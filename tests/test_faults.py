@@ -1,4 +1,4 @@
-"""Fault cases of issue 12: nothing a user runs destroys results, bad input never gives
+"""Fault cases: nothing a user runs destroys results, bad input never gives
 a silent wrong answer.
 
 One section per numbered case of the issue:

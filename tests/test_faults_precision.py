@@ -1,4 +1,4 @@
-"""Fault cases of issue 23, point 2: one validation and precision path for the two
+"""Fault cases: one validation and precision path for the two
 estimators (``kwng.kwng_gradient`` and ``kwng.kfng_gradient``, through
 :mod:`kwng.estimator_checks`)."""
 

@@ -1,4 +1,4 @@
-"""Fault cases of issue 23, point 6: the smaller items, and a probe table in which each
+"""Fault cases: the smaller items, and a probe table in which each
 public function and command-line option gets a wrong type, an empty input, NaN or a
 missing path, and must answer with an error that names the argument (or file) and the
 cause, before any work is done."""

@@ -1,4 +1,4 @@
-"""Fault cases of issue 23, points 1, 3 and 4: no result is credited to a run that
+"""Fault cases: no result is credited to a run that
 never happened, and every resume repairs or refuses what it reads.
 
 1. ``cifar sweep`` applies the single-run identity check to every run it would skip;

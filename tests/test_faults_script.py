@@ -1,4 +1,4 @@
-"""Fault case of issue 23, point 5: ``scripts/run_cifar_gpu.sh`` checks every
+"""Fault case: ``scripts/run_cifar_gpu.sh`` checks every
 prerequisite before it touches anything and never moves tracked files.
 
 The script runs on the CPU (``GPUS=0``) in a temporary copy of the parts of the tree it
@@ -72,8 +72,8 @@ def test_missing_prerequisite_changes_nothing(tmp_path, env, says):
 
 def test_a_call_keeps_tracked_files_in_place(tmp_path):
     # all prerequisites met (the committed sample as data, tiny model), no time for
-    # runs: the call refuses to credit the committed selection to these settings
-    # (issue 23, point 1), and neither its setup nor its end moves a tracked file
+    # runs: the call refuses to credit the committed selection to these settings,
+    # and neither its setup nor its end moves a tracked file
     repo = _tree(tmp_path)
     claim = repo / "results" / "cifar" / "claim"
     before = _snapshot(claim)

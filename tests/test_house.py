@@ -1,9 +1,10 @@
-"""The package's structure, checked from its source (style items 14-15 and issue 22).
+"""The package's structure, checked from its source (style items 14-15).
 
 * ``import kwng`` loads the core and the engine's preconditioner only: no theory, plot,
   experiment or GPU-kernel module (the kernels load on the first fast step on a GPU).
 * Folders are floors and imports only go down: core (``kwng/*.py``) < ``kwng/engine`` <
-  ``kwng/theory``, ``kwng/plots`` < ``kwng/experiments``; no import cycle between
+  ``kwng/theory`` < ``kwng/experiments`` < ``kwng/plots`` (figures drawn from what the
+  experiments' results modules compute, never the reverse); no import cycle between
   modules.
 * No module over 400 lines, no function over 60.
 * One home per name: every ``from kwng.X import name`` in the package, the book's code
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "kwng"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
-FLOORS = {"engine": 1, "theory": 2, "plots": 2, "experiments": 3}  # core: 0
+FLOORS = {"engine": 1, "theory": 2, "experiments": 3, "plots": 4}  # core: 0
 
 
 def _modules() -> dict[str, Path]:

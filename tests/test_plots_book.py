@@ -87,7 +87,13 @@ def test_step_cost_ratio_reads_graph_rows():
     assert findings.step_cost_ratio(record) == pytest.approx(3.5)
 
 
-def test_every_cifar_method_has_a_colour():
+def test_every_cifar_method_has_its_own_colour():
+    """A CIFAR method's colour is in its record; no two methods of the book share one
+    (the CIFAR KWNG has the colour of the flows' "kwng")."""
     from kwng.experiments.cifar.methods import METHODS
 
-    assert sorted(set(METHODS) - set(METHOD_COLORS)) == []
+    cifar = {m: r.color for m, r in METHODS.items()}
+    assert cifar["kwng"] == METHOD_COLORS["kwng"]
+    every = {**METHOD_COLORS, **cifar}
+    colours = [matplotlib.colors.to_hex(c) for c in every.values()]
+    assert len(set(colours)) == len(colours)

@@ -174,10 +174,10 @@ def test_check_refuses_unknown_tiers():
 
 
 # ------------------------------------------------------------ dampings fail loudly
-def test_an_unknown_damping_is_refused_not_computed_as_another():
-    """``solve.damping_diagonal`` computed any name without its own branch as
-    ``T_tilde``; the fused path's check raised for a known damping it lacks instead of
-    leaving it to the compiled path."""
+def test_an_unknown_damping_is_refused_not_computed_as_another(monkeypatch):
+    """``solve.damping_diagonal`` raises for a name without its own branch (even one
+    added to ``DAMPINGS``), never computes it as ``T_tilde``; the fused path's check
+    says ``False`` for any damping without a kernel, leaving it to the compiled path."""
     import torch
 
     from kwng import solve
@@ -191,6 +191,9 @@ def test_an_unknown_damping_is_refused_not_computed_as_another():
     for kind in solve.DAMPINGS:
         D, low, zero = solve.damping_diagonal(kind, T, T)
         assert D.shape == (7,) and bool((D > 0).all())
-    with pytest.raises(ValueError, match="damping must be one of"):
-        fused_available(T, torch.randn(7), "T_tyld")
+    monkeypatch.setattr(solve, "DAMPINGS", (*solve.DAMPINGS, "T_new"))
+    with pytest.raises(ValueError, match="no definition"):
+        solve.damping_diagonal("T_new", T, T)
+    assert fused_available(T, torch.randn(7), "T_tyld") is False
+    assert fused_available(T, torch.randn(7), "T_new") is False
     assert fused_available(T, torch.randn(7), "T") in (True, False)

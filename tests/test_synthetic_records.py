@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from kwng.experiments import synthetic_setup
-from kwng.plots import synthetic as plotting
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -36,19 +35,19 @@ def test_relerr_headline(relerr):
     prov, rows = relerr
     d_max = max(prov["config"]["dims"])
     for m, rr in rows.items():
-        byN = plotting.summarise(rr, "N", "N")
+        byN = synthetic_setup.summarise(rr, "N", "N")
         s = byN[d_max]
         slope = np.polyfit(np.log(s["x"]), np.log(s["mean"]), 1)[0]
         assert s["mean"][-1] < s["mean"][0] and slope < 0, m  # falls with N
-    sphere = plotting.summarise(rows["sphere"], "N", "N")
+    sphere = synthetic_setup.summarise(rows["sphere"], "N", "N")
     assert np.median(sphere[d_max]["errors"][-1]) < 0.2
     # median error at the largest N: flat in d on the sphere, not on the normal model
     med = [float(v["median"][-1]) for v in sphere.values()]
     assert max(med) < 0.01 and max(med) / min(med) < 2
-    normal = plotting.summarise(rows["normal"], "N", "N")
+    normal = synthetic_setup.summarise(rows["normal"], "N", "N")
     nmed = [float(v["median"][-1]) for _, v in sorted(normal.items())]
     assert nmed[-1] > 5 * nmed[0]
-    logn = plotting.summarise(rows["lognormal"], "N", "N")[d_max]
+    logn = synthetic_setup.summarise(rows["lognormal"], "N", "N")[d_max]
     assert logn["mean"][-1] > 1 and logn["median"][-1] < 0.2
 
 
@@ -56,7 +55,7 @@ def test_relerr_threshold_in_M(relerr):
     _, rows = relerr
     thr = {}
     for m, rr in rows.items():
-        s = plotting.summarise(rr, "M", "M")
+        s = synthetic_setup.summarise(rr, "M", "M")
         lo, hi = min(s), max(s)
         thr[m] = [
             int(s[d]["x"][np.argmax(s[d]["mean"] <= 1.5 * s[d]["mean"].min())])
@@ -72,7 +71,7 @@ def test_bandwidth_robustness():
     _, rows = _rows("bandwidth")
     best = {}
     for m, rr in rows.items():
-        s = plotting.summarise(rr, "sigma", "bandwidth_spec")
+        s = synthetic_setup.summarise(rr, "sigma", "bandwidth_spec")
         dm = max(s)
         best[m] = float(s[dm]["mean"].min())
         good = s[dm]["x"][s[dm]["mean"] <= 2 * s[dm]["mean"].min()]

@@ -61,11 +61,9 @@ FUSED_MAX_M = 24
 def fused_available(T: torch.Tensor, g: torch.Tensor, damping: str) -> bool:
     """Whether :func:`fused_direction` takes ``T`` and ``g``: a damping of
     :data:`FUSED_DAMPINGS`, contiguous float32, ``T`` of ``M ≤ FUSED_MAX_M`` rows, where
-    the Triton kernels run. A damping of ``kwng.solve.DAMPINGS`` the kernels do not
-    implement gives ``False`` (the compiled PyTorch path computes it); a name outside
-    ``DAMPINGS`` raises, never runs as another damping."""
-    if damping not in solve.DAMPINGS:
-        raise ValueError(f"damping must be one of {solve.DAMPINGS}, got {damping!r}")
+    the Triton kernels run. Any other damping gives ``False``: the compiled PyTorch
+    path computes it, or raises for a name it does not define
+    (:func:`kwng.solve.damping_diagonal`)."""
     return (
         damping in FUSED_DAMPINGS
         and triton is not None

@@ -15,11 +15,14 @@ import numpy as np
 from kwng.experiments.cifar import fig3, fig3_results
 from kwng.experiments.cifar.methods import CLAIM_ALL, MAIN_METHODS
 from kwng.experiments.cifar.results import load_authors100, load_results
+from kwng.experiments.cifar.tables import (
+    at_epoch,
+    epoch_seconds,
+    final_accuracy_table,
+    time_to_accuracy,
+)
 from kwng.experiments.cifar.verdicts import authors100_verdict, claim_verdict
-from kwng.experiments.synthetic_setup import load_flow, load_rows
-from kwng.plots import authors100 as pa
-from kwng.plots.cifar import at_epoch, final_accuracy_table
-from kwng.plots.synthetic import summarise
+from kwng.experiments.synthetic_setup import load_flow, load_rows, summarise
 
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
@@ -142,9 +145,9 @@ def _authors_horizon(root: Path) -> dict:
     v = authors100_verdict(rec)
     fin = {k: 100 * r["epochs"][-1]["test_acc"] for k, r in rec.items()}
     tt = json.loads((a100 / "timing" / "trainer_timing.json").read_text())
-    sec = pa.epoch_seconds(tt)
+    sec = epoch_seconds(tt)
     tta = {(r["key"][1], r["key"][2], r["key"][0]): r["seconds_0.8"]
-           for r in pa.time_to_accuracy(rec, sec)
+           for r in time_to_accuracy(rec, sec)
            if r["key"][3] == 0}
     eu = [k for k in fin if k[1] == "ill" and k[2] in ("sgd", "adam", "kfac")]
     return {"holds": v["holds"], "kwng_ill": 100 * v["kwng_ill"],

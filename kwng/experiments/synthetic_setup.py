@@ -10,6 +10,8 @@ and the parameters drawn near the model's reference point
 from __future__ import annotations
 
 import io
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ from kwng.experiments.guard_csv import read_csv_checked
 from kwng.experiments.provenance import ResultFileError, atomic_write_text, read_json
 from kwng.models import NormalModel, model_names
 
-__all__ = ["FIGURE_MODELS", "SWEEP_COLUMNS", "RELERR_BANDWIDTH", "relerr_config",
+__all__ = ["summarise", "FIGURE_MODELS", "SWEEP_COLUMNS", "RELERR_BANDWIDTH", "relerr_config",
            "bandwidth_config", "flow_config", "sweep_points", "point_key", "load_rows",
            "checked_rows", "write_flow_csvs", "write_pca_csv", "load_flow", "flow_problems"]
 
@@ -229,3 +231,32 @@ def flow_problems(out: str | Path, prov: dict) -> list[str]:
                             f"{curve[bad[0]]!r}, but the run " + (f"stopped at iteration {first - 1}"
                             if m in stopped else "never stopped"))
     return problems
+
+
+def summarise(
+    rows: Sequence[dict], panel: str, x: str
+) -> dict[int, dict[str, np.ndarray]]:
+    """``{d: {"x", "mean", "median", "q25", "q75", "errors"}}`` of the rows of one
+    ``panel``, grouped by dimension and by the column ``x`` (``"N"``, ``"M"`` or
+    ``"bandwidth_spec"``)."""
+    if x not in ("N", "M", "bandwidth_spec"):
+        raise ValueError(f"x must be one of ['N', 'M', 'bandwidth_spec'], got {x!r}")
+    groups: dict[int, dict[float, list]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r["panel"] == panel:
+            groups[int(r["d"])][float(r[x])].append(float(r["error"]))
+    out = {}
+    for d, by_x in sorted(groups.items()):
+        xs = np.array(sorted(by_x))
+        errs = [np.array(by_x[v]) for v in xs]
+        out[d] = {
+            "x": xs,
+            "mean": np.array([e.mean() for e in errs]),
+            "median": np.array([np.median(e) for e in errs]),
+            "q25": np.array([np.quantile(e, 0.25) for e in errs]),
+            "q75": np.array([np.quantile(e, 0.75) for e in errs]),
+            "errors": errs,
+        }
+    if not out:
+        raise ValueError(f"no rows with panel {panel!r}")
+    return out

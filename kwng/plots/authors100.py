@@ -10,9 +10,9 @@ method, seed)``, ``tag`` = ``lr<step>`` or ``fp32/lr<step>``).
 * :func:`fig_logit_scale` — that scale per class and epoch, one panel per IC run;
   :func:`learned_epochs` and :func:`max_scale` — when a class is learned, how far its
   scale goes;
-* :func:`epoch_seconds`, :func:`fig_accuracy` and :func:`time_to_accuracy` — test
-  accuracy per epoch and per second (Figs. 3 and 7 of the paper), and the seconds to
-  reach a level.
+* :func:`fig_accuracy` — test accuracy per epoch and per second (Figs. 3 and 7 of the
+  paper; the seconds per epoch of
+  :func:`kwng.experiments.cifar.tables.epoch_seconds`).
 """
 
 from __future__ import annotations
@@ -22,24 +22,18 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kwng.plots.style import FIG_WIDTH_IN, book_figure, method_color
+from kwng.experiments.cifar.methods import METHODS
+from kwng.experiments.cifar.tables import run_label
+from kwng.plots.style import FIG_WIDTH_IN, book_figure
 
 __all__ = ["final_rows", "scale_points", "scale_threshold", "fig_logit_scale",
            "learned_epochs", "max_scale",
-           "epoch_seconds", "fig_accuracy", "time_to_accuracy", "run_label"]
+           "fig_accuracy"]
 
 _DASHES = ("-", "--", ":", "-.")  # one per step size of a method, in order seen
 
 #: a class counts as learned when its test recall and precision both reach this
 LEARNED = 0.5
-
-
-def run_label(key: tuple) -> str:
-    """``method step`` (with ``fp32`` and the seed where they matter)."""
-    tag, _cond, method, seed = key
-    step = tag.split("lr")[-1]
-    extra = " fp32" if tag.startswith("fp32") else ""
-    return f"{method} {step}{extra}" + (f" s{seed}" if seed else "")
 
 
 def _order(records: dict, key: tuple) -> np.ndarray:
@@ -107,10 +101,10 @@ def fig_logit_scale(records: dict, keys: Sequence[tuple] | None = None,
     the IC runs of seed 0 at 100 epochs); a line is drawn thick where the class is
     learned, and ``threshold`` is marked."""
     if keys is None:
-        order = {"kwng": 0, "diag_Ttilde": 1, "sgd": 2, "adam": 3, "kfac": 4}
         keys = sorted((k for k in records if k[1] == "ill" and k[3] == 0
-                       and not k[0].startswith("fp32") and k[2] in order),
-                      key=lambda k: (order[k[2]], -float(k[0].split("lr")[-1])))
+                       and not k[0].startswith("fp32")),
+                      key=lambda k: (METHODS[k[2]].order,
+                                     -float(k[0].split("lr")[-1])))
     n = len(keys)
     cols = min(n, 3)
     rows = -(-n // cols)
@@ -150,24 +144,6 @@ def fig_logit_scale(records: dict, keys: Sequence[tuple] | None = None,
     return fig
 
 
-def epoch_seconds(timing: dict, precision: str = "bf16") -> dict[str, float]:
-    """Seconds per epoch (training and evaluation) of each method alone on one GPU, from
-    the trainer timing (``cifar trainer-timing``): the captured row where the method
-    captures, else the eager one."""
-    out = {}
-    for r in timing["rows"]:
-        if r["precision"] != precision:
-            continue
-        if r["mode"] == "captured" or r["method"] not in out:
-            out[r["method"]] = float(r["steady_epoch_s"])
-    return out
-
-
-def _curve(r: dict) -> tuple[np.ndarray, np.ndarray]:
-    return (np.array([e["epoch"] for e in r["epochs"]]),
-            np.array([e["test_acc"] for e in r["epochs"]]))
-
-
 @book_figure
 def fig_accuracy(records: dict, seconds: dict[str, float] | None = None,
                  keys: Sequence[tuple] | None = None):
@@ -182,11 +158,13 @@ def fig_accuracy(records: dict, seconds: dict[str, float] | None = None,
         for key in keys:
             if key[1] != cond:
                 continue
-            ep, acc = _curve(records[key])
+            r = records[key]
+            ep = np.array([e["epoch"] for e in r["epochs"]])
+            acc = np.array([e["test_acc"] for e in r["epochs"]])
             x = ep if seconds is None else ep * seconds[key[2]]
             steps = seen.setdefault(key[2], {})
             ls = _DASHES[steps.setdefault(key[0], len(steps)) % len(_DASHES)]
-            ax.plot(x, 100 * acc, ls, lw=1.2, color=method_color(key[2]),
+            ax.plot(x, 100 * acc, ls, lw=1.2, color=METHODS[key[2]].color,
                     label=run_label(key))
         ax.set_title(name)
         ax.set_xlabel("epoch" if seconds is None else "seconds (one GPU, alone)")
@@ -199,25 +177,6 @@ def fig_accuracy(records: dict, seconds: dict[str, float] | None = None,
     fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
     fig.tight_layout(rect=(0, (0.2 + 0.19 * rows) / fig.get_figheight(), 1, 1))
     return fig
-
-
-def time_to_accuracy(records: dict, seconds: dict[str, float],
-                     levels: Sequence[float] = (0.6, 0.8)) -> list[dict]:
-    """For every run (not the fp32 control): the first epoch whose test accuracy reaches
-    each level and that epoch times the method's seconds per epoch (``None``: never)."""
-    out = []
-    for key, r in sorted(records.items()):
-        if key[0].startswith("fp32"):
-            continue
-        ep, acc = _curve(r)
-        row = {"key": key, "label": run_label(key), "conditioning": key[1]}
-        for lv in levels:
-            hit = np.flatnonzero(acc >= lv)
-            e = int(ep[hit[0]]) if len(hit) else None
-            row[f"epoch_{lv:g}"] = e
-            row[f"seconds_{lv:g}"] = None if e is None else e * seconds[key[2]]
-        out.append(row)
-    return out
 
 
 def learned_epochs(records: dict, key: tuple, classes: int = 2) -> list[int | None]:

@@ -1,7 +1,10 @@
-"""Figures and tables of the CIFAR study from result records (book chapter :ref:`experiments-cifar`).
+"""Figures of the CIFAR study from result records (book chapter :ref:`experiments-cifar`).
 
 Each function takes the dictionary of :func:`kwng.experiments.cifar.results.load_results`
-(``{(conditioning, method, seed): record}``) and returns a matplotlib figure or plain data:
+(``{(conditioning, method, seed): record}``) and returns a matplotlib figure; the numbers
+behind them are the tables of :mod:`kwng.experiments.cifar.tables`, and every method is
+drawn in the colour and line style of its record
+(:class:`kwng.experiments.cifar.methods.Method`):
 
 * :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per epoch, ill- and
   well-conditioned side by side, mean over seeds with the min–max band);
@@ -9,14 +12,8 @@ Each function takes the dictionary of :func:`kwng.experiments.cifar.results.load
   each run, or the step time of each method measured alone);
 * :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ kernel, scaled logits);
 * :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each epoch;
-* :func:`final_accuracy_table` — final test accuracy per method and conditioning, mean ± spread.
-
-For the claim suite (records with per-class accuracy and KWNG diagnostics per epoch):
-
 * :func:`fig_per_class_vs_U` — per-class test accuracy against the class's scaling ``U_k`` (IC);
-* :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped fraction per epoch;
-* (the decision rule of the claim suite is :func:`kwng.experiments.cifar.results.claim_verdict`);
-* :func:`selection_table` — the step-size selection as a Markdown table.
+* :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped fraction per epoch.
 """
 
 from __future__ import annotations
@@ -26,84 +23,31 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kwng.plots.style import FIG_WIDTH_IN, book_figure, method_color
+from kwng.experiments.cifar.methods import METHODS
+from kwng.experiments.cifar.tables import (
+    class_scalings,
+    curves,
+    diag_series,
+    final_per_class,
+)
+from kwng.plots.style import FIG_WIDTH_IN, book_figure
 
-__all__ = ["at_epoch", "curves", "diag_series", "final_accuracy_table", "format_table",
-           "fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps", "fig_per_class_vs_U",
-           "fig_kwng_diagnostics", "selection_table", "class_scalings", "final_per_class"]
-
-_STYLES = {"kwng_samples_before_U": "--", "kwng_lm_same_batch": "-.",
-           "kwng_m20": "--", "kwng_momentum": "-.", "kwng_bigbatch": ":", "sgd_momentum": "--",
-           "sgd_momentum_wd": ":", "ekfac": "--", "diag_T": "--", "diag_Ttilde": ":", "kwng_rq": "-.",
-           "kwng_scaled_logits": "--"}
-
-
-def at_epoch(results: dict, epoch: int) -> dict:
-    """The records cut after ``epoch`` epochs (runs with fewer are left out): a comparison of runs
-    that stopped at different epochs, all at the same point of their schedule."""
-    if not isinstance(epoch, int) or epoch < 1:
-        raise ValueError(f"epoch must be an integer >= 1, got {epoch!r}")
-    return {k: {**r, "epochs": r["epochs"][:epoch]} for k, r in results.items() if len(r["epochs"]) >= epoch}
+__all__ = ["fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps",
+           "fig_per_class_vs_U", "fig_kwng_diagnostics"]
 
 
-def curves(results: dict, conditioning: str, method: str, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(epochs, values)`` with values of shape ``(seeds, epochs)``, truncated to the shortest run."""
-    runs = [r for (c, m, _), r in sorted(results.items()) if c == conditioning and m == method and r["epochs"]]
-    if not runs:
-        return np.zeros(0), np.zeros((0, 0))
-    n = min(len(r["epochs"]) for r in runs)
-    vals = np.array([[row[key] for row in r["epochs"][:n]] for r in runs], dtype=float)
-    return np.arange(1, n + 1), vals
+def _look(method: str) -> dict:
+    """The colour and line style of ``method``, from its record
+    (:data:`kwng.experiments.cifar.methods.METHODS`); an unknown method raises."""
+    try:
+        m = METHODS[method]
+    except KeyError:
+        raise ValueError(f"no method {method!r} in kwng.experiments.cifar.methods."
+                         f"METHODS (known: {sorted(METHODS)})") from None
+    return {"color": m.color, "ls": m.style}
 
 
-def final_accuracy_table(results: dict, methods: Sequence[str],
-                         conditionings: Sequence[str] = ("ill", "well")) -> dict:
-    """``{method: {cond: {"mean", "min", "max", "std", "n", "epochs", "diverged"}}}`` of the last-epoch
-    test accuracy (absent entries: no run)."""
-    out: dict = {}
-    for m in methods:
-        for c in conditionings:
-            runs = [r for (cc, mm, _), r in results.items() if cc == c and mm == m and r["epochs"]]
-            if not runs:
-                continue
-            acc = np.array([r["epochs"][-1]["test_acc"] for r in runs], dtype=float)
-            out.setdefault(m, {})[c] = {
-                "mean": float(np.nanmean(acc)) if np.isfinite(acc).any() else float("nan"),
-                "min": float(np.nanmin(acc)) if np.isfinite(acc).any() else float("nan"),
-                "max": float(np.nanmax(acc)) if np.isfinite(acc).any() else float("nan"),
-                "std": float(np.nanstd(acc, ddof=1)) if np.isfinite(acc).sum() > 1 else 0.0,
-                "n": len(runs), "epochs": [len(r["epochs"]) for r in runs],
-                "planned": max(int(r["config"]["epochs"]) for r in runs),
-                "complete": all(r.get("complete") for r in runs),
-                "diverged": sum(bool(r.get("diverged")) for r in runs)}
-    return out
-
-
-def format_table(table: dict, conditionings: Sequence[str] = ("ill", "well")) -> str:
-    """A Markdown table: mean ± std (min–max, n seeds) of the final test accuracy in %; runs stopped
-    before their planned number of epochs are marked with the epochs they reached."""
-    head = "| method | " + " | ".join(f"{c}-conditioned" for c in conditionings) + " |"
-    lines = [head, "|---" * (len(conditionings) + 1) + "|"]
-    for m, row in table.items():
-        cells = []
-        for c in conditionings:
-            e = row.get(c)
-            if e is None:
-                cells.append("–")
-                continue
-            s = f"{100 * e['mean']:.1f}"
-            if e["n"] > 1:
-                s += f" ± {100 * e['std']:.1f} ({100 * e['min']:.1f}–{100 * e['max']:.1f}, n={e['n']})"
-            if not e["complete"]:
-                s += f" (incomplete: {min(e['epochs'])}/{e['planned']} epochs)"
-            if e["diverged"]:
-                s += f" ({e['diverged']} diverged)"
-            cells.append(s)
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _band(ax, x, vals, label, color, ls="-"):
+def _band(ax, x, vals, label, color, ls):
     if vals.size == 0:
         return
     mean = vals.mean(0)
@@ -159,7 +103,7 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "
             ax = axes[i, j]
             for m in methods:
                 x, v = curves(results, cond, m, key)
-                _band(ax, x, v, _label(results, cond, m), method_color(m), _STYLES.get(m, "-"))
+                _band(ax, x, v, _label(results, cond, m), **_look(m))
             ax.set_ylabel(name)
             ax.set_title(f"{cond}-conditioned")
             ax.grid(alpha=0.3)
@@ -196,7 +140,7 @@ def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | N
                 else:
                     _, tt = curves(results, cond, m, "time_train")
                     tx = tt.mean(0)
-                _band(ax, tx / 60, v, _label(results, cond, m), method_color(m), _STYLES.get(m, "-"))
+                _band(ax, tx / 60, v, _label(results, cond, m), **_look(m))
             ax.set_title(f"{cond}-conditioned")
             ax.set_ylabel(name)
             ax.set_xlabel("training time (min)")
@@ -216,7 +160,7 @@ def fig_ablation(results: dict, methods: Sequence[str]):
         ax = axes[0, j]
         for m in methods:
             x, v = curves(results, "ill", m, key)
-            _band(ax, x, v, _label(results, "ill", m), method_color(m), _STYLES.get(m, "-"))
+            _band(ax, x, v, _label(results, "ill", m), **_look(m))
         ax.set_xlabel("epoch")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
@@ -239,7 +183,7 @@ def fig_eps(results: dict, floor: float = 1e-10):
             if c != cond or not r["epochs"] or "eps" not in r["epochs"][0]:
                 continue
             eps = [row["eps"] for row in r["epochs"]]
-            ax.semilogy(range(1, len(eps) + 1), eps, color=method_color(m), ls=_STYLES.get(m, "-"), marker="o",
+            ax.semilogy(range(1, len(eps) + 1), eps, **_look(m), marker="o",
                         ms=2.5, lw=1.2, label=m if s == 0 else None)
         ax.axhline(floor, color="k", lw=0.8, ls=":")
         ax.set_title(f"{cond}-conditioned")
@@ -253,25 +197,6 @@ def fig_eps(results: dict, floor: float = 1e-10):
 
 
 # ------------------------------------------------------------------------------------- claim suite
-def class_scalings(results: dict) -> np.ndarray:
-    """``U_k`` of each class in the ill-conditioned runs, from the records (the loader,
-    :func:`kwng.experiments.cifar.results.load_results`, fills it in for old records)."""
-    for (c, _, _), r in sorted(results.items()):
-        if c == "ill" and r.get("U"):
-            return np.asarray(r["U"], dtype=float)
-    raise ValueError("results must hold an ill-conditioned record with its class scalings 'U' "
-                     "(load them with kwng.experiments.cifar.results.load_results)")
-
-
-def final_per_class(results: dict, cond: str, method: str) -> np.ndarray | None:
-    """Per-class test accuracy after the last epoch, mean over seeds (None without such records)."""
-    runs = [r for (c, m, _), r in results.items() if c == cond and m == method and r["epochs"]
-            and "test_acc_per_class" in r["epochs"][-1]]
-    if not runs:
-        return None
-    return np.mean([r["epochs"][-1]["test_acc_per_class"] for r in runs], axis=0)
-
-
 @book_figure
 def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
                        mark: float | None = None):
@@ -285,8 +210,8 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
         acc = final_per_class(results, cond, m)
         if acc is None:
             continue
-        ax.semilogx(U[order], 100 * acc[order], marker="o", ms=4, lw=1.3, color=method_color(m),
-                    ls=_STYLES.get(m, "-"), label=_label(results, cond, m))
+        ax.semilogx(U[order], 100 * acc[order], marker="o", ms=4, lw=1.3, **_look(m),
+                    label=_label(results, cond, m))
     if mark is not None:
         ax.axvline(mark, color="k", lw=0.8, ls=":")
     ax.set_xlabel("$U_k$ of the class (log scale)")
@@ -297,32 +222,6 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
     ax.set_title(f"{cond}-conditioned: per-class test accuracy\nafter the last epoch against $U_k$")
     fig.tight_layout()
     return fig
-
-
-def diag_series(rec: dict, key: str) -> np.ndarray:
-    """One KWNG diagnostic of a run record per epoch: ``"eps"`` (epoch mean, in the authors'
-    units ``ε_ours / √N`` for runs of the authors' convention), ``"clipped"`` (fraction of the
-    epoch's steps) or another ``info`` key's epoch mean (``"reduction_ratio"``, ...); an
-    empty array when the record lacks it."""
-    rows = rec["epochs"]
-    if key == "clipped":
-        if all("clipped_mean" in r for r in rows):
-            return np.array([r["clipped_mean"] for r in rows], dtype=float)
-        if all("clipped" in r for r in rows):  # cumulative counter -> fraction of the epoch's steps
-            cum = np.array([0] + [r["clipped"] for r in rows], dtype=float)
-            st = np.array([0] + [r["steps"] for r in rows], dtype=float)
-            return np.diff(cum) / np.maximum(np.diff(st), 1)
-        return np.zeros(0)
-    if key == "eps":
-        vals = [r.get("eps_mean", r.get("eps")) for r in rows]
-        if any(v is None for v in vals):
-            return np.zeros(0)
-        from kwng.engine.config import authors_eps_factor
-
-        conv = rec.get("method_spec", {}).get("eps_convention", "ours")
-        return np.array(vals, dtype=float) / (authors_eps_factor(rec["batch_size"]) if conv == "authors" else 1.0)
-    vals = [r.get(f"{key}_mean") for r in rows]
-    return np.zeros(0) if any(v is None for v in vals) else np.array(vals, dtype=float)
 
 
 @book_figure
@@ -348,7 +247,7 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
                     continue
                 x = np.arange(1, v.size + 1)
                 plot = ax.semilogy if key == "eps" else ax.plot
-                plot(x, v, color=method_color(m), ls=_STYLES.get(m, "-"), marker="o", ms=2, lw=1.1,
+                plot(x, v, **_look(m), marker="o", ms=2, lw=1.1,
                      label=f"{m} s{s}")
                 n += 1
             if not n:  # a note, not an empty frame
@@ -373,13 +272,3 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
 
 
 
-def selection_table(selected: dict) -> str:
-    """The step-size selection (the ``selected.json`` of ``cifar select``) as a Markdown table:
-    held-out accuracy per step size of the grid, ``div`` for diverged runs, the chosen one in bold."""
-    grid = selected["grid"]
-    lines = ["| run | " + " | ".join(f"{g:g}" for g in grid) + " | chosen |", "|---" * (len(grid) + 2) + "|"]
-    for key, v in sorted(selected["selected"].items()):
-        acc = {c["lr"]: ("div" if not c["ok"] else f"{100 * c['val_acc']:.1f}") for c in v["candidates"]}
-        cells = [f"**{acc[g]}**" if g == v["lr"] else acc.get(g, "–") for g in grid]
-        lines.append(f"| {key.split('/', 1)[1]} | " + " | ".join(cells) + f" | {v['lr']:g} |")
-    return "\n".join(lines)

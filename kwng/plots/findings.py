@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kwng.experiments.synthetic_setup import summarise
 from kwng.plots.bench import step_rows
-from kwng.plots.synthetic import summarise
 
 __all__ = ["relerr_headline", "bandwidth_range", "divergence_step", "step_cost_ratio"]
 

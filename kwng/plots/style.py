@@ -34,8 +34,9 @@ BOOK_STYLE = {
     "svg.fonttype": "path",
 }
 
-# One colour per method, for every figure of the book: the synthetic flows, the
-# Fisher–Rao companion and the CIFAR study (baselines, KWNG variants, ablations).
+# One colour per method of the synthetic flows and the Fisher–Rao companion; a CIFAR
+# method's colour is part of its record (kwng.experiments.cifar.methods.METHODS; the
+# CIFAR KWNG has the colour of the flows' "kwng").
 METHOD_COLORS = {
     "wng": "#000000",
     "eg": "#4d4d4d",
@@ -43,29 +44,6 @@ METHOD_COLORS = {
     "kfng": "#cab2d6",
     "kwng": "#d62728",
     "kwng_N1024": "#fdae6b",
-    "sgd": "#1f77b4",
-    "sgd_momentum": "#17becf",
-    "sgd_momentum_wd": "#bcbd22",
-    "adam": "#2ca02c",
-    "kfac": "#9467bd",
-    "ekfac": "#ff7f0e",
-    "kwng_m20": "#8c564b",
-    "kwng_momentum": "#7f7f7f",
-    "kwng_bigbatch": "#e377c2",
-    "kwng_samples_before_U": "#ff9896",
-    "kwng_lm_same_batch": "#b15928",
-    "kwng_damping_identity": "#aec7e8",
-    "kwng_damping_T": "#98df8a",
-    "diag_T": "#c49c94",
-    "diag_Ttilde": "#393b79",
-    "kwng_rq": "#daa520",
-    "kwng_scaled_logits": "#9edae5",
-    "kwng_basis20": "#5e3c99",
-    "kwng_mom": "#525252",
-    "kwng_D_identity": "#6baed6",
-    "kwng_D_T": "#31a354",
-    "kwng_diag_T": "#843c39",
-    "kwng_kernel_rq": "#e6ab02",
 }
 
 

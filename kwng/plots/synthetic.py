@@ -9,15 +9,14 @@ Every function takes result rows as produced by :mod:`kwng.experiments.synthetic
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Sequence
 
 import numpy as np
 
+from kwng.experiments.synthetic_setup import summarise
 from kwng.plots.style import FIG_WIDTH_IN, book_figure, grid_ticks, method_color
 
 __all__ = [
-    "summarise",
     "plot_relerr",
     "plot_bandwidth",
     "plot_flow",
@@ -37,35 +36,6 @@ def dim_colors(dims: Sequence[int]) -> dict[int, tuple]:
     cmap = matplotlib.colormaps["YlOrRd"]
     lo, hi = min(dims), max(dims)
     return {d: cmap(0.3 + 0.7 * (d - lo) / max(hi - lo, 1)) for d in dims}
-
-
-def summarise(
-    rows: Sequence[dict], panel: str, x: str
-) -> dict[int, dict[str, np.ndarray]]:
-    """``{d: {"x", "mean", "median", "q25", "q75", "errors"}}`` of the rows of one
-    ``panel``, grouped by dimension and by the column ``x`` (``"N"``, ``"M"`` or
-    ``"bandwidth_spec"``)."""
-    if x not in ("N", "M", "bandwidth_spec"):
-        raise ValueError(f"x must be one of ['N', 'M', 'bandwidth_spec'], got {x!r}")
-    groups: dict[int, dict[float, list]] = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        if r["panel"] == panel:
-            groups[int(r["d"])][float(r[x])].append(float(r["error"]))
-    out = {}
-    for d, by_x in sorted(groups.items()):
-        xs = np.array(sorted(by_x))
-        errs = [np.array(by_x[v]) for v in xs]
-        out[d] = {
-            "x": xs,
-            "mean": np.array([e.mean() for e in errs]),
-            "median": np.array([np.median(e) for e in errs]),
-            "q25": np.array([np.quantile(e, 0.25) for e in errs]),
-            "q75": np.array([np.quantile(e, 0.75) for e in errs]),
-            "errors": errs,
-        }
-    if not out:
-        raise ValueError(f"no rows with panel {panel!r}")
-    return out
 
 
 @book_figure

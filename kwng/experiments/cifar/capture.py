@@ -31,18 +31,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["StepRunner", "NOT_CAPTURABLE"]
+__all__ = ["StepRunner"]
 
 log = logging.getLogger(__name__)
-
-#: methods whose step cannot be recorded, and why (they run eagerly in a captured run)
-NOT_CAPTURABLE = {
-    "kfac": "its step decides on the host whether to refresh the Kronecker factors "
-            "(every 100 steps, through nngeometry) and checks the direction for "
-            "non-finite values with a host sync every step",
-}
-NOT_CAPTURABLE["ekfac"] = NOT_CAPTURABLE["kfac"]
-
 
 class StepRunner:
     """Calls ``step_fn(z, y)`` for each batch, eagerly or replayed from a CUDA graph.

@@ -33,9 +33,8 @@ import torch
 
 from kwng._checks import check_choice, check_int
 from kwng.config import REPO_ROOT
-from kwng.experiments.cifar.augment import (  # noqa: F401  (moved; re-exported under the old path)
+from kwng.experiments.cifar.augment import (
     apply_augmentation,
-    augment_batch,
     draw_augmentation,
     normalize,
 )

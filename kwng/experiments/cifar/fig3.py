@@ -197,7 +197,7 @@ def _estimate(times: dict[str, float], method: str) -> float | None:
     """A method's own estimate; a KWNG variant (the same Jacobian block, another
     damping, kernel or momentum) at most KWNG's; else the longest method's, twice
     that for KFAC/EKFAC."""
-    precond = METHODS[method].get("precond")
+    precond = METHODS[method].spec.get("precond")
     own = [times[k] for k in (method, "kwng" if precond == "kwng" else None)
            if k in times]
     if own:

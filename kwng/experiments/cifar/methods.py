@@ -11,6 +11,7 @@ method's step is built by :mod:`kwng.experiments.cifar.steps`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,55 +40,112 @@ EPS_AUTHORS = 1e-5
 EPS_BOUNDS_AUTHORS = (1e-10, 1e5)
 
 
-# method -> settings. "lr_from": the method whose selected step size it uses.
-# "estimator_input": the KWNG samples, "scaled" = U h (the network's outputs, as the
-# authors' code), "logits" = h (before U, as the paper's text). "eps_convention":
-# "authors" (kwng.engine.config.eps_from_authors) or "ours" (ε0 = 1e-5).
+@dataclass(frozen=True)
+class Method:
+    """One training method of the study, every fact about it in one record (no
+    defaults: a record lacking a fact does not build).
+
+    ``optimizer`` names an entry of :data:`OPTIMIZERS`; ``settings`` the rest of the
+    method's spec (``precond`` one of :data:`PRECONDITIONERS`, ``momentum``, ...;
+    ``lr_from``: the method whose selected step size it uses; ``estimator_input``: the
+    KWNG samples, ``"scaled"`` = U h as the authors' code, ``"logits"`` = h as the
+    paper's text; ``eps_convention``: ``"authors"``,
+    :func:`kwng.engine.config.eps_from_authors`). ``color`` and ``style`` draw it in
+    every figure, ``label`` names it in a legend, ``order`` places it in a figure;
+    ``rel_cost`` is the cost of a step relative to SGD (H200, batch 128,
+    results/cifar/timing/timing.json; it spreads a plan's runs over the GPUs when no
+    timing file is given), ``timing_lr`` the step size of its timed runs (those of the
+    plan ``authors100``), ``not_capturable`` why its step cannot be recorded in a CUDA
+    graph (``None``: it can)."""
+
+    optimizer: str
+    settings: dict[str, Any]
+    color: str
+    style: str
+    label: str
+    order: int
+    rel_cost: float
+    timing_lr: float
+    not_capturable: str | None
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The settings a run records as its ``method_spec`` (part of its identity)."""
+        return {"optimizer": self.optimizer, **self.settings}
+
+
 _KWNG = {"precond": "kwng", "num_basis": 5, "damping": "T_tilde", "kernel": "gaussian",
          "diagonal_only": False, "estimator_input": "scaled",
          "eps_convention": "authors"}
 # the KWNG of the earlier 6-epoch study: samples before U, ε0 = 1e-5 in our convention
-# (no "eps_convention" key: "ours" is the default, and the committed records predate it)
 _KWNG6 = {k: v for k, v in {**_KWNG, "estimator_input": "logits"}.items()
           if k != "eps_convention"}
-_SGD = {"optimizer": "sgd"}
-#: the training methods, name -> settings (keys explained above)
-METHODS: dict[str, dict[str, Any]] = {
+_HOST = ("its step decides on the host whether to refresh the Kronecker factors (every "
+         "100 steps, through nngeometry) and checks the direction for non-finite "
+         "values with a host sync every step")
+
+
+def _m(opt: str, settings: dict, color: str, style: str, label: str, order: int,
+       cost: float, timing_lr: float) -> Method:
+    host = settings.get("precond") in ("kfac", "ekfac")
+    return Method(opt, settings, color, style, label, order, cost, timing_lr,
+                  _HOST if host else None)
+
+
+_T = {"lr_from": "kwng"}
+#: the training methods, name -> :class:`Method`
+METHODS: dict[str, Method] = {
     # the claim suite
-    "sgd": {**_SGD},
-    "sgd_momentum": {**_SGD, "momentum": 0.9},
-    "adam": {"optimizer": "adam"},
-    "kfac": {**_SGD, "precond": "kfac"},
-    "kwng": {**_SGD, **_KWNG},
-    "kwng_samples_before_U": {**_SGD, **_KWNG, "estimator_input": "logits"},
-    "diag_Ttilde": {**_SGD, **_KWNG, "diagonal_only": True},
-    "kwng_lm_same_batch": {**_SGD, **_KWNG, "lm_rule": "same_batch", "lr_from": "kwng"},
-    # methods of the earlier 6-epoch study only (their records carry their own
-    # "method_spec")
-    "sgd_momentum_wd": {**_SGD, "momentum": 0.9, "weight_decay": 5e-4},
-    "ekfac": {**_SGD, "precond": "ekfac"},
-    "kwng_m20": {**_SGD, **_KWNG6, "num_basis": 20, "lr_from": "kwng"},
-    "kwng_momentum": {**_SGD, "momentum": 0.9, **_KWNG6},
-    "kwng_bigbatch": {**_SGD, **_KWNG6, "batch_size": 512, "lr_from": "kwng"},
-    "kwng_damping_identity": {**_SGD, **_KWNG6, "damping": "identity",
-                              "lr_from": "kwng"},
-    "kwng_damping_T": {**_SGD, **_KWNG6, "damping": "T", "lr_from": "kwng"},
-    "diag_T": {**_SGD, **_KWNG6, "damping": "T", "diagonal_only": True,
-               "lr_from": "kwng"},
-    "kwng_rq": {**_SGD, **_KWNG6, "kernel": "rq", "lr_from": "kwng"},
-    "kwng_scaled_logits": {**_SGD, **_KWNG6, "estimator_input": "scaled",
-                           "lr_from": "kwng"},
+    "sgd": _m("sgd", {}, "#1f77b4", "-", "SGD", 2, 1.0, 0.1),
+    "sgd_momentum": _m("sgd", {"momentum": 0.9}, "#17becf", "--", "SGD + momentum", 5,
+                       1.0, 0.1),
+    "adam": _m("adam", {}, "#2ca02c", "-", "Adam", 3, 1.4, 1e-4),
+    "kfac": _m("sgd", {"precond": "kfac"}, "#9467bd", "-", "KFAC", 4, 1.7, 1.0),
+    "kwng": _m("sgd", {**_KWNG}, "#d62728", "-", "KWNG", 0, 5.4, 10.0),
+    "kwng_samples_before_U": _m("sgd", {**_KWNG, "estimator_input": "logits"},
+                                "#ff9896", "--", "KWNG, samples before U", 6, 5.4, 0.1),
+    "diag_Ttilde": _m("sgd", {**_KWNG, "diagonal_only": True}, "#393b79", ":",
+                      "diagonal T̃", 1, 5.4, 10.0),
+    "kwng_lm_same_batch": _m("sgd", {**_KWNG, "lm_rule": "same_batch", **_T},
+                             "#b15928", "-.", "KWNG, LM rule on the same batch", 7,
+                             5.8, 0.1),
+    # the Fig. 3 protocol's other baselines
+    "sgd_momentum_wd": _m("sgd", {"momentum": 0.9, "weight_decay": 5e-4}, "#bcbd22",
+                          ":", "SGD + momentum + wd", 8, 1.05, 0.1),
+    "ekfac": _m("sgd", {"precond": "ekfac"}, "#ff7f0e", "--", "EKFAC", 9, 11.0, 0.1),
+    # the earlier 6-epoch study's (their records carry their own "method_spec")
+    "kwng_m20": _m("sgd", {**_KWNG6, "num_basis": 20, **_T}, "#8c564b", "--",
+                   "KWNG, M = 20 (6 epochs)", 10, 16.7, 0.1),
+    "kwng_momentum": _m("sgd", {"momentum": 0.9, **_KWNG6}, "#7f7f7f", "-.",
+                        "KWNG + momentum (6 epochs)", 11, 5.4, 0.1),
+    "kwng_bigbatch": _m("sgd", {**_KWNG6, "batch_size": 512, **_T}, "#e377c2", ":",
+                        "KWNG, batch 512 (6 epochs)", 12, 16.3, 0.1),
+    "kwng_damping_identity": _m("sgd", {**_KWNG6, "damping": "identity", **_T},
+                                "#aec7e8", "-", "KWNG, D = 1 (6 epochs)", 13, 5.4, 0.1),
+    "kwng_damping_T": _m("sgd", {**_KWNG6, "damping": "T", **_T}, "#98df8a", "-",
+                         "KWNG, D = ‖T‖ (6 epochs)", 14, 5.4, 0.1),
+    "diag_T": _m("sgd", {**_KWNG6, "damping": "T", "diagonal_only": True, **_T},
+                 "#c49c94", "--", "diagonal T (6 epochs)", 15, 5.4, 0.1),
+    "kwng_rq": _m("sgd", {**_KWNG6, "kernel": "rq", **_T}, "#daa520", "-.",
+                  "KWNG, RQ kernel (6 epochs)", 16, 5.4, 0.1),
+    "kwng_scaled_logits": _m("sgd", {**_KWNG6, "estimator_input": "scaled", **_T},
+                             "#9edae5", "--", "KWNG, samples U h (6 epochs)", 17,
+                             5.4, 0.1),
     # the authors'-horizon study: the claim suite's KWNG with M = 20 (the paper's brown
     # line in Fig. 3)
-    "kwng_basis20": {**_SGD, **_KWNG, "num_basis": 20, "lr_from": "kwng"},
-    # the Fig. 3 protocol's KWNG + momentum and ablations, on today's KWNG (samples
-    # U h, the authors' ε)
-    "kwng_mom": {**_SGD, **_KWNG, "momentum": 0.9},
-    "kwng_D_identity": {**_SGD, **_KWNG, "damping": "identity", "lr_from": "kwng"},
-    "kwng_D_T": {**_SGD, **_KWNG, "damping": "T", "lr_from": "kwng"},
-    "kwng_diag_T": {**_SGD, **_KWNG, "damping": "T", "diagonal_only": True,
-                    "lr_from": "kwng"},
-    "kwng_kernel_rq": {**_SGD, **_KWNG, "kernel": "rq", "lr_from": "kwng"},
+    "kwng_basis20": _m("sgd", {**_KWNG, "num_basis": 20, **_T}, "#5e3c99", "-",
+                       "KWNG, M = 20", 18, 16.7, 10.0),
+    # the Fig. 3 protocol's KWNG + momentum and ablations, on today's KWNG
+    "kwng_mom": _m("sgd", {**_KWNG, "momentum": 0.9}, "#525252", "-",
+                   "KWNG + momentum", 19, 5.4, 0.1),
+    "kwng_D_identity": _m("sgd", {**_KWNG, "damping": "identity", **_T}, "#6baed6",
+                          "-", "KWNG, D = 1", 20, 5.4, 0.1),
+    "kwng_D_T": _m("sgd", {**_KWNG, "damping": "T", **_T}, "#31a354", "-",
+                   "KWNG, D = ‖T‖", 21, 5.4, 0.1),
+    "kwng_diag_T": _m("sgd", {**_KWNG, "damping": "T", "diagonal_only": True, **_T},
+                      "#843c39", "-", "diagonal T", 22, 5.4, 0.1),
+    "kwng_kernel_rq": _m("sgd", {**_KWNG, "kernel": "rq", **_T}, "#e6ab02", "-",
+                         "KWNG, RQ kernel", 23, 5.4, 0.1),
 }
 #: the methods of the claim suite, each in both conditionings
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U",
@@ -188,7 +246,7 @@ class RunConfig(dict):
         "protocol": None,
     }
     _CHOICES = (("dataset", DATASETS), ("conditioning", CONDITIONINGS),
-                ("method", tuple(METHODS)), ("schedule", SCHEDULES),
+                ("method", METHODS.keys()), ("schedule", SCHEDULES),
                 ("model", tuple(NETWORKS)),
                 ("precision", PRECISIONS))
 
@@ -232,7 +290,7 @@ class RunConfig(dict):
 
     @property
     def spec(self) -> dict[str, Any]:
-        return METHODS[self["method"]]
+        return METHODS[self["method"]].spec
 
     @property
     def batch(self) -> int:

@@ -40,36 +40,16 @@ PLAN_NAMES = ("claim_select", "claim", "select", "main", "authors100", "authors1
 
 
 # ------------------------------------------------------------------------------ plans
-#: rough cost of one step relative to SGD (H200, batch 128;
-#: results/cifar/timing/timing.json), used only to spread the runs of a plan over the
-#: GPUs when no timing file is given
-REL_COST = {
-    "sgd": 1.0,
-    "sgd_momentum": 1.0,
-    "sgd_momentum_wd": 1.05,
-    "adam": 1.4,
-    "kfac": 1.7,
-    "ekfac": 11.0,
-    "kwng_m20": 16.7,
-    "kwng_bigbatch": 16.3,
-    "kwng_lm_same_batch": 5.8,
-    "kwng_basis20": 16.7,
-}
-
-
-_KWNG_REL_COST = 5.4
-
-
 def job_cost(job: dict, timing: dict | None = None) -> float:
     """Relative cost of a run of ``job`` (per epoch, times its ``epochs`` when given;
-    the timing file's seconds per step if given)."""
+    the timing file's seconds per step if given, else the method's
+    :attr:`~kwng.experiments.cifar.methods.Method.rel_cost`)."""
     m = job["method"]
     epochs = int(job.get("epochs", 1))
     if timing is not None and m in timing:
         steps = math.ceil(50_000 / timing[m].get("batch_size", BATCH_SIZE))
         return float(timing[m]["sec_per_step"]) * steps * epochs
-    kwng = METHODS[m].get("precond") == "kwng"
-    return REL_COST.get(m, _KWNG_REL_COST if kwng else 1.0) * epochs
+    return METHODS[m].rel_cost * epochs
 
 
 def assign_slots(

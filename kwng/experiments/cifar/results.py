@@ -275,7 +275,8 @@ def select_lrs(root: str | os.PathLike = SELECTION, write: bool = True,
                          "candidates": sorted(rs, key=lambda r: -r["lr"])}
     out = {"rule": SELECTION_RULE, "grid": list(LR_GRID),
            "selected": selected,
-           "inherit": {m: s["lr_from"] for m, s in METHODS.items() if "lr_from" in s}}
+           "inherit": {m: s.spec["lr_from"] for m, s in METHODS.items()
+                       if "lr_from" in s.spec}}
     if write:
         _write_selection(Path(root) / "selected.json", out, force)
     return out

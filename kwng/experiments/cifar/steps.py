@@ -100,8 +100,8 @@ class MethodStep:
 
 class KFACStep(MethodStep):
     """KFAC or EKFAC (:class:`kwng.experiments.cifar.baselines.KFACPreconditioner`):
-    needs ``batch``.
-    Not capturable (:data:`kwng.experiments.cifar.capture.NOT_CAPTURABLE` says why)."""
+    needs ``batch``. Not capturable
+    (:attr:`kwng.experiments.cifar.methods.Method.not_capturable` says why)."""
 
     capturable = False
 

@@ -304,7 +304,7 @@ def schedule_epochs(timing_file: Path, plan: list[dict], budget_s: float,
     timing = {m: t.get(m, fallback) for m in METHODS}
 
     def per_epoch(j: dict) -> float:
-        bs = METHODS[j["method"]].get("batch_size", BATCH_SIZE)
+        bs = METHODS[j["method"]].spec.get("batch_size", BATCH_SIZE)
         return math.ceil(train_size / bs) * timing[j["method"]]["sec_per_step"] + eval_s
 
     procs = procs_per_gpu or max(1, math.ceil(len(plan) / max(gpus, 1)))

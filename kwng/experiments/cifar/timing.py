@@ -24,24 +24,18 @@ from typing import Any, Sequence
 import torch
 
 from kwng.experiments import guard
-from kwng.experiments.cifar.capture import NOT_CAPTURABLE
 from kwng.experiments.cifar.methods import METHODS, RunConfig
 from kwng.experiments.cifar.runtime import sync
 from kwng.experiments.cifar.train import Run
 from kwng.experiments.provenance import make_provenance
 
-__all__ = ["trainer_timing", "TIMING_LRS"]
+__all__ = ["trainer_timing"]
 
 log = logging.getLogger(__name__)
 
-#: the step sizes of the timed runs (those of the plan ``authors100``)
-TIMING_LRS = {"sgd": 0.1, "adam": 1e-4, "kfac": 1.0, "kwng": 10.0, "diag_Ttilde": 10.0,
-              "kwng_basis20": 10.0}
-
-
 def _config(method: str, capture: bool, common: dict, **extra: Any) -> RunConfig:
     return RunConfig(**{**common, "method": method, "capture": capture,
-                        "lr": TIMING_LRS.get(method, 0.1), **extra})
+                        "lr": METHODS[method].timing_lr, **extra})
 
 
 def _time_epochs(cfg: RunConfig, epochs: int) -> dict:
@@ -113,8 +107,8 @@ def _epoch_rows(methods, precisions, epochs, common, tmp) -> list[dict]:
                              "mode": "captured" if rec["captured"] else "eager",
                              "asked_capture": capture, **rec})
                 if capture and not rec["captured"]:
-                    rows[-1]["why_eager"] = NOT_CAPTURABLE.get(
-                        METHODS[m].get("precond", ""), "not on CUDA")
+                    rows[-1]["why_eager"] = (METHODS[m].not_capturable
+                                             or "not on CUDA")
     return rows
 
 
@@ -164,14 +158,15 @@ def trainer_timing(methods: Sequence[str], out: Path, *, conditioning: str = "il
                   "channels_last": True}
         rows = _epoch_rows(methods, precisions, epochs, common, tmp)
         traces = [_loss_match(m, precisions[0], trace_steps, common, tmp)
-                  for m in methods if METHODS[m].get("precond") in (None, "kwng")]
+                  for m in methods if METHODS[m].not_capturable is None]
         traces = [t for t in traces if t is not None]
     dev = str(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
     result = {"rows": rows, "loss_match": traces, "device": dev,
               "config": {"methods": list(methods), "conditioning": conditioning,
                          "precisions": list(precisions), "epochs": epochs,
                          "trace_steps": trace_steps, "model": model,
-                         "train_subset": train_subset, "lrs": TIMING_LRS},
+                         "train_subset": train_subset,
+                         "lrs": {m: METHODS[m].timing_lr for m in methods}},
               "provenance": make_provenance(
                   config={"methods": list(methods), "precisions": list(precisions)},
                   seeds={"seed": 0, "data": 10_000}, device=device)}

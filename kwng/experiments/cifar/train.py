@@ -25,6 +25,7 @@ from kwng.experiments.cifar.data import NUM_CLASSES, GPUAugmentedData
 from kwng.experiments.cifar.early_stop import sibling_rows, stop_reason
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
+    METHODS,
     RunConfig,
     build_model,
     build_optimizer,
@@ -87,11 +88,9 @@ class Run:
         self.stats = EpochStats(device, NUM_CLASSES[cfg["dataset"]])
         capture = cfg["capture"] and self.method.capturable
         if cfg["capture"] and not capture and device.type == "cuda":
-            from kwng.experiments.cifar.capture import NOT_CAPTURABLE
-
+            why = METHODS[cfg["method"]].not_capturable or "not capturable"
             log.warning("%s: method %s runs eagerly: %s", self.rdir, cfg["method"],
-                        NOT_CAPTURABLE.get(cfg.spec.get("precond", ""),
-                                           "not capturable"))
+                        why)
         self.runner = StepRunner(self._step, device, capture,
                                  lambda: self.optimizer.param_groups[0]["lr"])
         self.trace: torch.Tensor | None = None  # per-step losses (trainer_timing)

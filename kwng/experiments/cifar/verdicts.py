@@ -8,7 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 from kwng.experiments.cifar.methods import CLAIM_ALL
-from kwng.plots.cifar import class_scalings, final_accuracy_table, final_per_class
+from kwng.experiments.cifar.tables import (
+    class_scalings,
+    final_accuracy_table,
+    final_per_class,
+)
 
 #: Threshold of the claim suite's decision rule (its small-scaling classes have U_k at
 #: most this).
