@@ -51,9 +51,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from kwng.experiments.bench.step_cost import training_step
 from kwng.experiments.guard import backup
 from kwng.experiments.provenance import atomic_write_json, make_provenance
 
@@ -114,20 +114,8 @@ def _build(method: str, base: nn.Module, z: torch.Tensor, y: torch.Tensor, M: in
                   mode="fast")
         precond = (DistributedKWNG(model, batch_sizes=z.shape[0], **kw)
                    if method == "kwng" else KWNGPreconditioner(model, **kw))
-    amp = precision == "bf16"
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with (torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
-              if amp else contextlib.nullcontext()):
-            X = net(z)
-            loss = F.cross_entropy(X.float(), y)
-        if precond is None:
-            loss.backward()
-        else:
-            precond.step(loss, X)
-        opt.step()
-
+    amp = torch.bfloat16 if precision == "bf16" else None
+    step = training_step(net, opt, z, y, precond, amp)
     return step, precond
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from kwng.engine.precond import KWNGPreconditioner
-from kwng.experiments.bench.step_cost import time_steps
+from kwng.experiments.bench.step_cost import time_steps, training_step
 from kwng.experiments.cifar.nets import mlp, resnet18, tiny_cnn
 from kwng.experiments.provenance import (
     atomic_write_json,
@@ -64,17 +64,7 @@ def _step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor,
     precond = None if row == "sgd" else KWNGPreconditioner(
         model, lr=1e-3, num_basis=num_basis, eps=1e-5, mode=row)
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        X = model(z)
-        loss = nn.functional.cross_entropy(X, y)
-        if precond is None:
-            loss.backward()
-        else:
-            precond.step(loss, X)
-        opt.step()
-
-    return step, precond
+    return training_step(model, opt, z, y, precond), precond
 
 
 def time_models(models: list[str], device: torch.device, batch: int, num_basis: int,

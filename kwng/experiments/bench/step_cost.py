@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kwng.engine.capture import capture_step
@@ -62,7 +63,8 @@ from kwng.experiments.provenance import (
     make_provenance,
 )
 
-__all__ = ["time_steps", "bench_config", "CONFIGS", "EXTRA_ROWS", "ROWS", "main"]
+__all__ = ["time_steps", "training_step", "bench_config", "CONFIGS", "EXTRA_ROWS",
+           "ROWS", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +121,36 @@ def _warm_then_time(fn: Callable[[], None], device: torch.device, steps: int,
     return out
 
 
+def training_step(net: nn.Module, opt: torch.optim.Optimizer, z: torch.Tensor,
+                  y: torch.Tensor, precond=None, amp: torch.dtype | None = None,
+                  optimizer_step: bool = True) -> Callable[[], None]:
+    """The timed training step: zero the gradients, forward ``z`` (under autocast to
+    ``amp`` when given, without the weight-cast cache, which a CUDA graph would replay
+    freed), cross-entropy against ``y`` in float32, then ``loss.backward()`` or
+    ``precond.step(loss, X)``, then ``opt.step()`` (skipped when not
+    ``optimizer_step``: a forward and backward pass alone)."""
+    def autocast():
+        return (torch.autocast(z.device.type, dtype=amp, cache_enabled=False)
+                if amp is not None else contextlib.nullcontext())
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with autocast():
+            X = net(z)
+            loss = F.cross_entropy(X.float(), y)
+        if precond is None:
+            loss.backward()
+        else:
+            precond.step(loss, X)
+        if optimizer_step:
+            opt.step()
+
+    return step
+
+
 def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num_basis: int,
                amp: torch.dtype | None, refresh_every: int = 1
                ) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
-    loss_fn = nn.CrossEntropyLoss()
     graph = row.endswith("_graph")
     row = row.removesuffix("_graph")
     opt = (torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph) if row == "adam"
@@ -138,22 +166,8 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor, num
             and not z.is_contiguous() else torch.contiguous_format)
         y = y.repeat(num_basis + 1)
 
-    def autocast():
-        return (torch.autocast(z.device.type, dtype=amp, cache_enabled=False) if amp is not None
-                else contextlib.nullcontext())  # no weight-cast cache: a CUDA graph would replay freed memory
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with autocast():
-            X = model(z)
-            loss = loss_fn(X.float(), y)
-        if precond is None:
-            loss.backward()
-            if row not in ("sgd", "adam"):
-                return
-        else:
-            precond.step(loss, X)
-        opt.step()
+    step = training_step(model, opt, z, y, precond, amp,
+                         optimizer_step=precond is not None or row in ("sgd", "adam"))
 
     if graph:  # the whole step captured once and replayed: no Python or launch cost per step
         if z.device.type != "cuda":
