@@ -16,6 +16,7 @@ from kwng.experiments.cifar import (
     train,
 )
 from kwng.experiments.cifar import data as kdata
+from kwng.experiments.cifar.config import SMALL_RUN, RunConfig
 
 
 def _fake(n: int, classes: int, seed: int = 0):
@@ -568,9 +569,9 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     from kwng.experiments.cifar.metrics import EpochStats
     from kwng.experiments.cifar.steps import KWNGStep
 
-    cfg = methods.RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
+    cfg = RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
     torch.manual_seed(0)
-    model = methods.build_model(cfg)
+    model = steps.build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = _SameBatchProbe()
     z, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
@@ -647,10 +648,10 @@ def test_every_method_behind_one_step(method, family):
     if family == "KFACStep":
         pytest.importorskip("nngeometry")
     lr = 0.01 if method == "adam" else 0.05
-    cfg = methods.RunConfig(method=method, model="tiny", lr=lr, device="cpu")
+    cfg = RunConfig(method=method, model="tiny", lr=lr, device="cpu")
     torch.manual_seed(0)
-    model = methods.build_model(cfg)
-    step = steps.make_step(cfg, model, methods.build_optimizer(cfg, model, lr), torch.device("cpu"))
+    model = steps.build_model(cfg)
+    step = steps.make_step(cfg, model, steps.build_optimizer(cfg, model, lr), torch.device("cpu"))
     assert type(step).__name__ == family
     z, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
     before = [p.detach().clone() for p in model.parameters()]
@@ -672,10 +673,11 @@ def test_scale_selects_the_small_run_settings(monkeypatch):
 
     monkeypatch.setenv("KWNG_SCALE", "small")
     small = cfg()
-    assert {k: small[k] for k in cifar.SMALL_RUN} == cifar.SMALL_RUN
-    assert cfg("--data-root", "/x")["source"] == "auto"
-    assert cfg("--model", "resnet18", "--epochs", "5")["model"] == "resnet18"
+    assert {k: getattr(small, k) for k in SMALL_RUN} == SMALL_RUN
+    assert small == RunConfig.small()
+    assert cfg("--data-root", "/x").source == "auto"
+    assert cfg("--model", "resnet18", "--epochs", "5").model == "resnet18"
     monkeypatch.setenv("KWNG_SCALE", "full")
     full = cfg()
-    assert (full["model"], full["source"], full["epochs"], full["out"]) == (
+    assert (full.model, full.source, full.epochs, full.out) == (
         "resnet18", "auto", 30, str(methods.RESULTS))

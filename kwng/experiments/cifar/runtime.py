@@ -1,6 +1,7 @@
 """What one CIFAR run needs around its training loop: where its record and checkpoint
 live, its step size and identity, its data split, the RNG states of an exact resume, the
-device's fast settings and precision, and one training step."""
+device's fast settings and precision, one training step, and the processes that train
+it together (:func:`process_group`, :func:`rank0_decides`)."""
 
 from __future__ import annotations
 
@@ -18,57 +19,51 @@ import torch.nn.functional as F
 from torch import nn
 
 from kwng.experiments import guard
+from kwng.experiments.cifar.config import RunConfig
 from kwng.experiments.cifar.data import load_cifar
-from kwng.experiments.cifar.methods import (
-    SELECTION,
-    RunConfig,
-)
+from kwng.experiments.cifar.methods import SELECTION
 from kwng.experiments.cifar.metrics import UpdateShare
 from kwng.experiments.cifar.steps import MethodStep
-from kwng.experiments.provenance import read_json
+from kwng.experiments.provenance import ResultFileError, read_json
 
 log = logging.getLogger(__name__)
 
 
-def as_config(cfg: dict) -> RunConfig:
-    return cfg if isinstance(cfg, RunConfig) else RunConfig(**cfg)
-
-
-def run_dir_for(cfg: dict) -> Path:
+def run_dir_for(cfg: RunConfig | dict) -> Path:
     """``<out>/<dataset>/<conditioning>/<method>/seed<k>``: where a run writes."""
-    cfg = as_config(cfg)
+    cfg = RunConfig.of(cfg)
     return (
-        Path(cfg["out"])
-        / cfg["dataset"]
-        / cfg["conditioning"]
-        / cfg["method"]
-        / f"seed{cfg['seed']}"
+        Path(cfg.out)
+        / cfg.dataset
+        / cfg.conditioning
+        / cfg.method
+        / f"seed{cfg.seed}"
     )
 
 
-def checkpoint_path_for(cfg: dict) -> Path:
+def checkpoint_path_for(cfg: RunConfig | dict) -> Path:
     """The run's checkpoint, under ``checkpoint_dir`` (an absolute run directory is
     hashed)."""
-    cfg = as_config(cfg)
+    cfg = RunConfig.of(cfg)
     rd = run_dir_for(cfg)
     if rd.is_absolute():
         rd = Path("abs") / hashlib.sha1(str(rd).encode()).hexdigest()[:16]
-    return Path(cfg["checkpoint_dir"]) / rd / "checkpoint.pt"
+    return Path(cfg.checkpoint_dir) / rd / "checkpoint.pt"
 
 
 def resolve_lr(cfg: RunConfig) -> float:
     """The step size: a number, or the one chosen by ``select`` for the method (or its
     ``lr_from``)."""
-    if cfg["lr"] != "selected":
-        return float(cfg["lr"])
-    path = Path(cfg["selection_file"] or SELECTION / "selected.json")
+    if cfg.lr != "selected":
+        return float(cfg.lr)
+    path = Path(cfg.selection_file or SELECTION / "selected.json")
     if not path.is_file():
         raise FileNotFoundError(
             f"lr='selected' needs {path} (run `cifar select` first) or pass --lr"
         )
     table = read_json(path)["selected"]
-    base = cfg.spec.get("lr_from", cfg["method"])
-    key = f"{cfg['dataset']}/{cfg['conditioning']}/{base}"
+    base = cfg.spec.get("lr_from", cfg.method)
+    key = f"{cfg.dataset}/{cfg.conditioning}/{base}"
     if key not in table:
         raise KeyError(f"no selected step size for {key} in {path}")
     return float(table[key]["lr"])
@@ -79,24 +74,24 @@ def split_data(cfg: RunConfig):
     evaluation set is held out of the training set (the test set is not looked at);
     ``train_subset`` keeps that many."""
     x, y = load_cifar(
-        cfg["dataset"], "train", cfg["data_root"], cfg["source"], cfg["download"]
+        cfg.dataset, "train", cfg.data_root, cfg.source, cfg.download
     )
-    if cfg["val_size"] and cfg["val_size"] >= len(x):
+    if cfg.val_size and cfg.val_size >= len(x):
         raise ValueError(
             f"val_size must be smaller than the training set ({len(x)} "
-            f"images), got {cfg['val_size']}: nothing left to train on"
+            f"images), got {cfg.val_size}: nothing left to train on"
         )
-    if cfg["val_size"]:
+    if cfg.val_size:
         perm = np.random.default_rng(12345).permutation(len(x))
-        val, rest = perm[: cfg["val_size"]], perm[cfg["val_size"] :]
-        if cfg["train_subset"]:
-            rest = rest[: cfg["train_subset"]]
+        val, rest = perm[: cfg.val_size], perm[cfg.val_size :]
+        if cfg.train_subset:
+            rest = rest[: cfg.train_subset]
         return x[rest], y[rest], x[val], y[val]
-    if cfg["train_subset"]:
-        keep = np.random.default_rng(12345).permutation(len(x))[: cfg["train_subset"]]
+    if cfg.train_subset:
+        keep = np.random.default_rng(12345).permutation(len(x))[: cfg.train_subset]
         x, y = x[np.sort(keep)], y[np.sort(keep)]
     xt, yt = load_cifar(
-        cfg["dataset"], "test", cfg["data_root"], cfg["source"], cfg["download"]
+        cfg.dataset, "test", cfg.data_root, cfg.source, cfg.download
     )
     return x, y, xt, yt
 
@@ -104,8 +99,8 @@ def split_data(cfg: RunConfig):
 def test_arrays(cfg: RunConfig):
     """The test set's images and labels (evaluated beside the validation split when
     ``eval_test``)."""
-    return load_cifar(cfg["dataset"], "test", cfg["data_root"], cfg["source"],
-                      cfg["download"])
+    return load_cifar(cfg.dataset, "test", cfg.data_root, cfg.source,
+                      cfg.download)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -193,9 +188,41 @@ def run_identity_of(cfg: RunConfig, lr: float) -> dict:
     from kwng.experiments.cifar.data import source_fingerprint
 
     try:
-        data = source_fingerprint(cfg["dataset"], cfg["data_root"], cfg["source"])
+        data = source_fingerprint(cfg.dataset, cfg.data_root, cfg.source)
     except FileNotFoundError:
-        if not cfg["download"]:
+        if not cfg.download:
             raise
         data = None  # fetched by this run; not compared
-    return guard.run_identity(cfg, lr, cfg.batch, cfg.spec, data)
+    return guard.run_identity(cfg.to_dict(), lr, cfg.batch, cfg.spec, data)
+
+
+def process_group() -> tuple[int, int]:
+    """This process's rank and the number of processes that train the run together:
+    from ``torch.distributed`` when its process group is initialised (torchrun), else
+    ``(0, 1)``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank0_decides(decide, world: int):
+    """``decide()`` on rank 0 (the one process that reads and writes the run's files),
+    its result on every rank; a refusal there raises the same error on every rank."""
+    if world == 1:
+        return decide()
+    import torch.distributed as dist
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (decide(), None)
+        except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError,
+                ValueError) as exc:
+            box[0] = (None, exc)
+    dist.broadcast_object_list(box, src=0)
+    result, error = box[0]
+    if error is not None:
+        raise error
+    return result

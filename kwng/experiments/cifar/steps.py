@@ -1,6 +1,7 @@
-"""The step protocol of the CIFAR study: every method takes its step through
-:class:`MethodStep` (``step(loss, outputs, hidden=..., batch=...)``), one adapter per
-family (a plain ``torch.optim`` step, KFAC/EKFAC, KWNG), built once by
+"""What a CIFAR run builds from its configuration: the model (:func:`build_model`),
+the optimizer (:func:`build_optimizer`) and the step protocol. Every method takes its
+step through :class:`MethodStep` (``step(loss, outputs, hidden=..., batch=...)``), one
+adapter per family (a plain ``torch.optim`` step, KFAC/EKFAC, KWNG), built once by
 :func:`make_step`; the training loop and ``cifar timing`` call it and nothing else."""
 
 from __future__ import annotations
@@ -11,22 +12,48 @@ from torch import nn
 
 from kwng.engine.config import eps_from_authors
 from kwng.engine.lm import LMSchedule
+from kwng.experiments.cifar.config import RunConfig
+from kwng.experiments.cifar.data import NUM_CLASSES
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
+    CONDITION_NUMBER,
     EPS_AUTHORS,
     EPS_BOUNDS_AUTHORS,
-    RunConfig,
+    OPTIMIZERS,
+)
+from kwng.experiments.cifar.nets import (
+    NETWORKS,
+    ConditionedNetwork,
+    DiagonalConditioning,
 )
 
 
+def build_model(cfg: RunConfig) -> nn.Module:
+    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`):
+    ``U`` inside the network (the identity for ``well``)."""
+    k = NUM_CLASSES[cfg.dataset]
+    body = NETWORKS[cfg.model](k)
+    cond = (None if cfg.conditioning == "well"
+            else DiagonalConditioning(k, CONDITION_NUMBER))
+    return ConditionedNetwork(body, cond)
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module,
+                    lr: float) -> torch.optim.Optimizer:
+    """The method's ``torch.optim`` optimizer, from
+    :data:`~kwng.experiments.cifar.methods.OPTIMIZERS`."""
+    return OPTIMIZERS[cfg.spec["optimizer"]](model, lr, cfg.spec)
+
+
 def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
+    """KWNG on one process, or :class:`kwng.engine.distributed.DistributedKWNG` when
+    ``world_size > 1`` (ε converted with the global batch)."""
     from kwng.engine.precond import KWNGPreconditioner
-    from kwng.experiments.cifar.nets import ConditionedNetwork
 
     spec = cfg.spec
     eps, bounds = 1e-5, {}
     if spec.get("eps_convention", "ours") == "authors":
-        n = cfg.batch
+        n = cfg.batch * cfg.world_size
         eps = eps_from_authors(EPS_AUTHORS, n)
         bounds = {"eps_min": eps_from_authors(EPS_BOUNDS_AUTHORS[0], n),
                   "eps_max": eps_from_authors(EPS_BOUNDS_AUTHORS[1], n)}
@@ -37,10 +64,15 @@ def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
     # __call__: the body h (ConditionedNetwork.forward_both calls it; U·h is then pulled
     # back to it, U has no parameters)
     net = model.body if isinstance(model, ConditionedNetwork) else model
-    return KWNGPreconditioner(
-        net, lr=lambda: optimizer.param_groups[0]["lr"], num_basis=spec["num_basis"],
-        eps=eps, kernel=spec["kernel"], damping=spec["damping"], eps_schedule=schedule,
-        clip_norm=CLIP_NORM, diagonal_only=spec["diagonal_only"])
+    settings = dict(lr=lambda: optimizer.param_groups[0]["lr"],
+                    num_basis=spec["num_basis"], eps=eps, kernel=spec["kernel"],
+                    damping=spec["damping"], eps_schedule=schedule, clip_norm=CLIP_NORM,
+                    diagonal_only=spec["diagonal_only"])
+    if cfg.world_size == 1:
+        return KWNGPreconditioner(net, **settings)
+    from kwng.engine.distributed import DistributedKWNG
+
+    return DistributedKWNG(net, batch_sizes=cfg.batch, **settings)
 
 
 # ------------------------------------------------------------------- the step protocol
