@@ -118,7 +118,8 @@ def test_every_committed_record_matches_its_own_configuration():
         c = {k: v for k, v in rec["config"].items() if k in SETTINGS}
         c.setdefault("schedule", "study6")  # the 6-epoch study predates the key
         cfg = RunConfig(**c)
-        fresh = guard.run_identity(cfg.to_dict(), rec["lr"], rec.get("batch_size", cfg.batch),
+        fresh = guard.run_identity(cfg.to_dict(), rec["lr"],
+                                   rec.get("batch_size", cfg.batch),
                                    rec.get("method_spec", cfg.spec), None)
         stored.pop("data", None)
         assert guard.diff_keys(stored, fresh) == [], mp
