@@ -575,7 +575,7 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = _SameBatchProbe()
     z, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    loss, out, info, _ = runtime.train_step(KWNGStep(model, opt, probe), model, z, y)
+    loss, out, info, _ = steps.train_step(KWNGStep(model, opt, probe), model, z, y)
     stats_after_step = bn_state(model)
     assert len(probe.seen) == 1
     for k, v in bn_state(model).items():
@@ -659,7 +659,7 @@ def test_every_method_behind_one_step(method, family):
     step.direction(torch.nn.functional.cross_entropy(out, y), out, h, (z, y))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     share = UpdateShare(model)
-    losses = [float(runtime.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
+    losses = [float(steps.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
     assert losses[-1] < losses[0]
 
 

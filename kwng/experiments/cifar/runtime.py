@@ -1,11 +1,10 @@
 """What one CIFAR run needs around its training loop: where its record and checkpoint
 live, its step size and identity, its data split, the RNG states of an exact resume, the
-device's fast settings and precision, one training step, and the processes that train
-it together (:func:`process_group`, :func:`rank0_decides`)."""
+device's fast settings, and the processes that train it together
+(:func:`process_group`, :func:`rank0_decides`)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -15,15 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from kwng.experiments import guard
 from kwng.experiments.cifar.config import RunConfig
 from kwng.experiments.cifar.data import load_cifar
 from kwng.experiments.cifar.methods import SELECTION
-from kwng.experiments.cifar.metrics import UpdateShare
-from kwng.experiments.cifar.steps import MethodStep
 from kwng.experiments.provenance import ResultFileError, read_json
 
 log = logging.getLogger(__name__)
@@ -134,39 +129,6 @@ def fast_cuda(device: torch.device) -> None:
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-
-
-def autocast_for(device: torch.device, precision: str):
-    """The forward's autocast context: bf16 without a weight-cast cache (a CUDA graph
-    would replay freed memory), or none for fp32."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
-    return contextlib.nullcontext()
-
-
-def train_step(
-    method: MethodStep,
-    model: nn.Module,
-    z: torch.Tensor,
-    yb: torch.Tensor,
-    share: UpdateShare | None = None,
-    precision: str = "fp32",
-) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
-    """One training step of any method: forward (in ``precision``), then
-    ``method.step`` (direction clipped to
-    :data:`~kwng.experiments.cifar.methods.CLIP_NORM`, ``optimizer.step()``). Returns
-    ``(loss, outputs, info, last-layer share)``; the share is measured around the
-    whole update (the direction leaves the parameters unchanged). Never waits for the
-    device, so a CUDA graph can record it."""
-    method.optimizer.zero_grad(set_to_none=True)
-    with autocast_for(z.device, precision):
-        h, outputs = model.forward_both(z)
-        loss = F.cross_entropy(outputs.float(), yb)
-    if share is not None:
-        share.before()
-    info = method.step(loss, outputs, hidden=h, batch=(z, yb))
-    frac = share.after() if share is not None else None
-    return loss, outputs, info, frac
 
 
 def save_checkpoint(path: Path, ck: dict) -> None:

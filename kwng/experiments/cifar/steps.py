@@ -6,6 +6,8 @@ adapter per family (a plain ``torch.optim`` step, KFAC/EKFAC, KWNG), built once 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,7 @@ from kwng.experiments.cifar.methods import (
     EPS_BOUNDS_AUTHORS,
     OPTIMIZERS,
 )
+from kwng.experiments.cifar.metrics import UpdateShare
 from kwng.experiments.cifar.nets import (
     NETWORKS,
     ConditionedNetwork,
@@ -240,3 +243,37 @@ def make_step(
         return KFACStep(model, optimizer, pc)
     pc = _kwng_preconditioner(cfg, model, optimizer)
     return KWNGStep(model, optimizer, pc, cfg.spec["estimator_input"])
+
+
+# ------------------------------------------------------------------------ one step
+def autocast_for(device: torch.device, precision: str):
+    """The forward's autocast context: bf16 without a weight-cast cache (a CUDA graph
+    would replay freed memory), or none for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+    return contextlib.nullcontext()
+
+
+def train_step(
+    method: MethodStep,
+    model: nn.Module,
+    z: torch.Tensor,
+    yb: torch.Tensor,
+    share: UpdateShare | None = None,
+    precision: str = "fp32",
+) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
+    """One training step of any method: forward (in ``precision``), then
+    ``method.step`` (direction clipped to
+    :data:`~kwng.experiments.cifar.methods.CLIP_NORM`, ``optimizer.step()``). Returns
+    ``(loss, outputs, info, last-layer share)``; the share is measured around the
+    whole update (the direction leaves the parameters unchanged). Never waits for the
+    device, so a CUDA graph can record it."""
+    method.optimizer.zero_grad(set_to_none=True)
+    with autocast_for(z.device, precision):
+        h, outputs = model.forward_both(z)
+        loss = F.cross_entropy(outputs.float(), yb)
+    if share is not None:
+        share.before()
+    info = method.step(loss, outputs, hidden=h, batch=(z, yb))
+    frac = share.after() if share is not None else None
+    return loss, outputs, info, frac

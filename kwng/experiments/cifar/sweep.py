@@ -34,9 +34,13 @@ from kwng.experiments.cifar.runtime import (
     run_dir_for,
     run_identity_of,
     sync,
+)
+from kwng.experiments.cifar.steps import (
+    build_model,
+    build_optimizer,
+    make_step,
     train_step,
 )
-from kwng.experiments.cifar.steps import build_model, build_optimizer, make_step
 from kwng.experiments.cifar.train import run
 from kwng.experiments.provenance import (
     ResultFileError,
@@ -267,7 +271,7 @@ def timing(methods: Iterable[str], dataset: str, conditioning: str, steps: int,
            model_name: str = "resnet18") -> dict:
     """Seconds per training step of each method alone on ``device`` (random inputs,
     batch of the method): the step of the runner
-    (:func:`kwng.experiments.cifar.train.train_step`, with the last-layer share), not
+    (:func:`kwng.experiments.cifar.steps.train_step`, with the last-layer share), not
     timing evaluation. Writes ``out`` with provenance."""
     dev = device_for(device)
     fast_cuda(dev)

@@ -5,15 +5,13 @@
 (or to ``stop_after_epoch`` / ``max_steps`` / ``deadline``), resuming exactly from its
 checkpoint; every method takes its step through
 :class:`~kwng.experiments.cifar.steps.MethodStep`
-(:func:`~kwng.experiments.cifar.runtime.train_step`).
+(:func:`~kwng.experiments.cifar.steps.train_step`).
 
 The same loop serves one process and ``world_size`` processes under torchrun
 (:mod:`kwng.experiments.cifar.ddp`): every rank draws the same global batch of
-``world_size × batch`` images from one data generator and trains on its slice, KWNG is
-:class:`kwng.engine.distributed.DistributedKWNG` (every rank gets the direction of the
-global batch), the epoch's training sums are summed over the ranks, rank 0's batch-norm
-statistics are copied to every rank before the evaluation, and rank 0 alone decides
-whether to start, resume or skip and writes the record and the checkpoint.
+``world_size × batch`` images and trains on its slice (KWNG: ``DistributedKWNG``); the
+training sums are summed over the ranks, rank 0's batch-norm statistics are copied to
+every rank before the evaluation; rank 0 alone decides and writes.
 """
 
 from __future__ import annotations
@@ -50,9 +48,13 @@ from kwng.experiments.cifar.runtime import (
     split_data,
     sync,
     test_arrays,
+)
+from kwng.experiments.cifar.steps import (
+    build_model,
+    build_optimizer,
+    make_step,
     train_step,
 )
-from kwng.experiments.cifar.steps import build_model, build_optimizer, make_step
 from kwng.experiments.provenance import atomic_write_json, write_provenance
 
 log = logging.getLogger(__name__)
