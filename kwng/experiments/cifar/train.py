@@ -290,18 +290,9 @@ class Run:
         (:func:`kwng.engine.distributed.replica_spread`, 0 when they agree)."""
         if self.world == 1:
             return None
-        import torch.distributed as dist
-
         from kwng.engine.distributed import replica_spread
 
-        st = self.stats
-        sums = torch.stack([st.loss_sum, st.correct.double(),
-                            torch.tensor(float(st.seen), dtype=torch.float64,
-                                         device=self.device)])
-        dist.all_reduce(sums)
-        st.loss_sum.copy_(sums[0])
-        st.correct.copy_(sums[1].long())
-        st.seen = int(sums[2])
+        self.stats.sum_over_ranks()
         if self.method.precond is not None:
             self.method.precond.broadcast_buffers()
         spread = replica_spread(self.model)
