@@ -149,7 +149,6 @@ def download_official(root: str | os.PathLike, dataset: str) -> Path:
     """Download (and extract) the official archive through torchvision into ``root``.
 
     Needs torchvision and internet access; raises ``RuntimeError`` otherwise (never silently skipped).
-    ``dataset`` is one of :data:`DATASETS` (checked by :func:`load_cifar`, its caller).
     """
     try:
         import torchvision.datasets as tvd
