@@ -18,6 +18,7 @@ from kwng.experiments.cifar import (
     train,
 )
 from kwng.experiments.cifar import data as kdata
+from kwng.experiments.cifar.config import SMALL_RUN, RunConfig
 
 
 def _fake(n: int, classes: int, seed: int = 0):
@@ -568,13 +569,13 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     from kwng.experiments.cifar.metrics import EpochStats
     from kwng.experiments.cifar.steps import KWNGStep
 
-    cfg = methods.RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
+    cfg = RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
     torch.manual_seed(0)
-    model = methods.build_model(cfg)
+    model = steps.build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = _SameBatchProbe()
     z, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    loss, out, info, _ = runtime.train_step(KWNGStep(model, opt, probe), model, z, y)
+    loss, out, info, _ = steps.train_step(KWNGStep(model, opt, probe), model, z, y)
     stats_after_step = bn_state(model)
     assert len(probe.seen) == 1
     for k, v in bn_state(model).items():
@@ -647,10 +648,10 @@ def test_every_method_behind_one_step(method, family):
     if family == "KFACStep":
         pytest.importorskip("nngeometry")
     lr = 0.01 if method == "adam" else 0.05
-    cfg = methods.RunConfig(method=method, model="tiny", lr=lr, device="cpu")
+    cfg = RunConfig(method=method, model="tiny", lr=lr, device="cpu")
     torch.manual_seed(0)
-    model = methods.build_model(cfg)
-    step = steps.make_step(cfg, model, methods.build_optimizer(cfg, model, lr), torch.device("cpu"))
+    model = steps.build_model(cfg)
+    step = steps.make_step(cfg, model, steps.build_optimizer(cfg, model, lr), torch.device("cpu"))
     assert type(step).__name__ == family
     z, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
     before = [p.detach().clone() for p in model.parameters()]
@@ -658,7 +659,7 @@ def test_every_method_behind_one_step(method, family):
     step.direction(torch.nn.functional.cross_entropy(out, y), out, h, (z, y))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     share = UpdateShare(model)
-    losses = [float(runtime.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
+    losses = [float(steps.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
     assert losses[-1] < losses[0]
 
 
@@ -672,12 +673,13 @@ def test_scale_selects_the_small_run_settings(monkeypatch):
 
     monkeypatch.setenv("KWNG_SCALE", "small")
     small = cfg()
-    assert {k: small[k] for k in cifar.SMALL_RUN} == cifar.SMALL_RUN
-    assert cfg("--data-root", "/x")["source"] == "auto"
-    assert cfg("--model", "resnet18", "--epochs", "5")["model"] == "resnet18"
+    assert {k: getattr(small, k) for k in SMALL_RUN} == SMALL_RUN
+    assert small == RunConfig.small()
+    assert cfg("--data-root", "/x").source == "auto"
+    assert cfg("--model", "resnet18", "--epochs", "5").model == "resnet18"
     monkeypatch.setenv("KWNG_SCALE", "full")
     full = cfg()
-    assert (full["model"], full["source"], full["epochs"], full["out"]) == (
+    assert (full.model, full.source, full.epochs, full.out) == (
         "resnet18", "auto", 30, str(methods.RESULTS))
 
 

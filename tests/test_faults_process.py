@@ -18,7 +18,7 @@ import pytest
 
 from kwng.experiments.cifar import cli as cifar
 from kwng.experiments.cifar import runtime, sweep
-from kwng.experiments.cifar.methods import RunConfig
+from kwng.experiments.cifar.config import RunConfig
 from kwng.experiments.run_lock import RunLockedError, run_lock
 
 ROOT = Path(__file__).resolve().parent.parent

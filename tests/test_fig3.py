@@ -228,7 +228,7 @@ def test_two_workers_of_a_session_never_share_a_finished_run(tmp_path, monkeypat
     finished is claimed (and re-checked) by one worker only, and the others pass it
     by without touching its lock (the queue logged a false failure before)."""
     from kwng.experiments.cifar import sweep
-    from kwng.experiments.cifar.methods import RunConfig
+    from kwng.experiments.cifar.config import RunConfig
     from kwng.experiments.cifar.runtime import checkpoint_path_for
     from kwng.experiments.run_lock import run_lock
 
@@ -237,7 +237,7 @@ def test_two_workers_of_a_session_never_share_a_finished_run(tmp_path, monkeypat
            "lr": 0.1, "device": "cpu", "method": "sgd", "train_subset": 200,
            "checkpoint_dir": "ck", "out": "res"}
     assert sweep.worker([job], "s1", None) == []  # worker A trains it
-    cfg = RunConfig(**job)
+    cfg = RunConfig.from_dict(job)
     # worker B, same session, while a third process holds the run's lock
     with run_lock(checkpoint_path_for(cfg).parent / "run.lock", "other"):
         assert sweep.worker([job], "s1", None) == []

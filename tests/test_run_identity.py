@@ -17,7 +17,7 @@ import pytest
 
 from kwng.experiments import guard
 from kwng.experiments.cifar import runtime, train
-from kwng.experiments.cifar.methods import RunConfig
+from kwng.experiments.cifar.config import SETTINGS, RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,10 +115,11 @@ def test_every_committed_record_matches_its_own_configuration():
     for mp in paths:
         rec = json.loads(mp.read_text())
         stored = guard.record_identity(rec, mp)
-        c = {k: v for k, v in rec["config"].items() if k in RunConfig.DEFAULTS}
+        c = {k: v for k, v in rec["config"].items() if k in SETTINGS}
         c.setdefault("schedule", "study6")  # the 6-epoch study predates the key
         cfg = RunConfig(**c)
-        fresh = guard.run_identity(cfg, rec["lr"], rec.get("batch_size", cfg.batch),
+        fresh = guard.run_identity(cfg.to_dict(), rec["lr"],
+                                   rec.get("batch_size", cfg.batch),
                                    rec.get("method_spec", cfg.spec), None)
         stored.pop("data", None)
         assert guard.diff_keys(stored, fresh) == [], mp

@@ -210,6 +210,7 @@ IDENTITY_DEFAULTS = {
     "capture": False,
     "eval_test": False,
     "early_stop": None,
+    "world_size": 1,
 }
 
 

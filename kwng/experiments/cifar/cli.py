@@ -36,11 +36,12 @@ Commands (``python -m kwng.experiments cifar ...``):
   ``provenance.json``. Per epoch: training loss/accuracy, test loss/accuracy, per-class
   test accuracy, last-layer row norms, the mean share of each update's squared norm on
   the last layer, and for KWNG the epoch mean and last value of the preconditioner's
-  diagnostics (``INFO_KEYS``). With ``KWNG_SCALE=small`` (the default, see
-  :mod:`kwng.config`) the settings not given on the command line are the small ones
-  (:data:`SMALL_RUN`: the tiny network on the committed sample, 2 epochs, results under
-  ``scratch/``); ``KWNG_SCALE=full`` gives the study's (ResNet-18, the full data set, 30
-  epochs, ``results/cifar``).
+  diagnostics (``INFO_KEYS``). The options are the fields of
+  :class:`~kwng.experiments.cifar.config.RunConfig`. With ``KWNG_SCALE=small`` (the
+  default, see :mod:`kwng.config`) the settings not given on the command line are the
+  small ones (:meth:`~kwng.experiments.cifar.config.RunConfig.small`: the tiny network
+  on the committed sample, 2 epochs, results under ``scratch/``); ``KWNG_SCALE=full``
+  gives the study's (ResNet-18, the full data set, 30 epochs, ``results/cifar``).
 * ``cifar sweep --plan claim_select|claim|select|main|<file.json> --gpus N
   --procs-per-gpu P [--deadline-s S]`` — runs the plan in ``N × P`` worker processes,
   one run per worker first (assigned so that the GPUs get similar loads), then any
@@ -70,18 +71,9 @@ from typing import Any
 from kwng import config
 from kwng.experiments import guard
 from kwng.experiments.cifar.commands import COMMANDS
+from kwng.experiments.cifar.config import SETTINGS, RunConfig, add_run_options
 from kwng.experiments.cifar.data import DATASETS
-from kwng.experiments.cifar.methods import (
-    CHECKPOINTS,
-    CLAIM,
-    CONDITIONINGS,
-    METHODS,
-    PRECISIONS,
-    RESULTS,
-    SCHEDULES,
-    RunConfig,
-)
-from kwng.experiments.cifar.nets import NETWORKS
+from kwng.experiments.cifar.methods import CHECKPOINTS, CLAIM, RESULTS
 from kwng.experiments.cifar.plans import PLAN_NAMES, build_plan
 from kwng.experiments.cifar.sweep import (
     run_lock_for,
@@ -94,22 +86,14 @@ from kwng.experiments.cifar.train import (
 from kwng.experiments.cli_checks import (
     device_problem,
     int_arg,
-    lr_arg,
     number_arg,
     path_problem,
 )
 from kwng.experiments.provenance import ResultFileError, read_json
 
-__all__ = ["main", "SMALL_RUN", "run_config_from_args"]
+__all__ = ["main", "run_config_from_args"]
 
 log = logging.getLogger(__name__)
-
-#: the single run's settings at ``KWNG_SCALE=small`` when the command line does not give
-#: them (``source`` only when ``--data-root`` is not given either); ``full`` keeps the
-#: study's defaults
-SMALL_RUN = {"model": "tiny", "source": "sample", "epochs": 2,
-             "out": str(Path("scratch") / "cifar")}
-_FULL_RUN = {"model": "resnet18", "source": "auto", "epochs": 30, "out": str(RESULTS)}
 
 
 # ----------------------------------------------------------------------------- one run
@@ -117,65 +101,22 @@ def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kwng.experiments cifar",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = p.add_argument
-    add("--dataset", default="cifar10", choices=DATASETS)
-    add("--conditioning", default="ill", choices=CONDITIONINGS)
-    add("--method", default="kwng", choices=list(METHODS))
-    add("--seed", type=int_arg(0), default=0)
-    add("--epochs", type=int_arg(1), default=None,
-        help="default: 30 (full scale), 2 (small)")
-    add("--lr", default="selected", type=lr_arg,
-        help="a step size or 'selected' (`cifar select`)")
-    add("--schedule", default="claim", choices=SCHEDULES)
-    add("--capture", action="store_true", help="replay the training step from a CUDA "
-        "graph (CUDA only; KFAC/EKFAC run eagerly)")
-    add("--precision", default="fp32", choices=PRECISIONS,
-        help="the network's forward/backward: fp32 (TF32 on CUDA) or bf16 autocast")
-    add("--channels-last", action="store_true", help="the network in channels_last")
-    add("--eval-test", action="store_true", help="with --val-size: evaluate the test "
-        "set too after every epoch (val_* and test_* fields)")
-    add("--early-stop", default=None, choices=("fig3",),
-        help="the early-stop rule (kwng.experiments.cifar.early_stop; needs "
-             "--val-size)")
-    add("--data-root", default=None)
-    add("--source", default=None, choices=("auto", "official", "jpeg", "sample"),
-        help="default: auto (full scale, or with --data-root), sample (small)")
-    add("--download", action="store_true",
-        help="download the official archive via torchvision")
-    add("--device", default=None)
-    add("--out", default=None, help=f"default: {RESULTS} (full scale), "
-        f"{SMALL_RUN['out']} (small)")
-    add("--checkpoint-dir", default=str(CHECKPOINTS))
-    add("--train-subset", type=int_arg(1), default=None)
-    add("--val-size", type=int_arg(0), default=0)
-    add("--max-steps", type=int_arg(1), default=None)
-    add("--model", default=None, choices=tuple(NETWORKS),
-        help="default: resnet18 (full scale), tiny (small)")
-    add("--batch-size", type=int_arg(1), default=None)
-    add("--stop-after-epoch", type=int_arg(1), default=None,
-        help="stop (checkpointed) after this epoch")
-    add("--selection-file", default=None)
-    add("--force", action="store_true", help="if the run directory holds results of "
-        "another configuration (or a record without its checkpoint), move them to a "
-        "dated backup")
-    add("--no-progress", action="store_true")
+    add_run_options(p)
+    p.add_argument("--force", action="store_true", help="if the run directory holds "
+                   "results of another configuration (or a record without its "
+                   "checkpoint), move them to a dated backup")
+    p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def run_config_from_args(a: argparse.Namespace) -> RunConfig:
-    """The :class:`RunConfig` of a parsed single-run command line: the settings it does
-    not give come from the scale (:data:`SMALL_RUN` at ``KWNG_SCALE=small``)."""
-    scaled = dict(SMALL_RUN if config.scale() == "small" else _FULL_RUN)
-    if a.data_root is not None:
-        scaled["source"] = "auto"
-    keys = ("dataset", "conditioning", "method", "seed", "epochs", "lr", "data_root",
-            "source", "device", "out", "checkpoint_dir", "train_subset", "val_size",
-            "max_steps", "model", "batch_size", "stop_after_epoch", "selection_file",
-            "download", "schedule", "capture", "precision", "channels_last",
-            "eval_test", "early_stop")
-    given = {k: getattr(a, k) for k in keys}
-    return RunConfig(**{k: scaled[k] if v is None and k in scaled else v
-                        for k, v in given.items()})
+    """The :class:`~kwng.experiments.cifar.config.RunConfig` of a parsed single-run
+    command line: the settings it does not give come from the scale's preset
+    (:meth:`~kwng.experiments.cifar.config.RunConfig.small` at ``KWNG_SCALE=small``)."""
+    given = {k: v for k, v in vars(a).items()
+             if k in SETTINGS and v is not None and v is not False}
+    preset = RunConfig.small if config.scale() == "small" else RunConfig.full
+    return preset(**given)
 
 
 def _main_run(rest: list[str]) -> int:
@@ -188,11 +129,12 @@ def _main_run(rest: list[str]) -> int:
         cfg = run_config_from_args(a)
     except ValueError as exc:
         p.error(str(exc))
-    log.info("configuration (KWNG_SCALE=%s): %s", config.scale(), json.dumps(dict(cfg)))
+    log.info("configuration (KWNG_SCALE=%s): %s", config.scale(),
+             json.dumps(cfg.to_dict()))
     if a.data_root is not None and config.scale() == "small" and a.model is None:
         log.warning("KWNG_SCALE=small: --data-root trains the small model %r on the "
                     "data at %s (KWNG_SCALE=full or --model resnet18: the study's "
-                    "network)", cfg["model"], a.data_root)
+                    "network)", cfg.model, a.data_root)
     try:
         with run_lock_for(cfg):
             rec = run(cfg, progress=not a.no_progress, force=a.force)
@@ -210,9 +152,9 @@ def _overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for it in items:
         key, sep, val = it.partition("=")
-        if not sep or key not in RunConfig.DEFAULTS:
+        if not sep or key not in SETTINGS:
             raise ValueError(f"--set takes KEY=VALUE with KEY one of "
-                             f"{sorted(RunConfig.DEFAULTS)}, got {it!r}")
+                             f"{sorted(SETTINGS)}, got {it!r}")
         try:
             out[key] = json.loads(val)
         except json.JSONDecodeError:
@@ -249,17 +191,12 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--procs-per-gpu", type=int_arg(1), default=4)
     add("--deadline-s", type=number_arg(0), default=None,
         help="stop starting/continuing runs after this")
-    add("--deadline", type=number_arg(0), default=None)
     add("--start-by-s", type=number_arg(0), default=None,
         help="start no run after this many seconds (a run begun later could not "
              "finish before the machine goes back)")
-    add("--start-by", type=number_arg(0), default=None, help=argparse.SUPPRESS)
     add("--finish-by-s", type=number_arg(0), default=None,
         help="start no run whose estimated duration (a plan's est_s) would end it "
              "after this many seconds")
-    add("--finish-by", type=number_arg(0), default=None, help=argparse.SUPPRESS)
-    add("--session", default=None)
-    add("--offset", type=int_arg(0), default=0)
     add("--select-steps", type=int_arg(1), default=120)
     add("--select-epochs", type=int_arg(1), default=2,
         help="claim_select: epochs of each run")
@@ -274,6 +211,18 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a run setting in every run of the plan (e.g. model=tiny for a "
              "CPU smoke test); VALUE is read as JSON if it parses, else as a string")
+
+
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    """A sweep's worker process (started by the sweep, never by hand): its plan file,
+    session, slot and the sweep's limits as Unix times."""
+    add = p.add_argument
+    add("--plan", required=True, help="the sweep's plan file")
+    add("--session", default=None)
+    add("--offset", type=int_arg(0), default=0)
+    add("--deadline", type=number_arg(0), default=None)
+    add("--start-by", type=number_arg(0), default=None)
+    add("--finish-by", type=number_arg(0), default=None)
 
 
 def _main_worker(a: argparse.Namespace) -> int:
@@ -339,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m kwng.experiments cifar {sub}")
     try:  # a refusal (other configuration, unreadable or missing file): rc 2, named
         if sub in ("sweep", "worker"):
-            _sweep_arguments(p)
+            (_worker_arguments if sub == "worker" else _sweep_arguments)(p)
             a = p.parse_args(rest)
             return _main_worker(a) if sub == "worker" else _main_sweep(a)
         p.add_argument("--force", action="store_true", help="replace a different "

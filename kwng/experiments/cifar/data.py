@@ -40,7 +40,7 @@ from kwng.experiments.cifar.augment import (
 )
 from kwng.experiments.cifar.jpeg import _check_labels, _decode_jpegs, _npz_split
 
-__all__ = ["DATASETS", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH",
+__all__ = ["DATASETS", "SOURCES", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH",
            "read_official_cifar", "write_official_cifar", "load_jpeg_npz",
            "load_sample", "download_official", "find_source", "file_fingerprint",
            "source_fingerprint", "load_cifar", "GPUAugmentedData"]
@@ -48,6 +48,8 @@ __all__ = ["DATASETS", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH",
 log = logging.getLogger(__name__)
 
 DATASETS = ("cifar10", "cifar100")
+#: where the images come from (:func:`load_cifar`)
+SOURCES = ("auto", "official", "jpeg", "sample")
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 # Per-channel statistics of the official training sets on the [0, 1] scale (the usual constants).
 CIFAR_MEAN = {"cifar10": (0.4914, 0.4822, 0.4465), "cifar100": (0.5071, 0.4865, 0.4409)}
@@ -80,8 +82,8 @@ def read_official_cifar(directory: str | os.PathLike, dataset: str, split: str) 
 
     ``directory`` is the extracted folder (``cifar-10-batches-py`` or ``cifar-100-python``) or its parent.
     CIFAR-100 uses the fine labels. Returns ``(x, y)``: ``uint8 (N, 32, 32, 3)`` and ``int64 (N,)``.
+    ``dataset`` is one of :data:`DATASETS` (:func:`load_cifar` checks it).
     """
-    check_choice(dataset, "dataset", DATASETS)
     check_choice(split, "split", ("train", "test"))
     directory = Path(directory)
     if (directory / _OFFICIAL_DIR[dataset]).is_dir():
@@ -147,7 +149,6 @@ def download_official(root: str | os.PathLike, dataset: str) -> Path:
 
     Needs torchvision and internet access; raises ``RuntimeError`` otherwise (never silently skipped).
     """
-    check_choice(dataset, "dataset", DATASETS)
     try:
         import torchvision.datasets as tvd
     except ImportError as exc:
@@ -185,7 +186,7 @@ def source_fingerprint(dataset: str, data_root: str | os.PathLike | None = None,
     the content hash of the npz or of the official files (not their paths). Raises as
     :func:`find_source` when there is no data."""
     check_choice(dataset, "dataset", DATASETS)
-    check_choice(source, "source", ("auto", "official", "jpeg", "sample"))
+    check_choice(source, "source", SOURCES)
     if source == "sample":
         return f"sample:{file_fingerprint(SAMPLE_PATH)}"
     kind, where = find_source(dataset, data_root)
@@ -290,9 +291,9 @@ def find_source(dataset: str, data_root: str | os.PathLike | None = None) -> tup
     exist or holds no data for ``dataset`` that is an error, never a silent fall-back to other
     folders. Without it: ``$KWNG_DATA``, ``<repo>/.data``, ``<repo>/../shared/data`` and
     ``~/.cache/kwng``. Official archives are preferred to the JPEG copy.
-    Raises ``FileNotFoundError`` listing the places searched.
+    Raises ``FileNotFoundError`` listing the places searched. ``dataset`` is one of
+    :data:`DATASETS` (:func:`load_cifar` and :func:`source_fingerprint` check it).
     """
-    check_choice(dataset, "dataset", DATASETS)
     if data_root is not None and not Path(data_root).exists():
         raise FileNotFoundError(f"data_root {str(data_root)!r} does not exist (check --data-root)")
     roots = [Path(data_root)] if data_root is not None else _default_roots()
@@ -318,7 +319,7 @@ def load_cifar(dataset: str, split: str, data_root: str | os.PathLike | None = N
     """
     check_choice(dataset, "dataset", DATASETS)
     check_choice(split, "split", ("train", "test"))
-    check_choice(source, "source", ("auto", "official", "jpeg", "sample"))
+    check_choice(source, "source", SOURCES)
     if source == "sample":
         if dataset != "cifar10":
             raise ValueError(f"source='sample' exists for dataset='cifar10' only, got dataset={dataset!r}")

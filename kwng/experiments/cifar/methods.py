@@ -1,11 +1,10 @@
-"""The CIFAR study's methods and run settings (book chapter :ref:`experiments-cifar`).
+"""The CIFAR study's methods and their settings (book chapter :ref:`experiments-cifar`).
 
 The method table (:data:`METHODS`, validated against :data:`OPTIMIZERS` and
-:data:`PRECONDITIONERS` whenever a :class:`RunConfig` is built), the plans' method
-lists, the step-size grid and schedules, the authors' ε (converted by
-:func:`kwng.engine.config.eps_from_authors`), the configuration of one run
-(:class:`RunConfig`) and the construction of each method's model and optimizer. Each
-method's step is built by :mod:`kwng.experiments.cifar.steps`.
+:data:`PRECONDITIONERS` whenever a :class:`~kwng.experiments.cifar.config.RunConfig` is
+built), the plans' method lists, the step-size grid and schedules, the authors' ε
+(converted by :func:`kwng.engine.config.eps_from_authors`) and the optimizers. Each
+method's model, optimizer and step are built by :mod:`kwng.experiments.cifar.steps`.
 """
 
 from __future__ import annotations
@@ -18,17 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kwng.experiments.cifar.data import DATASETS, NUM_CLASSES
-from kwng.experiments.cifar.nets import (
-    NETWORKS,
-    ConditionedNetwork,
-    DiagonalConditioning,
-)
-
 CONDITIONINGS = ("well", "ill")
 #: the step sizes the selection runs try, as in the paper
 LR_GRID = (10.0, 1.0, 0.1, 0.01, 0.001, 0.0001)
-#: ``max U / min U`` of the ill-conditioned network (:class:`DiagonalConditioning`)
+#: ``max U / min U`` of the ill-conditioned network
+#: (:class:`~kwng.experiments.cifar.nets.DiagonalConditioning`)
 CONDITION_NUMBER = 1e7
 #: every method's update is clipped to this norm
 CLIP_NORM = 1.0
@@ -231,72 +224,6 @@ AUTHORS100_SETTINGS = {"schedule": "authors", "precision": "bf16",
                        "channels_last": True, "capture": True}
 
 
-class RunConfig(dict):
-    """The configuration of one run (a plain dict with defaults and validation)."""
-
-    DEFAULTS: dict[str, Any] = {
-        "dataset": "cifar10", "conditioning": "ill", "method": "kwng", "seed": 0,
-        "epochs": 6, "lr": "selected", "data_root": None, "source": "auto",
-        "device": None, "out": str(RESULTS), "checkpoint_dir": str(CHECKPOINTS),
-        "train_subset": None, "val_size": 0, "max_steps": None, "model": "resnet18",
-        "batch_size": None, "eval_batch_size": 1000, "stop_after_epoch": None,
-        "deadline": None, "selection_file": None, "download": False,
-        "schedule": "claim", "capture": False, "precision": "fp32",
-        "channels_last": False, "eval_test": False, "early_stop": None,
-        "protocol": None,
-    }
-    _CHOICES = (("dataset", DATASETS), ("conditioning", CONDITIONINGS),
-                ("method", METHODS.keys()), ("schedule", SCHEDULES),
-                ("model", tuple(NETWORKS)),
-                ("precision", PRECISIONS))
-
-    def __init__(self, **kwargs: Any) -> None:
-        unknown = set(kwargs) - set(self.DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown run settings {sorted(unknown)}; "
-                             f"accepted: {sorted(self.DEFAULTS)}")
-        super().__init__({**self.DEFAULTS, **kwargs})
-        for k, choices in self._CHOICES:
-            if self[k] not in choices:
-                raise ValueError(f"{k} must be one of {choices}, got {self[k]!r}")
-        for k, lo in (("seed", 0), ("epochs", 1), ("eval_batch_size", 1),
-                      ("val_size", 0)):
-            if not isinstance(self[k], int) or self[k] < lo:
-                raise ValueError(f"{k} must be an integer >= {lo}, got {self[k]!r}")
-        for k in ("train_subset", "max_steps", "batch_size", "stop_after_epoch"):
-            if self[k] is not None and (not isinstance(self[k], int) or self[k] < 1):
-                raise ValueError(f"{k} must be None or an integer >= 1, "
-                                 f"got {self[k]!r}")
-        if self["early_stop"] not in EARLY_STOP_RULES:
-            raise ValueError(f"early_stop must be one of {EARLY_STOP_RULES}, "
-                             f"got {self['early_stop']!r}")
-        if self["early_stop"] is not None and not self["val_size"]:
-            raise ValueError("early_stop needs val_size > 0: the rule reads the "
-                             "validation accuracy, never the test set's")
-        if self["eval_test"] is True and not self["val_size"]:
-            raise ValueError("eval_test=True needs val_size > 0 (without a validation "
-                             "split the evaluation set is already the test set)")
-        for k in ("capture", "channels_last", "eval_test"):
-            if not isinstance(self[k], bool):
-                raise ValueError(f"{k} must be True or False, got {self[k]!r}")
-        if self["lr"] != "selected":
-            lr = float(self["lr"])
-            if not (math.isfinite(lr) and lr > 0):
-                raise ValueError(f"lr must be a positive number or 'selected', "
-                                 f"got {self['lr']!r}")
-            self["lr"] = lr
-
-        check_method_spec(self["method"], self.spec)
-
-    @property
-    def spec(self) -> dict[str, Any]:
-        return METHODS[self["method"]].spec
-
-    @property
-    def batch(self) -> int:
-        return int(self["batch_size"] or self.spec.get("batch_size", BATCH_SIZE))
-
-
 def check_method_spec(name: str, spec: dict[str, Any]) -> None:
     """Raise if the method ``name``'s settings name an optimizer or a preconditioner
     that the study does not build (with the accepted names)."""
@@ -355,16 +282,6 @@ def device_for(name: str | None) -> torch.device:
     return torch.device(name)
 
 
-def build_model(cfg: RunConfig) -> nn.Module:
-    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`):
-    ``U`` inside the network (the identity for ``well``)."""
-    k = NUM_CLASSES[cfg["dataset"]]
-    body = NETWORKS[cfg["model"]](k)
-    cond = (None if cfg["conditioning"] == "well"
-            else DiagonalConditioning(k, CONDITION_NUMBER))
-    return ConditionedNetwork(body, cond)
-
-
 def _sgd(model: nn.Module, lr: float, spec: dict) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=lr,
                            momentum=spec.get("momentum", 0.0),
@@ -383,9 +300,3 @@ def _adam(model: nn.Module, lr: float, spec: dict) -> torch.optim.Optimizer:
 OPTIMIZERS = {"sgd": _sgd, "adam": _adam}
 #: the preconditioners a method's ``"precond"`` names (absent: the optimizer alone)
 PRECONDITIONERS = ("kfac", "ekfac", "kwng")
-
-
-def build_optimizer(cfg: RunConfig, model: nn.Module,
-                    lr: float) -> torch.optim.Optimizer:
-    """The method's ``torch.optim`` optimizer, from :data:`OPTIMIZERS`."""
-    return OPTIMIZERS[cfg.spec["optimizer"]](model, lr, cfg.spec)

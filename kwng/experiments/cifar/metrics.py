@@ -167,6 +167,20 @@ class EpochStats:
             out[f"{k}_last"] = float(self.info_last[k])
         return out
 
+    def sum_over_ranks(self) -> None:
+        """Sum the training loss, the correct predictions and the examples seen over
+        the ranks of ``torch.distributed`` (each rank trained its slice of the global
+        batch); the other sums are the same on every rank."""
+        import torch.distributed as dist
+
+        sums = torch.stack([self.loss_sum, self.correct.double(),
+                            torch.tensor(float(self.seen), dtype=torch.float64,
+                                         device=self.device)])
+        dist.all_reduce(sums)
+        self.loss_sum.copy_(sums[0])
+        self.correct.copy_(sums[1].long())
+        self.seen = int(sums[2])
+
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in self._STATE}
 

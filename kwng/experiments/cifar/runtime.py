@@ -1,10 +1,10 @@
 """What one CIFAR run needs around its training loop: where its record and checkpoint
 live, its step size and identity, its data split, the RNG states of an exact resume, the
-device's fast settings and precision, and one training step."""
+device's fast settings, and the processes that train it together
+(:func:`process_group`, :func:`rank0_decides`)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -14,61 +14,51 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from kwng.experiments import guard
+from kwng.experiments.cifar.config import RunConfig
 from kwng.experiments.cifar.data import load_cifar
-from kwng.experiments.cifar.methods import (
-    SELECTION,
-    RunConfig,
-)
-from kwng.experiments.cifar.metrics import UpdateShare
-from kwng.experiments.cifar.steps import MethodStep
-from kwng.experiments.provenance import read_json
+from kwng.experiments.cifar.methods import SELECTION
+from kwng.experiments.provenance import ResultFileError, read_json
 
 log = logging.getLogger(__name__)
 
 
-def as_config(cfg: dict) -> RunConfig:
-    return cfg if isinstance(cfg, RunConfig) else RunConfig(**cfg)
-
-
-def run_dir_for(cfg: dict) -> Path:
+def run_dir_for(cfg: RunConfig | dict) -> Path:
     """``<out>/<dataset>/<conditioning>/<method>/seed<k>``: where a run writes."""
-    cfg = as_config(cfg)
+    cfg = RunConfig.of(cfg)
     return (
-        Path(cfg["out"])
-        / cfg["dataset"]
-        / cfg["conditioning"]
-        / cfg["method"]
-        / f"seed{cfg['seed']}"
+        Path(cfg.out)
+        / cfg.dataset
+        / cfg.conditioning
+        / cfg.method
+        / f"seed{cfg.seed}"
     )
 
 
-def checkpoint_path_for(cfg: dict) -> Path:
+def checkpoint_path_for(cfg: RunConfig | dict) -> Path:
     """The run's checkpoint, under ``checkpoint_dir`` (an absolute run directory is
     hashed)."""
-    cfg = as_config(cfg)
+    cfg = RunConfig.of(cfg)
     rd = run_dir_for(cfg)
     if rd.is_absolute():
         rd = Path("abs") / hashlib.sha1(str(rd).encode()).hexdigest()[:16]
-    return Path(cfg["checkpoint_dir"]) / rd / "checkpoint.pt"
+    return Path(cfg.checkpoint_dir) / rd / "checkpoint.pt"
 
 
 def resolve_lr(cfg: RunConfig) -> float:
     """The step size: a number, or the one chosen by ``select`` for the method (or its
     ``lr_from``)."""
-    if cfg["lr"] != "selected":
-        return float(cfg["lr"])
-    path = Path(cfg["selection_file"] or SELECTION / "selected.json")
+    if cfg.lr != "selected":
+        return float(cfg.lr)
+    path = Path(cfg.selection_file or SELECTION / "selected.json")
     if not path.is_file():
         raise FileNotFoundError(
             f"lr='selected' needs {path} (run `cifar select` first) or pass --lr"
         )
     table = read_json(path)["selected"]
-    base = cfg.spec.get("lr_from", cfg["method"])
-    key = f"{cfg['dataset']}/{cfg['conditioning']}/{base}"
+    base = cfg.spec.get("lr_from", cfg.method)
+    key = f"{cfg.dataset}/{cfg.conditioning}/{base}"
     if key not in table:
         raise KeyError(f"no selected step size for {key} in {path}")
     return float(table[key]["lr"])
@@ -79,24 +69,24 @@ def split_data(cfg: RunConfig):
     evaluation set is held out of the training set (the test set is not looked at);
     ``train_subset`` keeps that many."""
     x, y = load_cifar(
-        cfg["dataset"], "train", cfg["data_root"], cfg["source"], cfg["download"]
+        cfg.dataset, "train", cfg.data_root, cfg.source, cfg.download
     )
-    if cfg["val_size"] and cfg["val_size"] >= len(x):
+    if cfg.val_size and cfg.val_size >= len(x):
         raise ValueError(
             f"val_size must be smaller than the training set ({len(x)} "
-            f"images), got {cfg['val_size']}: nothing left to train on"
+            f"images), got {cfg.val_size}: nothing left to train on"
         )
-    if cfg["val_size"]:
+    if cfg.val_size:
         perm = np.random.default_rng(12345).permutation(len(x))
-        val, rest = perm[: cfg["val_size"]], perm[cfg["val_size"] :]
-        if cfg["train_subset"]:
-            rest = rest[: cfg["train_subset"]]
+        val, rest = perm[: cfg.val_size], perm[cfg.val_size :]
+        if cfg.train_subset:
+            rest = rest[: cfg.train_subset]
         return x[rest], y[rest], x[val], y[val]
-    if cfg["train_subset"]:
-        keep = np.random.default_rng(12345).permutation(len(x))[: cfg["train_subset"]]
+    if cfg.train_subset:
+        keep = np.random.default_rng(12345).permutation(len(x))[: cfg.train_subset]
         x, y = x[np.sort(keep)], y[np.sort(keep)]
     xt, yt = load_cifar(
-        cfg["dataset"], "test", cfg["data_root"], cfg["source"], cfg["download"]
+        cfg.dataset, "test", cfg.data_root, cfg.source, cfg.download
     )
     return x, y, xt, yt
 
@@ -104,8 +94,8 @@ def split_data(cfg: RunConfig):
 def test_arrays(cfg: RunConfig):
     """The test set's images and labels (evaluated beside the validation split when
     ``eval_test``)."""
-    return load_cifar(cfg["dataset"], "test", cfg["data_root"], cfg["source"],
-                      cfg["download"])
+    return load_cifar(cfg.dataset, "test", cfg.data_root, cfg.source,
+                      cfg.download)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -141,39 +131,6 @@ def fast_cuda(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def autocast_for(device: torch.device, precision: str):
-    """The forward's autocast context: bf16 without a weight-cast cache (a CUDA graph
-    would replay freed memory), or none for fp32."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
-    return contextlib.nullcontext()
-
-
-def train_step(
-    method: MethodStep,
-    model: nn.Module,
-    z: torch.Tensor,
-    yb: torch.Tensor,
-    share: UpdateShare | None = None,
-    precision: str = "fp32",
-) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
-    """One training step of any method: forward (in ``precision``), then
-    ``method.step`` (direction clipped to
-    :data:`~kwng.experiments.cifar.methods.CLIP_NORM`, ``optimizer.step()``). Returns
-    ``(loss, outputs, info, last-layer share)``; the share is measured around the
-    whole update (the direction leaves the parameters unchanged). Never waits for the
-    device, so a CUDA graph can record it."""
-    method.optimizer.zero_grad(set_to_none=True)
-    with autocast_for(z.device, precision):
-        h, outputs = model.forward_both(z)
-        loss = F.cross_entropy(outputs.float(), yb)
-    if share is not None:
-        share.before()
-    info = method.step(loss, outputs, hidden=h, batch=(z, yb))
-    frac = share.after() if share is not None else None
-    return loss, outputs, info, frac
-
-
 def save_checkpoint(path: Path, ck: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -193,9 +150,41 @@ def run_identity_of(cfg: RunConfig, lr: float) -> dict:
     from kwng.experiments.cifar.data import source_fingerprint
 
     try:
-        data = source_fingerprint(cfg["dataset"], cfg["data_root"], cfg["source"])
+        data = source_fingerprint(cfg.dataset, cfg.data_root, cfg.source)
     except FileNotFoundError:
-        if not cfg["download"]:
+        if not cfg.download:
             raise
         data = None  # fetched by this run; not compared
-    return guard.run_identity(cfg, lr, cfg.batch, cfg.spec, data)
+    return guard.run_identity(cfg.to_dict(), lr, cfg.batch, cfg.spec, data)
+
+
+def process_group() -> tuple[int, int]:
+    """This process's rank and the number of processes that train the run together:
+    from ``torch.distributed`` when its process group is initialised (torchrun), else
+    ``(0, 1)``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank0_decides(decide, world: int):
+    """``decide()`` on rank 0 (the one process that reads and writes the run's files),
+    its result on every rank; a refusal there raises the same error on every rank."""
+    if world == 1:
+        return decide()
+    import torch.distributed as dist
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (decide(), None)
+        except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError,
+                ValueError) as exc:
+            box[0] = (None, exc)
+    dist.broadcast_object_list(box, src=0)
+    result, error = box[0]
+    if error is not None:
+        raise error
+    return result

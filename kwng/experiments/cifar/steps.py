@@ -1,9 +1,12 @@
-"""The step protocol of the CIFAR study: every method takes its step through
-:class:`MethodStep` (``step(loss, outputs, hidden=..., batch=...)``), one adapter per
-family (a plain ``torch.optim`` step, KFAC/EKFAC, KWNG), built once by
+"""What a CIFAR run builds from its configuration: the model (:func:`build_model`),
+the optimizer (:func:`build_optimizer`) and the step protocol. Every method takes its
+step through :class:`MethodStep` (``step(loss, outputs, hidden=..., batch=...)``), one
+adapter per family (a plain ``torch.optim`` step, KFAC/EKFAC, KWNG), built once by
 :func:`make_step`; the training loop and ``cifar timing`` call it and nothing else."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -11,22 +14,49 @@ from torch import nn
 
 from kwng.engine.config import eps_from_authors
 from kwng.engine.lm import LMSchedule
+from kwng.experiments.cifar.config import RunConfig
+from kwng.experiments.cifar.data import NUM_CLASSES
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
+    CONDITION_NUMBER,
     EPS_AUTHORS,
     EPS_BOUNDS_AUTHORS,
-    RunConfig,
+    OPTIMIZERS,
+)
+from kwng.experiments.cifar.metrics import UpdateShare
+from kwng.experiments.cifar.nets import (
+    NETWORKS,
+    ConditionedNetwork,
+    DiagonalConditioning,
 )
 
 
+def build_model(cfg: RunConfig) -> nn.Module:
+    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`):
+    ``U`` inside the network (the identity for ``well``)."""
+    k = NUM_CLASSES[cfg.dataset]
+    body = NETWORKS[cfg.model](k)
+    cond = (None if cfg.conditioning == "well"
+            else DiagonalConditioning(k, CONDITION_NUMBER))
+    return ConditionedNetwork(body, cond)
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module,
+                    lr: float) -> torch.optim.Optimizer:
+    """The method's ``torch.optim`` optimizer, from
+    :data:`~kwng.experiments.cifar.methods.OPTIMIZERS`."""
+    return OPTIMIZERS[cfg.spec["optimizer"]](model, lr, cfg.spec)
+
+
 def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
+    """KWNG on one process, or :class:`kwng.engine.distributed.DistributedKWNG` when
+    ``world_size > 1`` (ε converted with the global batch)."""
     from kwng.engine.precond import KWNGPreconditioner
-    from kwng.experiments.cifar.nets import ConditionedNetwork
 
     spec = cfg.spec
     eps, bounds = 1e-5, {}
     if spec.get("eps_convention", "ours") == "authors":
-        n = cfg.batch
+        n = cfg.batch * cfg.world_size
         eps = eps_from_authors(EPS_AUTHORS, n)
         bounds = {"eps_min": eps_from_authors(EPS_BOUNDS_AUTHORS[0], n),
                   "eps_max": eps_from_authors(EPS_BOUNDS_AUTHORS[1], n)}
@@ -37,10 +67,15 @@ def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
     # __call__: the body h (ConditionedNetwork.forward_both calls it; U·h is then pulled
     # back to it, U has no parameters)
     net = model.body if isinstance(model, ConditionedNetwork) else model
-    return KWNGPreconditioner(
-        net, lr=lambda: optimizer.param_groups[0]["lr"], num_basis=spec["num_basis"],
-        eps=eps, kernel=spec["kernel"], damping=spec["damping"], eps_schedule=schedule,
-        clip_norm=CLIP_NORM, diagonal_only=spec["diagonal_only"])
+    settings = dict(lr=lambda: optimizer.param_groups[0]["lr"],
+                    num_basis=spec["num_basis"], eps=eps, kernel=spec["kernel"],
+                    damping=spec["damping"], eps_schedule=schedule, clip_norm=CLIP_NORM,
+                    diagonal_only=spec["diagonal_only"])
+    if cfg.world_size == 1:
+        return KWNGPreconditioner(net, **settings)
+    from kwng.engine.distributed import DistributedKWNG
+
+    return DistributedKWNG(net, batch_sizes=cfg.batch, **settings)
 
 
 # ------------------------------------------------------------------- the step protocol
@@ -208,3 +243,37 @@ def make_step(
         return KFACStep(model, optimizer, pc)
     pc = _kwng_preconditioner(cfg, model, optimizer)
     return KWNGStep(model, optimizer, pc, cfg.spec["estimator_input"])
+
+
+# ------------------------------------------------------------------------ one step
+def autocast_for(device: torch.device, precision: str):
+    """The forward's autocast context: bf16 without a weight-cast cache (a CUDA graph
+    would replay freed memory), or none for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+    return contextlib.nullcontext()
+
+
+def train_step(
+    method: MethodStep,
+    model: nn.Module,
+    z: torch.Tensor,
+    yb: torch.Tensor,
+    share: UpdateShare | None = None,
+    precision: str = "fp32",
+) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
+    """One training step of any method: forward (in ``precision``), then
+    ``method.step`` (direction clipped to
+    :data:`~kwng.experiments.cifar.methods.CLIP_NORM`, ``optimizer.step()``). Returns
+    ``(loss, outputs, info, last-layer share)``; the share is measured around the
+    whole update (the direction leaves the parameters unchanged). Never waits for the
+    device, so a CUDA graph can record it."""
+    method.optimizer.zero_grad(set_to_none=True)
+    with autocast_for(z.device, precision):
+        h, outputs = model.forward_both(z)
+        loss = F.cross_entropy(outputs.float(), yb)
+    if share is not None:
+        share.before()
+    info = method.step(loss, outputs, hidden=h, batch=(z, yb))
+    frac = share.after() if share is not None else None
+    return loss, outputs, info, frac

@@ -18,13 +18,11 @@ from pathlib import Path
 import torch
 
 from kwng.experiments import guard
+from kwng.experiments.cifar.config import RunConfig
 from kwng.experiments.cifar.data import NUM_CLASSES
 from kwng.experiments.cifar.methods import (
     BATCH_SIZE,
     METHODS,
-    RunConfig,
-    build_model,
-    build_optimizer,
     device_for,
 )
 from kwng.experiments.cifar.metrics import UpdateShare
@@ -36,9 +34,13 @@ from kwng.experiments.cifar.runtime import (
     run_dir_for,
     run_identity_of,
     sync,
+)
+from kwng.experiments.cifar.steps import (
+    build_model,
+    build_optimizer,
+    make_step,
     train_step,
 )
-from kwng.experiments.cifar.steps import make_step
 from kwng.experiments.cifar.train import run
 from kwng.experiments.provenance import (
     ResultFileError,
@@ -106,7 +108,7 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
         name = "/".join(str(job.get(k, "?"))
                         for k in ("dataset", "conditioning", "method", "seed"))
         try:
-            cfg = RunConfig(**{**job, "deadline": deadline})
+            cfg = RunConfig.from_dict({**job, "deadline": deadline})
             name = str(run_dir_for(cfg))
             # one worker of the session takes each run, finished or not: a finished
             # run is still checked against the job (its identity), by that worker
@@ -131,7 +133,7 @@ def is_complete(job: dict, force: bool = False) -> bool:
     (:func:`kwng.experiments.guard.check_existing_run`: another identity raises unless
     ``force`` moves the record to a backup). An unreadable or malformed record, or a run
     whose identity cannot be computed here, is not skipped: its worker reports it."""
-    cfg = RunConfig(**{k: v for k, v in job.items() if k not in JOB_META})
+    cfg = RunConfig.from_dict({k: v for k, v in job.items() if k not in JOB_META})
     rdir = run_dir_for(cfg)
     mp = rdir / "metrics.json"
     try:
@@ -269,7 +271,7 @@ def timing(methods: Iterable[str], dataset: str, conditioning: str, steps: int,
            model_name: str = "resnet18") -> dict:
     """Seconds per training step of each method alone on ``device`` (random inputs,
     batch of the method): the step of the runner
-    (:func:`kwng.experiments.cifar.train.train_step`, with the last-layer share), not
+    (:func:`kwng.experiments.cifar.steps.train_step`, with the last-layer share), not
     timing evaluation. Writes ``out`` with provenance."""
     dev = device_for(device)
     fast_cuda(dev)

@@ -24,7 +24,8 @@ from typing import Any, Sequence
 import torch
 
 from kwng.experiments import guard
-from kwng.experiments.cifar.methods import METHODS, RunConfig
+from kwng.experiments.cifar.config import RunConfig
+from kwng.experiments.cifar.methods import METHODS
 from kwng.experiments.cifar.runtime import sync
 from kwng.experiments.cifar.train import Run
 from kwng.experiments.provenance import make_provenance
@@ -34,12 +35,12 @@ __all__ = ["trainer_timing"]
 log = logging.getLogger(__name__)
 
 def _config(method: str, capture: bool, common: dict, **extra: Any) -> RunConfig:
-    return RunConfig(**{**common, "method": method, "capture": capture,
-                        "lr": METHODS[method].timing_lr, **extra})
+    return RunConfig.from_dict({**common, "method": method, "capture": capture,
+                                "lr": METHODS[method].timing_lr, **extra})
 
 
 def _time_epochs(cfg: RunConfig, epochs: int) -> dict:
-    state = Run(cfg, float(cfg["lr"]), identity={})
+    state = Run(cfg, float(cfg.lr), identity={})
     nb = state.train.num_batches(cfg.batch)
     total = epochs * nb
     rows = []
@@ -73,7 +74,7 @@ def _trace(cfg: RunConfig, steps: int) -> tuple[list[float], bool]:
     """The per-step losses of ``steps`` steps, and whether a CUDA graph replayed them
     (a captured run on a CPU runs eagerly)."""
     torch.backends.cudnn.deterministic = True
-    state = Run(cfg, float(cfg["lr"]), identity={})
+    state = Run(cfg, float(cfg.lr), identity={})
     torch.backends.cudnn.benchmark = False  # Run switched it on
     state.trace = torch.full((steps,), math.nan, dtype=torch.float64,
                              device=state.device)
@@ -123,7 +124,7 @@ def _loss_match(m, prec, trace_steps, common, tmp) -> dict | None:
         t[name], captured = _trace(cfg, trace_steps)
         if capture and not captured:
             log.warning("loss match of %s skipped: no CUDA graph ran on %s", m,
-                        cfg["device"] or "this machine")
+                        cfg.device or "this machine")
             return None
     return {"method": m, "precision": prec, "steps": trace_steps,
             "max_rel_diff_captured_vs_eager": _max_rel(t["eager"], t["captured"]),

@@ -1,10 +1,17 @@
 """One CIFAR run: the training loop, evaluation, checkpoints and the per-epoch record
 (book chapter :ref:`experiments-cifar`).
 
-:func:`run` trains one :class:`~kwng.experiments.cifar.methods.RunConfig` to completion
+:func:`run` trains one :class:`~kwng.experiments.cifar.config.RunConfig` to completion
 (or to ``stop_after_epoch`` / ``max_steps`` / ``deadline``), resuming exactly from its
 checkpoint; every method takes its step through
-:class:`~kwng.experiments.cifar.steps.MethodStep` (:func:`train_step`).
+:class:`~kwng.experiments.cifar.steps.MethodStep`
+(:func:`~kwng.experiments.cifar.steps.train_step`).
+
+The same loop serves one process and ``world_size`` processes under torchrun
+(:mod:`kwng.experiments.cifar.ddp`): every rank draws the same global batch of
+``world_size × batch`` images and trains on its slice (KWNG: ``DistributedKWNG``); the
+training sums are summed over the ranks, rank 0's batch-norm statistics are copied to
+every rank before the evaluation; rank 0 alone decides and writes.
 """
 
 from __future__ import annotations
@@ -21,14 +28,12 @@ import torch
 
 from kwng.experiments import guard
 from kwng.experiments.cifar.capture import StepRunner
+from kwng.experiments.cifar.config import RunConfig
 from kwng.experiments.cifar.data import NUM_CLASSES, GPUAugmentedData
 from kwng.experiments.cifar.early_stop import sibling_rows, stop_reason
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
     METHODS,
-    RunConfig,
-    build_model,
-    build_optimizer,
     device_for,
     milestones_for,
 )
@@ -37,6 +42,8 @@ from kwng.experiments.cifar.runtime import (
     checkpoint_path_for,
     fast_cuda,
     past,
+    process_group,
+    rank0_decides,
     resolve_lr,
     rng_state,
     run_dir_for,
@@ -46,9 +53,13 @@ from kwng.experiments.cifar.runtime import (
     split_data,
     sync,
     test_arrays,
+)
+from kwng.experiments.cifar.steps import (
+    build_model,
+    build_optimizer,
+    make_step,
     train_step,
 )
-from kwng.experiments.cifar.steps import make_step
 from kwng.experiments.provenance import atomic_write_json, write_provenance
 
 log = logging.getLogger(__name__)
@@ -60,37 +71,37 @@ class Run:
 
     def __init__(self, cfg: RunConfig, lr: float, identity: dict) -> None:
         self.cfg, self.rdir, self.ckpt = cfg, run_dir_for(cfg), checkpoint_path_for(cfg)
-        self.device = device = device_for(cfg["device"])
-        torch.manual_seed(cfg["seed"])
-        np.random.seed(cfg["seed"])
-        random.seed(cfg["seed"])
+        self.rank, self.world = process_group()
+        self.device = device = device_for(cfg.device)
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        random.seed(cfg.seed)
         fast_cuda(device)
         x, y, xt, yt = split_data(cfg)
-        self.train = GPUAugmentedData(x, y, cfg["dataset"], device)
-        self.test = GPUAugmentedData(xt, yt, cfg["dataset"], device)
+        self.train = GPUAugmentedData(x, y, cfg.dataset, device)
+        self.test = GPUAugmentedData(xt, yt, cfg.dataset, device)
         # with eval_test, ``test`` above is the validation split and ``test_set`` the
         # test set, both evaluated after every epoch
-        self.test_set = (GPUAugmentedData(*test_arrays(cfg), cfg["dataset"], device)
-                         if cfg["eval_test"] else None)
+        self.test_set = (GPUAugmentedData(*test_arrays(cfg), cfg.dataset, device)
+                         if cfg.eval_test else None)
         self.model = build_model(cfg).to(device)
         # KFAC/EKFAC stay NCHW: nngeometry views their gradients as NCHW tensors
-        self.channels_last = (cfg["channels_last"]
+        self.channels_last = (cfg.channels_last
                               and cfg.spec.get("precond") not in ("kfac", "ekfac"))
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.optimizer = build_optimizer(cfg, self.model, lr)
-        milestones = milestones_for(cfg["epochs"], cfg["schedule"])
+        milestones = milestones_for(cfg.epochs, cfg.schedule)
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(
             self.optimizer, milestones=milestones, gamma=0.1)
         self.method = make_step(cfg, self.model, self.optimizer, device)
-        self.data_gen = torch.Generator().manual_seed(10_000 + cfg["seed"])
+        self.data_gen = torch.Generator().manual_seed(10_000 + cfg.seed)
         self.share = UpdateShare(self.model)
-        self.stats = EpochStats(device, NUM_CLASSES[cfg["dataset"]])
-        capture = cfg["capture"] and self.method.capturable
-        if cfg["capture"] and not capture and device.type == "cuda":
-            why = METHODS[cfg["method"]].not_capturable or "not capturable"
-            log.warning("%s: method %s runs eagerly: %s", self.rdir, cfg["method"],
-                        why)
+        self.stats = EpochStats(device, NUM_CLASSES[cfg.dataset])
+        capture = cfg.capture and self.method.capturable
+        if cfg.capture and not capture and device.type == "cuda":
+            why = METHODS[cfg.method].not_capturable or "not capturable"
+            log.warning("%s: method %s runs eagerly: %s", self.rdir, cfg.method, why)
         self.runner = StepRunner(self._step, device, capture,
                                  lambda: self.optimizer.param_groups[0]["lr"])
         self.trace: torch.Tensor | None = None  # per-step losses (trainer_timing)
@@ -100,7 +111,7 @@ class Run:
     def _step(self, z: torch.Tensor, yb: torch.Tensor) -> None:
         """The whole training step, sums included (what a CUDA graph records)."""
         loss, outputs, info, frac = train_step(self.method, self.model, z, yb,
-                                               self.share, self.cfg["precision"])
+                                               self.share, self.cfg.precision)
         self.method.track(info, self.stats)
         self.stats.add_step(loss, outputs, yb, frac, self.share.row_move)
         if self.trace is not None:
@@ -113,23 +124,25 @@ class Run:
         cfg, model, pc = self.cfg, self.model, self.method.precond
         scaled = cfg.spec.get("estimator_input", "scaled") == "scaled"
         record = {
-            "config": dict(cfg), "identity": identity, "lr": lr,
+            "config": cfg.to_dict(), "identity": identity, "lr": lr,
             "milestones": milestones,
             "batch_size": cfg.batch, "method_spec": cfg.spec, "clip_norm": CLIP_NORM,
             "epochs": [], "complete": False, "diverged": False,
             "train_size": len(self.train), "eval_size": len(self.test),
             "test_size": len(self.test_set) if self.test_set is not None else None,
-            "eval_split": ("validation (held out of train)" if cfg["val_size"]
+            "eval_split": ("validation (held out of train)" if cfg.val_size
                            else "test"),
             "eval_fields": ("val_* the validation split, test_* the test set"
-                            if cfg["eval_test"] else "test_* the evaluation split"),
+                            if cfg.eval_test else "test_* the evaluation split"),
             "samples": "U h (U inside the network)" if scaled else "h (before U)",
             "U": (model.conditioning.diag.tolist() if model.conditioning is not None
                   else None),
-            "precision": cfg["precision"], "channels_last": self.channels_last,
+            "precision": cfg.precision, "channels_last": self.channels_last,
             "capture": self.runner.capture,
             "lr_field": "the step size used during the epoch",
             "confusion": None}
+        if self.world > 1:
+            record.update(world_size=self.world, global_batch=self.world * cfg.batch)
         if pc is not None and hasattr(pc, "hyperparameters"):
             record["precond"] = {k: v for k, v in pc.hyperparameters().items()
                                  if isinstance(v, (int, float, str, dict))}
@@ -150,6 +163,9 @@ class Run:
                  f" and {self.partial['batches']} batches" if self.partial else "")
 
     def checkpoint(self, epoch: int, partial: dict | None = None) -> None:
+        """Rank 0 saves the run's state (every rank's is the same)."""
+        if self.rank != 0:
+            return
         pc = self.method.precond
         ck = {"model": self.model.state_dict(),
               "optimizer": self.optimizer.state_dict(),
@@ -175,11 +191,14 @@ class Run:
             skip, t_before = self.partial["batches"], self.partial["time_in_epoch"]
             self.partial = None
         gen_start = self.data_gen.get_state()
-        cl = self.channels_last
-        for b, (z, yb) in enumerate(self.train.batches(self.cfg.batch, self.data_gen)):
+        cl, B, r, W = self.channels_last, self.cfg.batch, self.rank, self.world
+        for b, (z, yb) in enumerate(self.train.batches(B * W, self.data_gen,
+                                                       drop_last=W > 1)):
             if b < skip:
                 continue
-            if past(self.cfg["deadline"]):
+            if W > 1:  # this rank's slice of the global batch
+                z, yb = z[r * B:(r + 1) * B], yb[r * B:(r + 1) * B]
+            if past(self.cfg.deadline):
                 sync(self.device)
                 self.checkpoint(epoch, {
                     "batches": b, "stats": stats.state_dict(),
@@ -196,7 +215,8 @@ class Run:
             self.steps += 1
             if bar is not None:
                 bar.update(1)
-            if self.steps % 50 == 0 and not bool(torch.isfinite(stats.loss_sum)):
+            if W == 1 and self.steps % 50 == 0 \
+                    and not bool(torch.isfinite(stats.loss_sum)):
                 break  # diverged: stop early (recorded by end_epoch)
             if self.steps >= total_steps:
                 break
@@ -212,13 +232,14 @@ class Run:
         cfg, record = self.cfg, self.record
         lr_epoch = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
+        spread = self._agree_ranks()
         te = time.perf_counter()
-        k = NUM_CLASSES[cfg["dataset"]]
+        k = NUM_CLASSES[cfg.dataset]
         val = None
         if self.test_set is not None:
-            val = evaluate_full(self.model, self.test, cfg["eval_batch_size"], k)
+            val = evaluate_full(self.model, self.test, cfg.eval_batch_size, k)
         ev = evaluate_full(self.model, self.test_set or self.test,
-                           cfg["eval_batch_size"], k)
+                           cfg.eval_batch_size, k)
         w = last_linear(self.model).weight.detach()
         norms = torch.linalg.vector_norm(w.double(), dim=1).tolist()
         u = record["U"] or [1.0] * len(norms)
@@ -239,14 +260,16 @@ class Run:
                "time_unix": time.time()}
         if val is not None:
             row.update(val_loss=val["loss"], val_acc=val["acc"])
+        if spread is not None:
+            row["replica_spread"] = spread
         record["confusion"] = ev["confusion"]
         test_loss, test_acc = ev["loss"], ev["acc"]
         row.update(self.method.epoch_fields(record["epochs"]))
         record["epochs"].append(row)
-        finished = epoch + 1 == cfg["epochs"] or self.steps >= total_steps
+        finished = epoch + 1 == cfg.epochs or self.steps >= total_steps
         if not math.isfinite(row["train_loss"]):
             record["diverged"] = finished = True
-        if cfg["early_stop"] and (not finished or record["diverged"]):
+        if cfg.early_stop and (not finished or record["diverged"]):
             finished = self._early_stop(row, k) or finished
         record["complete"] = finished
         record.pop("stopped", None)
@@ -255,11 +278,30 @@ class Run:
                  self.time_train)
         if not finished:
             self.checkpoint(epoch + 1)
-        atomic_write_json(self.rdir / "metrics.json", record)
-        if finished:
+        if self.rank == 0:
+            atomic_write_json(self.rdir / "metrics.json", record)
+        if finished and self.rank == 0:
             with contextlib.suppress(FileNotFoundError):
                 self.ckpt.unlink()
         return finished
+
+    def _agree_ranks(self) -> float | None:
+        """With several ranks, before the evaluation: the epoch's training sums
+        summed over the ranks, rank 0's batch-norm statistics on every rank; returns
+        how far the replicas' parameters differ
+        (:func:`kwng.engine.distributed.replica_spread`, 0 when they agree)."""
+        if self.world == 1:
+            return None
+        from kwng.engine.distributed import replica_spread
+
+        self.stats.sum_over_ranks()
+        if self.method.precond is not None:
+            self.method.precond.broadcast_buffers()
+        spread = replica_spread(self.model)
+        if spread != 0.0:
+            log.warning("%s: the replicas differ by %.3g (sum/sum of squares)",
+                        self.rdir, spread)
+        return spread
 
     def _early_stop(self, row: dict, num_classes: int) -> bool:
         """Apply the run's early-stop rule (:mod:`~kwng.experiments.cifar.early_stop`)
@@ -270,18 +312,18 @@ class Run:
                            num_classes)
         if stop is None:
             return False
-        self.record["early_stop"] = {"rule": self.cfg["early_stop"], **stop}
+        self.record["early_stop"] = {"rule": self.cfg.early_stop, **stop}
         log.info("%s: early stop after epoch %d (%s)", self.rdir, row["epoch"],
                  stop["reason"])
         return True
 
     def train_all(self, progress: bool) -> dict:
-        cfg, E = self.cfg, self.cfg["epochs"]
-        nb = self.train.num_batches(cfg.batch)
-        total_steps = E * nb if cfg["max_steps"] is None else min(E * nb,
-                                                                   cfg["max_steps"])
+        cfg, E, W = self.cfg, self.cfg.epochs, self.world
+        nb = self.train.num_batches(cfg.batch * W, drop_last=W > 1)
+        total_steps = E * nb if cfg.max_steps is None else min(E * nb,
+                                                                   cfg.max_steps)
         bar = None
-        if progress:
+        if progress and self.rank == 0:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total_steps, initial=min(self.steps, total_steps),
@@ -294,7 +336,7 @@ class Run:
                 break
             if self.end_epoch(epoch, total_steps):
                 break
-            stop = cfg["stop_after_epoch"]
+            stop = cfg.stop_after_epoch
             if stop is not None and epoch + 1 >= stop:
                 break
         if bar is not None:
@@ -317,20 +359,35 @@ def run(cfg: RunConfig | dict, progress: bool = True, force: bool = False) -> di
     with the epoch's partial sums and the data generator's state at the epoch start: the
     resumed run replays the epoch's batch draws up to that point and continues exactly
     where it stopped."""
-    cfg = cfg if isinstance(cfg, RunConfig) else RunConfig(**cfg)
+    cfg = RunConfig.of(cfg)
+    rank, world = process_group()
+    if world != cfg.world_size:
+        raise ValueError(f"world_size must be the number of processes ({world}), "
+                         f"got {cfg.world_size}")
     rdir, ckpt_path = run_dir_for(cfg), checkpoint_path_for(cfg)
     lr = resolve_lr(cfg)
     identity = run_identity_of(cfg, lr)
-    prev = guard.check_existing_run(rdir, ckpt_path, identity, force)
+    prev = rank0_decides(
+        lambda: guard.check_existing_run(rdir, ckpt_path, identity, force), world)
     if prev is not None:
         log.info("%s is complete: skipped", rdir)
         return prev
     state = Run(cfg, lr, identity)
-    ck = guard.resume_checkpoint(ckpt_path, identity, state.device, force, rdir)
+    ck = None
+
+    def found() -> bool:
+        nonlocal ck
+        ck = guard.resume_checkpoint(ckpt_path, identity, state.device, force, rdir)
+        return ck is not None
+
+    if rank0_decides(found, world) and ck is None:  # the checkpoint rank 0 read
+        ck = guard.load_checkpoint(ckpt_path, state.device)
     if ck is not None:
         state.resume(ck)
-    write_provenance(rdir, dict(cfg), seeds={"seed": cfg["seed"],
-                                             "data": 10_000 + cfg["seed"]},
-                     device=str(state.device), lr=lr, method_spec=cfg.spec,
-                     resumed_from_epoch=state.start_epoch)
+    if rank == 0:
+        write_provenance(rdir, cfg.to_dict(),
+                         seeds={"seed": cfg.seed, "data": 10_000 + cfg.seed},
+                         device=str(state.device), lr=lr, method_spec=cfg.spec,
+                         resumed_from_epoch=state.start_epoch,
+                         **({"world_size": world} if world > 1 else {}))
     return state.train_all(progress)
