@@ -302,3 +302,21 @@ def test_the_throughput_window_is_where_every_run_trains():
     assert got["runs_per_hour"] == 3600e3 / (got["ms_per_step"] * PROTOCOL_STEPS)
     with pytest.raises(RuntimeError, match="never trained at the same time"):
         _overlap([a, [{"time_unix": 40.0 + e, "steps": 100 * e} for e in (1, 2)]])
+
+
+def test_the_amortized_plan_runs_at_kwngs_selected_steps(tmp_path, monkeypatch):
+    """Each amortized method once per conditioning, at KWNG's final Fig. 3 step; a
+    tiny run of one of them trains (its preconditioner rebuilds every k steps)."""
+    from kwng.experiments.cifar.methods import AMORTIZED_METHODS
+
+    state = fig3.grid_state(P, FIG3)
+    jobs = fig3.amortized_plan({}, P, FIG3, out=tmp_path / "am")
+    assert {(j["conditioning"], j["method"]) for j in jobs} == {
+        (c, m) for c in ("ill", "well") for m in AMORTIZED_METHODS}
+    assert all(j["lr"] == state[f"{j['conditioning']}/kwng"]["selected"] for j in jobs)
+    monkeypatch.chdir(tmp_path)
+    rec = train.run({"source": "sample", "model": "tiny", "batch_size": 50, "epochs": 1,
+                     "lr": 0.1, "device": "cpu", "method": "kwng_k5",
+                     "train_subset": 200, "checkpoint_dir": "ck", "out": "res"},
+                    progress=False)
+    assert rec["complete"] and rec["method_spec"]["refresh_every"] == 5

@@ -22,6 +22,11 @@ A step size is a Python number the recorded kernels hold as a constant (``torch.
 reads ``lr`` on the host, and so does the ε rule's predicted decrease), so a change of
 the step size (the schedule's milestones) records the graph again. Each batch shape has
 its own graph (an epoch whose last batch is smaller has two).
+
+A preconditioner that rebuilds its kernel system every ``k > 1`` steps (``cache``, its
+:class:`kwng.engine.amortized.SystemCache`) runs two programs: the warm-up alternates
+them and two graphs are recorded per batch shape and step size, the replay taking the
+one the cache's host-side counter names (:func:`kwng.engine.capture.amortized_replay`).
 """
 
 from __future__ import annotations
@@ -42,16 +47,19 @@ class StepRunner:
     ``capture`` is honoured only on a CUDA ``device`` (elsewhere the steps run eagerly,
     with a warning, and ``capture`` reads ``False``). The attributes ``captures``,
     ``replays`` and ``eager`` count the recordings, the replayed steps and the eager
-    ones."""
+    ones. ``cache``: the amortized preconditioner's system cache, or ``None``."""
 
     def __init__(self, step_fn: Callable[[torch.Tensor, torch.Tensor], None],
                  device: torch.device, capture: bool, lr_fn: Callable[[], float],
-                 warmup: int = 3) -> None:
+                 warmup: int = 3, cache=None) -> None:
         if not callable(step_fn) or not callable(lr_fn):
             raise ValueError("step_fn and lr_fn must be callables")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an integer >= 1, got {warmup!r}")
         self.step_fn, self.lr_fn, self.warmup = step_fn, lr_fn, warmup
+        self.cache = cache if cache is not None and cache.every > 1 else None
+        if self.cache is not None:
+            self.warmup = max(warmup, 2)  # at least one step of each kind
         self.device = torch.device(device)
         self.capture = bool(capture) and self.device.type == "cuda"
         if capture and not self.capture:
@@ -59,7 +67,7 @@ class StepRunner:
                         self.device)
         self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._warm: dict[tuple, int] = {}
-        self._graphs: dict[tuple, tuple[float, torch.cuda.CUDAGraph]] = {}
+        self._graphs: dict[tuple, tuple[float, Callable[[], None]]] = {}
         self.captures = self.replays = self.eager = 0
 
     def __repr__(self) -> str:
@@ -85,14 +93,18 @@ class StepRunner:
         lr = float(self.lr_fn())
         held = self._graphs.get(shape)
         if held is not None and held[0] == lr:
-            held[1].replay()
+            held[1]()
             self.replays += 1
             return
         if self._warm[shape] < self.warmup:  # eager warm-up on a side stream
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self.step_fn(sz, sy)
+                if self.cache is not None:
+                    with self.cache.forced(self._warm[shape] % 2 == 0):
+                        self.step_fn(sz, sy)
+                else:
+                    self.step_fn(sz, sy)
             torch.cuda.current_stream(self.device).wait_stream(side)
             self._warm[shape] += 1
             self.eager += 1
@@ -100,13 +112,19 @@ class StepRunner:
         if held is not None:  # the step size changed: drop the old graph first
             del self._graphs[shape]
             del held
-        from kwng.engine.capture import record_graph
+        from kwng.engine.capture import amortized_replay, record_graph
 
         torch.cuda.synchronize(self.device)
-        graph = record_graph(lambda: self.step_fn(sz, sy))
-        self._graphs[shape] = (lr, graph)
+        if self.cache is not None:
+            def record():
+                return record_graph(lambda: self.step_fn(sz, sy))
+
+            replay = amortized_replay(self.cache, record)
+        else:
+            replay = record_graph(lambda: self.step_fn(sz, sy)).replay
+        self._graphs[shape] = (lr, replay)
         self.captures += 1
         log.info("recorded the training step in a CUDA graph (batch %s, lr %g)",
                  shape[0], lr)
-        graph.replay()  # recording ran nothing: this is the step of this batch
+        replay()  # recording ran nothing: this is the step of this batch
         self.replays += 1

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kwng.experiments.cifar.early_stop import RULE
 from kwng.experiments.cifar.methods import (
+    AMORTIZED_METHODS,
     AUTHORS100,
     LR_GRID,
     METHODS,
@@ -33,8 +34,9 @@ from kwng.experiments.cifar.methods import (
 from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
 from kwng.experiments.provenance import ResultFileError, read_json
 
-__all__ = ["FIG3", "PROTOCOL_FILE", "load_protocol", "window_for", "protocol_commit",
-           "run_status", "record_at", "grid_state", "fig3_plan", "check_fig3"]
+__all__ = ["FIG3", "AMORTIZED", "PROTOCOL_FILE", "load_protocol", "window_for",
+           "protocol_commit", "run_status", "record_at", "grid_state", "fig3_plan",
+           "amortized_plan", "check_fig3"]
 
 #: the study's records, ``results/cifar/fig3`` of the checkout
 #:
@@ -251,6 +253,33 @@ def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG
                      for s in range(int(n))
                      if run_status(record_at(root, "ablation", lr, cond, m, s), epochs)
                      in ("missing", "running")]
+    return jobs
+
+
+#: the amortized-step study's records, ``results/cifar/amortized`` of the checkout
+#:
+#: :meta hide-value:
+AMORTIZED = RESULTS / "amortized"
+
+
+def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
+                   out: str | os.PathLike = AMORTIZED) -> list[dict]:
+    """The amortized-step study
+    (:data:`~kwng.experiments.cifar.methods.AMORTIZED_METHODS`, seed 0) in each
+    conditioning where KWNG's Fig. 3 selection is final, at that step
+    and with the protocol's settings, under ``out``: the runs not finished yet."""
+    p = load_protocol() if p is None else p
+    state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
+    times, commit, jobs = run_seconds(root), protocol_commit(), []
+    for cond in ("ill", "well"):
+        st = state.get(f"{cond}/kwng")
+        if not (st and st["final"]):
+            continue
+        jobs += [_job(p, "", cond, m, st["selected"], 0, Path(out), commit, times,
+                      early_stop=None, **common)
+                 for m in AMORTIZED_METHODS
+                 if run_status(record_at(Path(out), "", st["selected"], cond, m, 0),
+                               epochs) in ("missing", "running")]
     return jobs
 
 

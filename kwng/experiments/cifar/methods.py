@@ -139,7 +139,18 @@ METHODS: dict[str, Method] = {
                       "#843c39", "-", "diagonal T", 22, 5.4, 0.1),
     "kwng_kernel_rq": _m("sgd", {**_KWNG, "kernel": "rq", **_T}, "#e6ab02", "-",
                          "KWNG, RQ kernel", 23, 5.4, 0.1),
+    # the amortized step: the kernel system rebuilt every k steps
+    "kwng_k5": _m("sgd", {**_KWNG, "refresh_every": 5}, "#fb6a4a", "--",
+                  "KWNG, k = 5", 24, 2.8, 10.0),
+    "kwng_k20": _m("sgd", {**_KWNG, "refresh_every": 20}, "#cb181d", "-.",
+                   "KWNG, k = 20", 25, 2.3, 10.0),
+    "kwng_k100": _m("sgd", {**_KWNG, "refresh_every": 100}, "#67000d", ":",
+                    "KWNG, k = 100", 26, 2.1, 10.0),
+    "diag_k20": _m("sgd", {**_KWNG, "diagonal_only": True, "refresh_every": 20},
+                   "#807dba", "-.", "diagonal, k = 20", 27, 2.3, 10.0),
 }
+#: the methods of the amortized-step study, in the order of its figure
+AMORTIZED_METHODS = ("kwng_k5", "kwng_k20", "kwng_k100", "diag_k20")
 #: the methods of the claim suite, each in both conditionings
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U",
                  "diag_Ttilde")

@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from kwng.experiments.cifar.fig3 import fig3_plan
+from kwng.experiments.cifar.fig3 import amortized_plan, fig3_plan
 from kwng.experiments.cifar.methods import (
     ABLATIONS,
     AUTHORS100,
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 #: the named plans of :func:`build_plan` (any other plan is a JSON file of run settings)
 PLAN_NAMES = ("claim_select", "claim", "select", "main", "authors100", "authors100_all",
-              "fig3")
+              "fig3", "amortized")
 
 
 # ------------------------------------------------------------------------------ plans
@@ -193,6 +193,8 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       ``results/cifar/authors100/lr<lr>/``.
     * ``fig3``: the runs of the Fig. 3 protocol still to make
       (:func:`kwng.experiments.cifar.fig3.fig3_plan`); ``epochs`` is not used.
+    * ``amortized``: the amortized-step study at KWNG's Fig. 3 steps
+      (:func:`kwng.experiments.cifar.fig3.amortized_plan`).
     * a path to a JSON list of run settings.
     """
     if methods is not None:
@@ -246,6 +248,8 @@ def _named_plan(name: str, common: dict, epochs: int, select: dict,
         )
     if name == "fig3":
         return fig3_plan(common)
+    if name == "amortized":
+        return amortized_plan(common)
     path = Path(name)
     if path.is_file():
         return list(read_json(path))

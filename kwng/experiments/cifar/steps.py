@@ -70,7 +70,8 @@ def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
     settings = dict(lr=lambda: optimizer.param_groups[0]["lr"],
                     num_basis=spec["num_basis"], eps=eps, kernel=spec["kernel"],
                     damping=spec["damping"], eps_schedule=schedule, clip_norm=CLIP_NORM,
-                    diagonal_only=spec["diagonal_only"])
+                    diagonal_only=spec["diagonal_only"],
+                    refresh_every=spec.get("refresh_every", 1))
     if cfg.world_size == 1:
         return KWNGPreconditioner(net, **settings)
     from kwng.engine.distributed import DistributedKWNG

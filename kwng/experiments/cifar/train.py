@@ -103,7 +103,8 @@ class Run:
             why = METHODS[cfg.method].not_capturable or "not capturable"
             log.warning("%s: method %s runs eagerly: %s", self.rdir, cfg.method, why)
         self.runner = StepRunner(self._step, device, capture,
-                                 lambda: self.optimizer.param_groups[0]["lr"])
+                                 lambda: self.optimizer.param_groups[0]["lr"],
+                                 cache=getattr(self.method.precond, "cache", None))
         self.trace: torch.Tensor | None = None  # per-step losses (trainer_timing)
         self.record = self._new_record(lr, identity, milestones)
         self.start_epoch, self.steps, self.time_train, self.partial = 0, 0, 0.0, None
