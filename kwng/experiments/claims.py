@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from kwng.experiments.cifar import fig3, fig3_results
-from kwng.experiments.cifar.methods import CLAIM_ALL, MAIN_METHODS
-from kwng.experiments.cifar.results import load_authors100, load_results
+from kwng.experiments.cifar.methods import CLAIM_ALL
+from kwng.experiments.cifar.results import load_authors100, load_results, study6_table
 from kwng.experiments.cifar.tables import (
     at_epoch,
     epoch_seconds,
@@ -175,7 +175,8 @@ def _six_epoch(root: Path) -> dict:
             "m5_ill_3_lo": min(k5), "m5_ill_3_hi": max(k5),
             "mom_well": acc("well", "kwng_momentum")[0],
             "kwng_well": float(np.mean(acc("well", "kwng"))),
-            "methods": len({m for (_, m, _) in res if m in MAIN_METHODS})}
+            "methods": len({m for (_, m, _) in res
+                            if m in study6_table()["main_methods"]})}
 
 
 def cifar_context(root: str | os.PathLike = RESULTS) -> dict:

@@ -36,14 +36,19 @@ __all__ = ["fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fi
            "fig_per_class_vs_U", "fig_kwng_diagnostics"]
 
 
-def _look(method: str) -> dict:
-    """The colour and line style of ``method``, from its record
-    (:data:`kwng.experiments.cifar.methods.METHODS`); an unknown method raises."""
+def _look(method: str, looks: dict | None = None) -> dict:
+    """The colour and line style of ``method``: from ``looks`` (``{method: {"color",
+    "style", ...}}``, the frozen table of a finished study) when given, else from its
+    record (:data:`kwng.experiments.cifar.methods.METHODS`); an unknown method raises."""
+    table = METHODS if looks is None else looks
     try:
-        m = METHODS[method]
+        m = table[method]
     except KeyError:
-        raise ValueError(f"no method {method!r} in kwng.experiments.cifar.methods."
-                         f"METHODS (known: {sorted(METHODS)})") from None
+        where = "METHODS" if looks is None else "the looks given"
+        raise ValueError(f"no method {method!r} in {where} "
+                         f"(known: {sorted(table)})") from None
+    if looks is not None:
+        return {"color": m["color"], "ls": m["style"]}
     return {"color": m.color, "ls": m.style}
 
 
@@ -92,9 +97,12 @@ def _label(results: dict, cond: str, method: str) -> str:
 
 
 @book_figure
-def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = ""):
+def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "",
+                           looks: dict | None = None):
     """Fig. 3: rows test / training accuracy, columns ill- / well-conditioned (a column
-    only for a conditioning with records)."""
+    only for a conditioning with records). ``looks``: the colours and line styles of a
+    finished study's frozen table (default: the live methods'), as in every figure
+    here that takes it."""
     conds = _conditions(results)
     fig, axes = plt.subplots(2, len(conds), figsize=(FIG_WIDTH_IN, 6.2), sharex=True,
                              squeeze=False)
@@ -103,7 +111,7 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "
             ax = axes[i, j]
             for m in methods:
                 x, v = curves(results, cond, m, key)
-                _band(ax, x, v, _label(results, cond, m), **_look(m))
+                _band(ax, x, v, _label(results, cond, m), **_look(m, looks))
             ax.set_ylabel(name)
             ax.set_title(f"{cond}-conditioned")
             ax.grid(alpha=0.3)
@@ -117,7 +125,8 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "
 
 @book_figure
 def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | None = None,
-                         train_size: int = 50_000, title: str = ""):
+                         train_size: int = 50_000, title: str = "",
+                         looks: dict | None = None):
     """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``: the cumulative
     training wall clock recorded by each run (mean over seeds), which includes the slow-down from other
     runs sharing the GPU. With ``timing`` (the record of ``cifar timing``): ``epoch × steps per epoch ×
@@ -140,7 +149,7 @@ def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | N
                 else:
                     _, tt = curves(results, cond, m, "time_train")
                     tx = tt.mean(0)
-                _band(ax, tx / 60, v, _label(results, cond, m), **_look(m))
+                _band(ax, tx / 60, v, _label(results, cond, m), **_look(m, looks))
             ax.set_title(f"{cond}-conditioned")
             ax.set_ylabel(name)
             ax.set_xlabel("training time (min)")
@@ -153,14 +162,14 @@ def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | N
 
 
 @book_figure
-def fig_ablation(results: dict, methods: Sequence[str]):
+def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = None):
     """Fig. 8: ill-conditioned case, KWNG against its variants (training and test accuracy per epoch)."""
     fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.6), squeeze=False)
     for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
         ax = axes[0, j]
         for m in methods:
             x, v = curves(results, "ill", m, key)
-            _band(ax, x, v, _label(results, "ill", m), **_look(m))
+            _band(ax, x, v, _label(results, "ill", m), **_look(m, looks))
         ax.set_xlabel("epoch")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
@@ -172,7 +181,7 @@ def fig_ablation(results: dict, methods: Sequence[str]):
 
 
 @book_figure
-def fig_eps(results: dict, floor: float = 1e-10):
+def fig_eps(results: dict, floor: float = 1e-10, looks: dict | None = None):
     """The Levenberg–Marquardt ε at the end of every epoch, one line per KWNG run (both conditionings)."""
     conds = _conditions(results)
     fig, axes = plt.subplots(1, len(conds), figsize=(FIG_WIDTH_IN, 3.6), sharey=True,
@@ -183,7 +192,7 @@ def fig_eps(results: dict, floor: float = 1e-10):
             if c != cond or not r["epochs"] or "eps" not in r["epochs"][0]:
                 continue
             eps = [row["eps"] for row in r["epochs"]]
-            ax.semilogy(range(1, len(eps) + 1), eps, **_look(m), marker="o",
+            ax.semilogy(range(1, len(eps) + 1), eps, **_look(m, looks), marker="o",
                         ms=2.5, lw=1.2, label=m if s == 0 else None)
         ax.axhline(floor, color="k", lw=0.8, ls=":")
         ax.set_title(f"{cond}-conditioned")

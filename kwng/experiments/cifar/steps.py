@@ -50,16 +50,13 @@ def build_optimizer(cfg: RunConfig, model: nn.Module,
 
 def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
     """KWNG on one process, or :class:`kwng.engine.distributed.DistributedKWNG` when
-    ``world_size > 1`` (ε converted with the global batch)."""
+    ``world_size > 1`` (the authors' ε, converted with the global batch)."""
     from kwng.engine.precond import KWNGPreconditioner
 
-    spec = cfg.spec
-    eps, bounds = 1e-5, {}
-    if spec.get("eps_convention", "ours") == "authors":
-        n = cfg.batch * cfg.world_size
-        eps = eps_from_authors(EPS_AUTHORS, n)
-        bounds = {"eps_min": eps_from_authors(EPS_BOUNDS_AUTHORS[0], n),
-                  "eps_max": eps_from_authors(EPS_BOUNDS_AUTHORS[1], n)}
+    spec, n = cfg.spec, cfg.batch * cfg.world_size
+    eps = eps_from_authors(EPS_AUTHORS, n)
+    bounds = {"eps_min": eps_from_authors(EPS_BOUNDS_AUTHORS[0], n),
+              "eps_max": eps_from_authors(EPS_BOUNDS_AUTHORS[1], n)}
     # the rest of the ε rule, the kernel's bandwidth rule and λ = 0 are KWNGConfig's
     # defaults (App. D.2's values)
     schedule = LMSchedule(rule=spec.get("lm_rule", "authors"), **bounds)
