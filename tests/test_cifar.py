@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from kwng.experiments.cifar import data as kdata
 from kwng.experiments.cifar import (
-    augment,
+    images,
     methods,
     plans,
     results,
@@ -17,7 +18,6 @@ from kwng.experiments.cifar import (
     steps,
     train,
 )
-from kwng.experiments.cifar import data as kdata
 from kwng.experiments.cifar.config import SMALL_RUN, RunConfig
 
 
@@ -75,7 +75,7 @@ def test_bad_arguments():
 def test_augmentation_shapes_and_semantics():
     g = torch.Generator().manual_seed(0)
     x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).reshape(2, 3, 32, 32)
-    out = augment.augment_batch(x, g)
+    out = images.augment_batch(x, g)
     assert out.shape == x.shape
     # every output is a crop of the padded image, possibly flipped: check against a direct computation
     g = torch.Generator().manual_seed(0)

@@ -33,12 +33,14 @@ import torch
 
 from kwng._checks import check_choice, check_int
 from kwng.config import REPO_ROOT
-from kwng.experiments.cifar.augment import (
+from kwng.experiments.cifar.images import (
+    _check_labels,
+    _decode_jpegs,
+    _npz_split,
     apply_augmentation,
     draw_augmentation,
     normalize,
 )
-from kwng.experiments.cifar.jpeg import _check_labels, _decode_jpegs, _npz_split
 
 __all__ = ["DATASETS", "SOURCES", "NUM_CLASSES", "CIFAR_MEAN", "CIFAR_STD", "SAMPLE_PATH",
            "read_official_cifar", "write_official_cifar", "load_jpeg_npz",
