@@ -1,11 +1,13 @@
-"""kwng: the Kernelized Wasserstein Natural Gradient (Arbel, Gretton, Li & Montúfar, ICLR 2020).
+"""kwng: the Kernelized Wasserstein Natural Gradient (Arbel, Gretton, Li & Montúfar,
+ICLR 2020).
 
 The package behind the kwng book, in floors that import only downwards:
 
 * ``kwng`` (this folder): the estimator core. Kernels (:mod:`kwng.kernels`), the linear
   algebra of Props. 5 and 6 (:mod:`kwng.solve`), the estimator (:mod:`kwng.estimator`,
-  sync-free variant :mod:`kwng.nosync`, batched sweeps :mod:`kwng.batched`), the models with
-  closed-form WNG (:mod:`kwng.models`) and the kernel Fisher–Rao estimator (:mod:`kwng.fisher`).
+  sync-free variant :mod:`kwng.nosync`, batched sweeps :mod:`kwng.batched`), the models
+  with closed-form WNG (:mod:`kwng.models`) and the kernel Fisher–Rao estimator
+  (:mod:`kwng.fisher`).
 * :mod:`kwng.engine`: the deep-learning engine, :class:`KWNGPreconditioner` with its
   :class:`KWNGConfig`, drop-in before ``optimizer.step`` (its ``step(loss, X)`` runs the
   backward passes), and :class:`DistributedKWNG` over ``torch.distributed``.
@@ -15,8 +17,8 @@ The package behind the kwng book, in floors that import only downwards:
   kwng.experiments <name>``), the CIFAR kit and the benchmarks.
 
 ``import kwng`` loads the core and the engine's preconditioner only; the theory, plots,
-experiments and GPU kernels load when imported. The names below are the curated public API;
-each is defined in the module named in its docstring.
+experiments and GPU kernels load when imported. The names below are the curated public
+API; each is defined in the module named in its docstring.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -62,23 +64,53 @@ from kwng.models import (
 from kwng.nosync import nystrom_solve_nosync
 from kwng.solve import DAMPINGS, SOLVE_METHODS
 
-try:  # the installed distribution's version (pyproject.toml); a bare source tree has none
+# the installed distribution's version (pyproject.toml); a bare source tree has none
+try:
     __version__ = version("kwng")
 except PackageNotFoundError:
     __version__ = "0+unknown"
 
 __all__ = [
-    "scale", "is_full", "pick",
-    "Kernel", "GaussianKernel", "RationalQuadraticKernel", "make_kernel",
-    "mean_sq_bandwidth", "median_bandwidth",
-    "KWNGResult", "DAMPINGS", "SOLVE_METHODS", "draw_basis", "kernel_matrices",
-    "jacobian_from_sampler", "jacobian_from_outputs", "damping_vector", "nystrom_solve",
-    "nystrom_solve_nosync", "kwng_gradient", "kwng_gradient_from_outputs", "relative_error",
-    "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
-    "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
-    "KWNGPreconditioner", "DistributedKWNG", "KWNGConfig", "LevenbergMarquardt", "LMSchedule",
+    "scale",
+    "is_full",
+    "pick",
+    "Kernel",
+    "GaussianKernel",
+    "RationalQuadraticKernel",
+    "make_kernel",
+    "mean_sq_bandwidth",
+    "median_bandwidth",
+    "KWNGResult",
+    "DAMPINGS",
+    "SOLVE_METHODS",
+    "draw_basis",
+    "kernel_matrices",
+    "jacobian_from_sampler",
+    "jacobian_from_outputs",
+    "damping_vector",
+    "nystrom_solve",
+    "nystrom_solve_nosync",
+    "kwng_gradient",
+    "kwng_gradient_from_outputs",
+    "relative_error",
+    "ImplicitModel",
+    "NormalModel",
+    "LogNormalModel",
+    "HyperSphereModel",
+    "make_model",
+    "gaussian_w2_squared",
+    "lyapunov",
+    "normal_wng_sigma_coords",
+    "KWNGPreconditioner",
+    "DistributedKWNG",
+    "KWNGConfig",
+    "LevenbergMarquardt",
+    "LMSchedule",
     "eps_from_authors",
     "capture_step",
-    "kfng_gradient", "kernel_fisher_metric", "fisher_matrix", "fisher_natural_gradient",
+    "kfng_gradient",
+    "kernel_fisher_metric",
+    "fisher_matrix",
+    "fisher_natural_gradient",
     "fisher_matrix_mc",
 ]

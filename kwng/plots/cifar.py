@@ -1,19 +1,24 @@
-"""Figures of the CIFAR study from result records (book chapter :ref:`experiments-cifar`).
+"""Figures of the CIFAR study from result records (book chapter
+:ref:`experiments-cifar`).
 
-Each function takes the dictionary of :func:`kwng.experiments.cifar.results.load_results`
-(``{(conditioning, method, seed): record}``) and returns a matplotlib figure; the numbers
-behind them are the tables of :mod:`kwng.experiments.cifar.tables`, and every method is
-drawn in the colour and line style of its record
-(:class:`kwng.experiments.cifar.methods.Method`):
+Each function takes the dictionary of
+:func:`kwng.experiments.cifar.results.load_results` (``{(conditioning, method, seed):
+record}``) and returns a matplotlib figure; the numbers behind them are the tables of
+:mod:`kwng.experiments.cifar.tables`, and every method is drawn in the colour and line
+style of its record (:class:`kwng.experiments.cifar.methods.Method`):
 
-* :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per epoch, ill- and
-  well-conditioned side by side, mean over seeds with the min–max band);
-* :func:`fig_accuracy_vs_time` — Fig. 7 (accuracy against training time: the wall clock recorded by
-  each run, or the step time of each method measured alone);
-* :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ kernel, scaled logits);
-* :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each epoch;
-* :func:`fig_per_class_vs_U` — per-class test accuracy against the class's scaling ``U_k`` (IC);
-* :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped fraction per epoch.
+* :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per
+  epoch, ill- and well-conditioned side by side, mean over seeds with the min–max band);
+* :func:`fig_accuracy_vs_time` — Fig. 7 (accuracy against training time: the wall clock
+  recorded by each run, or the step time of each method measured alone);
+* :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ
+  kernel, scaled logits);
+* :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each
+  epoch;
+* :func:`fig_per_class_vs_U` — per-class test accuracy against the class's scaling
+  ``U_k`` (IC);
+* :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped
+  fraction per epoch.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ __all__ = ["fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fi
 def _look(method: str, looks: dict | None = None) -> dict:
     """The colour and line style of ``method``: from ``looks`` (``{method: {"color",
     "style", ...}}``, the frozen table of a finished study) when given, else from its
-    record (:data:`kwng.experiments.cifar.methods.METHODS`); an unknown method raises."""
+    record (:data:`kwng.experiments.cifar.methods.METHODS`); an unknown method
+    raises."""
     table = METHODS if looks is None else looks
     try:
         m = table[method]
@@ -58,7 +64,9 @@ def _band(ax, x, vals, label, color, ls):
     mean = vals.mean(0)
     ax.plot(x, 100 * mean, color=color, label=label, lw=1.5, ls=ls, marker="o", ms=2.5)
     if vals.shape[0] > 1:
-        ax.fill_between(x, 100 * vals.min(0), 100 * vals.max(0), color=color, alpha=0.2, lw=0)
+        ax.fill_between(
+            x, 100 * vals.min(0), 100 * vals.max(0), color=color, alpha=0.2, lw=0
+        )
 
 
 def _legend_below(fig, axes):
@@ -88,11 +96,19 @@ def _conditions(results: dict) -> tuple[str, ...]:
 
 
 def _label(results: dict, cond: str, method: str) -> str:
-    """``method`` with ``n=k`` seeds, and the epochs reached where a run stopped early."""
-    runs = [r for (c, m, _), r in results.items() if c == cond and m == method and r["epochs"]]
+    """``method`` with ``n=k`` seeds, and the epochs reached where a run stopped
+    early."""
+    runs = [
+        r
+        for (c, m, _), r in results.items()
+        if c == cond and m == method and r["epochs"]
+    ]
     lab = method + (f" (n={len(runs)})" if len(runs) > 1 else "")
     if runs and not all(r.get("complete") for r in runs):
-        lab += f" [{min(len(r['epochs']) for r in runs)}/{runs[0]['config']['epochs']} ep.]"
+        lab += (
+            f" [{min(len(r['epochs']) for r in runs)}/{runs[0]['config']['epochs']} "
+            "ep.]"
+        )
     return lab
 
 
@@ -107,7 +123,9 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "
     fig, axes = plt.subplots(2, len(conds), figsize=(FIG_WIDTH_IN, 6.2), sharex=True,
                              squeeze=False)
     for j, cond in enumerate(conds):
-        for i, (key, name) in enumerate((("test_acc", "test accuracy (%)"), ("train_acc", "training accuracy (%)"))):
+        for i, (key, name) in enumerate(
+            (("test_acc", "test accuracy (%)"), ("train_acc", "training accuracy (%)"))
+        ):
             ax = axes[i, j]
             for m in methods:
                 x, v = curves(results, cond, m, key)
@@ -118,24 +136,37 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
     _legend_below(fig, axes)
-    fig.suptitle(title or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)", wrap=True)
+    fig.suptitle(
+        title
+        or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)",
+        wrap=True,
+    )
     fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
     return fig
 
 
 @book_figure
-def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | None = None,
-                         train_size: int = 50_000, title: str = "",
-                         looks: dict | None = None):
-    """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``: the cumulative
-    training wall clock recorded by each run (mean over seeds), which includes the slow-down from other
-    runs sharing the GPU. With ``timing`` (the record of ``cifar timing``): ``epoch × steps per epoch ×
-    seconds per step measured alone`` (methods missing from ``timing`` are left out)."""
+def fig_accuracy_vs_time(
+    results: dict,
+    methods: Sequence[str],
+    timing: dict | None = None,
+    train_size: int = 50_000,
+    title: str = "",
+    looks: dict | None = None,
+):
+    """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``:
+    the cumulative training wall clock recorded by each run (mean over seeds), which
+    includes the slow-down from other runs sharing the GPU. With ``timing`` (the record
+    of ``cifar timing``): ``epoch × steps per epoch × seconds per step measured alone``
+    (methods missing from ``timing`` are left out)."""
     conds = _conditions(results)
-    fig, axes = plt.subplots(len(conds), 2, figsize=(FIG_WIDTH_IN, 3.1 * len(conds) + 1.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(conds), 2, figsize=(FIG_WIDTH_IN, 3.1 * len(conds) + 1.4), squeeze=False
+    )
     for i, cond in enumerate(conds):
-        for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
+        for j, (key, name) in enumerate(
+            (("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))
+        ):
             ax = axes[i, j]
             for m in methods:
                 x, v = curves(results, cond, m, key)
@@ -155,17 +186,26 @@ def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | N
             ax.set_xlabel("training time (min)")
             ax.grid(alpha=0.3)
     _legend_below(fig, axes)
-    fig.suptitle(title or "CIFAR-10: accuracy against training time\n"
-                 + ("(per-step time measured alone)" if timing else "(recorded on a shared GPU)"), wrap=True)
+    fig.suptitle(
+        title
+        or "CIFAR-10: accuracy against training time\n"
+        + (
+            "(per-step time measured alone)" if timing else "(recorded on a shared GPU)"
+        ),
+        wrap=True,
+    )
     fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
     return fig
 
 
 @book_figure
 def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = None):
-    """Fig. 8: ill-conditioned case, KWNG against its variants (training and test accuracy per epoch)."""
+    """Fig. 8: ill-conditioned case, KWNG against its variants (training and test
+    accuracy per epoch)."""
     fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.6), squeeze=False)
-    for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
+    for j, (key, name) in enumerate(
+        (("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))
+    ):
         ax = axes[0, j]
         for m in methods:
             x, v = curves(results, "ill", m, key)
@@ -182,7 +222,8 @@ def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = Non
 
 @book_figure
 def fig_eps(results: dict, floor: float = 1e-10, looks: dict | None = None):
-    """The Levenberg–Marquardt ε at the end of every epoch, one line per KWNG run (both conditionings)."""
+    """The Levenberg–Marquardt ε at the end of every epoch, one line per KWNG run (both
+    conditionings)."""
     conds = _conditions(results)
     fig, axes = plt.subplots(1, len(conds), figsize=(FIG_WIDTH_IN, 3.6), sharey=True,
                              squeeze=False)
@@ -200,18 +241,21 @@ def fig_eps(results: dict, floor: float = 1e-10, looks: dict | None = None):
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("ε at the end of the epoch")
     _legend_below(fig, axes)
-    fig.suptitle("Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)", wrap=True)
+    fig.suptitle(
+        "Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)", wrap=True
+    )
     fig.tight_layout(rect=(0, _below(axes), 1, 0.9))
     return fig
 
 
-# ------------------------------------------------------------------------------------- claim suite
+# -------------------------------------------------------------------------------------
+# claim suite
 @book_figure
 def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
                        mark: float | None = None):
-    """Final test accuracy of each class against its scaling ``U_k`` (log x), one line per method
-    (mean over seeds), with a dotted line at ``U_k = mark`` if given. A method invariant to the
-    reparametrisation gives a flat line."""
+    """Final test accuracy of each class against its scaling ``U_k`` (log x), one line
+    per method (mean over seeds), with a dotted line at ``U_k = mark`` if given. A
+    method invariant to the reparametrisation gives a flat line."""
     U = class_scalings(results)
     order = np.argsort(U)
     fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 4.2))
@@ -228,17 +272,28 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, loc="lower right")
-    ax.set_title(f"{cond}-conditioned: per-class test accuracy\nafter the last epoch against $U_k$")
+    ax.set_title(
+        f"{cond}-conditioned: per-class test accuracy\nafter the last epoch against "
+        "$U_k$"
+    )
     fig.tight_layout()
     return fig
 
 
 @book_figure
-def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_samples_before_U", "diag_Ttilde",
-                                                                    "kwng_lm_same_batch")):
-    """Rows: ε (epoch mean; in the authors' units ``ε_ours / √N`` for runs of the authors' convention),
-    the reduction ratio (epoch mean over finite values) and the fraction of clipped steps; columns:
-    ill- and well-conditioned. One line per run; panels without records say so."""
+def fig_kwng_diagnostics(
+    results: dict,
+    methods: Sequence[str] = (
+        "kwng",
+        "kwng_samples_before_U",
+        "diag_Ttilde",
+        "kwng_lm_same_batch",
+    ),
+):
+    """Rows: ε (epoch mean; in the authors' units ``ε_ours / √N`` for runs of the
+    authors' convention), the reduction ratio (epoch mean over finite values) and the
+    fraction of clipped steps; columns: ill- and well-conditioned. One line per run;
+    panels without records say so."""
     keys = (("eps", "ε (authors' units)"), ("reduction_ratio", "reduction ratio r"),
             ("clipped", "fraction of steps clipped"))
     conds = _conditions(results)
@@ -273,7 +328,11 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
                 ax.set_title(f"{cond}-conditioned")
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
-    fig.suptitle("KWNG diagnostics per epoch\n(Levenberg–Marquardt ε, reduction ratio, clipping)", wrap=True)
+    fig.suptitle(
+        "KWNG diagnostics per epoch\n"
+        "(Levenberg–Marquardt ε, reduction ratio, clipping)",
+        wrap=True,
+    )
     _legend_below(fig, axes)
     fig.tight_layout(rect=(0, _below(axes), 1, 0.94))
     return fig
