@@ -6,8 +6,8 @@ The package behind the kwng book, in floors that import only downwards:
 * ``kwng`` (this folder): the estimator core. Kernels (:mod:`kwng.kernels`), the linear
   algebra of Props. 5 and 6 (:mod:`kwng.solve`), the estimator (:mod:`kwng.estimator`,
   sync-free variant :mod:`kwng.nosync`, batched sweeps :mod:`kwng.batched`), the models
-  with closed-form WNG (:mod:`kwng.models`) and the kernel Fisher–Rao estimator
-  (:mod:`kwng.fisher`).
+  with closed-form WNG (:mod:`kwng.models`, on the normal closed forms of
+  :mod:`kwng.gaussian`) and the kernel Fisher–Rao estimator (:mod:`kwng.fisher`).
 * :mod:`kwng.engine`: the deep-learning engine, :class:`KWNGPreconditioner` with its
   :class:`KWNGConfig`, drop-in before ``optimizer.step`` (its ``step(loss, X)`` runs the
   backward passes), and :class:`DistributedKWNG` over ``torch.distributed``.
@@ -43,6 +43,7 @@ from kwng.estimator import (
 from kwng.estimator_checks import relative_error
 from kwng.fisher import kernel_fisher_metric, kfng_gradient
 from kwng.fisher_exact import fisher_matrix, fisher_matrix_mc, fisher_natural_gradient
+from kwng.gaussian import gaussian_w2_squared, lyapunov, normal_wng_sigma_coords
 from kwng.kernels import (
     GaussianKernel,
     Kernel,
@@ -56,10 +57,7 @@ from kwng.models import (
     ImplicitModel,
     LogNormalModel,
     NormalModel,
-    gaussian_w2_squared,
-    lyapunov,
     make_model,
-    normal_wng_sigma_coords,
 )
 from kwng.nosync import nystrom_solve_nosync
 from kwng.solve import DAMPINGS, SOLVE_METHODS

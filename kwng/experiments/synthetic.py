@@ -53,7 +53,8 @@ from kwng.experiments.synthetic_setup import (
     write_flow_csvs,
     write_pca_csv,
 )
-from kwng.models import NormalModel, gaussian_w2_squared, make_model
+from kwng.gaussian import gaussian_w2_squared
+from kwng.models import NormalModel, make_model
 
 __all__ = ["REQUIRED_PROVENANCE", "run_sweep", "flow_problem", "run_flow", "check_results_complete",
            "normal_w2_and_grad", "main"]
