@@ -58,13 +58,13 @@ def test_sample_and_jpeg_cache(tmp_path):
     assert xt.shape == (200, 32, 32, 3) and np.bincount(yt).tolist() == [20] * 10
     # the sample has the layout of the offline npz: the JPEG loader reads it and caches
     # the decode
-    gx, gy = kdata.load_jpeg_npz(kdata.SAMPLE_PATH, "test", cache_dir=tmp_path)
+    gx, gy = images.load_jpeg_npz(kdata.SAMPLE_PATH, "test", cache_dir=tmp_path)
     np.testing.assert_array_equal(gx, xt)
     assert (tmp_path / "cifar10_sample_test_x.npy").is_file()
-    gx2, _ = kdata.load_jpeg_npz(kdata.SAMPLE_PATH, "test", cache_dir=tmp_path)
+    gx2, _ = images.load_jpeg_npz(kdata.SAMPLE_PATH, "test", cache_dir=tmp_path)
     np.testing.assert_array_equal(gx2, xt)
     # JPEG quality 75 of natural images: channel means near the CIFAR-10 ones
-    assert np.allclose(x.mean((0, 1, 2)) / 255, kdata.CIFAR_MEAN["cifar10"], atol=0.03)
+    assert np.allclose(x.mean((0, 1, 2)) / 255, images.CIFAR_MEAN["cifar10"], atol=0.03)
 
 
 def test_bad_arguments():
@@ -96,7 +96,7 @@ def test_augmentation_shapes_and_semantics():
 
 def test_gpu_data_determinism_and_normalisation():
     x, y = kdata.load_sample("test")
-    d = kdata.GPUAugmentedData(x, y)
+    d = images.GPUAugmentedData(x, y)
     a = [z for z, _ in d.batches(64, torch.Generator().manual_seed(3))]
     b = [z for z, _ in d.batches(64, torch.Generator().manual_seed(3))]
     c = [z for z, _ in d.batches(64, torch.Generator().manual_seed(4))]
@@ -108,7 +108,7 @@ def test_gpu_data_determinism_and_normalisation():
     z = torch.cat([z for z, _ in d.eval_batches(100)])
     assert abs(float(z.mean())) < 0.15 and abs(float(z.std()) - 1) < 0.15
     with pytest.raises(ValueError, match="x must be uint8"):
-        kdata.GPUAugmentedData(x.astype(np.float32), y)
+        images.GPUAugmentedData(x.astype(np.float32), y)
 
 
 def _run_cfg(tmp_path, **kw):

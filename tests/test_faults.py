@@ -32,6 +32,7 @@ from kwng.experiments import synthetic as syn
 from kwng.experiments import synthetic_setup
 from kwng.experiments.cifar import cli as cifar
 from kwng.experiments.cifar import data as kdata
+from kwng.experiments.cifar import images as kimages
 from kwng.experiments.cifar import results, runtime, sweep, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,11 +277,11 @@ def _npz_like_sample(path: Path, test_from_train: bool) -> None:
 def test_decode_cache_follows_the_source_content(tmp_path):
     npz, cache = tmp_path / "cifar10_jpeg.npz", tmp_path / "cache"
     _npz_like_sample(npz, test_from_train=False)
-    x1, y1 = kdata.load_jpeg_npz(npz, "test", cache_dir=cache)
+    x1, y1 = kimages.load_jpeg_npz(npz, "test", cache_dir=cache)
     _npz_like_sample(
         npz, test_from_train=True
     )  # replaced: same image count, other images
-    x2, y2 = kdata.load_jpeg_npz(npz, "test", cache_dir=cache)
+    x2, y2 = kimages.load_jpeg_npz(npz, "test", cache_dir=cache)
     xt, yt = kdata.load_sample("train")
     np.testing.assert_array_equal(y2, yt[:200])
     np.testing.assert_array_equal(x2, xt[:200])  # decoded again, not the stale cache

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kwng.experiments.cifar.data import GPUAugmentedData
+from kwng.experiments.cifar.images import GPUAugmentedData
 from kwng.experiments.cifar.methods import INFO_KEYS
 
 

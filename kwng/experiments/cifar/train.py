@@ -28,8 +28,9 @@ import torch
 
 from kwng.experiments import guard
 from kwng.experiments.cifar.config import RunConfig
-from kwng.experiments.cifar.data import NUM_CLASSES, GPUAugmentedData
+from kwng.experiments.cifar.data import NUM_CLASSES
 from kwng.experiments.cifar.early_stop import sibling_rows, stop_reason
+from kwng.experiments.cifar.images import GPUAugmentedData
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
     METHODS,
