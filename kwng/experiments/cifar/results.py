@@ -304,7 +304,12 @@ def _write_selection(path: Path, out: dict, force: bool) -> None:
     selection, and a method added to the table adds its ``inherit`` entry: entries
     that are only added are written without ``force``; a changed or removed entry
     (another rule, grid, step size or inheritance) is refused unless ``force`` (then
-    the old file is backed up)."""
+    the old file is backed up). The ``inherit`` entries of methods that have left the
+    table (those of a frozen study) stay as the file records them."""
+    if path.exists():
+        gone = {m: v for m, v in read_json(path).get("inherit", {}).items()
+                if m not in METHODS}
+        out["inherit"] = dict(sorted({**gone, **out["inherit"]}.items()))
     if path.exists() and not force:
         old = read_json(path)
         added = {f"{part}.{k}" for part in ("selected", "inherit")
