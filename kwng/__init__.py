@@ -33,8 +33,6 @@ from kwng.estimator import (
     KWNGResult,
     damping_vector,
     draw_basis,
-    jacobian_from_outputs,
-    jacobian_from_sampler,
     kernel_matrices,
     kwng_gradient,
     kwng_gradient_from_outputs,
@@ -44,6 +42,7 @@ from kwng.estimator_checks import relative_error
 from kwng.fisher import kernel_fisher_metric, kfng_gradient
 from kwng.fisher_exact import fisher_matrix, fisher_matrix_mc, fisher_natural_gradient
 from kwng.gaussian import gaussian_w2_squared, lyapunov, normal_wng_sigma_coords
+from kwng.jacobians import jacobian_from_outputs, jacobian_from_sampler
 from kwng.kernels import (
     GaussianKernel,
     Kernel,

@@ -426,7 +426,8 @@ def _two_networks(seed: int = 0, d: int = 5, condition: float = 1e4):
 
 
 def _T_and_g(net, z, y, idx, coords, kernel, before_U=False):
-    from kwng.estimator import jacobian_from_outputs, kernel_matrices
+    from kwng.estimator import kernel_matrices
+    from kwng.jacobians import jacobian_from_outputs
 
     params = list(net.parameters())
     h, out = net.forward_both(z)

@@ -14,7 +14,7 @@ import torch
 
 from kwng.engine.graph import derived_from, direct_params
 from kwng.engine.replicate import ReplicatedEngine
-from kwng.estimator import jacobian_from_outputs
+from kwng.jacobians import jacobian_from_outputs
 
 
 def replicated_gradients(

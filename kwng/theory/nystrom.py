@@ -16,12 +16,8 @@ import numpy as np
 import torch
 
 from kwng._checks import check_choice, check_int, check_points, check_positive
-from kwng.estimator import (
-    KWNGResult,
-    jacobian_from_sampler,
-    kernel_matrices,
-    nystrom_solve,
-)
+from kwng.estimator import KWNGResult, kernel_matrices, nystrom_solve
+from kwng.jacobians import jacobian_from_sampler
 from kwng.kernels import Kernel
 from kwng.theory.wng import Sampler, sampler_jacobian
 
