@@ -29,6 +29,7 @@ import torch
 
 import kwng
 from kwng.experiments import synthetic as syn
+from kwng.experiments import synthetic_flow as synflow
 from kwng.experiments import synthetic_setup
 from kwng.experiments.cifar import cli as cifar
 from kwng.experiments.cifar import data as kdata
@@ -126,10 +127,10 @@ def test_flow_refuses_another_configuration(tmp_path):
         kwng_variants={"kwng": {"N": 40, "M": 10}},
         steps={"wng": 0.1, "kwng": 0.1, "eg": 1e-2},
     )
-    syn.run_flow(cfg, tmp_path / "flow", progress=False)
+    synflow.run_flow(cfg, tmp_path / "flow", progress=False)
     before = _snapshot(tmp_path / "flow")
     with pytest.raises(ValueError, match="differing keys: iterations"):
-        syn.run_flow({**cfg, "iterations": 3}, tmp_path / "flow", progress=False)
+        synflow.run_flow({**cfg, "iterations": 3}, tmp_path / "flow", progress=False)
     assert _snapshot(tmp_path / "flow") == before
 
 

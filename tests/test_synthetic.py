@@ -11,6 +11,7 @@ import kwng
 from kwng.batched import batched_kwng, sample_and_jacobian
 from kwng.experiments import provenance, synthetic_setup
 from kwng.experiments import synthetic as syn
+from kwng.experiments import synthetic_flow as synflow
 from kwng.experiments.guard_csv import write_csv_rows
 from kwng.models import MODELS, model_names
 
@@ -94,8 +95,8 @@ def test_batched_rejects_bad_input():
 
 def test_w2_gradient_matches_finite_differences():
     cfg = synthetic_setup.flow_config("small")
-    model, theta, mu_t, Sigma_t = syn.flow_problem(dict(cfg, d=4))
-    loss, grad = syn.normal_w2_and_grad(model, theta, mu_t, Sigma_t)
+    model, theta, mu_t, Sigma_t = synflow.flow_problem(dict(cfg, d=4))
+    loss, grad = synflow.normal_w2_and_grad(model, theta, mu_t, Sigma_t)
     assert loss == pytest.approx(
         kwng.gaussian_w2_squared(
             *model.split(theta)[:1], model.covariance(theta), mu_t, Sigma_t
@@ -106,8 +107,9 @@ def test_w2_gradient_matches_finite_differences():
     for k in range(model.num_params):
         e = torch.zeros_like(theta)
         e[k] = h
-        fd[k] = (syn.normal_w2_and_grad(model, theta + e, mu_t, Sigma_t)[0]
-                 - syn.normal_w2_and_grad(model, theta - e, mu_t, Sigma_t)[0]) / (2 * h)
+        up = synflow.normal_w2_and_grad(model, theta + e, mu_t, Sigma_t)[0]
+        down = synflow.normal_w2_and_grad(model, theta - e, mu_t, Sigma_t)[0]
+        fd[k] = (up - down) / (2 * h)
     assert kwng.relative_error(grad, fd) < 1e-6
 
 
@@ -180,7 +182,7 @@ def test_flow_small(tmp_path):
         kwng_variants={"kwng": {"N": 64, "M": 30}},
         steps={"wng": 0.1, "kwng": 0.1, "eg": 1e-2},
     )
-    syn.run_flow(cfg, tmp_path / "flow", progress=False)
+    synflow.run_flow(cfg, tmp_path / "flow", progress=False)
     assert syn.check_results_complete("flow", tmp_path) == []
     fl = synthetic_setup.load_flow(tmp_path / "flow")
     assert set(fl["loss"]) == {"wng", "kwng", "eg"}

@@ -47,7 +47,7 @@ from kwng.experiments.provenance import (
     make_provenance,
     read_json,
 )
-from kwng.experiments.synthetic import flow_problem, normal_w2_and_grad
+from kwng.experiments.synthetic_flow import flow_problem, normal_w2_and_grad
 from kwng.experiments.synthetic_setup import flow_config
 from kwng.gaussian import normal_wng_sigma_coords
 

@@ -240,7 +240,7 @@ def checked_rows(
 
 def write_flow_csvs(out: Path, losses: dict, traj: dict, model: NormalModel) -> None:
     """Write ``loss.csv`` and ``trajectories.csv`` of
-    :func:`~kwng.experiments.synthetic.run_flow`."""
+    :func:`~kwng.experiments.synthetic_flow.run_flow`."""
     buf = io.StringIO()
     buf.write("iteration,method,loss\n")
     for m, ls in losses.items():
@@ -260,9 +260,9 @@ def write_flow_csvs(out: Path, losses: dict, traj: dict, model: NormalModel) -> 
 
 
 def write_pca_csv(out: Path, traj: dict) -> np.ndarray:
-    """``pca.csv`` of :func:`~kwng.experiments.synthetic.run_flow`: the trajectories on
-    the two leading principal directions of the (finite part of the) WNG trajectory.
-    Returns the singular values."""
+    """``pca.csv`` of :func:`~kwng.experiments.synthetic_flow.run_flow`: the
+    trajectories on the two leading principal directions of the (finite part of the) WNG
+    trajectory. Returns the singular values."""
     W = torch.stack(traj["wng"]).numpy()
     W = W[np.isfinite(W).all(1)]
     centre = W.mean(0)
