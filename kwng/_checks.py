@@ -16,8 +16,7 @@ def check_positive(value, name: str, *, allow_zero: bool = False) -> float:
         raise ValueError(f"{name} must be a real number, got {type(value).__name__}")
     if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_complex()):
         raise ValueError(f"{name} must be a real number (a scalar), got a tensor of "
-                         "shape "
-                         f"{tuple(value.shape)} and dtype {value.dtype}")
+                         f"shape {tuple(value.shape)} and dtype {value.dtype}")
     v = float(value)
     ok = math.isfinite(v) and (v >= 0 if allow_zero else v > 0)
     if not ok:
