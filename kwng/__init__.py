@@ -1,11 +1,13 @@
-"""kwng: the Kernelized Wasserstein Natural Gradient (Arbel, Gretton, Li & Montúfar, ICLR 2020).
+"""kwng: the Kernelized Wasserstein Natural Gradient (Arbel, Gretton, Li & Montúfar,
+ICLR 2020).
 
 The package behind the kwng book, in floors that import only downwards:
 
 * ``kwng`` (this folder): the estimator core. Kernels (:mod:`kwng.kernels`), the linear
   algebra of Props. 5 and 6 (:mod:`kwng.solve`), the estimator (:mod:`kwng.estimator`,
-  sync-free variant :mod:`kwng.nosync`, batched sweeps :mod:`kwng.batched`), the models with
-  closed-form WNG (:mod:`kwng.models`) and the kernel Fisher–Rao estimator (:mod:`kwng.fisher`).
+  sync-free variant :mod:`kwng.nosync`, batched sweeps :mod:`kwng.batched`), the models
+  with closed-form WNG (:mod:`kwng.models`, on the normal closed forms of
+  :mod:`kwng.gaussian`) and the kernel Fisher–Rao estimator (:mod:`kwng.fisher`).
 * :mod:`kwng.engine`: the deep-learning engine, :class:`KWNGPreconditioner` with its
   :class:`KWNGConfig`, drop-in before ``optimizer.step`` (its ``step(loss, X)`` runs the
   backward passes), and :class:`DistributedKWNG` over ``torch.distributed``.
@@ -15,8 +17,8 @@ The package behind the kwng book, in floors that import only downwards:
   kwng.experiments <name>``), the CIFAR kit and the benchmarks.
 
 ``import kwng`` loads the core and the engine's preconditioner only; the theory, plots,
-experiments and GPU kernels load when imported. The names below are the curated public API;
-each is defined in the module named in its docstring.
+experiments and GPU kernels load when imported. The names below are the curated public
+API; each is defined in the module named in its docstring.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -31,8 +33,6 @@ from kwng.estimator import (
     KWNGResult,
     damping_vector,
     draw_basis,
-    jacobian_from_outputs,
-    jacobian_from_sampler,
     kernel_matrices,
     kwng_gradient,
     kwng_gradient_from_outputs,
@@ -41,6 +41,8 @@ from kwng.estimator import (
 from kwng.estimator_checks import relative_error
 from kwng.fisher import kernel_fisher_metric, kfng_gradient
 from kwng.fisher_exact import fisher_matrix, fisher_matrix_mc, fisher_natural_gradient
+from kwng.gaussian import gaussian_w2_squared, lyapunov, normal_wng_sigma_coords
+from kwng.jacobians import jacobian_from_outputs, jacobian_from_sampler
 from kwng.kernels import (
     GaussianKernel,
     Kernel,
@@ -54,31 +56,58 @@ from kwng.models import (
     ImplicitModel,
     LogNormalModel,
     NormalModel,
-    gaussian_w2_squared,
-    lyapunov,
     make_model,
-    normal_wng_sigma_coords,
 )
 from kwng.nosync import nystrom_solve_nosync
 from kwng.solve import DAMPINGS, SOLVE_METHODS
 
-try:  # the installed distribution's version (pyproject.toml); a bare source tree has none
+# the installed distribution's version (pyproject.toml); a bare source tree has none
+try:
     __version__ = version("kwng")
 except PackageNotFoundError:
     __version__ = "0+unknown"
 
 __all__ = [
-    "scale", "is_full", "pick",
-    "Kernel", "GaussianKernel", "RationalQuadraticKernel", "make_kernel",
-    "mean_sq_bandwidth", "median_bandwidth",
-    "KWNGResult", "DAMPINGS", "SOLVE_METHODS", "draw_basis", "kernel_matrices",
-    "jacobian_from_sampler", "jacobian_from_outputs", "damping_vector", "nystrom_solve",
-    "nystrom_solve_nosync", "kwng_gradient", "kwng_gradient_from_outputs", "relative_error",
-    "ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "make_model",
-    "gaussian_w2_squared", "lyapunov", "normal_wng_sigma_coords",
-    "KWNGPreconditioner", "DistributedKWNG", "KWNGConfig", "LevenbergMarquardt", "LMSchedule",
+    "scale",
+    "is_full",
+    "pick",
+    "Kernel",
+    "GaussianKernel",
+    "RationalQuadraticKernel",
+    "make_kernel",
+    "mean_sq_bandwidth",
+    "median_bandwidth",
+    "KWNGResult",
+    "DAMPINGS",
+    "SOLVE_METHODS",
+    "draw_basis",
+    "kernel_matrices",
+    "jacobian_from_sampler",
+    "jacobian_from_outputs",
+    "damping_vector",
+    "nystrom_solve",
+    "nystrom_solve_nosync",
+    "kwng_gradient",
+    "kwng_gradient_from_outputs",
+    "relative_error",
+    "ImplicitModel",
+    "NormalModel",
+    "LogNormalModel",
+    "HyperSphereModel",
+    "make_model",
+    "gaussian_w2_squared",
+    "lyapunov",
+    "normal_wng_sigma_coords",
+    "KWNGPreconditioner",
+    "DistributedKWNG",
+    "KWNGConfig",
+    "LevenbergMarquardt",
+    "LMSchedule",
     "eps_from_authors",
     "capture_step",
-    "kfng_gradient", "kernel_fisher_metric", "fisher_matrix", "fisher_natural_gradient",
+    "kfng_gradient",
+    "kernel_fisher_metric",
+    "fisher_matrix",
+    "fisher_natural_gradient",
     "fisher_matrix_mc",
 ]

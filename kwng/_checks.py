@@ -1,5 +1,5 @@
-"""Input validation shared by the public functions: every error names the argument and the
-accepted range."""
+"""Input validation shared by the public functions: every error names the argument and
+the accepted range."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import torch
 
 
 def check_positive(value, name: str, *, allow_zero: bool = False) -> float:
-    """Return ``float(value)`` if it is a finite number ``> 0`` (``>= 0`` with ``allow_zero``)."""
+    """Return ``float(value)`` if it is a finite number ``> 0`` (``>= 0`` with
+    ``allow_zero``)."""
     if isinstance(value, bool) or not isinstance(value, (Real, torch.Tensor)):
         raise ValueError(f"{name} must be a real number, got {type(value).__name__}")
     if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_complex()):
-        raise ValueError(f"{name} must be a real number (a scalar), got a tensor of shape "
-                         f"{tuple(value.shape)} and dtype {value.dtype}")
+        raise ValueError(f"{name} must be a real number (a scalar), got a tensor of "
+                         f"shape {tuple(value.shape)} and dtype {value.dtype}")
     v = float(value)
     ok = math.isfinite(v) and (v >= 0 if allow_zero else v > 0)
     if not ok:
@@ -26,8 +27,15 @@ def check_positive(value, name: str, *, allow_zero: bool = False) -> float:
 
 def check_int(value, name: str, low: int, high: int | None = None) -> int:
     """Return ``int(value)`` if it is an integer in ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, (int,)) and not (
-            isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int,))
+        and not (
+            isinstance(value, torch.Tensor)
+            and value.numel() == 1
+            and not value.is_floating_point()
+        )
+    ):
         raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
     v = int(value)
     if v < low or (high is not None and v > high):
@@ -45,9 +53,11 @@ def check_choice(value, name: str, choices) -> str:
 def check_points(X, name: str) -> torch.Tensor:
     """A floating tensor of shape ``(n, d)`` with ``d >= 1``."""
     if not isinstance(X, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape (n, d), got {type(X).__name__}")
+        raise ValueError(f"{name} must be a torch.Tensor of shape (n, d), got "
+                         f"{type(X).__name__}")
     if X.dim() != 2 or X.shape[1] < 1:
-        raise ValueError(f"{name} must have shape (n, d) with d >= 1, got {tuple(X.shape)}")
+        raise ValueError(f"{name} must have shape (n, d) with d >= 1, got "
+                         f"{tuple(X.shape)}")
     if not X.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {X.dtype}")
     return X

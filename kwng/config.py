@@ -1,8 +1,9 @@
-"""The one place where the run scale of the book and the experiments is decided, and where
-the checkout lives.
+"""The one place where the run scale of the book and the experiments is decided, and
+where the checkout lives.
 
 Set the environment variable ``KWNG_SCALE`` to ``small`` (the default: CPU, seconds per
-chapter) or ``full`` (GPU, the paper's sizes). Every chapter and experiment reads it through
+chapter) or ``full`` (GPU, the paper's sizes). Every chapter and experiment reads it
+through
 :func:`scale` so that a single switch changes the whole project.
 """
 

@@ -27,10 +27,11 @@ from typing import Callable
 
 import torch
 
-from kwng._checks import check_int, check_points
+from kwng._checks import check_finite, check_int, check_points
 from kwng.samples import _check_finite_counted, check_sample_resolution
 
-__all__ = ["check_grad", "check_samples", "check_basis", "report_degenerate"]
+__all__ = ["check_grad", "check_samples", "check_basis", "check_solve_inputs",
+           "report_degenerate"]
 
 
 def check_grad(grad, q: int | None = None, name: str = "grad") -> torch.Tensor:
@@ -142,3 +143,30 @@ def relative_error(estimate, exact) -> float:
     if nx == 0:
         raise ValueError("exact must be non-zero for a relative error")
     return float(torch.linalg.vector_norm(e - x)) / nx
+
+
+def check_solve_inputs(T, CCt, K, grad) -> tuple[int, int]:
+    """``(M, q)`` of the inputs of :func:`kwng.estimator.nystrom_solve`, checked: shapes
+    that match, finite values (the error says where a non-finite value comes from)."""
+    if T.dim() != 2:
+        raise ValueError(f"T must be a matrix (M, q), got shape {tuple(T.shape)}")
+    M, q = T.shape
+    if grad.shape != (q,):
+        raise ValueError(f"grad must have shape ({q},) to match the parameters, "
+                         f"got {tuple(grad.shape)}")
+    check_finite(grad, "grad")
+    if not bool(torch.isfinite(T).all()):
+        raise ValueError(
+            "T must contain only finite values: the Jacobian of the samples with "
+            f"respect to the parameters has {int(torch.isnan(T).sum())} NaN and "
+            f"{int(torch.isinf(T).sum())} inf entries"
+        )
+    if not bool(torch.isfinite(CCt).all()) or not bool(torch.isfinite(K).all()):
+        raise ValueError(
+            "CCt and K must contain only finite values (NaN or inf found: "
+            "non-finite samples, or a kernel that overflows in the input dtype)"
+        )
+    if CCt.shape != (M, M) or K.shape != (M, M):
+        raise ValueError(f"CCt and K must be ({M}, {M}), got {tuple(CCt.shape)} and "
+                         f"{tuple(K.shape)}")
+    return M, q

@@ -43,19 +43,14 @@ from typing import Callable
 import torch
 
 from kwng._checks import check_choice, check_int, check_points, check_positive
-from kwng.estimator import (
-    KWNGResult,
-    draw_basis,
-    jacobian_from_sampler,
-    nystrom_solve,
-    with_bandwidth,
-)
+from kwng.estimator import KWNGResult, draw_basis, nystrom_solve, with_bandwidth
 from kwng.estimator_checks import (
     check_basis,
     check_grad,
     check_samples,
     report_degenerate,
 )
+from kwng.jacobians import jacobian_from_sampler
 from kwng.kernels import Kernel
 from kwng.solve import default_rcond
 

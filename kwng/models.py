@@ -1,17 +1,21 @@
 """Parametric models with a closed-form Wasserstein natural gradient (WNG).
 
-Each model is an *implicit model* ``X = h_θ(Z)`` (a differentiable torch sampler usable by the
-estimator) and knows its Wasserstein information matrix ``G_W(θ)`` and WNG ``G_W(θ)⁻¹ ∇L(θ)``
-in closed form (Arbel et al. 2020, App. D.1; Malagò et al. 2018; Chen & Li 2018):
+Each model is an *implicit model* ``X = h_θ(Z)`` (a differentiable torch sampler usable
+by the estimator) and knows its Wasserstein information matrix ``G_W(θ)`` and WNG
+``G_W(θ)⁻¹ ∇L(θ)`` in closed form (Arbel et al. 2020, App. D.1; Malagò et al. 2018; Chen
+& Li 2018):
 
 * :class:`NormalModel`     ``X = μ + L Z``, ``Σ = L Lᵀ``, ``L`` lower triangular;
-* :class:`LogNormalModel`  ``X = exp(μ + s ⊙ Z)``: **diagonal** covariance ``diag(s²)`` of the
-  underlying normal. This assumption is what makes the WNG closed-form: the family is a product
-  of one-dimensional families, for which every velocity field is a gradient;
-* :class:`HyperSphereModel` ``X = μ + e^ρ Z/‖Z‖``: uniform on the sphere of centre ``μ`` and radius
-  ``r = e^ρ``; it has no density, so the Fisher natural gradient does not exist.
+* :class:`LogNormalModel`  ``X = exp(μ + s ⊙ Z)``: **diagonal** covariance ``diag(s²)``
+  of the underlying normal. This assumption is what makes the WNG closed-form: the
+  family is a product of one-dimensional families, for which every velocity field is a
+  gradient;
+* :class:`HyperSphereModel` ``X = μ + e^ρ Z/‖Z‖``: uniform on the sphere of centre ``μ``
+  and radius ``r = e^ρ``; it has no density, so the Fisher natural gradient does not
+  exist.
 
-Closed forms are computed in float64 with NumPy/SciPy and returned as torch float64 tensors.
+Closed forms are computed in float64 with NumPy/SciPy and returned as torch float64
+tensors.
 """
 
 from __future__ import annotations
@@ -20,24 +24,25 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 import numpy as np
-import scipy.linalg
 import torch
 
 from kwng._checks import check_int, check_positive
+from kwng.gaussian import _np, gaussian_w2_squared, lyapunov, normal_wng_sigma_coords
 
-__all__ = ["ImplicitModel", "NormalModel", "LogNormalModel", "HyperSphereModel", "MODELS",
-           "make_model", "model_names", "gaussian_w2_squared", "lyapunov",
-           "normal_wng_sigma_coords"]
-
-
-def _np(x) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().to(torch.float64).numpy()
-    return np.asarray(x, dtype=np.float64)
+__all__ = [
+    "ImplicitModel",
+    "NormalModel",
+    "LogNormalModel",
+    "HyperSphereModel",
+    "MODELS",
+    "make_model",
+    "model_names",
+]
 
 
 class ImplicitModel:
-    """Base class: a sampler ``h_θ(Z)`` with latent ``Z ~ N(0, I_d)`` and closed-form metric."""
+    """Base class: a sampler ``h_θ(Z)`` with latent ``Z ~ N(0, I_d)`` and closed-form
+    metric."""
 
     name = "model"
 
@@ -53,24 +58,36 @@ class ImplicitModel:
 
     def check_theta(self, theta: torch.Tensor) -> torch.Tensor:
         if not isinstance(theta, torch.Tensor) or theta.shape != (self.num_params,):
-            shape = tuple(theta.shape) if isinstance(theta, torch.Tensor) else type(theta).__name__
-            raise ValueError(f"theta must be a tensor of shape ({self.num_params},) for {self!r}, got {shape}")
+            shape = (
+                tuple(theta.shape)
+                if isinstance(theta, torch.Tensor)
+                else type(theta).__name__
+            )
+            raise ValueError(
+                f"theta must be a tensor of shape ({self.num_params},) for {self!r}, "
+                f"got {shape}"
+            )
         return theta
 
     def sample_latent(self, N: int, generator: torch.Generator | None = None,
-                      dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> torch.Tensor:
-        """``N`` latent draws ``Z ~ N(0, I_d)`` (drawn on the CPU for reproducibility, then moved)."""
+                      dtype: torch.dtype = torch.float64,
+                      device: str | torch.device = "cpu") -> torch.Tensor:
+        """``N`` latent draws ``Z ~ N(0, I_d)`` (drawn on the CPU for reproducibility,
+        then moved)."""
         N = check_int(N, "N", 1)
         return torch.randn(N, self.d, generator=generator, dtype=dtype).to(device)
 
-    def random_params(self, generator: torch.Generator | None = None, variance: float = 0.1,
-                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """``θ ~ N(0, variance · I_q)``, the protocol of the paper's synthetic experiments."""
+    def random_params(self, generator: torch.Generator | None = None,
+                      variance: float = 0.1, dtype: torch.dtype = torch.float64
+                      ) -> torch.Tensor:
+        """``θ ~ N(0, variance · I_q)``, the protocol of the paper's synthetic
+        experiments."""
         std = check_positive(variance, "variance") ** 0.5
         return std * torch.randn(self.num_params, generator=generator, dtype=dtype)
 
     def reference_params(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """The model's reference point ``θ₀``: ``0`` here; :class:`NormalModel` overrides it."""
+        """The model's reference point ``θ₀``: ``0`` here; :class:`NormalModel`
+        overrides it."""
         return torch.zeros(self.num_params, dtype=dtype)
 
     def params_near_reference(self, generator: torch.Generator | None = None,
@@ -79,11 +96,14 @@ class ImplicitModel:
         """A random parameter near the reference point: ``θ = θ₀ + ξ``, ``ξ`` drawn by
         :meth:`random_params` (``N(0, variance · I_q)``, the paper's protocol).
 
-        ``θ₀ = 0`` for the sphere and the log-normal model (the paper's draw as stated) and
-        ``θ₀ = (μ = 0, L = I)`` for the normal model (:meth:`NormalModel.reference_params`).
-        The draw of the synthetic sweeps, the Fisher study, the flows and the chapters.
+        ``θ₀ = 0`` for the sphere and the log-normal model (the paper's draw as stated)
+        and ``θ₀ = (μ = 0, L = I)`` for the normal model
+        (:meth:`NormalModel.reference_params`). The draw of the synthetic sweeps, the
+        Fisher study, the flows and the chapters.
         """
-        return self.random_params(generator, variance, dtype) + self.reference_params(dtype)
+        return self.random_params(generator, variance, dtype) + self.reference_params(
+            dtype
+        )
 
     def sample(self, theta: torch.Tensor, Z: torch.Tensor) -> torch.Tensor:
         """``X = h_θ(Z)``, differentiable in ``theta``; shape ``(N, d)``."""
@@ -98,59 +118,24 @@ class ImplicitModel:
         raise NotImplementedError
 
     def w2_squared(self, theta_a: torch.Tensor, theta_b: torch.Tensor) -> float:
-        """Closed-form ``W2²(ρ_{θ_a}, ρ_{θ_b})`` (used by the finite-difference checks)."""
+        """Closed-form ``W2²(ρ_{θ_a}, ρ_{θ_b})`` (used by the finite-difference
+        checks)."""
         raise NotImplementedError
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Multivariate normal
-# --------------------------------------------------------------------------------------------
-def lyapunov(Sigma: np.ndarray, S: np.ndarray) -> np.ndarray:
-    """The symmetric ``A`` with ``AΣ + ΣA = S`` (SciPy's continuous Lyapunov solver)."""
-    A = scipy.linalg.solve_continuous_lyapunov(Sigma, S)
-    return 0.5 * (A + A.T)
-
-
-def _sqrtm_psd(A: np.ndarray) -> np.ndarray:
-    w, V = np.linalg.eigh(0.5 * (A + A.T))
-    return (V * np.sqrt(np.clip(w, 0.0, None))) @ V.T
-
-
-def gaussian_w2_squared(mu_a, Sigma_a, mu_b, Sigma_b) -> float:
-    """``W2²`` between normals: ``‖μa-μb‖² + tr(Σa + Σb - 2 (Σa^{1/2} Σb Σa^{1/2})^{1/2})``."""
-    mu_a, mu_b, Sa, Sb = map(_np, (mu_a, mu_b, Sigma_a, Sigma_b))
-    ra = _sqrtm_psd(Sa)
-    cross = _sqrtm_psd(ra @ Sb @ ra)
-    return float(np.sum((mu_a - mu_b) ** 2) + np.trace(Sa + Sb - 2.0 * cross))
-
-
-def normal_wng_sigma_coords(Sigma: np.ndarray, grad_mu: np.ndarray, grad_s: np.ndarray
-                            ) -> tuple[np.ndarray, np.ndarray]:
-    """WNG of the normal model in the paper's coordinates ``θ = (μ, s)``, ``s`` = lower triangle of Σ.
-
-    Paper App. D.1, eq. (true_nat_grad): with ``A`` the symmetric matrix holding ``∇_s L`` in both
-    triangles, the WNG is ``(∇_μ L, tril(Σ(A + diag A) + (A + diag A)Σ))``. ``grad_s`` and the
-    returned lower triangle follow ``numpy.tril_indices(d)`` order.
-    """
-    Sigma = _np(Sigma)
-    d = Sigma.shape[0]
-    il = np.tril_indices(d)
-    A = np.zeros((d, d))
-    A[il] = _np(grad_s)
-    A = A + A.T - np.diag(np.diag(A))
-    B = A + np.diag(np.diag(A))
-    return _np(grad_mu).copy(), (Sigma @ B + B @ Sigma)[il]
-
-
+# --------------------------------------------------------------------------------------
 class NormalModel(ImplicitModel):
     """``N(μ, LLᵀ)`` with ``θ = (μ, vech L)``, ``L`` lower triangular (entries in
     ``torch.tril_indices`` order), sampled as ``X = μ + L Z``.
 
-    The metric is the Bures-Wasserstein one (paper App. D.1): a tangent vector ``(m, dΣ)`` has
-    squared length ``‖m‖² + tr(A Σ A)`` where ``AΣ + ΣA = dΣ`` and ``dΣ = dL Lᵀ + L dLᵀ``.
-    The WNG is computed in the paper's ``(μ, s = tril Σ)`` coordinates with
-    :func:`normal_wng_sigma_coords` and carried to ``(μ, L)`` by the chain rule (the map
-    ``L ↦ tril(LLᵀ)`` is a local diffeomorphism when ``L`` has a non-zero diagonal).
+    The metric is the Bures-Wasserstein one (paper App. D.1): a tangent vector ``(m,
+    dΣ)`` has squared length ``‖m‖² + tr(A Σ A)`` where ``AΣ + ΣA = dΣ`` and ``dΣ = dL
+    Lᵀ + L dLᵀ``. The WNG is computed in the paper's ``(μ, s = tril Σ)`` coordinates
+    with :func:`normal_wng_sigma_coords` and carried to ``(μ, L)`` by the chain rule
+    (the map ``L ↦ tril(LLᵀ)`` is a local diffeomorphism when ``L`` has a non-zero
+    diagonal).
     """
 
     name = "normal"
@@ -180,12 +165,14 @@ class NormalModel(ImplicitModel):
     def reference_params(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """``θ₀ = (μ = 0, vech L = vech I)``: the standard normal.
 
-        The paper's draw ``θ ~ N(0, variance · I_q)`` around ``0`` puts ``L`` near zero, where
-        ``Σ = LLᵀ`` is close to singular and finite differences or Lyapunov solves lose
-        accuracy; drawing around ``L = I`` (:meth:`params_near_reference`) keeps ``Σ`` well
-        conditioned.
+        The paper's draw ``θ ~ N(0, variance · I_q)`` around ``0`` puts ``L`` near zero,
+        where ``Σ = LLᵀ`` is close to singular and finite differences or Lyapunov solves
+        lose accuracy; drawing around ``L = I`` (:meth:`params_near_reference`) keeps
+        ``Σ`` well conditioned.
         """
-        return self.join(torch.zeros(self.d, dtype=dtype), torch.eye(self.d, dtype=dtype))
+        return self.join(
+            torch.zeros(self.d, dtype=dtype), torch.eye(self.d, dtype=dtype)
+        )
 
     def covariance(self, theta: torch.Tensor) -> np.ndarray:
         _, L = self.split(theta)
@@ -197,8 +184,9 @@ class NormalModel(ImplicitModel):
         return mu + Z.to(theta.dtype) @ L.T
 
     def jacobian_s_l(self, L: np.ndarray) -> np.ndarray:
-        """``J = ∂ tril(LLᵀ) / ∂ vech(L)``, square of size ``d(d+1)/2``: carries gradients
-        between our coordinates ``(μ, vech L)`` and the paper's ``(μ, tril Σ)``."""
+        """``J = ∂ tril(LLᵀ) / ∂ vech(L)``, square of size ``d(d+1)/2``: carries
+        gradients between our coordinates ``(μ, vech L)`` and the paper's ``(μ, tril
+        Σ)``."""
         il = self._il
         n = len(il[0])
         J = np.zeros((n, n))
@@ -210,7 +198,8 @@ class NormalModel(ImplicitModel):
         return J
 
     def metric(self, theta):
-        """``G_W`` assembled entry by entry from the definition (Lyapunov solve per direction)."""
+        """``G_W`` assembled entry by entry from the definition (Lyapunov solve per
+        direction)."""
         mu, L = self.split(theta)
         L = _np(L)
         Sigma = L @ L.T
@@ -242,21 +231,23 @@ class NormalModel(ImplicitModel):
     def w2_squared(self, theta_a, theta_b):
         mu_a, _ = self.split(theta_a)
         mu_b, _ = self.split(theta_b)
-        return gaussian_w2_squared(mu_a, self.covariance(theta_a), mu_b, self.covariance(theta_b))
+        return gaussian_w2_squared(
+            mu_a, self.covariance(theta_a), mu_b, self.covariance(theta_b)
+        )
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Log-normal with diagonal covariance
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 class LogNormalModel(ImplicitModel):
     """Multivariate log-normal ``X = exp(μ + s ⊙ Z)`` with ``θ = (μ, s) ∈ R^{2d}``.
 
-    **Assumption:** the underlying normal has diagonal covariance ``diag(s²)``. The coordinates
-    are then independent, the Wasserstein metric splits into ``d`` blocks and in each
-    one-dimensional block the velocity fields ``x ↦ (x, x z(x))`` are gradients, so
-    ``G_k = E[(∂h/∂(μ_k, s_k))(∂h/∂(μ_k, s_k))ᵀ] = e^{2μ_k + 2s_k²} [[1, 2s_k], [2s_k, 1 + 4s_k²]]``.
-    (A full covariance couples coordinates through a non-gradient velocity field and has no
-    closed form that we know of.)
+    **Assumption:** the underlying normal has diagonal covariance ``diag(s²)``. The
+    coordinates are then independent, the Wasserstein metric splits into ``d`` blocks
+    and in each one-dimensional block the velocity fields ``x ↦ (x, x z(x))`` are
+    gradients, so ``G_k = E[(∂h/∂(μ_k, s_k))(∂h/∂(μ_k, s_k))ᵀ] = e^{2μ_k + 2s_k²} [[1,
+    2s_k], [2s_k, 1 + 4s_k²]]``. (A full covariance couples coordinates through a
+    non-gradient velocity field and has no closed form that we know of.)
     """
 
     name = "lognormal"
@@ -290,20 +281,25 @@ class LogNormalModel(ImplicitModel):
         _, s, scale = self._blocks(theta)
         g = _np(grad)
         gm, gs = g[: self.d], g[self.d:]
-        # Each 2 × 2 block has determinant scale², its inverse is [[1+4s², -2s], [-2s, 1]] / scale.
+        # Each 2 × 2 block has determinant scale², its inverse is [[1+4s², -2s], [-2s,
+        # 1]] / scale.
         nat_m = ((1 + 4 * s ** 2) * gm - 2 * s * gs) / scale
         nat_s = (-2 * s * gm + gs) / scale
         return torch.from_numpy(np.concatenate([nat_m, nat_s]))
 
     def quantile(self, theta, u: np.ndarray) -> np.ndarray:
-        """Quantile function of the marginals, shape ``(len(u), d)`` (used for 1-d W2 checks)."""
+        """Quantile function of the marginals, shape ``(len(u), d)`` (used for 1-d W2
+        checks)."""
         from scipy.stats import norm
 
         t = _np(self.check_theta(theta))
-        return np.exp(t[: self.d] + np.abs(t[self.d:]) * norm.ppf(np.asarray(u))[:, None])
+        return np.exp(
+            t[: self.d] + np.abs(t[self.d :]) * norm.ppf(np.asarray(u))[:, None]
+        )
 
     def w2_squared(self, theta_a, theta_b):
-        """Sum over coordinates of the 1-d ``W2² = ∫₀¹ (F_a⁻¹(u) - F_b⁻¹(u))² du`` (adaptive quadrature)."""
+        """Sum over coordinates of the 1-d ``W2² = ∫₀¹ (F_a⁻¹(u) - F_b⁻¹(u))² du``
+        (adaptive quadrature)."""
         from scipy.integrate import quad
 
         total = 0.0
@@ -316,16 +312,17 @@ class LogNormalModel(ImplicitModel):
         return total
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Uniform distribution on a hyper-sphere
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 class HyperSphereModel(ImplicitModel):
-    """Uniform distribution on the sphere ``{x : ‖x - μ‖ = r}`` in ``R^d``, ``θ = (μ, ρ)``,
-    ``r = e^ρ``, sampled as ``X = μ + r Z/‖Z‖`` (for ``d = 1``: the two points ``μ ± r``).
+    """Uniform distribution on the sphere ``{x : ‖x - μ‖ = r}`` in ``R^d``, ``θ = (μ,
+    ρ)``, ``r = e^ρ``, sampled as ``X = μ + r Z/‖Z‖`` (for ``d = 1``: the two points ``μ
+    ± r``).
 
-    The velocity fields of ``μ`` and ``ρ`` are ``x ↦ e_i`` and ``x ↦ x - μ``, both gradients
-    (of ``x_i`` and ``‖x - μ‖²/2``), so ``G_W = E[∂hᵀ∂h] = diag(I_d, r²)``. The measure has no
-    density: the Fisher information is not defined.
+    The velocity fields of ``μ`` and ``ρ`` are ``x ↦ e_i`` and ``x ↦ x - μ``, both
+    gradients (of ``x_i`` and ``‖x - μ‖²/2``), so ``G_W = E[∂hᵀ∂h] = diag(I_d, r²)``.
+    The measure has no density: the Fisher information is not defined.
     """
 
     name = "sphere"
@@ -353,20 +350,23 @@ class HyperSphereModel(ImplicitModel):
         return torch.from_numpy(g)
 
     def w2_squared(self, theta_a, theta_b):
-        """``‖μa - μb‖² + (ra - rb)²``: the radial map ``x ↦ μb + (rb/ra)(x - μa)`` is optimal."""
+        """``‖μa - μb‖² + (ra - rb)²``: the radial map ``x ↦ μb + (rb/ra)(x - μa)`` is
+        optimal."""
         a, b = _np(theta_a), _np(theta_b)
         d = self.d
         return float(np.sum((a[:d] - b[:d]) ** 2) + (np.exp(a[d]) - np.exp(b[d])) ** 2)
 
 
-#: The registry of the models by name (the one table; the studies take their names from it).
+#: The registry of the models by name (the one table; the studies take their names from
+#: it).
 MODELS: Mapping[str, type[ImplicitModel]] = MappingProxyType(
     {"normal": NormalModel, "lognormal": LogNormalModel, "sphere": HyperSphereModel})
 
 
 def model_names(names: Iterable[str]) -> tuple[str, ...]:
-    """``names`` as a tuple, in their order, each checked against :data:`MODELS`: an unknown
-    name raises ``ValueError`` with the accepted names (a study's figure order is one)."""
+    """``names`` as a tuple, in their order, each checked against :data:`MODELS`: an
+    unknown name raises ``ValueError`` with the accepted names (a study's figure order
+    is one)."""
     names = tuple(names)
     unknown = [n for n in names if n not in MODELS]
     if unknown:
@@ -375,6 +375,7 @@ def model_names(names: Iterable[str]) -> tuple[str, ...]:
 
 
 def make_model(name: str, d: int) -> ImplicitModel:
-    """Build a model by name: ``"normal"``, ``"lognormal"`` or ``"sphere"`` (:data:`MODELS`)."""
+    """Build a model by name: ``"normal"``, ``"lognormal"`` or ``"sphere"``
+    (:data:`MODELS`)."""
     (name,) = model_names((name,))
     return MODELS[name](d)

@@ -30,8 +30,7 @@ def test_lm_state_is_updated_in_place():
 
 
 def test_epoch_draws_equal_the_per_batch_draws():
-    from kwng.experiments.cifar.augment import augment_batch, normalize
-    from kwng.experiments.cifar.data import GPUAugmentedData
+    from kwng.experiments.cifar.images import GPUAugmentedData, augment_batch, normalize
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 255, (300, 32, 32, 3), dtype=np.uint8)
@@ -69,7 +68,7 @@ def test_epoch_stats_accumulate_in_place_and_reset():
 
 
 def test_evaluate_full_confusion_recall_precision_and_feature_norm():
-    from kwng.experiments.cifar.data import GPUAugmentedData
+    from kwng.experiments.cifar.images import GPUAugmentedData
     from kwng.experiments.cifar.metrics import evaluate, evaluate_full
     from kwng.experiments.cifar.nets import ConditionedNetwork, tiny_cnn
 
@@ -94,7 +93,7 @@ def test_evaluate_full_confusion_recall_precision_and_feature_norm():
 
 
 def test_step_runner_is_eager_without_cuda():
-    from kwng.experiments.cifar.capture import StepRunner
+    from kwng.experiments.cifar.steps import StepRunner
 
     calls = []
     r = StepRunner(lambda z, y: calls.append(z.shape), torch.device("cpu"), True,

@@ -1,4 +1,5 @@
-"""CIFAR study: loaders, augmentation, runner (exact resume), KFAC/EKFAC wrapper, result completeness."""
+"""CIFAR study: loaders, augmentation, runner (exact resume), KFAC/EKFAC wrapper, result
+completeness."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from kwng.experiments.cifar import data as kdata
 from kwng.experiments.cifar import (
-    augment,
+    images,
     methods,
     plans,
     results,
@@ -17,13 +19,14 @@ from kwng.experiments.cifar import (
     steps,
     train,
 )
-from kwng.experiments.cifar import data as kdata
 from kwng.experiments.cifar.config import SMALL_RUN, RunConfig
 
 
 def _fake(n: int, classes: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, classes, n)
+    return rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), rng.integers(
+        0, classes, n
+    )
 
 
 @pytest.mark.parametrize("dataset,classes", [("cifar10", 10), ("cifar100", 100)])
@@ -53,14 +56,15 @@ def test_sample_and_jpeg_cache(tmp_path):
     assert np.bincount(y, minlength=10).tolist() == [50] * 10
     xt, yt = kdata.load_sample("test")
     assert xt.shape == (200, 32, 32, 3) and np.bincount(yt).tolist() == [20] * 10
-    # the sample has the layout of the offline npz: the JPEG loader reads it and caches the decode
-    gx, gy = kdata.load_jpeg_npz(kdata.SAMPLE_PATH, "test", cache_dir=tmp_path)
+    # the sample has the layout of the offline npz: the JPEG loader reads it and caches
+    # the decode
+    gx, gy = images.load_jpeg_npz(kdata.SAMPLE_PATH, "test", cache_dir=tmp_path)
     np.testing.assert_array_equal(gx, xt)
     assert (tmp_path / "cifar10_sample_test_x.npy").is_file()
-    gx2, _ = kdata.load_jpeg_npz(kdata.SAMPLE_PATH, "test", cache_dir=tmp_path)
+    gx2, _ = images.load_jpeg_npz(kdata.SAMPLE_PATH, "test", cache_dir=tmp_path)
     np.testing.assert_array_equal(gx2, xt)
     # JPEG quality 75 of natural images: channel means near the CIFAR-10 ones
-    assert np.allclose(x.mean((0, 1, 2)) / 255, kdata.CIFAR_MEAN["cifar10"], atol=0.03)
+    assert np.allclose(x.mean((0, 1, 2)) / 255, images.CIFAR_MEAN["cifar10"], atol=0.03)
 
 
 def test_bad_arguments():
@@ -75,9 +79,10 @@ def test_bad_arguments():
 def test_augmentation_shapes_and_semantics():
     g = torch.Generator().manual_seed(0)
     x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).reshape(2, 3, 32, 32)
-    out = augment.augment_batch(x, g)
+    out = images.augment_batch(x, g)
     assert out.shape == x.shape
-    # every output is a crop of the padded image, possibly flipped: check against a direct computation
+    # every output is a crop of the padded image, possibly flipped: check against a
+    # direct computation
     g = torch.Generator().manual_seed(0)
     ox = torch.randint(0, 9, (2,), generator=g)
     oy = torch.randint(0, 9, (2,), generator=g)
@@ -91,22 +96,33 @@ def test_augmentation_shapes_and_semantics():
 
 def test_gpu_data_determinism_and_normalisation():
     x, y = kdata.load_sample("test")
-    d = kdata.GPUAugmentedData(x, y)
+    d = images.GPUAugmentedData(x, y)
     a = [z for z, _ in d.batches(64, torch.Generator().manual_seed(3))]
     b = [z for z, _ in d.batches(64, torch.Generator().manual_seed(3))]
     c = [z for z, _ in d.batches(64, torch.Generator().manual_seed(4))]
-    assert len(a) == 4 and a[0].shape == (64, 3, 32, 32) and a[-1].shape == (8, 3, 32, 32)
+    assert (
+        len(a) == 4 and a[0].shape == (64, 3, 32, 32) and a[-1].shape == (8, 3, 32, 32)
+    )
     assert all(torch.equal(u, v) for u, v in zip(a, b))
     assert not torch.equal(a[0], c[0])
     z = torch.cat([z for z, _ in d.eval_batches(100)])
     assert abs(float(z.mean())) < 0.15 and abs(float(z.std()) - 1) < 0.15
     with pytest.raises(ValueError, match="x must be uint8"):
-        kdata.GPUAugmentedData(x.astype(np.float32), y)
+        images.GPUAugmentedData(x.astype(np.float32), y)
 
 
 def _run_cfg(tmp_path, **kw):
-    base = {"source": "sample", "model": "tiny", "batch_size": 100, "epochs": 2, "lr": 0.1, "device": "cpu",
-            "out": str(tmp_path / "res"), "checkpoint_dir": str(tmp_path / "ck"), "train_subset": 200}
+    base = {
+        "source": "sample",
+        "model": "tiny",
+        "batch_size": 100,
+        "epochs": 2,
+        "lr": 0.1,
+        "device": "cpu",
+        "out": str(tmp_path / "res"),
+        "checkpoint_dir": str(tmp_path / "ck"),
+        "train_subset": 200,
+    }
     base.update(kw)
     return base
 
@@ -114,7 +130,9 @@ def _run_cfg(tmp_path, **kw):
 @pytest.mark.parametrize("method", ["sgd_momentum", "kwng"])
 def test_runner_exact_resume(tmp_path, method):
     full = train.run(_run_cfg(tmp_path / "a", method=method), progress=False)
-    part = train.run(_run_cfg(tmp_path / "b", method=method, stop_after_epoch=1), progress=False)
+    part = train.run(
+        _run_cfg(tmp_path / "b", method=method, stop_after_epoch=1), progress=False
+    )
     assert len(part["epochs"]) == 1 and not part["complete"]
     cfg_b = _run_cfg(tmp_path / "b", method=method)
     assert runtime.checkpoint_path_for(cfg_b).is_file()
@@ -136,12 +154,26 @@ def test_selection_rule(tmp_path):
     from kwng.experiments.provenance import atomic_write_json
 
     root = tmp_path / "sel"
-    for lr, acc, loss in ((1.0, 0.3, 1.5), (0.1, 0.4, 1.2), (0.01, 0.4, 1.1), (10.0, 0.1, float("nan"))):
-        rec = {"config": {"dataset": "cifar10", "conditioning": "ill", "method": "sgd"}, "lr": lr, "complete": True,
-               "diverged": loss != loss, "epochs": [{"test_acc": acc, "train_loss": loss, "steps": 5}]}
-        atomic_write_json(root / f"lr{lr:g}" / "cifar10" / "ill" / "sgd" / "seed0" / "metrics.json", rec)
+    for lr, acc, loss in (
+        (1.0, 0.3, 1.5),
+        (0.1, 0.4, 1.2),
+        (0.01, 0.4, 1.1),
+        (10.0, 0.1, float("nan")),
+    ):
+        rec = {
+            "config": {"dataset": "cifar10", "conditioning": "ill", "method": "sgd"},
+            "lr": lr,
+            "complete": True,
+            "diverged": loss != loss,
+            "epochs": [{"test_acc": acc, "train_loss": loss, "steps": 5}],
+        }
+        atomic_write_json(
+            root / f"lr{lr:g}" / "cifar10" / "ill" / "sgd" / "seed0" / "metrics.json",
+            rec,
+        )
     out = results.select_lrs(root)
-    assert out["selected"]["cifar10/ill/sgd"]["lr"] == 0.01  # tie on accuracy -> lower training loss
+    # tie on accuracy -> lower training loss
+    assert out["selected"]["cifar10/ill/sgd"]["lr"] == 0.01
     assert (root / "selected.json").is_file()
 
 
@@ -152,10 +184,16 @@ def test_selection_grows_by_method_but_refuses_a_change(tmp_path):
     root = tmp_path / "sel"
 
     def short_run(method, lr, acc):
-        rec = {"config": {"dataset": "cifar10", "conditioning": "ill", "method": method},
-               "lr": lr, "complete": True, "diverged": False,
-               "epochs": [{"test_acc": acc, "train_loss": 1.0, "steps": 5}]}
-        path = root / f"lr{lr:g}" / "cifar10" / "ill" / method / "seed0" / "metrics.json"
+        rec = {
+            "config": {"dataset": "cifar10", "conditioning": "ill", "method": method},
+            "lr": lr,
+            "complete": True,
+            "diverged": False,
+            "epochs": [{"test_acc": acc, "train_loss": 1.0, "steps": 5}],
+        }
+        path = (
+            root / f"lr{lr:g}" / "cifar10" / "ill" / method / "seed0" / "metrics.json"
+        )
         atomic_write_json(path, rec)
         return path
 
@@ -173,16 +211,30 @@ def test_selection_grows_by_method_but_refuses_a_change(tmp_path):
     assert read_json(root / "selected.json")["selected"]["cifar10/ill/sgd"]["lr"] == 0.1
 
 
-def test_plans_cover_the_study():
+def _study6_jobs():
+    """The earlier 6-epoch study's runs, from its frozen table."""
+    out = []
+    for name in results.study6_table()["runs"]:
+        c, m, s = name.split("/")
+        out.append({"conditioning": c, "method": m, "seed": int(s[4:])})
+    return out
 
-    main = plans.build_plan("main", epochs=5)
-    names = {(j["conditioning"], j["method"], j["seed"]) for j in main}
+
+def test_frozen_six_epoch_study_covers_its_runs():
+    """The frozen run list of the 6-epoch study: three seeds of sgd/adam/kwng in both
+    conditionings, one seed of the other methods in both, the ablations ill only; its
+    methods have left the live table, and every one has a look for its figures."""
+    table = results.study6_table()
+    names = {(j["conditioning"], j["method"], j["seed"]) for j in _study6_jobs()}
     for m in ("sgd", "adam", "kwng"):
         for c in ("ill", "well"):
             assert {(c, m, s) for s in (0, 1, 2)} <= names
-    assert len(main) == len(names) == 18 + 14 + 6
-    sel = plans.build_plan("select")
-    assert len(sel) == len(methods.SELECT_METHODS) * 2 * len(methods.LR_GRID)
+    assert len(table["runs"]) == len(names) == 18 + 14 + 6
+    assert {m for _, m, _ in names} == set(table["looks"])
+    assert "kwng_m20" not in methods.METHODS and "study6" not in methods.SCHEDULES
+    for plan in ("select", "main"):
+        with pytest.raises(ValueError, match="plan must be one of"):
+            plans.build_plan(plan)
 
 
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
@@ -202,11 +254,13 @@ def test_kfac_wrapper_step_keeps_bn_stats(kind):
         opt.zero_grad()
         out = model(z)
         loss = torch.nn.functional.cross_entropy(U(out), y)
-        bn_before = bn_state(model)  # the forward pass of the step has already updated the BN stats
+        # the forward pass of the step has already updated the BN stats
+        bn_before = bn_state(model)
         grads_bn = None
         info = pc.step(loss, out, inputs=z)
         for k, v in bn_state(model).items():
-            assert torch.equal(v, bn_before[k]), k  # the extra Fisher passes left no trace
+            # the extra Fisher passes left no trace
+            assert torch.equal(v, bn_before[k]), k
         grads_bn = model[1].weight.grad.clone()
         norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
         assert float(norm) <= 1.0 + 1e-5 and info["fallback"] == 0
@@ -240,9 +294,9 @@ def test_kfac_leaves_batchnorm_gradient_plain():
 
 
 def test_committed_claim_suite_complete():
-    """The committed claim suite: every run of the ``claim`` plan (ablations aside), 30 epochs,
-    complete, with per-class accuracy every epoch and a provenance record naming its commit
-    and device; its step sizes are those of the committed selection."""
+    """The committed claim suite: every run of the ``claim`` plan (ablations aside), 30
+    epochs, complete, with per-class accuracy every epoch and a provenance record naming
+    its commit and device; its step sizes are those of the committed selection."""
     import json
     import re
     from pathlib import Path
@@ -269,28 +323,38 @@ def test_committed_claim_suite_complete():
 
 
 def test_committed_results_complete():
-    """Every run of the main plan is committed under results/cifar/ with provenance and all its epochs,
-    except the runs the GPU budget cut short (``cifar.BUDGET_CUT``), which must have exactly the number
-    of epochs documented there."""
+    """Every run of the main plan is committed under results/cifar/ with provenance and
+    all its epochs, except the runs the GPU budget cut short (``cifar.BUDGET_CUT``),
+    which must have exactly the number of epochs documented there."""
     import json
     from pathlib import Path
 
 
     root = Path(__file__).resolve().parent.parent / "results" / "cifar"
-    assert (root / "cifar10").is_dir() and (root / "selection" / "selected.json").is_file()
+    assert (root / "cifar10").is_dir() and (
+        root / "selection" / "selected.json"
+    ).is_file()
     res = results.check_results(root, "cifar10")
     assert not res["missing"] and not res["incomplete"], res
     assert sorted(res["cut"]) == sorted(results.BUDGET_CUT), res["cut"]
-    assert len(res["ok"]) + len(res["cut"]) == len(plans.build_plan("main"))
+    assert len(res["ok"]) + len(res["cut"]) == len(results.study6_table()["runs"])
     epochs = json.loads((root / "schedule.json").read_text())["epochs"]
     recs = results.load_results(root, "cifar10")
     for (c, m, s), rec in recs.items():
         name = f"{c}/{m}/seed{s}"
-        prov = json.loads((root / "cifar10" / c / m / f"seed{s}" / "provenance.json").read_text())
-        assert prov["config"]["method"] == m and prov["config"]["seed"] == s and prov["device"], name
+        prov = json.loads(
+            (root / "cifar10" / c / m / f"seed{s}" / "provenance.json").read_text()
+        )
+        assert (
+            prov["config"]["method"] == m
+            and prov["config"]["seed"] == s
+            and prov["device"]
+        ), name
         assert rec["config"]["epochs"] == epochs, name
         want = results.BUDGET_CUT.get(name, epochs)
-        assert len(rec["epochs"]) == want and rec["complete"] == (name not in results.BUDGET_CUT), name
+        assert len(rec["epochs"]) == want and rec["complete"] == (
+            name not in results.BUDGET_CUT
+        ), name
         assert [r["epoch"] for r in rec["epochs"]] == list(range(1, want + 1)), name
 
 
@@ -298,7 +362,7 @@ def test_check_results_budget_cut(tmp_path):
     """The allow-list accepts a cut run only with its documented epoch count."""
     from kwng.experiments.provenance import atomic_write_json
 
-    plan = plans.build_plan("main", epochs=6)
+    plan = _study6_jobs()
     cut = "ill/kwng_m20/seed0"
     for j in plan:
         name = f"{j['conditioning']}/{j['method']}/seed{j['seed']}"
@@ -307,21 +371,31 @@ def test_check_results_budget_cut(tmp_path):
         rows = [{"epoch": k + 1, "test_acc": 0.5, "train_loss": 1.0} for k in range(n)]
         cfg = {"epochs": 6, "method": j["method"], "seed": j["seed"],
                "conditioning": j["conditioning"]}
-        atomic_write_json(d / "metrics.json", {"config": cfg, "complete": n == 6, "epochs": rows})
+        atomic_write_json(
+            d / "metrics.json", {"config": cfg, "complete": n == 6, "epochs": rows}
+        )
         atomic_write_json(d / "provenance.json", {"config": cfg, "git_commit": "abc",
                                                   "date": "2026-01-01T00:00:00+00:00"})
     res = results.check_results(tmp_path, "cifar10", allow_cut={cut: 3})
     assert res["cut"] == [cut] and not res["incomplete"] and not res["missing"]
-    assert results.check_results(tmp_path, "cifar10", allow_cut={cut: 4})["incomplete"] == [cut]
-    assert results.check_results(tmp_path, "cifar10", allow_cut={})["incomplete"] == [cut]
+    assert results.check_results(tmp_path, "cifar10", allow_cut={cut: 4})[
+        "incomplete"
+    ] == [cut]
+    assert results.check_results(tmp_path, "cifar10", allow_cut={})["incomplete"] == [
+        cut
+    ]
     (tmp_path / "cifar10" / "well" / "sgd" / "seed1" / "provenance.json").unlink()
-    assert results.check_results(tmp_path, "cifar10", allow_cut={cut: 3})["missing"] == ["well/sgd/seed1"]
+    assert results.check_results(tmp_path, "cifar10", allow_cut={cut: 3})[
+        "missing"
+    ] == ["well/sgd/seed1"]
 
 
-# ----------------------------------------------------------------------------------- the claim suite
+# -----------------------------------------------------------------------------------
+# the claim suite
 def _two_networks(seed: int = 0, d: int = 5, condition: float = 1e4):
-    """Network A: ``z ↦ U h(z)`` (U inside). Network B: the same body with the last layer's rows
-    multiplied by ``U`` and no U: the same function, reparametrised. Float64 for exact comparisons."""
+    """Network A: ``z ↦ U h(z)`` (U inside). Network B: the same body with the last
+    layer's rows multiplied by ``U`` and no U: the same function, reparametrised.
+    Float64 for exact comparisons."""
     from kwng.experiments.cifar.nets import (
         ConditionedNetwork,
         DiagonalConditioning,
@@ -339,13 +413,21 @@ def _two_networks(seed: int = 0, d: int = 5, condition: float = 1e4):
         body_b[-1].bias.mul_(U.diag)
     B = ConditionedNetwork(body_b, None)
     # a: dθ_B = a · dθ_A (1 on the body, U_k on row k of the last layer)
-    a = torch.cat([torch.ones(sum(p.numel() for p in body[:-1].parameters()), dtype=torch.float64),
-                   U.diag[:, None].expand(d, 8).reshape(-1), U.diag])
+    a = torch.cat(
+        [
+            torch.ones(
+                sum(p.numel() for p in body[:-1].parameters()), dtype=torch.float64
+            ),
+            U.diag[:, None].expand(d, 8).reshape(-1),
+            U.diag,
+        ]
+    )
     return A, B, U, a
 
 
 def _T_and_g(net, z, y, idx, coords, kernel, before_U=False):
-    from kwng.estimator import jacobian_from_outputs, kernel_matrices
+    from kwng.estimator import kernel_matrices
+    from kwng.jacobians import jacobian_from_outputs
 
     params = list(net.parameters())
     h, out = net.forward_both(z)
@@ -358,10 +440,11 @@ def _T_and_g(net, z, y, idx, coords, kernel, before_U=False):
 
 
 def test_samples_after_U_reparametrise_the_last_layer():
-    """With the samples U·h, U is a reparametrisation of the last layer: the estimated Wasserstein
-    metric is covariant (T_A = T_B diag(a), g_A = a g_B), and a direction whose damping transforms
-    like a metric (D_A = a² D_B) is invariant (a ĝ_A = ĝ_B). With the samples h (before U) the metric
-    is not covariant. KWNG's damping D = ‖T̃_{·,i}‖ scales like a, not a², and breaks the invariance."""
+    """With the samples U·h, U is a reparametrisation of the last layer: the estimated
+    Wasserstein metric is covariant (T_A = T_B diag(a), g_A = a g_B), and a direction
+    whose damping transforms like a metric (D_A = a² D_B) is invariant (a ĝ_A = ĝ_B).
+    With the samples h (before U) the metric is not covariant. KWNG's damping D =
+    ‖T̃_{·,i}‖ scales like a, not a², and breaks the invariance."""
     from kwng.estimator import draw_basis, nystrom_solve
     from kwng.kernels import make_kernel
 
@@ -372,19 +455,25 @@ def test_samples_after_U_reparametrise_the_last_layer():
     XA, TA, gA, CCtA, KA = _T_and_g(A, z, y, idx, coords, kern)
     XB, TB, gB, CCtB, KB = _T_and_g(B, z, y, idx, coords, kern)
     assert torch.allclose(XA, XB, atol=1e-12) and torch.allclose(CCtA, CCtB, rtol=1e-10)
-    assert torch.allclose(TA, TB * a, rtol=1e-9, atol=1e-14) and torch.allclose(gA, gB * a, rtol=1e-9, atol=1e-14)
+    assert torch.allclose(TA, TB * a, rtol=1e-9, atol=1e-14) and torch.allclose(
+        gA, gB * a, rtol=1e-9, atol=1e-14
+    )
     _, Th, _, CCth, _ = _T_and_g(A, z, y, idx, coords, kern, before_U=True)
     delta_B = torch.randn(a.numel(), dtype=torch.float64)
-    W = torch.linalg.inv(torch.linalg.cholesky(CCtA))  # any whitening: the metric is T̃ᵀT̃ = Tᵀ(CCᵀ)⁻¹T
+    # any whitening: the metric is T̃ᵀT̃ = Tᵀ(CCᵀ)⁻¹T
+    W = torch.linalg.inv(torch.linalg.cholesky(CCtA))
     Wh = torch.linalg.inv(torch.linalg.cholesky(CCth))
     m_B = (W @ TB @ delta_B).norm()
-    assert torch.isclose((W @ TA @ (delta_B / a)).norm(), m_B, rtol=1e-9)  # after U: covariant
+    # after U: covariant
+    assert torch.isclose((W @ TA @ (delta_B / a)).norm(), m_B, rtol=1e-9)
     assert abs(float((Wh @ Th @ (delta_B / a)).norm() / m_B) - 1) > 0.1  # before U: not
 
     N, eps = 32, 1e-3
 
     def dense(T, CCt, g, Dvec):  # (N T̃ᵀT̃ + ε diag(D))⁻¹ g, T̃ᵀT̃ = Tᵀ(CCᵀ)⁻¹T
-        return torch.linalg.solve(N * T.T @ torch.linalg.solve(CCt, T) + eps * torch.diag(Dvec), g)
+        return torch.linalg.solve(
+            N * T.T @ torch.linalg.solve(CCt, T) + eps * torch.diag(Dvec), g
+        )
 
     def col_norms(T, CCt):
         return (T * torch.linalg.solve(CCt, T)).sum(0).sqrt()  # ‖T̃_{·,i}‖
@@ -395,16 +484,20 @@ def test_samples_after_U_reparametrise_the_last_layer():
     nA, nB = col_norms(TA, CCtA), col_norms(TB, CCtB)
     assert torch.allclose(nA, a * nB, rtol=1e-9)
     inv = a * dense(TA, CCtA, gA, nA ** 2)
-    assert torch.allclose(inv, dense(TB, CCtB, gB, nB ** 2), rtol=1e-6)  # damping like a metric: invariant
+    # damping like a metric: invariant
+    assert torch.allclose(inv, dense(TB, CCtB, gB, nB ** 2), rtol=1e-6)
     kw = a * dense(TA, CCtA, gA, nA)
     kb = dense(TB, CCtB, gB, nB)
-    assert (kw - kb).norm() / kb.norm() > 1e-2  # KWNG's damping: the direction depends on the parametrisation
+    assert (
+        (kw - kb).norm() / kb.norm() > 1e-2
+    )  # KWNG's damping: the direction depends on the parametrisation
 
 
 def test_kwng_direction_on_Uh_batch_both_ways():
-    """On the same U·h batch and basis, the directions with the samples after and before U are both
-    descent directions and differ; the after-U one puts more of its squared norm on the last layer
-    (whose rows U rescales) — the layer where the two metrics differ."""
+    """On the same U·h batch and basis, the directions with the samples after and before
+    U are both descent directions and differ; the after-U one puts more of its squared
+    norm on the last layer (whose rows U rescales) — the layer where the two metrics
+    differ."""
     from kwng.estimator import draw_basis, nystrom_solve
     from kwng.kernels import make_kernel
 
@@ -413,10 +506,16 @@ def test_kwng_direction_on_Uh_batch_both_ways():
     idx, coords = draw_basis(64, 5, 5, torch.Generator().manual_seed(2))
     dirs = {}
     for before in (False, True):
-        X, T, g, CCt, K = _T_and_g(A, z, y, idx, coords, make_kernel("gaussian", 1.0), before_U=before)
-        kern = make_kernel("gaussian", float(((X[:, None] - X[idx][None]) ** 2).sum(-1).mean()))
+        X, T, g, CCt, K = _T_and_g(
+            A, z, y, idx, coords, make_kernel("gaussian", 1.0), before_U=before
+        )
+        kern = make_kernel(
+            "gaussian", float(((X[:, None] - X[idx][None]) ** 2).sum(-1).mean())
+        )
         X, T, g, CCt, K = _T_and_g(A, z, y, idx, coords, kern, before_U=before)
-        dirs[before] = nystrom_solve(T, CCt, K, g, 64, eps=1e-4, damping="T_tilde").direction
+        dirs[before] = nystrom_solve(
+            T, CCt, K, g, 64, eps=1e-4, damping="T_tilde"
+        ).direction
         assert float(g @ dirs[before]) > 0
     after, before = dirs[False], dirs[True]
     cos = float(after @ before / (after.norm() * before.norm()))
@@ -428,8 +527,9 @@ def test_kwng_direction_on_Uh_batch_both_ways():
 
 def test_authors_eps_convention():
     from kwng.engine.config import eps_from_authors
-    """ε_ours = √N ε_authors: the authors' direction (whitening by (CCᵀ/N)^{-1/2}, D = 1/(‖T̃‖ + 1e-8),
-    ε I in the M × M system), written out independently here, equals ours with the converted ε."""
+    """ε_ours = √N ε_authors: the authors' direction (whitening by (CCᵀ/N)^{-1/2}, D =
+    1/(‖T̃‖ + 1e-8), ε I in the M × M system), written out independently here, equals
+    ours with the converted ε."""
     from kwng.estimator import draw_basis, nystrom_solve
     from kwng.kernels import make_kernel
 
@@ -437,17 +537,23 @@ def test_authors_eps_convention():
     N = 48
     z, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 5, (N,))
     idx, coords = draw_basis(N, 5, 5, torch.Generator().manual_seed(4))
-    X, T, g, CCt, K = _T_and_g(A, z, y, idx, coords, make_kernel("gaussian", 3.0), before_U=True)
+    X, T, g, CCt, K = _T_and_g(
+        A, z, y, idx, coords, make_kernel("gaussian", 3.0), before_U=True
+    )
     eps_a = 1e-3
     S, V = torch.linalg.eigh(CCt / N)
     Tt = (V / S.sqrt()).T @ T
     D = 1.0 / (Tt.norm(dim=0) + 1e-8)
     G = (Tt * D) @ Tt.T + eps_a * torch.eye(5, dtype=torch.float64)
     authors = D * (g - Tt.T @ torch.linalg.solve(G, Tt @ (D * g))) / eps_a
-    ours = nystrom_solve(T, CCt, K, g, N, eps=eps_from_authors(eps_a, N), damping="T_tilde").direction
+    ours = nystrom_solve(
+        T, CCt, K, g, N, eps=eps_from_authors(eps_a, N), damping="T_tilde"
+    ).direction
     err = float((ours - authors).norm() / authors.norm())
     assert err < 1e-6, err
-    same_nominal = nystrom_solve(T, CCt, K, g, N, eps=eps_a, damping="T_tilde").direction
+    same_nominal = nystrom_solve(
+        T, CCt, K, g, N, eps=eps_a, damping="T_tilde"
+    ).direction
     assert (same_nominal - authors).norm() / authors.norm() > 0.1
     assert eps_from_authors(1e-5, 128) == pytest.approx(1e-5 * 128 ** 0.5)
     for bad in ((0.0, 128), (1e-5, 0), (float("nan"), 4), (1e-5, 2.5)):
@@ -457,8 +563,10 @@ def test_authors_eps_convention():
 
 def test_claim_protocol_plans_and_schedule():
 
-    assert methods.milestones_for(30, "claim") == [26] and methods.milestones_for(60, "claim") == [51]
-    assert methods.milestones_for(6, "study6") == [3, 4] and methods.milestones_for(2, "constant") == []
+    assert methods.milestones_for(30, "claim") == [26] and methods.milestones_for(
+        60, "claim"
+    ) == [51]
+    assert methods.milestones_for(2, "constant") == []
     for E in range(2, 200):
         (m,) = methods.milestones_for(E, "claim")
         assert E - m == max(1, round(0.15 * E))  # the last ~15 % of the epochs at 0.1x
@@ -466,22 +574,45 @@ def test_claim_protocol_plans_and_schedule():
         methods.milestones_for(10, "cosine")
     claim = plans.build_plan("claim", epochs=30, with_ablations=False)
     names = {(j["conditioning"], j["method"], j["seed"]) for j in claim}
-    assert len(claim) == len(names) == 2 * len(methods.CLAIM_METHODS) + 2 * len(methods.CLAIM_TWO_SEEDS) == 18
-    assert all(j["schedule"] == "claim" and j["epochs"] == 30 and "claim" in j["out"] for j in claim)
+    assert (
+        len(claim)
+        == len(names)
+        == 2 * len(methods.CLAIM_METHODS) + 2 * len(methods.CLAIM_TWO_SEEDS)
+        == 18
+    )
+    assert all(
+        j["schedule"] == "claim" and j["epochs"] == 30 and "claim" in j["out"]
+        for j in claim
+    )
     with_abl = plans.build_plan("claim", epochs=30, with_ablations=True)
-    assert {j["method"] for j in with_abl} - {j["method"] for j in claim} == set(methods.CLAIM_ABLATIONS)
+    assert {j["method"] for j in with_abl} - {j["method"] for j in claim} == set(
+        methods.CLAIM_ABLATIONS
+    )
     sel = plans.build_plan("claim_select", select_epochs=2)
     assert len(sel) == len(methods.CLAIM_METHODS) * 2 * len(methods.LR_GRID)
-    assert all(j["val_size"] > 0 and j["schedule"] == "constant" and j["epochs"] == 2 for j in sel)
+    assert all(
+        j["val_size"] > 0 and j["schedule"] == "constant" and j["epochs"] == 2
+        for j in sel
+    )
     spec = {m: r.spec for m, r in methods.METHODS.items()}
-    assert spec["kwng"]["estimator_input"] == "scaled" and spec["kwng_samples_before_U"]["estimator_input"] == "logits"
-    assert spec["diag_Ttilde"]["estimator_input"] == "scaled" and spec["diag_Ttilde"]["diagonal_only"]
+    assert (
+        spec["kwng"]["estimator_input"] == "scaled"
+        and spec["kwng_samples_before_U"]["estimator_input"] == "logits"
+    )
+    assert (
+        spec["diag_Ttilde"]["estimator_input"] == "scaled"
+        and spec["diag_Ttilde"]["diagonal_only"]
+    )
     # balanced slots: every GPU gets a similar share of the expensive runs
     slotted = plans.assign_slots(claim, 4, 5)
     load = [0.0] * 4
     for j in slotted:
         load[j["slot"] // 5] += plans.job_cost(j)
-    assert len({j["slot"] for j in slotted}) == len(claim) and max(load) - min(load) <= 5.4 * 30 + 1e-9  # one KWNG run (cost per epoch x epochs)
+    # one KWNG run (cost per epoch x epochs)
+    assert (
+        len({j["slot"] for j in slotted}) == len(claim)
+        and max(load) - min(load) <= 5.4 * 30 + 1e-9
+    )
 
 
 def test_check_claim(tmp_path):
@@ -490,64 +621,115 @@ def test_check_claim(tmp_path):
     plan = plans.build_plan("claim", epochs=30, with_ablations=False)
     for j in plan:
         d = tmp_path / "cifar10" / j["conditioning"] / j["method"] / f"seed{j['seed']}"
-        rows = [{"epoch": k + 1, "test_acc": 0.5, "train_loss": 1.0, "test_acc_per_class": [0.5] * 10}
-                for k in range(30)]
-        cfg = {"epochs": 30, "schedule": "claim", "method": j["method"], "seed": j["seed"]}
+        rows = [
+            {
+                "epoch": k + 1,
+                "test_acc": 0.5,
+                "train_loss": 1.0,
+                "test_acc_per_class": [0.5] * 10,
+            }
+            for k in range(30)
+        ]
+        cfg = {
+            "epochs": 30,
+            "schedule": "claim",
+            "method": j["method"],
+            "seed": j["seed"],
+        }
         atomic_write_json(d / "metrics.json", {"config": cfg, "complete": True,
                                                "milestones": [26], "epochs": rows})
         atomic_write_json(d / "provenance.json", {"config": cfg, "git_commit": "abc",
                                                   "date": "2026-01-01T00:00:00+00:00"})
     res = results.check_claim(tmp_path)
     assert len(res["ok"]) == 18 and not res["missing"] and not res["incomplete"]
-    assert results.check_claim(tmp_path, min_epochs=31)["incomplete"]  # shorter than asked
+    # shorter than asked
+    assert results.check_claim(tmp_path, min_epochs=31)["incomplete"]
     d = tmp_path / "cifar10" / "ill" / "kwng" / "seed1"
-    rec = {"config": {"epochs": 30, "schedule": "claim", "method": "kwng", "seed": 1},
-           "complete": False, "milestones": [26],
-           "epochs": [{"epoch": 1, "test_acc": 0.5, "train_loss": 1.0, "test_acc_per_class": [0.5] * 10}]}
+    rec = {
+        "config": {"epochs": 30, "schedule": "claim", "method": "kwng", "seed": 1},
+        "complete": False,
+        "milestones": [26],
+        "epochs": [
+            {
+                "epoch": 1,
+                "test_acc": 0.5,
+                "train_loss": 1.0,
+                "test_acc_per_class": [0.5] * 10,
+            }
+        ],
+    }
     atomic_write_json(d / "metrics.json", rec)
     assert results.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
-    rec.update(complete=True, epochs=[{"epoch": k + 1, "test_acc": 0.5, "train_loss": 1.0,
-                                       "test_acc_per_class": [0.5] * 9}
-                                      for k in range(30)])
+    rec.update(
+        complete=True,
+        epochs=[
+            {
+                "epoch": k + 1,
+                "test_acc": 0.5,
+                "train_loss": 1.0,
+                "test_acc_per_class": [0.5] * 9,
+            }
+            for k in range(30)
+        ],
+    )
     atomic_write_json(d / "metrics.json", rec)
-    assert results.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]  # per-class accuracy missing
+    # per-class accuracy missing
+    assert results.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
     (tmp_path / "cifar10" / "well" / "adam" / "seed0" / "provenance.json").unlink()
     assert results.check_claim(tmp_path)["missing"] == ["well/adam/seed0"]
 
 
 def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
-    """A run stopped by its deadline in the middle of an epoch resumes from there to the same record,
-    and the record has the claim suite's per-epoch metrics."""
+    """A run stopped by its deadline in the middle of an epoch resumes from there to the
+    same record, and the record has the claim suite's per-epoch metrics."""
     import itertools
 
     from kwng.experiments.cifar import train as cifar_train
 
-    full = train.run(_run_cfg(tmp_path / "a", method="kwng", batch_size=50), progress=False)
+    full = train.run(
+        _run_cfg(tmp_path / "a", method="kwng", batch_size=50), progress=False
+    )
     calls = itertools.count()
     # the deadline test of the training loop lives in cifar_train (cifar.run is its run)
-    monkeypatch.setattr(cifar_train, "past", lambda deadline: deadline is not None and next(calls) >= 6)
-    part = train.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50, deadline=1.0), progress=False)
+    monkeypatch.setattr(
+        cifar_train, "past", lambda deadline: deadline is not None and next(calls) >= 6
+    )
+    part = train.run(
+        _run_cfg(tmp_path / "b", method="kwng", batch_size=50, deadline=1.0),
+        progress=False,
+    )
     monkeypatch.undo()
     assert len(part["epochs"]) == 1 and part["stopped"] == "deadline"
-    ck = torch.load(runtime.checkpoint_path_for(_run_cfg(tmp_path / "b", method="kwng", batch_size=50)),
-                    weights_only=False)
+    ck = torch.load(
+        runtime.checkpoint_path_for(
+            _run_cfg(tmp_path / "b", method="kwng", batch_size=50)
+        ),
+        weights_only=False,
+    )
     assert ck["epoch"] == 1 and ck["partial"]["batches"] == 2
-    resumed = train.run(_run_cfg(tmp_path / "b", method="kwng", batch_size=50), progress=False)
+    resumed = train.run(
+        _run_cfg(tmp_path / "b", method="kwng", batch_size=50), progress=False
+    )
 
     def strip(rows):
         return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
 
     assert strip(full["epochs"]) == strip(resumed["epochs"]) and resumed["complete"]
     row = resumed["epochs"][-1]
-    assert len(row["test_acc_per_class"]) == 10 and len(row["last_layer_row_norms"]) == 10
+    assert (
+        len(row["test_acc_per_class"]) == 10 and len(row["last_layer_row_norms"]) == 10
+    )
     assert 0 < row["last_layer_update_share"] < 1 and row["eps_mean"] > 0
     # the committed sample's test split has 20 images per class
-    assert sum(a * 20 for a in row["test_acc_per_class"]) == pytest.approx(row["test_acc"] * 200)
+    assert sum(a * 20 for a in row["test_acc_per_class"]) == pytest.approx(
+        row["test_acc"] * 200
+    )
     assert resumed["milestones"] == methods.milestones_for(2, "claim") == [1]
 
 
 class _SameBatchProbe:
-    """A stand-in preconditioner with the same-batch LM hook: records what the trainer passes."""
+    """A stand-in preconditioner with the same-batch LM hook: records what the trainer
+    passes."""
 
     def __init__(self):
         from kwng.engine.config import KWNGConfig
@@ -581,18 +763,23 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
     for k, v in bn_state(model).items():
         assert torch.equal(v, stats_after_step[k])
     with torch.no_grad():
-        ref = torch.nn.functional.cross_entropy(model(z), y)  # train mode: batch statistics, as the step
+        # train mode: batch statistics, as the step
+        ref = torch.nn.functional.cross_entropy(model(z), y)
     assert torch.allclose(probe.seen[0], ref)
     s = EpochStats(torch.device("cpu"))
     s.add_info(info)
     s.add_info({"eps": torch.tensor(3.0), "reduction_ratio": torch.tensor(0.5)})
     r = s.row()
-    assert r["eps_mean"] == 2.0 and r["eps_last"] == 3.0 and r["reduction_ratio_mean"] == 0.5
+    assert (
+        r["eps_mean"] == 2.0
+        and r["eps_last"] == 3.0
+        and r["reduction_ratio_mean"] == 0.5
+    )
 
 
 def _fake_claim_results(kwng_ill: float, small_ill: float):
-    """Records of the claim suite: 10 classes, per-class accuracy; KWNG IC has ``kwng_ill`` overall and
-    ``small_ill`` on the four classes with the smallest U_k."""
+    """Records of the claim suite: 10 classes, per-class accuracy; KWNG IC has
+    ``kwng_ill`` overall and ``small_ill`` on the four classes with the smallest U_k."""
     from kwng.experiments.cifar.nets import DiagonalConditioning
 
     U = DiagonalConditioning(10, 1e7).diag.double().numpy()
@@ -601,15 +788,34 @@ def _fake_claim_results(kwng_ill: float, small_ill: float):
     for cond in ("ill", "well"):
         for m, seeds in (("sgd", 2), ("kwng", 2), ("adam", 1)):
             for s in range(seeds):
-                acc = {"sgd": 0.3 if cond == "ill" else 0.8, "kwng": kwng_ill if cond == "ill" else 0.8,
-                       "adam": 0.7}[m]
+                acc = {
+                    "sgd": 0.3 if cond == "ill" else 0.8,
+                    "kwng": kwng_ill if cond == "ill" else 0.8,
+                    "adam": 0.7,
+                }[m]
                 pc = np.full(10, acc)
                 if m == "kwng" and cond == "ill":
                     pc[small] = small_ill
-                rows = [{"epoch": 1, "test_acc": acc, "train_acc": acc, "test_acc_per_class": pc.tolist(),
-                         "steps": 10, "eps_mean": 1e-4, "clipped": 10, "time_train": 1.0}]
-                out[(cond, m, s)] = {"epochs": rows, "config": {"epochs": 1}, "complete": True, "U": U.tolist(),
-                                     "batch_size": 128, "method_spec": {"eps_convention": "authors"}}
+                rows = [
+                    {
+                        "epoch": 1,
+                        "test_acc": acc,
+                        "train_acc": acc,
+                        "test_acc_per_class": pc.tolist(),
+                        "steps": 10,
+                        "eps_mean": 1e-4,
+                        "clipped": 10,
+                        "time_train": 1.0,
+                    }
+                ]
+                out[(cond, m, s)] = {
+                    "epochs": rows,
+                    "config": {"epochs": 1},
+                    "complete": True,
+                    "U": U.tolist(),
+                    "batch_size": 128,
+                    "method_spec": {"eps_convention": "authors"},
+                }
     return out
 
 
@@ -619,12 +825,26 @@ def test_claim_verdict_rule():
     from kwng.plots import cifar as pcf
 
     holds = verdicts.claim_verdict(_fake_claim_results(0.78, 0.7))
-    assert holds["holds"] and holds["a_within"] and holds["b_above_sgd"] and holds["c_small_classes"]
-    assert len(holds["small_classes"]) == 4 and max(holds["U_small"]) <= verdicts.SMALL_U
-    assert holds["drops"]["sgd"] == pytest.approx(0.5) and holds["drops"]["kfac"] is None
+    assert (
+        holds["holds"]
+        and holds["a_within"]
+        and holds["b_above_sgd"]
+        and holds["c_small_classes"]
+    )
+    assert (
+        len(holds["small_classes"]) == 4 and max(holds["U_small"]) <= verdicts.SMALL_U
+    )
+    assert (
+        holds["drops"]["sgd"] == pytest.approx(0.5) and holds["drops"]["kfac"] is None
+    )
     far = verdicts.claim_verdict(_fake_claim_results(0.6, 0.7))
-    assert far["a_within"] is False and far["b_above_sgd"] is True and far["holds"] is False
-    small = verdicts.claim_verdict(_fake_claim_results(0.78, 0.3))  # small-U classes at 0.3 < 0.5 * 0.8
+    assert (
+        far["a_within"] is False
+        and far["b_above_sgd"] is True
+        and far["holds"] is False
+    )
+    # small-U classes at 0.3 < 0.5 * 0.8
+    small = verdicts.claim_verdict(_fake_claim_results(0.78, 0.3))
     assert small["c_small_classes"] is False and small["holds"] is False
     assert verdicts.claim_verdict({})["holds"] is None
     fig = pcf.fig_per_class_vs_U(_fake_claim_results(0.78, 0.7), CLAIM_METHODS)
@@ -635,14 +855,21 @@ def test_claim_verdict_rule():
     plt.close("all")
 
 
-@pytest.mark.parametrize("method,family", [("sgd", "MethodStep"), ("adam", "MethodStep"),
-                                           ("kfac", "KFACStep"), ("ekfac", "KFACStep"),
-                                           ("kwng", "KWNGStep"),
-                                           ("kwng_samples_before_U", "KWNGStep")])
+@pytest.mark.parametrize(
+    "method,family",
+    [
+        ("sgd", "MethodStep"),
+        ("adam", "MethodStep"),
+        ("kfac", "KFACStep"),
+        ("ekfac", "KFACStep"),
+        ("kwng", "KWNGStep"),
+        ("kwng_samples_before_U", "KWNGStep"),
+    ],
+)
 def test_every_method_behind_one_step(method, family):
-    """``make_step`` picks the family's adapter; its direction leaves the parameters alone
-    (so the last-layer share may be measured around the whole step); a few steps on one
-    batch lower that batch's loss."""
+    """``make_step`` picks the family's adapter; its direction leaves the parameters
+    alone (so the last-layer share may be measured around the whole step); a few steps
+    on one batch lower that batch's loss."""
     from kwng.experiments.cifar.metrics import UpdateShare
 
     if family == "KFACStep":
@@ -651,7 +878,9 @@ def test_every_method_behind_one_step(method, family):
     cfg = RunConfig(method=method, model="tiny", lr=lr, device="cpu")
     torch.manual_seed(0)
     model = steps.build_model(cfg)
-    step = steps.make_step(cfg, model, steps.build_optimizer(cfg, model, lr), torch.device("cpu"))
+    step = steps.make_step(
+        cfg, model, steps.build_optimizer(cfg, model, lr), torch.device("cpu")
+    )
     assert type(step).__name__ == family
     z, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
     before = [p.detach().clone() for p in model.parameters()]
@@ -659,7 +888,9 @@ def test_every_method_behind_one_step(method, family):
     step.direction(torch.nn.functional.cross_entropy(out, y), out, h, (z, y))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     share = UpdateShare(model)
-    losses = [float(steps.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)]
+    losses = [
+        float(steps.train_step(step, model, z, y, share)[0].detach()) for _ in range(8)
+    ]
     assert losses[-1] < losses[0]
 
 
@@ -683,7 +914,9 @@ def test_scale_selects_the_small_run_settings(monkeypatch):
         "resnet18", "auto", 30, str(methods.RESULTS))
 
 
-def test_a_new_optimizer_is_one_optimizers_entry_and_one_methods_entry(tmp_path, monkeypatch):
+def test_a_new_optimizer_is_one_optimizers_entry_and_one_methods_entry(
+    tmp_path, monkeypatch
+):
     """Adding an optimizer touches two tables: OPTIMIZERS (how to build it) and METHODS
     (its record). The new method then trains (2 steps of the tiny model), is priced by
     the plans, timed at its own step and drawn in its own colour; a method without a

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwng.experiments.cifar import methods, plans, tables, verdicts
+from kwng.experiments.cifar import methods, tables, verdicts
 from kwng.experiments.cifar import results as results_
 
 ROOT = Path(__file__).resolve().parents[1] / "results" / "cifar"
@@ -107,11 +107,14 @@ def test_claim_eps_dynamics_records(claim):
 # --- the earlier 6-epoch study (book/cifar_6epoch.md) ---
 
 
+STUDY6 = results_.study6_table()
+
+
 @pytest.fixture(scope="module")
 def six():
     results = results_.load_results(ROOT, "cifar10")
     table = tables.final_accuracy_table(
-        results, methods.MAIN_METHODS + methods.ABLATIONS
+        results, STUDY6["main_methods"] + STUDY6["ablations"]
     )
     return results, table
 
@@ -124,7 +127,7 @@ def test_six_epoch_records_complete(six):
     results, _ = six
     status = results_.check_results(ROOT, "cifar10")
     sched = json.loads((ROOT / "schedule.json").read_text())
-    assert len(results) == len(plans.build_plan("main")) == 38
+    assert len(results) == len(STUDY6["runs"]) == 38
     assert (
         not status["missing"] and not status["incomplete"] and len(status["ok"]) == 36
     )
@@ -185,7 +188,7 @@ def test_six_epoch_final_table(six):
 def test_six_epoch_timing(six):
     results, _ = six
     timing = json.loads((ROOT / "timing" / "timing.json").read_text())
-    assert {j["method"] for j in plans.build_plan("main")} <= set(timing["methods"])
+    assert {r.split("/")[1] for r in STUDY6["runs"]} <= set(timing["methods"])
     slow = []
     for m, t in timing["methods"].items():
         shared = [
@@ -205,7 +208,7 @@ def test_six_epoch_timing(six):
 def test_six_epoch_ablation(six):
     _, table = six
     k_ill = _final(table, "ill", "kwng")
-    abl = {m: _final(table, "ill", m) for m in methods.ABLATIONS}
+    abl = {m: _final(table, "ill", m) for m in STUDY6["ablations"]}
     assert all(abs(a - k_ill) < 0.03 for a in abl.values())
     assert max(abl, key=abl.get) == "kwng_damping_identity"
     assert abl["kwng_damping_identity"] - k_ill > 0.01
@@ -263,7 +266,7 @@ def test_six_epoch_eps_floor_and_clipping(six):
 
 def test_six_epoch_claims(six):
     results, table = six
-    full = [m for m in methods.MAIN_METHODS if m != "kwng_m20"]
+    full = [m for m in STUDY6["main_methods"] if m != "kwng_m20"]
     euclid = ["sgd", "sgd_momentum", "sgd_momentum_wd", "adam"]
     well = {m: _final(table, "well", m) for m in full}
     ill = {m: _final(table, "ill", m) for m in full}

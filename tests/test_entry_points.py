@@ -14,7 +14,7 @@ import torch
 import kwng
 from kwng import solve
 from kwng.batched import batched_kwng
-from kwng.estimator import jacobian_from_sampler
+from kwng.jacobians import jacobian_from_sampler
 from kwng.nosync import nystrom_solve_nosync
 
 

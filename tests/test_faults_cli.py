@@ -13,6 +13,7 @@ import pytest
 
 from kwng.experiments.__main__ import main as experiments_main
 from kwng.experiments.cifar import ddp
+from kwng.experiments.cifar.methods import METHODS
 from kwng.experiments.cifar.results import select_lrs
 from kwng.experiments.distributed_check import launch
 
@@ -27,7 +28,7 @@ CASES = [
     (["cifar", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
     (["cifar", "--train-subset", "0"], "argument --train-subset: must be an integer"),
     (["cifar", "sweep", "--plan", "bogus"],
-     "argument --plan: must be one of claim_select, claim, select, main, authors100"),
+     "argument --plan: must be one of claim_select, claim, authors100"),
     (["cifar", "sweep", "--plan", "bogus"],
      "or a JSON file of run settings, got 'bogus'"),
     (["cifar", "sweep", "--plan", "claim", "--gpus", "-1"],
@@ -119,7 +120,11 @@ def test_select_adds_a_new_method_inheritance_and_refuses_a_changed_one(tmp_path
     path.write_text(json.dumps(old))
     assert select_lrs(root)["inherit"] == current
     assert json.loads(path.read_text())["inherit"] == current
-    old["inherit"] = {**current, "kwng_m20": "adam"}  # another inheritance: refused
+    # another inheritance of a live method: refused
+    old["inherit"] = {**current, "kwng_lm_same_batch": "adam"}
     path.write_text(json.dumps(old))
-    with pytest.raises(ConfigMismatchError, match="inherit.kwng_m20"):
+    with pytest.raises(ConfigMismatchError, match="inherit.kwng_lm_same_batch"):
         select_lrs(root)
+    # the entries of methods that have left the table stay as recorded
+    assert {"kwng_m20", "diag_T"} <= set(current)
+    assert not {"kwng_m20", "diag_T"} & set(METHODS)

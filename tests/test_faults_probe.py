@@ -19,6 +19,7 @@ import kwng
 from kwng.engine.lm import LevenbergMarquardt
 from kwng.experiments import synthetic_setup
 from kwng.experiments.cifar import data as kdata
+from kwng.experiments.cifar import images as kimages
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,18 +80,18 @@ FUNCTIONS = [
      lambda t: LevenbergMarquardt(1e-3).load_state_dict(_lm_state(ratio="abc")),
      ValueError, r"state\['ratio'\] must be a real number, got str"),
     ("npz: missing path",
-     lambda t: kdata.load_jpeg_npz(t / "nowhere.npz", "train"), FileNotFoundError,
+     lambda t: kimages.load_jpeg_npz(t / "nowhere.npz", "train"), FileNotFoundError,
      "nowhere.npz does not exist"),
-    ("npz: truncated", lambda t: kdata.load_jpeg_npz(_truncated(t), "train"),
+    ("npz: truncated", lambda t: kimages.load_jpeg_npz(_truncated(t), "train"),
      ValueError, "cut.npz: not a readable CIFAR JPEG npz, truncated or damaged"),
     ("npz: a label outside [0, 9]",
-     lambda t: kdata.load_jpeg_npz(_npz(t, y_train=np.full(500, 10)), "train"),
+     lambda t: kimages.load_jpeg_npz(_npz(t, y_train=np.full(500, 10)), "train"),
      ValueError, r"changed.npz \(y_train\): 500 label\(s\) outside \[0, 9\]"),
     ("npz: negative label (sample loader)",
      lambda t: kdata.load_sample("train", _npz(t, y_train=-np.ones(500, int))),
      ValueError, r"label\(s\) outside \[0, 9\]"),
     ("npz: offsets that do not match the labels",
-     lambda t: kdata.load_jpeg_npz(_offsets_shifted(t), "train"), ValueError,
+     lambda t: kimages.load_jpeg_npz(_offsets_shifted(t), "train"), ValueError,
      "train_offsets must be 501 increasing byte offsets"),
     ("official archive: a label outside [0, 9]",
      lambda t: kdata.read_official_cifar(kdata.write_official_cifar(

@@ -299,10 +299,10 @@ def _tiny_flow() -> dict:
 
 @pytest.fixture(scope="module")
 def flow_done(tmp_path_factory) -> Path:
-    from kwng.experiments import synthetic as syn
+    from kwng.experiments import synthetic_flow as synflow
 
     out = tmp_path_factory.mktemp("flow") / "flow"
-    syn.run_flow(_tiny_flow(), out, progress=False)
+    synflow.run_flow(_tiny_flow(), out, progress=False)
     return out
 
 
@@ -311,7 +311,7 @@ def test_flow_rerun_with_truncated_loss_csv_recomputes(flow_done, tmp_path, capl
                                                        cut):
     import shutil
 
-    from kwng.experiments import synthetic as syn
+    from kwng.experiments import synthetic_flow as synflow
 
     out = tmp_path / "flow"
     shutil.copytree(flow_done, out)
@@ -319,7 +319,7 @@ def test_flow_rerun_with_truncated_loss_csv_recomputes(flow_done, tmp_path, capl
     text = good[: len(good) // 2] if cut == "half" else good.rsplit("\n", 2)[0] + "\n"
     (out / "loss.csv").write_text(text)
     with caplog.at_level(logging.WARNING):
-        syn.run_flow(_tiny_flow(), out, progress=False)
+        synflow.run_flow(_tiny_flow(), out, progress=False)
     assert "recomputed" in caplog.text and str(out) in caplog.text
     assert (out / "loss.csv").read_text() == good
 

@@ -259,13 +259,13 @@ def test_a_run_estimate_comes_from_the_method_or_its_family():
 def test_every_record_belongs_to_one_round_of_the_ledger():
     """``rounds.json`` lists every GPU round; each committed record's provenance names
     the commit of exactly one, and the rounds' record counts add up."""
-    from kwng.experiments.cifar import fig3_results
+    from kwng.experiments.cifar import verdicts
     from kwng.experiments.provenance import read_json
 
-    rounds = fig3_results.rounds(FIG3)
+    rounds = verdicts.rounds(FIG3)
     counts = dict.fromkeys((r["round"] for r in rounds), 0)
     for prov in FIG3.glob("*/lr*/*/*/*/seed*/provenance.json"):
-        rd = fig3_results.round_of(read_json(prov), rounds)
+        rd = verdicts.round_of(read_json(prov), rounds)
         assert rd is not None, prov
         counts[rd["round"]] += 1
     assert counts == {r["round"]: r["records"] for r in rounds}
@@ -274,19 +274,19 @@ def test_every_record_belongs_to_one_round_of_the_ledger():
 def test_seconds_to_accuracy_counts_training_time_to_the_first_epoch_there(tmp_path):
     """A run alone reaching 80 % at epoch 2 and 85 % never; a run that shared its GPU
     is left out."""
-    from kwng.experiments.cifar import fig3_results
+    from kwng.experiments.cifar import verdicts
 
     rows = [{"epoch": e, "test_acc": a, "time_train": 2.0 * e, "val_acc": a,
              "train_acc": a, "train_loss": 1.0}
             for e, a in ((1, 0.5), (2, 0.81), (3, 0.84))]
-    assert fig3_results._seconds_to(rows, 0.8) == 4.0
-    assert fig3_results._seconds_to(rows, 0.85) is None
+    assert verdicts._seconds_to(rows, 0.8) == 4.0
+    assert verdicts._seconds_to(rows, 0.85) is None
     rounds = [{"round": 1, "git_commit": "abc123", "alone": False},
               {"round": 2, "git_commit": "def456", "alone": True}]
-    assert fig3_results.round_of({"git_commit": "def4567890"}, rounds)["round"] == 2
-    assert fig3_results.round_of({"git_commit": "abc"}, rounds)["round"] == 1
-    assert fig3_results.round_of({"git_commit": "fff"}, rounds) is None
-    assert fig3_results.round_of({}, rounds) is None
+    assert verdicts.round_of({"git_commit": "def4567890"}, rounds)["round"] == 2
+    assert verdicts.round_of({"git_commit": "abc"}, rounds)["round"] == 1
+    assert verdicts.round_of({"git_commit": "fff"}, rounds) is None
+    assert verdicts.round_of({}, rounds) is None
 
 
 def test_the_throughput_window_is_where_every_run_trains():

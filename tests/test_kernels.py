@@ -10,7 +10,9 @@ KERNELS = [kwng.GaussianKernel(0.7), kwng.RationalQuadraticKernel(1.3, alpha=0.8
 
 def _points(M=4, N=5, d=3, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(M, d, generator=g, dtype=dtype), torch.randn(N, d, generator=g, dtype=dtype)
+    return torch.randn(M, d, generator=g, dtype=dtype), torch.randn(
+        N, d, generator=g, dtype=dtype
+    )
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
@@ -44,7 +46,9 @@ def test_coordinate_versions_select_from_full(kernel):
     full_g, full_m = kernel.grad(Y, X), kernel.mixed(Y, X)
     m = torch.arange(Y.shape[0])
     torch.testing.assert_close(kernel.grad_coord(Y, coords, X), full_g[m, :, coords])
-    torch.testing.assert_close(kernel.mixed_coord(Y, coords, X), full_m[m, :, coords, :])
+    torch.testing.assert_close(
+        kernel.mixed_coord(Y, coords, X), full_m[m, :, coords, :]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -70,7 +74,9 @@ def test_cuda_matches_cpu():
 def test_bandwidth_heuristics():
     Y, X = _points(M=3, N=50)
     sq = ((Y[:, None] - X[None]) ** 2).sum(-1)
-    assert kwng.mean_sq_bandwidth(X, Y, sigma0=2.0) == pytest.approx(2.0 * float(sq.mean()))
+    assert kwng.mean_sq_bandwidth(X, Y, sigma0=2.0) == pytest.approx(
+        2.0 * float(sq.mean())
+    )
     assert kwng.median_bandwidth(X, Y) == pytest.approx(float(sq.flatten().median()))
     assert kwng.median_bandwidth(X) > 0
 

@@ -109,14 +109,19 @@ def _committed_records():
 def test_every_committed_record_matches_its_own_configuration():
     """Rebuilding the identity from each committed record's configuration gives the
     identity the record is read with: a rerun of a committed run is recognised as the
-    same run (skipped), never refused for a key the record predates."""
+    same run (skipped), never refused for a key the record predates. The earlier
+    6-epoch study's records (they predate ``schedule``) are frozen: its methods and
+    schedule have left the code, so no live run can be one of them."""
     paths = _committed_records()
     assert len(paths) > 250
+    frozen = [ROOT / "results" / "cifar" / d for d in ("cifar10", "selection")]
     for mp in paths:
         rec = json.loads(mp.read_text())
         stored = guard.record_identity(rec, mp)
         c = {k: v for k, v in rec["config"].items() if k in SETTINGS}
-        c.setdefault("schedule", "study6")  # the 6-epoch study predates the key
+        if "schedule" not in c:
+            assert any(mp.is_relative_to(d) for d in frozen), mp
+            continue
         cfg = RunConfig(**c)
         fresh = guard.run_identity(cfg.to_dict(), rec["lr"],
                                    rec.get("batch_size", cfg.batch),

@@ -1,4 +1,5 @@
-"""kwng.theory.wng: each function against an independent computation (book's theory chapters)."""
+"""kwng.theory.wng: each function against an independent computation (book's theory
+chapters)."""
 
 import math
 
@@ -33,15 +34,20 @@ def test_gauss_hermite_latent_moments():
 
 def test_circle_latent_is_uniform():
     Z, w = th.circle_latent(16)
-    torch.testing.assert_close(w @ Z, torch.zeros(2, dtype=torch.float64), atol=1e-14, rtol=0)
+    torch.testing.assert_close(
+        w @ Z, torch.zeros(2, dtype=torch.float64), atol=1e-14, rtol=0
+    )
     torch.testing.assert_close(w @ Z[:, 0] ** 2, torch.tensor(0.5, dtype=torch.float64))
     with pytest.raises(ValueError, match="num_nodes"):
         th.circle_latent(2)
 
 
-@pytest.mark.parametrize("name,d", [("sphere", 2), ("sphere", 3), ("normal", 1), ("lognormal", 2)])
+@pytest.mark.parametrize(
+    "name,d", [("sphere", 2), ("sphere", 3), ("normal", 1), ("lognormal", 2)]
+)
 def test_pullback_metric_is_wasserstein_for_gradient_fields(name, d):
-    """For models whose velocity fields are gradients, E[∂hᵀ∂h] is the closed-form G_W."""
+    """For models whose velocity fields are gradients, E[∂hᵀ∂h] is the closed-form
+    G_W."""
     model = kwng.make_model(name, d)
     theta = model.random_params(torch.Generator().manual_seed(1))
     if name == "sphere" and d == 2:
@@ -56,10 +62,13 @@ def test_pullback_metric_is_wasserstein_for_gradient_fields(name, d):
 
 
 def test_pullback_metric_upper_bounds_normal_metric():
-    """In d = 2 the normal's fields are not all gradients: E[∂hᵀ∂h] - G_W is PSD and non-zero."""
+    """In d = 2 the normal's fields are not all gradients: E[∂hᵀ∂h] - G_W is PSD and
+    non-zero."""
     model, theta, _, _ = _normal(2)
     Z, w = th.gauss_hermite_latent(2, 6)
-    diff = th.pullback_metric(lambda t: model.sample(t, Z), theta, w) - model.metric(theta)
+    diff = th.pullback_metric(lambda t: model.sample(t, Z), theta, w) - model.metric(
+        theta
+    )
     ev = torch.linalg.eigvalsh(diff)
     assert float(ev.min()) > -1e-10 and float(ev.max()) > 1e-3
 
@@ -70,8 +79,10 @@ def test_pullback_wng_matches_model_wng():
     Z, w = th.circle_latent(32)
     target = torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64)
     loss = lambda t: ((t - target) ** 2).sum()  # noqa: E731
-    torch.testing.assert_close(th.pullback_wng(lambda t: model.sample(t, Z), loss, theta, w),
-                               model.wng(theta, 2 * (theta - target)))
+    torch.testing.assert_close(
+        th.pullback_wng(lambda t: model.sample(t, Z), loss, theta, w),
+        model.wng(theta, 2 * (theta - target)),
+    )
 
 
 def test_integrate_flow_orders():
@@ -79,8 +90,17 @@ def test_integrate_flow_orders():
     x0 = torch.tensor([1.0], dtype=torch.float64)
     errs = {}
     for method in ("euler", "rk4"):
-        errs[method] = [abs(float(th.integrate_flow(lambda x: -x, x0, step=h, t_end=1.0, method=method)[-1, 0])
-                            - math.exp(-1)) for h in (0.1, 0.05)]
+        errs[method] = [
+            abs(
+                float(
+                    th.integrate_flow(
+                        lambda x: -x, x0, step=h, t_end=1.0, method=method
+                    )[-1, 0]
+                )
+                - math.exp(-1)
+            )
+            for h in (0.1, 0.05)
+        ]
     assert 1.8 < errs["euler"][0] / errs["euler"][1] < 2.2
     assert 14 < errs["rk4"][0] / errs["rk4"][1] < 18
     with pytest.raises(ValueError, match="t_end / step"):
@@ -92,8 +112,12 @@ def _sphere_flows(step):
     model = kwng.HyperSphereModel(2)
     Z, w = th.circle_latent(16)
     target = torch.tensor([1.0, -0.5], dtype=torch.float64), 2.0
-    loss = lambda t: ((t[:2] - target[0]) ** 2).sum() + (t[2].exp() - target[1]) ** 2  # noqa: E731
-    Psi = lambda t: torch.stack([t[0] + t[1] ** 2, torch.sinh(t[1]), t[2] + 0.5 * t[0]])  # noqa: E731
+
+    def loss(t):
+        return ((t[:2] - target[0]) ** 2).sum() + (t[2].exp() - target[1]) ** 2
+
+    def Psi(t):
+        return torch.stack([t[0] + t[1] ** 2, torch.sinh(t[1]), t[2] + 0.5 * t[0]])
 
     def Psi_inv(p):
         m2 = torch.asinh(p[1])
@@ -105,8 +129,15 @@ def _sphere_flows(step):
     s_psi = lambda p: model.sample(Psi_inv(p), Z)  # noqa: E731
     theta0 = torch.tensor([0.2, 0.1, -0.3], dtype=torch.float64)
     out = {}
-    th_w = th.integrate_flow(lambda t: -th.pullback_wng(s_theta, loss, t, w), theta0, step=step, t_end=0.5)
-    ps_w = th.integrate_flow(lambda p: -th.pullback_wng(s_psi, loss_psi, p, w), Psi(theta0), step=step, t_end=0.5)
+    th_w = th.integrate_flow(
+        lambda t: -th.pullback_wng(s_theta, loss, t, w), theta0, step=step, t_end=0.5
+    )
+    ps_w = th.integrate_flow(
+        lambda p: -th.pullback_wng(s_psi, loss_psi, p, w),
+        Psi(theta0),
+        step=step,
+        t_end=0.5,
+    )
     out["wng"] = float((Psi(th_w[-1]) - ps_w[-1]).norm())
 
     def egrad(fn, x):
@@ -114,7 +145,9 @@ def _sphere_flows(step):
         return torch.autograd.grad(fn(x), x)[0]
 
     th_e = th.integrate_flow(lambda t: -egrad(loss, t), theta0, step=step, t_end=0.5)
-    ps_e = th.integrate_flow(lambda p: -egrad(loss_psi, p), Psi(theta0), step=step, t_end=0.5)
+    ps_e = th.integrate_flow(
+        lambda p: -egrad(loss_psi, p), Psi(theta0), step=step, t_end=0.5
+    )
     out["euclid"] = float((Psi(th_e[-1]) - ps_e[-1]).norm())
     return out
 
@@ -132,10 +165,19 @@ def test_normal_fisher_matches_kl_second_order():
     u = torch.randn(model.num_params, generator=g, dtype=torch.float64)
 
     def kl(ta, tb):
-        Sa, Sb = torch.from_numpy(model.covariance(ta)), torch.from_numpy(model.covariance(tb))
+        Sa, Sb = (
+            torch.from_numpy(model.covariance(ta)),
+            torch.from_numpy(model.covariance(tb)),
+        )
         dm = model.split(tb)[0] - model.split(ta)[0]
         Sbi = torch.linalg.inv(Sb)
-        return 0.5 * (torch.trace(Sbi @ Sa) + dm @ Sbi @ dm - 2 + torch.logdet(Sb) - torch.logdet(Sa))
+        return 0.5 * (
+            torch.trace(Sbi @ Sa)
+            + dm @ Sbi @ dm
+            - 2
+            + torch.logdet(Sb)
+            - torch.logdet(Sa)
+        )
 
     t = 1e-4
     quad = float(u @ fisher_exact.normal_fisher_matrix(model, theta) @ u)
@@ -146,37 +188,64 @@ def test_normal_fisher_matches_kl_second_order():
 
 @pytest.mark.parametrize("metric", ["wasserstein", "fisher"])
 def test_dual_optimum_equals_half_quadratic_form(metric):
-    """Props. 2 and 3: sup over quadratics = ½ uᵀ G u on the normal model (exact quadrature)."""
+    """Props. 2 and 3: sup over quadratics = ½ uᵀ G u on the normal model (exact
+    quadrature)."""
     model, theta, _, g = _normal(2)
     u = torch.randn(model.num_params, generator=g, dtype=torch.float64)
     Z, w = th.gauss_hermite_latent(2, 8)
-    opt = th.dual_optimum(lambda t: model.sample(t, Z), theta, u, th.polynomial_features(2, 2),
-                          metric=metric, weights=w)
-    G = model.metric(theta) if metric == "wasserstein" else fisher_exact.normal_fisher_matrix(model, theta)
+    opt = th.dual_optimum(
+        lambda t: model.sample(t, Z),
+        theta,
+        u,
+        th.polynomial_features(2, 2),
+        metric=metric,
+        weights=w,
+    )
+    G = (
+        model.metric(theta)
+        if metric == "wasserstein"
+        else fisher_exact.normal_fisher_matrix(model, theta)
+    )
     assert abs(opt.value - 0.5 * float(u @ G @ u)) < 1e-9 * opt.value
     # the objective at the optimal function equals the optimum, and is lower elsewhere
     f = lambda X: th.polynomial_features(2, 2)(X) @ opt.beta[:, None]  # noqa: E731
-    val = th.dual_objective(lambda t: model.sample(t, Z), theta, u, f, metric=metric, weights=w)
+    val = th.dual_objective(
+        lambda t: model.sample(t, Z), theta, u, f, metric=metric, weights=w
+    )
     assert abs(val - opt.value) < 1e-9 * opt.value
-    f2 = lambda X: th.polynomial_features(2, 2)(X) @ (0.5 * opt.beta[:, None])  # noqa: E731
-    assert th.dual_objective(lambda t: model.sample(t, Z), theta, u, f2, metric=metric, weights=w) < val
+
+    def f2(X):
+        return th.polynomial_features(2, 2)(X) @ (0.5 * opt.beta[:, None])
+
+    assert (
+        th.dual_objective(
+            lambda t: model.sample(t, Z), theta, u, f2, metric=metric, weights=w
+        )
+        < val
+    )
 
 
 def test_distributional_gradient_matches_finite_difference():
     model, theta, _, g = _normal(2)
     u = torch.randn(model.num_params, generator=g, dtype=torch.float64)
     Z, w = th.gauss_hermite_latent(2, 8)
-    feats = th.rbf_features(torch.tensor([[0.3, -0.2], [1.0, 0.5]], dtype=torch.float64), 0.7)
+    feats = th.rbf_features(
+        torch.tensor([[0.3, -0.2], [1.0, 0.5]], dtype=torch.float64), 0.7
+    )
     b = th.distributional_gradient(lambda t: model.sample(t, Z), theta, u, feats, w)
     h = 1e-6
-    fd = (w @ feats(model.sample(theta + h * u, Z)) - w @ feats(model.sample(theta - h * u, Z))) / (2 * h)
+    fd = (
+        w @ feats(model.sample(theta + h * u, Z))
+        - w @ feats(model.sample(theta - h * u, Z))
+    ) / (2 * h)
     torch.testing.assert_close(b, fd, rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="u must"):
         th.distributional_gradient(lambda t: model.sample(t, Z), theta, u[:2], feats, w)
 
 
 def test_fisher_dual_unbounded_on_sphere_wasserstein_bounded():
-    """No density: f_a(x) = a(‖x−μ‖ − r) vanishes on the sphere but has slope a across it."""
+    """No density: f_a(x) = a(‖x−μ‖ − r) vanishes on the sphere but has slope a across
+    it."""
     model = kwng.HyperSphereModel(2)
     theta = torch.tensor([0.0, 0.0, math.log(1.5)], dtype=torch.float64)
     Z, w = th.circle_latent(16)
@@ -186,7 +255,9 @@ def test_fisher_dual_unbounded_on_sphere_wasserstein_bounded():
         f = lambda X, a=a: a * (X.norm(dim=1, keepdim=True) - 1.5)  # noqa: E731
         s = lambda t: model.sample(t, Z)  # noqa: E731
         vals_f.append(th.dual_objective(s, theta, u, f, metric="fisher", weights=w))
-        vals_w.append(th.dual_objective(s, theta, u, f, metric="wasserstein", weights=w))
+        vals_w.append(
+            th.dual_objective(s, theta, u, f, metric="wasserstein", weights=w)
+        )
     assert vals_f == pytest.approx([1.5, 15.0, 150.0])
     assert max(vals_w) <= 0.5 * 1.5 ** 2 + 1e-12
 
@@ -196,9 +267,18 @@ def test_negative_sobolev_dirac_unbounded():
     theta = torch.tensor([[0.5, -1.0]], dtype=torch.float64)
     u = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
     eps = 1e-2
-    vals = [th.negative_sobolev_objective(lambda X, a=a: -a * ((X - theta) ** 2).sum(1, keepdim=True),
-                                          theta, theta + eps * u) / eps for a in (1.0, 1e3)]
-    assert vals[1] == pytest.approx(1e3 * vals[0]) and vals[0] == pytest.approx(eps * 5.0)
+    vals = [
+        th.negative_sobolev_objective(
+            lambda X, a=a: -a * ((X - theta) ** 2).sum(1, keepdim=True),
+            theta,
+            theta + eps * u,
+        )
+        / eps
+        for a in (1.0, 1e3)
+    ]
+    assert vals[1] == pytest.approx(1e3 * vals[0]) and vals[0] == pytest.approx(
+        eps * 5.0
+    )
 
 
 def test_rbf_dual_optimum_approaches_metric_from_below():
@@ -207,7 +287,9 @@ def test_rbf_dual_optimum_approaches_metric_from_below():
     Z, w = th.gauss_hermite_latent(1, 40)
     exact = 0.5 * float(u @ model.metric(theta) @ u)
     centres = torch.linspace(-4, 4, 25, dtype=torch.float64)[:, None]
-    opt = th.dual_optimum(lambda t: model.sample(t, Z), theta, u, th.rbf_features(centres, 0.5), weights=w)
+    opt = th.dual_optimum(
+        lambda t: model.sample(t, Z), theta, u, th.rbf_features(centres, 0.5), weights=w
+    )
     assert opt.value <= exact * (1 + 1e-9) and opt.value > 0.99 * exact
 
 
@@ -219,26 +301,39 @@ def _problem(N=40, d=2, seed=0):
 
 @pytest.mark.parametrize("lam", [1e-1, 1e-3])
 def test_brute_force_three_routes_agree(lam):
-    """Prop. 4 (dual), Prop. 5/6 (closed form) and the minimax-exchanged metric route."""
+    """Prop. 4 (dual), Prop. 5/6 (closed form) and the minimax-exchanged metric
+    route."""
     model, theta, grad, s = _problem()
-    r = nys.rkhs_brute_force(s, theta, grad, eps=1e-2, lam=lam, kernel=kwng.GaussianKernel(1.0))
+    r = nys.rkhs_brute_force(
+        s, theta, grad, eps=1e-2, lam=lam, kernel=kwng.GaussianKernel(1.0)
+    )
     assert kwng.relative_error(r.direction_dual, r.direction_closed) < 1e-5
     assert kwng.relative_error(r.direction_metric, r.direction_closed) < 1e-5
     assert r.alpha.shape == (40, 2)
     with pytest.raises(ValueError, match="eps"):
-        nys.rkhs_brute_force(s, theta, grad, eps=0.0, lam=lam, kernel=kwng.GaussianKernel(1.0))
+        nys.rkhs_brute_force(
+            s, theta, grad, eps=0.0, lam=lam, kernel=kwng.GaussianKernel(1.0)
+        )
 
 
 def test_brute_force_limits():
     """λ → ∞: Ĝ → 0 so ĝ → ∇L/ε; λ = 0 on the sphere: Ĝ → empirical E[∂hᵀ∂h]."""
     model, theta, grad, s = _problem()
-    r = nys.rkhs_brute_force(s, theta, grad, eps=0.5, lam=1e8, kernel=kwng.GaussianKernel(1.0))
+    r = nys.rkhs_brute_force(
+        s, theta, grad, eps=0.5, lam=1e8, kernel=kwng.GaussianKernel(1.0)
+    )
     assert kwng.relative_error(r.direction_closed, grad / 0.5) < 1e-6
     sph = kwng.HyperSphereModel(2)
     Z = sph.sample_latent(30, torch.Generator().manual_seed(0))
     ts = sph.random_params(torch.Generator().manual_seed(1))
-    r = nys.rkhs_brute_force(lambda t: sph.sample(t, Z), ts, torch.ones(3, dtype=torch.float64), eps=1e-3,
-                            lam=1e-10, kernel=kwng.GaussianKernel(1.0))
+    r = nys.rkhs_brute_force(
+        lambda t: sph.sample(t, Z),
+        ts,
+        torch.ones(3, dtype=torch.float64),
+        eps=1e-3,
+        lam=1e-10,
+        kernel=kwng.GaussianKernel(1.0),
+    )
     Gp = th.pullback_metric(lambda t: sph.sample(t, Z), ts)
     assert kwng.relative_error(r.metric, Gp) < 1e-3
 
@@ -254,7 +349,9 @@ def test_sutherland_with_all_points_is_brute_force():
     model, theta, grad, s = _problem()
     kw = dict(eps=1e-2, lam=1e-2, kernel=kwng.GaussianKernel(1.0))
     r = nys.rkhs_brute_force(s, theta, grad, **kw)
-    su = nys.sutherland_kwng_gradient(s, theta, grad, num_points=40, damping="identity", **kw)
+    su = nys.sutherland_kwng_gradient(
+        s, theta, grad, num_points=40, damping="identity", **kw
+    )
     assert su.diagnostics["num_functions"] == 80
     assert kwng.relative_error(su.direction, r.direction_closed) < 1e-6
     with pytest.raises(ValueError, match="num_points"):
@@ -262,7 +359,8 @@ def test_sutherland_with_all_points_is_brute_force():
 
 
 def test_stable_as_printed_differs_and_sqrt_form_agrees():
-    """Prop. 6 as printed (T̃ = S†UᵀT) is not Prop. 5; with S^{-1/2} (the library) it is."""
+    """Prop. 6 as printed (T̃ = S†UᵀT) is not Prop. 5; with S^{-1/2} (the library) it
+    is."""
     model, theta, grad, s = _problem(N=100)
     kernel = kwng.GaussianKernel(1.0)
     idx, coords = kwng.draw_basis(100, 2, 6, torch.Generator().manual_seed(0))
@@ -283,7 +381,9 @@ def test_rates_and_schedule():
         assert nys.predicted_rate(nys.misspecified_b(c)) == pytest.approx(1 / (4 + c))
     sch = nys.theory_schedule(1000, 2, 0.5)
     assert sch["num_basis"] == math.ceil(2 * 1000 ** 0.5 * math.log(1000))
-    assert sch["lam"] == pytest.approx(1000 ** -0.5) and sch["eps"] == pytest.approx(1000 ** -0.25)
+    assert sch["lam"] == pytest.approx(1000**-0.5) and sch["eps"] == pytest.approx(
+        1000**-0.25
+    )
     assert nys.theory_schedule(100, 5, 0.5)["num_basis"] == 100
     with pytest.raises(ValueError, match="b must"):
         nys.predicted_rate(2.0)

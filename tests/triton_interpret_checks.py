@@ -25,7 +25,7 @@ from kwng.engine import replicate_layers, triton_bn, triton_support
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.engine.replicate_bn import bn_backward_torch
 from kwng.engine.step_direction import direction_into
-from kwng.estimator import jacobian_from_outputs
+from kwng.jacobians import jacobian_from_outputs
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or triton_support.triton is None,

@@ -1,4 +1,5 @@
-"""Dispatch ``python -m kwng.experiments <name> ...`` to the module that implements ``name``."""
+"""Dispatch ``python -m kwng.experiments <name> ...`` to the module that implements
+``name``."""
 
 from __future__ import annotations
 
@@ -11,11 +12,17 @@ from kwng.experiments import EXPERIMENTS
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m kwng.experiments <name> [options]\n\nexperiments: " + ", ".join(EXPERIMENTS))
+        print(
+            "usage: python -m kwng.experiments <name> [options]\n\nexperiments: "
+            + ", ".join(EXPERIMENTS)
+        )
         return 0
     name = argv[0]
     if name not in EXPERIMENTS:
-        print(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}", file=sys.stderr)
+        print(
+            f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(EXPERIMENTS[name])
     try:

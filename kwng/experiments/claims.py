@@ -12,16 +12,21 @@ from pathlib import Path
 
 import numpy as np
 
-from kwng.experiments.cifar import fig3, fig3_results
-from kwng.experiments.cifar.methods import CLAIM_ALL, MAIN_METHODS
-from kwng.experiments.cifar.results import load_authors100, load_results
+from kwng.experiments.cifar import fig3
+from kwng.experiments.cifar.methods import CLAIM_ALL
+from kwng.experiments.cifar.results import load_authors100, load_results, study6_table
 from kwng.experiments.cifar.tables import (
     at_epoch,
     epoch_seconds,
     final_accuracy_table,
     time_to_accuracy,
 )
-from kwng.experiments.cifar.verdicts import authors100_verdict, claim_verdict
+from kwng.experiments.cifar.verdicts import (
+    authors100_verdict,
+    claim_verdict,
+    fig3_verdicts,
+    queue_left,
+)
 from kwng.experiments.synthetic_setup import load_flow, load_rows, summarise
 
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
@@ -175,7 +180,8 @@ def _six_epoch(root: Path) -> dict:
             "m5_ill_3_lo": min(k5), "m5_ill_3_hi": max(k5),
             "mom_well": acc("well", "kwng_momentum")[0],
             "kwng_well": float(np.mean(acc("well", "kwng"))),
-            "methods": len({m for (_, m, _) in res if m in MAIN_METHODS})}
+            "methods": len({m for (_, m, _) in res
+                            if m in study6_table()["main_methods"]})}
 
 
 def cifar_context(root: str | os.PathLike = RESULTS) -> dict:
@@ -188,12 +194,12 @@ def cifar_context(root: str | os.PathLike = RESULTS) -> dict:
 
 def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     """The Fig. 3 protocol's verdicts so far
-    (:func:`kwng.experiments.cifar.fig3_results.verdicts`): ``per_baseline``, the
+    (:func:`kwng.experiments.cifar.verdicts.fig3_verdicts`): ``per_baseline``, the
     counts by verdict, the queue left, and ``verdict``: ``"pending"`` while any
     baseline is pending, else the per-baseline verdicts in one phrase."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
-    ver = fig3_results.verdicts(p, base)
+    ver = fig3_verdicts(p, base)
     counts: dict[str, int] = {}
     for v in ver.values():
         counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
@@ -203,7 +209,7 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
         by = {w: ", ".join(m for m, v in ver.items() if v["verdict"] == w)
               for w in sorted(counts)}
         word = "; ".join(f"{w} for {ms}" for w, ms in by.items())
-    queue = fig3_results.queue_left(p, base)
+    queue = queue_left(p, base)
     return {"per_baseline": ver, "counts": counts, "verdict": word, "queue": queue,
             "settled": word != "pending" and not any(queue.values())}
 

@@ -3,7 +3,7 @@ for the protocol): natural-gradient descent of the normal model toward a target 
 for the ``W2²`` and ``KL`` losses, with the exact and the kernel-estimated Wasserstein
 and Fisher natural gradients and the Euclidean one, and the reading and checking of
 ``flow.csv``. The problem (start, target) is drawn as in the W2 flow of Fig. 2
-(:func:`kwng.experiments.synthetic.flow_problem`).
+(:func:`kwng.experiments.synthetic_flow.flow_problem`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kwng.experiments.grid import keyed_seed, parse_bandwidth
 from kwng.experiments.guard_csv import read_csv_checked, write_csv_rows
 from kwng.experiments.provenance import atomic_write_json, make_provenance
 from kwng.experiments.result_dir import prepare_result_dir
-from kwng.experiments.synthetic import flow_problem, normal_w2_and_grad
+from kwng.experiments.synthetic_flow import flow_problem, normal_w2_and_grad
 from kwng.fisher import kfng_gradient
 from kwng.fisher_exact import fisher_natural_gradient
 from kwng.models import NormalModel

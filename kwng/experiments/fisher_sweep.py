@@ -16,12 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kwng.estimator import (
-    draw_basis,
-    jacobian_from_sampler,
-    kwng_gradient,
-    with_bandwidth,
-)
+from kwng.estimator import draw_basis, kwng_gradient, with_bandwidth
 from kwng.estimator_checks import relative_error
 from kwng.experiments.grid import keyed_seed, panel_points, parse_bandwidth
 from kwng.experiments.guard import FORCE_HINT, backup
@@ -34,6 +29,7 @@ from kwng.experiments.provenance import (
 from kwng.experiments.result_dir import prepare_result_dir
 from kwng.fisher import fisher_kernel_matrices, kernel_fisher_metric, kfng_gradient
 from kwng.fisher_exact import fisher_matrix, fisher_natural_gradient, scores
+from kwng.jacobians import jacobian_from_sampler
 from kwng.models import make_model, model_names
 
 __all__ = ["FISHER_MODELS", "SWEEP_COLUMNS", "compare_once", "metric_vs_lambda",

@@ -10,7 +10,7 @@ module tests the candidate explanations at exactly those settings, one change at
   ``G_W = I`` and the exact WNG is the Euclidean gradient;
 * ``sigma_coords``: the paper's coordinates ``θ = (μ, s)`` with ``s`` the lower triangle
   of ``Σ`` (App. D.1), sampled as ``X = μ + chol(Σ) Z``; exact WNG from
-  :func:`kwng.models.normal_wng_sigma_coords`;
+  :func:`kwng.gaussian.normal_wng_sigma_coords`;
 * ``bandwidth``: fixed ``σ ∈ {1, 10}``, the median heuristic, and ``σ0 ∈ {0.5, 2}`` in
   ``σ = σ0 · mean‖X_n - Y_m‖²``;
 * ``damping``: ``D = I``, ``diag(TᵀT)``, ``diag(T̃ᵀT̃)``, and ``ε = 1e-5`` instead of
@@ -47,9 +47,9 @@ from kwng.experiments.provenance import (
     make_provenance,
     read_json,
 )
-from kwng.experiments.synthetic import flow_problem, normal_w2_and_grad
+from kwng.experiments.synthetic_flow import flow_problem, normal_w2_and_grad
 from kwng.experiments.synthetic_setup import flow_config
-from kwng.models import normal_wng_sigma_coords
+from kwng.gaussian import normal_wng_sigma_coords
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Provenance and atomic result files for long runs.
 
 Every result directory gets a ``provenance.json`` with the command line, the full
-configuration, the git commit, the device, the date, the seeds and the wall time, and every file
-is written atomically (to a temporary file in the same directory, then renamed) so that an
-interrupted run never leaves a half-written result.
+configuration, the git commit, the device, the date, the seeds and the wall time, and
+every file is written atomically (to a temporary file in the same directory, then
+renamed) so that an interrupted run never leaves a half-written result.
 """
 
 from __future__ import annotations
@@ -21,14 +21,23 @@ from typing import Any
 
 from kwng.config import REPO_ROOT
 
-__all__ = ["ResultFileError", "atomic_write_text", "atomic_write_json", "read_json", "git_commit",
-           "device_name", "run_command", "make_provenance", "index_provenance",
-           "write_provenance"]
+__all__ = [
+    "ResultFileError",
+    "atomic_write_text",
+    "atomic_write_json",
+    "read_json",
+    "git_commit",
+    "device_name",
+    "run_command",
+    "make_provenance",
+    "index_provenance",
+    "write_provenance",
+]
 
 
 class ResultFileError(ValueError):
-    """A result, record or checkpoint file exists but cannot be read (truncated, corrupt, wrong
-    type). The message names the file; the original error is chained."""
+    """A result, record or checkpoint file exists but cannot be read (truncated,
+    corrupt, wrong type). The message names the file; the original error is chained."""
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -41,7 +50,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; result files are meant to be shared
+        # mkstemp creates 0600; result files are meant to be shared
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -50,18 +60,23 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=_default) + "\n")
+    atomic_write_text(
+        path, json.dumps(obj, indent=1, sort_keys=True, default=_default) + "\n"
+    )
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """Parse the JSON file ``path``. A missing file raises ``FileNotFoundError``; a file that is
-    truncated, not UTF-8 or not JSON raises :class:`ResultFileError` naming ``path``."""
+    """Parse the JSON file ``path``. A missing file raises ``FileNotFoundError``; a file
+    that is truncated, not UTF-8 or not JSON raises :class:`ResultFileError` naming
+    ``path``."""
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ResultFileError(f"{path}: not a readable JSON file ({exc}); it may be truncated or "
-                              "corrupt: move it away or rerun with --force") from exc
+        raise ResultFileError(
+            f"{path}: not a readable JSON file ({exc}); it may be truncated or "
+            "corrupt: move it away or rerun with --force"
+        ) from exc
 
 
 def _default(o):
@@ -80,16 +95,29 @@ def _default(o):
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """``$KWNG_GIT_COMMIT`` if set, else the current git commit (with ``+dirty`` if the tree has
-    changes), or ``"unknown"``."""
+    """``$KWNG_GIT_COMMIT`` if set, else the current git commit (with ``+dirty`` if the
+    tree has changes), or ``"unknown"``."""
     cwd = cwd or REPO_ROOT
-    if os.environ.get("KWNG_GIT_COMMIT"):  # set by the GPU scripts: the copied tree's .git may be stale
+    # set by the GPU scripts: the copied tree's .git may be stale
+    if os.environ.get("KWNG_GIT_COMMIT"):
         return os.environ["KWNG_GIT_COMMIT"]
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
-                             check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("KWNG_GIT_COMMIT", "unknown")
@@ -105,9 +133,9 @@ def device_name(device: str | None = None) -> str:
 
 
 def run_command() -> str:
-    """The command line of this process as it can be typed again: ``python -m <module> ...``
-    when run as a module (``sys.argv[0]`` is then the module's file, which cannot be run as a
-    script), each argument quoted for a POSIX shell."""
+    """The command line of this process as it can be typed again: ``python -m <module>
+    ...`` when run as a module (``sys.argv[0]`` is then the module's file, which cannot
+    be run as a script), each argument quoted for a POSIX shell."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     name = getattr(spec, "name", None)
@@ -120,8 +148,11 @@ def run_command() -> str:
     return shlex.join(head + list(sys.argv[1:]))
 
 
-def make_provenance(config: dict, seeds: Any = None, device: str | None = None, **extra) -> dict:
-    """The provenance record: command, configuration, commit, device, date, seeds, versions."""
+def make_provenance(
+    config: dict, seeds: Any = None, device: str | None = None, **extra
+) -> dict:
+    """The provenance record: command, configuration, commit, device, date, seeds,
+    versions."""
     import torch
 
     record = {
@@ -143,13 +174,13 @@ def index_provenance(directory: str | os.PathLike) -> dict:
     """Write ``directory/provenance.json`` gathered from the result files in it.
 
     For a directory whose commands write several result files, each with its own record
-    (a ``provenance`` key inside a JSON result, or a ``<part>.provenance.json`` file), the
-    directory record lists them under ``files`` and carries at the top the keys of every
-    record (command, config, git commit, device, date, seeds, wall time): the latest
-    record's command, commit, device and date, each file's config and seeds, the summed
-    wall time of the last calls (``wall_time_s``) and of every call, interrupted ones
-    included (``wall_time_total_s``: a record without it counts its ``wall_time_s``).
-    Nothing is recomputed; the file is rewritten from what is there.
+    (a ``provenance`` key inside a JSON result, or a ``<part>.provenance.json`` file),
+    the directory record lists them under ``files`` and carries at the top the keys of
+    every record (command, config, git commit, device, date, seeds, wall time): the
+    latest record's command, commit, device and date, each file's config and seeds, the
+    summed wall time of the last calls (``wall_time_s``) and of every call, interrupted
+    ones included (``wall_time_total_s``: a record without it counts its
+    ``wall_time_s``). Nothing is recomputed; the file is rewritten from what is there.
     """
     directory = Path(directory)
     files = {}

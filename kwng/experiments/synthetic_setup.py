@@ -2,9 +2,9 @@
 
 The configurations of the three commands, the grid points of the sweeps and their result
 files (reading, checking, atomic writing); see :mod:`kwng.experiments.synthetic` for the
-protocol. The random draws are keyed by grid point (:func:`kwng.experiments.grid.keyed_seed`)
-and the parameters drawn near the model's reference point
-(:meth:`kwng.models.ImplicitModel.params_near_reference`).
+protocol. The random draws are keyed by grid point
+(:func:`kwng.experiments.grid.keyed_seed`) and the parameters drawn near the model's
+reference point (:meth:`kwng.models.ImplicitModel.params_near_reference`).
 """
 
 from __future__ import annotations
@@ -23,28 +23,63 @@ from kwng.experiments.guard_csv import read_csv_checked
 from kwng.experiments.provenance import ResultFileError, atomic_write_text, read_json
 from kwng.models import NormalModel, model_names
 
-__all__ = ["summarise", "FIGURE_MODELS", "SWEEP_COLUMNS", "RELERR_BANDWIDTH", "relerr_config",
-           "bandwidth_config", "flow_config", "sweep_points", "point_key", "load_rows",
-           "checked_rows", "write_flow_csvs", "write_pca_csv", "load_flow", "flow_problems"]
+__all__ = [
+    "summarise",
+    "FIGURE_MODELS",
+    "SWEEP_COLUMNS",
+    "RELERR_BANDWIDTH",
+    "relerr_config",
+    "bandwidth_config",
+    "flow_config",
+    "sweep_points",
+    "point_key",
+    "load_rows",
+    "checked_rows",
+    "write_flow_csvs",
+    "write_pca_csv",
+    "load_flow",
+    "flow_problems",
+]
 
-#: The models of the sweeps (names of :data:`kwng.models.MODELS`) in the order of the paper's
-#: figures: the sphere (Fig. 1), then the normal and log-normal models (Fig. 5). The committed
+#: The models of the sweeps (names of :data:`kwng.models.MODELS`) in the order of the
+#: paper's
+#: figures: the sphere (Fig. 1), then the normal and log-normal models (Fig. 5). The
+#: committed
 #: configurations record this order: changing it makes the guards refuse them.
 FIGURE_MODELS = model_names(("sphere", "normal", "lognormal"))
-SWEEP_COLUMNS = ("model", "panel", "d", "N", "M", "bandwidth_spec", "run", "bandwidth", "rank", "error")
+SWEEP_COLUMNS = (
+    "model",
+    "panel",
+    "d",
+    "N",
+    "M",
+    "bandwidth_spec",
+    "run",
+    "bandwidth",
+    "rank",
+    "error",
+)
 
 
-# Kernel bandwidth used by the relative-error study, per model. The sphere follows the paper
-# (Fig. 1: fixed σ = 1); the normal and log-normal models use the paper's data-driven heuristic
-# σ = σ0 · mean ‖X_n - Y_m‖² (§3.3) -- see the chapter "Synthetic experiments" for the evidence.
-RELERR_BANDWIDTH: dict[str, float | str] = {"sphere": 1.0, "normal": "mean_sq:0.5", "lognormal": "mean_sq:0.5"}
+# Kernel bandwidth used by the relative-error study, per model. The sphere follows the
+# paper
+# (Fig. 1: fixed σ = 1); the normal and log-normal models use the paper's data-driven
+# heuristic
+# σ = σ0 · mean ‖X_n - Y_m‖² (§3.3) -- see the chapter "Synthetic experiments" for the
+# evidence.
+RELERR_BANDWIDTH: dict[str, float | str] = {
+    "sphere": 1.0,
+    "normal": "mean_sq:0.5",
+    "lognormal": "mean_sq:0.5",
+}
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Configurations
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def relerr_config(scale: str | None = None) -> dict:
-    """Grid of the relative-error study (Figs. 1, 5). ``full``: the paper's 100 runs per point."""
+    """Grid of the relative-error study (Figs. 1, 5). ``full``: the paper's 100 runs per
+    point."""
     full = _config.resolve(scale) == "full"
     return {
         "experiment": "relerr", "scale": "full" if full else "small",
@@ -60,68 +95,112 @@ def relerr_config(scale: str | None = None) -> dict:
 
 
 def bandwidth_config(scale: str | None = None) -> dict:
-    """Grid of the bandwidth study (Fig. 6): fixed σ, ``λ = ε = 1e-10``, ``M = ⌊d√N⌋``."""
+    """Grid of the bandwidth study (Fig. 6): fixed σ, ``λ = ε = 1e-10``, ``M =
+    ⌊d√N⌋``."""
     full = _config.resolve(scale) == "full"
     return {
-        "experiment": "bandwidth", "scale": "full" if full else "small",
+        "experiment": "bandwidth",
+        "scale": "full" if full else "small",
         "models": list(FIGURE_MODELS),
         "dims": list(range(1, 11)) if full else [1, 3, 5],
         "N_fixed": 5000 if full else 1000,
-        "sigmas": [0.01, 0.1, 1.0, 10.0, 100.0, 1000.0] if full else [0.1, 1.0, 10.0, 100.0],
+        "sigmas": [0.01, 0.1, 1.0, 10.0, 100.0, 1000.0]
+        if full
+        else [0.1, 1.0, 10.0, 100.0],
         "runs": 100 if full else 4,
-        "eps": 1e-10, "lam": 1e-10, "theta_variance": 0.1, "grad_variance": 0.1,
-        "damping": "T_tilde", "seed": 1,
+        "eps": 1e-10,
+        "lam": 1e-10,
+        "theta_variance": 0.1,
+        "grad_variance": 0.1,
+        "damping": "T_tilde",
+        "seed": 1,
     }
 
 
 def flow_config(scale: str | None = None) -> dict:
-    """Setting of the W2 flow (Fig. 2): normal model, ``d = 10``, KWNG with ``N = 128, M = 100``.
+    """Setting of the W2 flow (Fig. 2): normal model, ``d = 10``, KWNG with ``N = 128, M
+    = 100``.
 
-    A method whose loss becomes non-finite or exceeds ``divergence_factor`` times the initial loss
-    is stopped and recorded as NaN from then on."""
+    A method whose loss becomes non-finite or exceeds ``divergence_factor`` times the
+    initial loss is stopped and recorded as NaN from then on."""
     full = _config.resolve(scale) == "full"
     return {
-        "experiment": "flow", "scale": "full" if full else "small",
-        "d": 10, "iterations": 400 if full else 40, "eps": 1e-10, "lam": 0.0,
-        # the paper's KWNG (N = 128, M = 100) and a variant with more samples and M = ⌊d√N⌋
-        "kwng_variants": {"kwng": {"N": 128, "M": 100}, "kwng_N1024": {"N": 1024, "M": 320}},
+        "experiment": "flow",
+        "scale": "full" if full else "small",
+        "d": 10,
+        "iterations": 400 if full else 40,
+        "eps": 1e-10,
+        "lam": 0.0,
+        # the paper's KWNG (N = 128, M = 100) and a variant with more samples and M =
+        # ⌊d√N⌋
+        "kwng_variants": {
+            "kwng": {"N": 128, "M": 100},
+            "kwng_N1024": {"N": 1024, "M": 320},
+        },
         "steps": {"wng": 0.1, "kwng": 0.1, "kwng_N1024": 0.1, "eg": 1e-4},
         "divergence_factor": 1e6,
-        "bandwidth": RELERR_BANDWIDTH["normal"], "theta_variance": 0.1, "target_mean_std": 1.0,
-        "damping": "T_tilde", "seed": 2,
+        "bandwidth": RELERR_BANDWIDTH["normal"],
+        "theta_variance": 0.1,
+        "target_mean_std": 1.0,
+        "damping": "T_tilde",
+        "seed": 2,
     }
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Grid points (the draws are keyed by them, so that any point can be redone alone)
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def sweep_points(cfg: dict, model_name: str) -> list[dict]:
     """The grid points of one model's ``relerr`` (panels ``N``, ``M``) or ``bandwidth``
     (panel ``sigma``) sweep, each with its ``bandwidth_spec``."""
     pts = []
     if cfg["experiment"] == "relerr":
         bw = cfg["bandwidth"][model_name]
-        pts = [{**p, "bandwidth_spec": bw}
-               for p in panel_points(cfg["dims"], cfg["N_values"], cfg["N_fixed"], cfg["M_values"])]
+        pts = [
+            {**p, "bandwidth_spec": bw}
+            for p in panel_points(
+                cfg["dims"], cfg["N_values"], cfg["N_fixed"], cfg["M_values"]
+            )
+        ]
     elif cfg["experiment"] == "bandwidth":
         N = cfg["N_fixed"]
         for d in cfg["dims"]:
             for s in cfg["sigmas"]:
-                pts.append({"panel": "sigma", "d": d, "N": N, "M": int(d * N ** 0.5), "bandwidth_spec": s})
+                pts.append(
+                    {
+                        "panel": "sigma",
+                        "d": d,
+                        "N": N,
+                        "M": int(d * N**0.5),
+                        "bandwidth_spec": s,
+                    }
+                )
     else:
-        raise ValueError(f"cfg['experiment'] must be 'relerr' or 'bandwidth', got {cfg['experiment']!r}")
+        raise ValueError(
+            "cfg['experiment'] must be 'relerr' or 'bandwidth', got "
+            f"{cfg['experiment']!r}"
+        )
     return pts
 
 
 def point_key(model_name: str, p: dict) -> str:
-    """The key of a grid point (or of a row): the seeds of its draws and its CSV rows."""
+    """The key of a grid point (or of a row): the seeds of its draws and its CSV
+    rows."""
     return f"{model_name}|{p['panel']}|{p['d']}|{p['N']}|{p['M']}|{p['bandwidth_spec']}"
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Result files
-# --------------------------------------------------------------------------------------------
-_CONVERTERS = {"d": int, "N": int, "M": int, "run": int, "rank": int, "bandwidth": float, "error": float}
+# --------------------------------------------------------------------------------------
+_CONVERTERS = {
+    "d": int,
+    "N": int,
+    "M": int,
+    "run": int,
+    "rank": int,
+    "bandwidth": float,
+    "error": float,
+}
 
 
 def _row_key(r: dict) -> tuple[str, int]:
@@ -129,26 +208,39 @@ def _row_key(r: dict) -> tuple[str, int]:
 
 
 def load_rows(path: str | Path) -> list[dict]:
-    """Rows of a sweep CSV as dicts with numeric fields converted (empty list if absent).
+    """Rows of a sweep CSV as dicts with numeric fields converted (empty list if
+    absent).
 
-    Raises :class:`kwng.experiments.provenance.ResultFileError` naming the file and line when a row does not
-    parse or repeats a run (non-finite errors are data and are returned)."""
+    Raises :class:`kwng.experiments.provenance.ResultFileError` naming the file and line
+    when a row does not parse or repeats a run (non-finite errors are data and are
+    returned)."""
     rows, problems = read_csv_checked(path, SWEEP_COLUMNS, _CONVERTERS, _row_key)
     if problems:
-        raise ResultFileError(f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5]))
+        raise ResultFileError(
+            f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5])
+        )
     return rows
 
 
-def checked_rows(path: str | Path, rejected: list[dict] | None = None) -> tuple[list[dict], list[str]]:
-    """The rows of a sweep CSV a resume may trust (parseable, finite, one per run) and the problems
-    of the others, each naming the file and line; the rejected rows that parsed (non-finite,
-    repeated) are appended to ``rejected`` when given."""
-    return read_csv_checked(path, SWEEP_COLUMNS, _CONVERTERS, _row_key, finite=("bandwidth", "error"),
-                            rejected=rejected)
+def checked_rows(
+    path: str | Path, rejected: list[dict] | None = None
+) -> tuple[list[dict], list[str]]:
+    """The rows of a sweep CSV a resume may trust (parseable, finite, one per run) and
+    the problems of the others, each naming the file and line; the rejected rows that
+    parsed (non-finite, repeated) are appended to ``rejected`` when given."""
+    return read_csv_checked(
+        path,
+        SWEEP_COLUMNS,
+        _CONVERTERS,
+        _row_key,
+        finite=("bandwidth", "error"),
+        rejected=rejected,
+    )
 
 
 def write_flow_csvs(out: Path, losses: dict, traj: dict, model: NormalModel) -> None:
-    """Write ``loss.csv`` and ``trajectories.csv`` of :func:`~kwng.experiments.synthetic.run_flow`."""
+    """Write ``loss.csv`` and ``trajectories.csv`` of
+    :func:`~kwng.experiments.synthetic_flow.run_flow`."""
     buf = io.StringIO()
     buf.write("iteration,method,loss\n")
     for m, ls in losses.items():
@@ -156,7 +248,11 @@ def write_flow_csvs(out: Path, losses: dict, traj: dict, model: NormalModel) -> 
             buf.write(f"{i},{m},{v:.12g}\n")
     atomic_write_text(out / "loss.csv", buf.getvalue())
     buf = io.StringIO()
-    buf.write("iteration,method," + ",".join(f"theta_{k}" for k in range(model.num_params)) + "\n")
+    buf.write(
+        "iteration,method,"
+        + ",".join(f"theta_{k}" for k in range(model.num_params))
+        + "\n"
+    )
     for m, ts in traj.items():
         for i, t in enumerate(ts):
             buf.write(f"{i},{m}," + ",".join(f"{x:.10g}" for x in t.tolist()) + "\n")
@@ -164,8 +260,9 @@ def write_flow_csvs(out: Path, losses: dict, traj: dict, model: NormalModel) -> 
 
 
 def write_pca_csv(out: Path, traj: dict) -> np.ndarray:
-    """``pca.csv`` of :func:`~kwng.experiments.synthetic.run_flow`: the trajectories on the two leading principal directions
-    of the (finite part of the) WNG trajectory. Returns the singular values."""
+    """``pca.csv`` of :func:`~kwng.experiments.synthetic_flow.run_flow`: the
+    trajectories on the two leading principal directions of the (finite part of the) WNG
+    trajectory. Returns the singular values."""
     W = torch.stack(traj["wng"]).numpy()
     W = W[np.isfinite(W).all(1)]
     centre = W.mean(0)
@@ -183,37 +280,56 @@ def write_pca_csv(out: Path, traj: dict) -> np.ndarray:
 def _read_flow_csv(path: Path, columns: tuple[str, ...]) -> list[dict]:
     conv = {c: float for c in columns if c not in ("iteration", "method")}
     conv["iteration"] = int
-    rows, problems = read_csv_checked(path, columns, conv, lambda r: (r["method"], r["iteration"]))
+    rows, problems = read_csv_checked(
+        path, columns, conv, lambda r: (r["method"], r["iteration"])
+    )
     if problems:
-        raise ResultFileError(f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5]))
+        raise ResultFileError(
+            f"{len(problems)} bad row(s) in {path}: " + "; ".join(problems[:5])
+        )
     return rows
 
 
 def load_flow(results_dir: str | Path) -> dict:
-    """``{"loss": {method: array}, "pca": {method: (T, 2) array}, "provenance": dict}``."""
+    """``{"loss": {method: array}, "pca": {method: (T, 2) array}, "provenance":
+    dict}``."""
     results_dir = Path(results_dir)
     loss: dict[str, list] = {}
     for r in _read_flow_csv(results_dir / "loss.csv", ("iteration", "method", "loss")):
         loss.setdefault(r["method"], []).append(r["loss"])
     pca: dict[str, list] = {}
-    for r in _read_flow_csv(results_dir / "pca.csv", ("iteration", "method", "pc1", "pc2")):
+    for r in _read_flow_csv(
+        results_dir / "pca.csv", ("iteration", "method", "pc1", "pc2")
+    ):
         pca.setdefault(r["method"], []).append((r["pc1"], r["pc2"]))
-    return {"loss": {k: np.array(v) for k, v in loss.items()}, "pca": {k: np.array(v) for k, v in pca.items()},
-            "provenance": read_json(results_dir / "provenance.json")}
+    return {
+        "loss": {k: np.array(v) for k, v in loss.items()},
+        "pca": {k: np.array(v) for k, v in pca.items()},
+        "provenance": read_json(results_dir / "provenance.json"),
+    }
 
 
 def flow_problems(out: str | Path, prov: dict) -> list[str]:
-    """What is missing or wrong in the flow results in ``out`` with provenance ``prov`` (empty when
-    complete): the three CSVs, read by the checked reader, every iteration of every method, and
-    NaN only where a method was stopped (``prov["diverged_at"]``: NaN from the next iteration on)."""
+    """What is missing or wrong in the flow results in ``out`` with provenance ``prov``
+    (empty when complete): the three CSVs, read by the checked reader, every iteration
+    of every method, and NaN only where a method was stopped (``prov["diverged_at"]``:
+    NaN from the next iteration on)."""
     out, cfg = Path(out), prov.get("config", {})
-    problems = [f"{out / f} missing" for f in ("loss.csv", "trajectories.csv", "pca.csv")
-                if not (out / f).exists()]
+    problems = [
+        f"{out / f} missing"
+        for f in ("loss.csv", "trajectories.csv", "pca.csv")
+        if not (out / f).exists()
+    ]
     if problems:
         return problems
     try:
         fl = load_flow(out)
-        header = (out / "trajectories.csv").read_text(encoding="utf-8").partition("\n")[0].split(",")
+        header = (
+            (out / "trajectories.csv")
+            .read_text(encoding="utf-8")
+            .partition("\n")[0]
+            .split(",")
+        )
         _read_flow_csv(out / "trajectories.csv", ("iteration", "method", *header[2:]))
     except ResultFileError as exc:
         return [str(exc)]
@@ -221,15 +337,24 @@ def flow_problems(out: str | Path, prov: dict) -> list[str]:
     for m in ("wng", *cfg.get("kwng_variants", {}), "eg"):
         curve = fl["loss"].get(m, np.array([]))
         if len(curve) != cfg.get("iterations", -2) + 1:
-            problems.append(f"{out / 'loss.csv'}: method {m}: {len(curve)} losses, expected "
-                            f"{cfg.get('iterations', -2) + 1}")
+            problems.append(
+                f"{out / 'loss.csv'}: method {m}: {len(curve)} losses, expected "
+                f"{cfg.get('iterations', -2) + 1}"
+            )
             continue
-        first = int(stopped[m]) + 1 if m in stopped else len(curve)  # NaN from here, finite before
+        # NaN from here, finite before
+        first = int(stopped[m]) + 1 if m in stopped else len(curve)
         bad = [i for i, v in enumerate(curve) if np.isfinite(v) != (i < first)]
         if bad:
-            problems.append(f"{out / 'loss.csv'}: method {m}: iteration {bad[0]} is "
-                            f"{curve[bad[0]]!r}, but the run " + (f"stopped at iteration {first - 1}"
-                            if m in stopped else "never stopped"))
+            problems.append(
+                f"{out / 'loss.csv'}: method {m}: iteration {bad[0]} is "
+                f"{curve[bad[0]]!r}, but the run "
+                + (
+                    f"stopped at iteration {first - 1}"
+                    if m in stopped
+                    else "never stopped"
+                )
+            )
     return problems
 
 

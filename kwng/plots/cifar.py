@@ -1,19 +1,24 @@
-"""Figures of the CIFAR study from result records (book chapter :ref:`experiments-cifar`).
+"""Figures of the CIFAR study from result records (book chapter
+:ref:`experiments-cifar`).
 
-Each function takes the dictionary of :func:`kwng.experiments.cifar.results.load_results`
-(``{(conditioning, method, seed): record}``) and returns a matplotlib figure; the numbers
-behind them are the tables of :mod:`kwng.experiments.cifar.tables`, and every method is
-drawn in the colour and line style of its record
-(:class:`kwng.experiments.cifar.methods.Method`):
+Each function takes the dictionary of
+:func:`kwng.experiments.cifar.results.load_results` (``{(conditioning, method, seed):
+record}``) and returns a matplotlib figure; the numbers behind them are the tables of
+:mod:`kwng.experiments.cifar.tables`, and every method is drawn in the colour and line
+style of its record (:class:`kwng.experiments.cifar.methods.Method`):
 
-* :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per epoch, ill- and
-  well-conditioned side by side, mean over seeds with the min–max band);
-* :func:`fig_accuracy_vs_time` — Fig. 7 (accuracy against training time: the wall clock recorded by
-  each run, or the step time of each method measured alone);
-* :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ kernel, scaled logits);
-* :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each epoch;
-* :func:`fig_per_class_vs_U` — per-class test accuracy against the class's scaling ``U_k`` (IC);
-* :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped fraction per epoch.
+* :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per
+  epoch, ill- and well-conditioned side by side, mean over seeds with the min–max band);
+* :func:`fig_accuracy_vs_time` — Fig. 7 (accuracy against training time: the wall clock
+  recorded by each run, or the step time of each method measured alone);
+* :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ
+  kernel, scaled logits);
+* :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each
+  epoch;
+* :func:`fig_per_class_vs_U` — per-class test accuracy against the class's scaling
+  ``U_k`` (IC);
+* :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped
+  fraction per epoch.
 """
 
 from __future__ import annotations
@@ -36,14 +41,20 @@ __all__ = ["fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fi
            "fig_per_class_vs_U", "fig_kwng_diagnostics"]
 
 
-def _look(method: str) -> dict:
-    """The colour and line style of ``method``, from its record
-    (:data:`kwng.experiments.cifar.methods.METHODS`); an unknown method raises."""
+def _look(method: str, looks: dict | None = None) -> dict:
+    """The colour and line style of ``method``: from ``looks`` (``{method: {"color",
+    "style", ...}}``, the frozen table of a finished study) when given, else from its
+    record (:data:`kwng.experiments.cifar.methods.METHODS`); an unknown method
+    raises."""
+    table = METHODS if looks is None else looks
     try:
-        m = METHODS[method]
+        m = table[method]
     except KeyError:
-        raise ValueError(f"no method {method!r} in kwng.experiments.cifar.methods."
-                         f"METHODS (known: {sorted(METHODS)})") from None
+        where = "METHODS" if looks is None else "the looks given"
+        raise ValueError(f"no method {method!r} in {where} "
+                         f"(known: {sorted(table)})") from None
+    if looks is not None:
+        return {"color": m["color"], "ls": m["style"]}
     return {"color": m.color, "ls": m.style}
 
 
@@ -53,7 +64,9 @@ def _band(ax, x, vals, label, color, ls):
     mean = vals.mean(0)
     ax.plot(x, 100 * mean, color=color, label=label, lw=1.5, ls=ls, marker="o", ms=2.5)
     if vals.shape[0] > 1:
-        ax.fill_between(x, 100 * vals.min(0), 100 * vals.max(0), color=color, alpha=0.2, lw=0)
+        ax.fill_between(
+            x, 100 * vals.min(0), 100 * vals.max(0), color=color, alpha=0.2, lw=0
+        )
 
 
 def _legend_below(fig, axes):
@@ -83,50 +96,77 @@ def _conditions(results: dict) -> tuple[str, ...]:
 
 
 def _label(results: dict, cond: str, method: str) -> str:
-    """``method`` with ``n=k`` seeds, and the epochs reached where a run stopped early."""
-    runs = [r for (c, m, _), r in results.items() if c == cond and m == method and r["epochs"]]
+    """``method`` with ``n=k`` seeds, and the epochs reached where a run stopped
+    early."""
+    runs = [
+        r
+        for (c, m, _), r in results.items()
+        if c == cond and m == method and r["epochs"]
+    ]
     lab = method + (f" (n={len(runs)})" if len(runs) > 1 else "")
     if runs and not all(r.get("complete") for r in runs):
-        lab += f" [{min(len(r['epochs']) for r in runs)}/{runs[0]['config']['epochs']} ep.]"
+        lab += (
+            f" [{min(len(r['epochs']) for r in runs)}/{runs[0]['config']['epochs']} "
+            "ep.]"
+        )
     return lab
 
 
 @book_figure
-def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = ""):
+def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "",
+                           looks: dict | None = None):
     """Fig. 3: rows test / training accuracy, columns ill- / well-conditioned (a column
-    only for a conditioning with records)."""
+    only for a conditioning with records). ``looks``: the colours and line styles of a
+    finished study's frozen table (default: the live methods'), as in every figure
+    here that takes it."""
     conds = _conditions(results)
     fig, axes = plt.subplots(2, len(conds), figsize=(FIG_WIDTH_IN, 6.2), sharex=True,
                              squeeze=False)
     for j, cond in enumerate(conds):
-        for i, (key, name) in enumerate((("test_acc", "test accuracy (%)"), ("train_acc", "training accuracy (%)"))):
+        for i, (key, name) in enumerate(
+            (("test_acc", "test accuracy (%)"), ("train_acc", "training accuracy (%)"))
+        ):
             ax = axes[i, j]
             for m in methods:
                 x, v = curves(results, cond, m, key)
-                _band(ax, x, v, _label(results, cond, m), **_look(m))
+                _band(ax, x, v, _label(results, cond, m), **_look(m, looks))
             ax.set_ylabel(name)
             ax.set_title(f"{cond}-conditioned")
             ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
     _legend_below(fig, axes)
-    fig.suptitle(title or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)", wrap=True)
+    fig.suptitle(
+        title
+        or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)",
+        wrap=True,
+    )
     fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
     return fig
 
 
 @book_figure
-def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | None = None,
-                         train_size: int = 50_000, title: str = ""):
-    """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``: the cumulative
-    training wall clock recorded by each run (mean over seeds), which includes the slow-down from other
-    runs sharing the GPU. With ``timing`` (the record of ``cifar timing``): ``epoch × steps per epoch ×
-    seconds per step measured alone`` (methods missing from ``timing`` are left out)."""
+def fig_accuracy_vs_time(
+    results: dict,
+    methods: Sequence[str],
+    timing: dict | None = None,
+    train_size: int = 50_000,
+    title: str = "",
+    looks: dict | None = None,
+):
+    """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``:
+    the cumulative training wall clock recorded by each run (mean over seeds), which
+    includes the slow-down from other runs sharing the GPU. With ``timing`` (the record
+    of ``cifar timing``): ``epoch × steps per epoch × seconds per step measured alone``
+    (methods missing from ``timing`` are left out)."""
     conds = _conditions(results)
-    fig, axes = plt.subplots(len(conds), 2, figsize=(FIG_WIDTH_IN, 3.1 * len(conds) + 1.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(conds), 2, figsize=(FIG_WIDTH_IN, 3.1 * len(conds) + 1.4), squeeze=False
+    )
     for i, cond in enumerate(conds):
-        for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
+        for j, (key, name) in enumerate(
+            (("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))
+        ):
             ax = axes[i, j]
             for m in methods:
                 x, v = curves(results, cond, m, key)
@@ -140,27 +180,36 @@ def fig_accuracy_vs_time(results: dict, methods: Sequence[str], timing: dict | N
                 else:
                     _, tt = curves(results, cond, m, "time_train")
                     tx = tt.mean(0)
-                _band(ax, tx / 60, v, _label(results, cond, m), **_look(m))
+                _band(ax, tx / 60, v, _label(results, cond, m), **_look(m, looks))
             ax.set_title(f"{cond}-conditioned")
             ax.set_ylabel(name)
             ax.set_xlabel("training time (min)")
             ax.grid(alpha=0.3)
     _legend_below(fig, axes)
-    fig.suptitle(title or "CIFAR-10: accuracy against training time\n"
-                 + ("(per-step time measured alone)" if timing else "(recorded on a shared GPU)"), wrap=True)
+    fig.suptitle(
+        title
+        or "CIFAR-10: accuracy against training time\n"
+        + (
+            "(per-step time measured alone)" if timing else "(recorded on a shared GPU)"
+        ),
+        wrap=True,
+    )
     fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
     return fig
 
 
 @book_figure
-def fig_ablation(results: dict, methods: Sequence[str]):
-    """Fig. 8: ill-conditioned case, KWNG against its variants (training and test accuracy per epoch)."""
+def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = None):
+    """Fig. 8: ill-conditioned case, KWNG against its variants (training and test
+    accuracy per epoch)."""
     fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.6), squeeze=False)
-    for j, (key, name) in enumerate((("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))):
+    for j, (key, name) in enumerate(
+        (("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))
+    ):
         ax = axes[0, j]
         for m in methods:
             x, v = curves(results, "ill", m, key)
-            _band(ax, x, v, _label(results, "ill", m), **_look(m))
+            _band(ax, x, v, _label(results, "ill", m), **_look(m, looks))
         ax.set_xlabel("epoch")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
@@ -172,8 +221,9 @@ def fig_ablation(results: dict, methods: Sequence[str]):
 
 
 @book_figure
-def fig_eps(results: dict, floor: float = 1e-10):
-    """The Levenberg–Marquardt ε at the end of every epoch, one line per KWNG run (both conditionings)."""
+def fig_eps(results: dict, floor: float = 1e-10, looks: dict | None = None):
+    """The Levenberg–Marquardt ε at the end of every epoch, one line per KWNG run (both
+    conditionings)."""
     conds = _conditions(results)
     fig, axes = plt.subplots(1, len(conds), figsize=(FIG_WIDTH_IN, 3.6), sharey=True,
                              squeeze=False)
@@ -183,7 +233,7 @@ def fig_eps(results: dict, floor: float = 1e-10):
             if c != cond or not r["epochs"] or "eps" not in r["epochs"][0]:
                 continue
             eps = [row["eps"] for row in r["epochs"]]
-            ax.semilogy(range(1, len(eps) + 1), eps, **_look(m), marker="o",
+            ax.semilogy(range(1, len(eps) + 1), eps, **_look(m, looks), marker="o",
                         ms=2.5, lw=1.2, label=m if s == 0 else None)
         ax.axhline(floor, color="k", lw=0.8, ls=":")
         ax.set_title(f"{cond}-conditioned")
@@ -191,18 +241,21 @@ def fig_eps(results: dict, floor: float = 1e-10):
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("ε at the end of the epoch")
     _legend_below(fig, axes)
-    fig.suptitle("Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)", wrap=True)
+    fig.suptitle(
+        "Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)", wrap=True
+    )
     fig.tight_layout(rect=(0, _below(axes), 1, 0.9))
     return fig
 
 
-# ------------------------------------------------------------------------------------- claim suite
+# -------------------------------------------------------------------------------------
+# claim suite
 @book_figure
 def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
                        mark: float | None = None):
-    """Final test accuracy of each class against its scaling ``U_k`` (log x), one line per method
-    (mean over seeds), with a dotted line at ``U_k = mark`` if given. A method invariant to the
-    reparametrisation gives a flat line."""
+    """Final test accuracy of each class against its scaling ``U_k`` (log x), one line
+    per method (mean over seeds), with a dotted line at ``U_k = mark`` if given. A
+    method invariant to the reparametrisation gives a flat line."""
     U = class_scalings(results)
     order = np.argsort(U)
     fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 4.2))
@@ -219,17 +272,28 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, loc="lower right")
-    ax.set_title(f"{cond}-conditioned: per-class test accuracy\nafter the last epoch against $U_k$")
+    ax.set_title(
+        f"{cond}-conditioned: per-class test accuracy\nafter the last epoch against "
+        "$U_k$"
+    )
     fig.tight_layout()
     return fig
 
 
 @book_figure
-def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_samples_before_U", "diag_Ttilde",
-                                                                    "kwng_lm_same_batch")):
-    """Rows: ε (epoch mean; in the authors' units ``ε_ours / √N`` for runs of the authors' convention),
-    the reduction ratio (epoch mean over finite values) and the fraction of clipped steps; columns:
-    ill- and well-conditioned. One line per run; panels without records say so."""
+def fig_kwng_diagnostics(
+    results: dict,
+    methods: Sequence[str] = (
+        "kwng",
+        "kwng_samples_before_U",
+        "diag_Ttilde",
+        "kwng_lm_same_batch",
+    ),
+):
+    """Rows: ε (epoch mean; in the authors' units ``ε_ours / √N`` for runs of the
+    authors' convention), the reduction ratio (epoch mean over finite values) and the
+    fraction of clipped steps; columns: ill- and well-conditioned. One line per run;
+    panels without records say so."""
     keys = (("eps", "ε (authors' units)"), ("reduction_ratio", "reduction ratio r"),
             ("clipped", "fraction of steps clipped"))
     conds = _conditions(results)
@@ -264,7 +328,11 @@ def fig_kwng_diagnostics(results: dict, methods: Sequence[str] = ("kwng", "kwng_
                 ax.set_title(f"{cond}-conditioned")
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
-    fig.suptitle("KWNG diagnostics per epoch\n(Levenberg–Marquardt ε, reduction ratio, clipping)", wrap=True)
+    fig.suptitle(
+        "KWNG diagnostics per epoch\n"
+        "(Levenberg–Marquardt ε, reduction ratio, clipping)",
+        wrap=True,
+    )
     _legend_below(fig, axes)
     fig.tight_layout(rect=(0, _below(axes), 1, 0.94))
     return fig

@@ -1,29 +1,35 @@
 """Numerical companions of the theory chapters (paper §2–3 and Apps. B–D).
 
-Every function here implements one equation or proposition of Arbel, Gretton, Li & Montúfar
-(ICLR 2020) in a form that can be *checked* against an independent computation. Equation numbers
-``(n)`` follow the paper's LaTeX source (main text and appendices numbered consecutively); the
-LaTeX label is given too, so that a reader can find the equation whichever numbering they hold.
+Every function here implements one equation or proposition of Arbel, Gretton, Li &
+Montúfar (ICLR 2020) in a form that can be *checked* against an independent computation.
+Equation numbers ``(n)`` follow the paper's LaTeX source (main text and appendices
+numbered consecutively); the LaTeX label is given too, so that a reader can find the
+equation whichever numbering they hold.
 
-=====================================  ====================================================
-paper                                   here
-=====================================  ====================================================
-(2), (4), (5), Prop. 1 (6)              :func:`integrate_flow`, :func:`pullback_wng`
-Def. 2 (G_W), gradient velocity fields  :func:`pullback_metric`
-Def. 1 (G_F) for the normal             :func:`kwng.fisher_exact.normal_fisher_matrix`
-(10), (14) distributional gradient      :func:`distributional_gradient`
-Prop. 2 (11), Prop. 3 (15)              :func:`dual_objective`, :func:`dual_optimum`
-App. B.3 (50)–(52), Dirac family        :func:`negative_sobolev_objective`
-Prop. 4 (18)–(21), minimax exchange     :func:`~kwng.theory.nystrom.rkhs_brute_force`, :class:`~kwng.theory.nystrom.BruteForceKWNG`
-(22) full-derivative Nyström subspace   :func:`~kwng.theory.nystrom.full_derivative_basis`, :func:`~kwng.theory.nystrom.sutherland_kwng_gradient`
-Prop. 6 (27) as printed                 :func:`~kwng.theory.nystrom.stable_as_printed`
-Thm. 7 / well-specified theorem         :func:`~kwng.theory.nystrom.theory_schedule`, :func:`~kwng.theory.nystrom.predicted_rate`
-§3.3 cost model                         :func:`~kwng.theory.nystrom.predicted_cost`, :func:`~kwng.theory.nystrom.loglog_slope`
-=====================================  ====================================================
+=====================================
+==================================================== paper
+here =====================================
+==================================================== (2), (4), (5), Prop. 1 (6)
+:func:`integrate_flow`, :func:`pullback_wng` Def. 2 (G_W), gradient velocity fields
+:func:`pullback_metric` Def. 1 (G_F) for the normal
+:func:`kwng.fisher_exact.normal_fisher_matrix` (10), (14) distributional gradient
+:func:`distributional_gradient` Prop. 2 (11), Prop. 3 (15)
+:func:`dual_objective`, :func:`dual_optimum` App. B.3 (50)–(52), Dirac family
+:func:`negative_sobolev_objective` Prop. 4 (18)–(21), minimax exchange
+:func:`~kwng.theory.nystrom.rkhs_brute_force`,
+:class:`~kwng.theory.nystrom.BruteForceKWNG` (22) full-derivative Nyström subspace
+:func:`~kwng.theory.nystrom.full_derivative_basis`,
+:func:`~kwng.theory.nystrom.sutherland_kwng_gradient` Prop. 6 (27) as printed
+:func:`~kwng.theory.nystrom.stable_as_printed` Thm. 7 / well-specified theorem
+:func:`~kwng.theory.nystrom.theory_schedule`,
+:func:`~kwng.theory.nystrom.predicted_rate` §3.3 cost model
+:func:`~kwng.theory.nystrom.predicted_cost`, :func:`~kwng.theory.nystrom.loglog_slope`
+=====================================
+====================================================
 
-Symbols ↔ argument names: ``N`` = number of samples, ``M`` = ``num_basis`` / ``num_points``,
-``ε`` = ``eps``, ``λ`` = ``lam``, ``D(θ)`` = ``damping``, ``∇L(θ)`` = ``grad``, ``h_θ`` = ``sampler``,
-``ν``-samples ``Z`` with quadrature ``weights``.
+Symbols ↔ argument names: ``N`` = number of samples, ``M`` = ``num_basis`` /
+``num_points``, ``ε`` = ``eps``, ``λ`` = ``lam``, ``D(θ)`` = ``damping``, ``∇L(θ)`` =
+``grad``, ``h_θ`` = ``sampler``, ``ν``-samples ``Z`` with quadrature ``weights``.
 """
 
 from __future__ import annotations
@@ -38,9 +44,18 @@ import torch
 from kwng._checks import check_choice, check_int, check_points, check_positive
 
 __all__ = [
-    "gauss_hermite_latent", "circle_latent", "pullback_metric", "pullback_wng", "integrate_flow",
-    "sampler_jacobian", "distributional_gradient", "dual_objective", "dual_optimum",
-    "polynomial_features", "rbf_features", "negative_sobolev_objective",
+    "gauss_hermite_latent",
+    "circle_latent",
+    "pullback_metric",
+    "pullback_wng",
+    "integrate_flow",
+    "sampler_jacobian",
+    "distributional_gradient",
+    "dual_objective",
+    "dual_optimum",
+    "polynomial_features",
+    "rbf_features",
+    "negative_sobolev_objective",
 ]
 
 Sampler = Callable[[torch.Tensor], torch.Tensor]
@@ -51,18 +66,26 @@ def sampler_jacobian(sampler: Sampler, theta: torch.Tensor) -> torch.Tensor:
     """``∇_θ h_θ(Z_n)`` for all latent draws: shape ``(N, d, q)``."""
     if not isinstance(theta, torch.Tensor) or theta.dim() != 1:
         raise ValueError("theta must be a 1-d torch.Tensor (the flat parameter vector)")
-    B = torch.autograd.functional.jacobian(sampler, theta.detach(), vectorize=True, strategy="forward-mode")
+    B = torch.autograd.functional.jacobian(
+        sampler, theta.detach(), vectorize=True, strategy="forward-mode"
+    )
     if B.dim() != 3:
-        raise ValueError(f"sampler must return samples of shape (N, d), got Jacobian shape {tuple(B.shape)}")
+        raise ValueError(
+            "sampler must return samples of shape (N, d), got Jacobian shape "
+            f"{tuple(B.shape)}"
+        )
     return B
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Latent quadratures: exact expectations under ν for the small models of the book
-# --------------------------------------------------------------------------------------------
-def gauss_hermite_latent(d: int, num_nodes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tensor Gauss–Hermite rule for ``ν = N(0, I_d)``: nodes ``Z`` (``num_nodes^d × d``) and
-    weights summing to 1. Exact for polynomials of degree ``< 2 num_nodes`` in each coordinate."""
+# --------------------------------------------------------------------------------------
+def gauss_hermite_latent(
+    d: int, num_nodes: int = 10
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensor Gauss–Hermite rule for ``ν = N(0, I_d)``: nodes ``Z`` (``num_nodes^d ×
+    d``) and weights summing to 1. Exact for polynomials of degree ``< 2 num_nodes`` in
+    each coordinate."""
     d = check_int(d, "d", 1, 4)
     n = check_int(num_nodes, "num_nodes", 1, 64)
     x, w = np.polynomial.hermite_e.hermegauss(n)
@@ -75,12 +98,14 @@ def gauss_hermite_latent(d: int, num_nodes: int = 10) -> tuple[torch.Tensor, tor
 
 
 def circle_latent(num_nodes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Equispaced points on the unit circle with equal weights: for the hyper-sphere model in
-    ``d = 2`` (its sampler only uses ``Z/‖Z‖``) this is exact for trigonometric polynomials of
-    degree ``< num_nodes``."""
+    """Equispaced points on the unit circle with equal weights: for the hyper-sphere
+    model in ``d = 2`` (its sampler only uses ``Z/‖Z‖``) this is exact for trigonometric
+    polynomials of degree ``< num_nodes``."""
     n = check_int(num_nodes, "num_nodes", 3)
     t = 2 * math.pi * torch.arange(n, dtype=torch.float64) / n
-    return torch.stack([t.cos(), t.sin()], 1), torch.full((n,), 1.0 / n, dtype=torch.float64)
+    return torch.stack([t.cos(), t.sin()], 1), torch.full(
+        (n,), 1.0 / n, dtype=torch.float64
+    )
 
 
 def _weights(Z: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -88,33 +113,43 @@ def _weights(Z: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         return torch.full((Z.shape[0],), 1.0 / Z.shape[0], dtype=torch.float64)
     weights = torch.as_tensor(weights, dtype=torch.float64)
     if weights.shape != (Z.shape[0],):
-        raise ValueError(f"weights must have shape ({Z.shape[0]},) to match Z, got {tuple(weights.shape)}")
+        raise ValueError(
+            f"weights must have shape ({Z.shape[0]},) to match Z, got "
+            f"{tuple(weights.shape)}"
+        )
     if not bool((weights >= 0).all()) or abs(float(weights.sum()) - 1.0) > 1e-8:
         raise ValueError("weights must be non-negative and sum to 1")
     return weights
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Chapter "Natural gradient descent" (§2.1–2.2)
-# --------------------------------------------------------------------------------------------
-def pullback_metric(sampler: Sampler, theta: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``E_ν[∇_θh_θ(Z)ᵀ ∇_θh_θ(Z)]`` (``q × q``), the Wasserstein information matrix of Def. 2
-    when the velocity fields ``x ↦ ∂_i h_θ(h_θ⁻¹(x))`` are gradients.
+# --------------------------------------------------------------------------------------
+def pullback_metric(
+    sampler: Sampler, theta: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``E_ν[∇_θh_θ(Z)ᵀ ∇_θh_θ(Z)]`` (``q × q``), the Wasserstein information matrix of
+    Def. 2 when the velocity fields ``x ↦ ∂_i h_θ(h_θ⁻¹(x))`` are gradients.
 
-    ``sampler`` maps ``theta`` to ``h_θ(Z_n)`` for a fixed set of latent draws ``Z_n`` with
-    quadrature ``weights`` (uniform when omitted). The fields are gradients for every model in
-    ``d = 1``, for the hyper-sphere and for the log-normal model; then Def. 2's ``φ_i`` is the
-    field itself and ``G_W = E[∂hᵀ∂h]``. In general this matrix is an upper bound of ``G_W``
-    (``G_W`` keeps only the gradient part of each field). The point of this function is that it
-    works in *any* parametrisation: it is computed from the sampler alone.
+    ``sampler`` maps ``theta`` to ``h_θ(Z_n)`` for a fixed set of latent draws ``Z_n``
+    with quadrature ``weights`` (uniform when omitted). The fields are gradients for
+    every model in ``d = 1``, for the hyper-sphere and for the log-normal model; then
+    Def. 2's ``φ_i`` is the field itself and ``G_W = E[∂hᵀ∂h]``. In general this matrix
+    is an upper bound of ``G_W`` (``G_W`` keeps only the gradient part of each field).
+    The point of this function is that it works in *any* parametrisation: it is computed
+    from the sampler alone.
     """
     B = sampler_jacobian(sampler, theta)
     w = _weights(B, weights).to(B.dtype)
     return torch.einsum("n,ndq,ndr->qr", w, B, B)
 
 
-def pullback_wng(sampler: Sampler, loss_fn: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tensor,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
+def pullback_wng(
+    sampler: Sampler,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    theta: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``G(θ)⁻¹ ∇L(θ)`` (eq. (4)–(5), the generalized natural gradient) with ``G`` from
     :func:`pullback_metric` and ``∇L`` by autograd of ``loss_fn``."""
     G = pullback_metric(sampler, theta, weights)
@@ -123,21 +158,30 @@ def pullback_wng(sampler: Sampler, loss_fn: Callable[[torch.Tensor], torch.Tenso
     return torch.linalg.solve(G, g.to(G.dtype))
 
 
-def integrate_flow(velocity: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, *, step: float,
-                   t_end: float, method: str = "euler") -> torch.Tensor:
-    """Integrate ``ẋ = velocity(x)`` from ``x0`` to time ``t_end`` with a fixed ``step``.
+def integrate_flow(
+    velocity: Callable[[torch.Tensor], torch.Tensor],
+    x0: torch.Tensor,
+    *,
+    step: float,
+    t_end: float,
+    method: str = "euler",
+) -> torch.Tensor:
+    """Integrate ``ẋ = velocity(x)`` from ``x0`` to time ``t_end`` with a fixed
+    ``step``.
 
-    With ``velocity = -(natural gradient)`` and ``method="euler"`` each step is one update of
-    natural gradient descent, eq. (5), with ``γ = step``; as ``step → 0`` the iterates follow the
-    continuous flow (6) of Prop. 1. ``method="rk4"`` is the classical fourth-order rule. Returns
-    the trajectory, shape ``(num_steps + 1, q)``.
+    With ``velocity = -(natural gradient)`` and ``method="euler"`` each step is one
+    update of natural gradient descent, eq. (5), with ``γ = step``; as ``step → 0`` the
+    iterates follow the continuous flow (6) of Prop. 1. ``method="rk4"`` is the
+    classical fourth-order rule. Returns the trajectory, shape ``(num_steps + 1, q)``.
     """
     step = check_positive(step, "step")
     t_end = check_positive(t_end, "t_end")
     check_choice(method, "method", ("euler", "rk4"))
     n = int(round(t_end / step))
     if n < 1 or abs(n * step - t_end) > 1e-9 * t_end:
-        raise ValueError(f"t_end / step must be a positive integer, got {t_end} / {step}")
+        raise ValueError(
+            f"t_end / step must be a positive integer, got {t_end} / {step}"
+        )
     x = x0.detach().clone()
     out = [x]
     for _ in range(n):
@@ -155,11 +199,14 @@ def integrate_flow(velocity: Callable[[torch.Tensor], torch.Tensor], x0: torch.T
 
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Chapter "Legendre duality for metrics" (§2.3, App. B)
-# --------------------------------------------------------------------------------------------
-def _feature_grads(features: Features, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values ``(n, K)`` and gradients ``(n, K, d)`` of the feature map at the rows of ``X``."""
+# --------------------------------------------------------------------------------------
+def _feature_grads(
+    features: Features, X: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values ``(n, K)`` and gradients ``(n, K, d)`` of the feature map at the rows of
+    ``X``."""
     X = check_points(X, "X").detach()
     vals = features(X)
     if vals.dim() != 2 or vals.shape[0] != X.shape[0]:
@@ -169,27 +216,46 @@ def _feature_grads(features: Features, X: torch.Tensor) -> tuple[torch.Tensor, t
     return vals, grads
 
 
-def distributional_gradient(sampler: Sampler, theta: torch.Tensor, u: torch.Tensor, features: Features,
-                            weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``∇ρ_θ(ψ_k)ᵀu`` for each feature ``ψ_k`` (eq. (10)) by the re-parametrisation trick, eq. (14):
-    ``E_ν[∇ψ_k(h_θ(Z))ᵀ ∇_θh_θ(Z) u]``. Returns a vector of length ``K``."""
+def distributional_gradient(
+    sampler: Sampler,
+    theta: torch.Tensor,
+    u: torch.Tensor,
+    features: Features,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``∇ρ_θ(ψ_k)ᵀu`` for each feature ``ψ_k`` (eq. (10)) by the re-parametrisation
+    trick, eq. (14): ``E_ν[∇ψ_k(h_θ(Z))ᵀ ∇_θh_θ(Z) u]``. Returns a vector of length
+    ``K``."""
     if u.shape != theta.shape:
-        raise ValueError(f"u must have the shape of theta {tuple(theta.shape)}, got {tuple(u.shape)}")
+        raise ValueError(
+            f"u must have the shape of theta {tuple(theta.shape)}, got {tuple(u.shape)}"
+        )
     X, dX = torch.func.jvp(sampler, (theta.detach(),), (u.to(theta.dtype),))
     w = _weights(X, weights).to(X.dtype)
     _, grads = _feature_grads(features, X)
     return torch.einsum("n,nkj,nj->k", w, grads, dX)
 
 
-def dual_objective(sampler: Sampler, theta: torch.Tensor, u: torch.Tensor, f: Features, *,
-                   metric: str = "wasserstein", weights: torch.Tensor | None = None) -> float:
-    """Objective of the dual problems at one test function ``f`` (a map ``(n, d) → (n, 1)``).
+def dual_objective(
+    sampler: Sampler,
+    theta: torch.Tensor,
+    u: torch.Tensor,
+    f: Features,
+    *,
+    metric: str = "wasserstein",
+    weights: torch.Tensor | None = None,
+) -> float:
+    """Objective of the dual problems at one test function ``f`` (a map ``(n, d) → (n,
+    1)``).
 
-    * ``metric="wasserstein"``: ``∇ρ_θ(f)ᵀu − ½ E_ρ‖∇f‖²``, the objective of Prop. 3, eq. (15);
-    * ``metric="fisher"``: ``∇ρ_θ(f)ᵀu − ½ E_ρ[(f − E_ρ f)²]``, the objective of Prop. 2,
-      eq. (11) (``f`` is centred, which changes neither ``∇ρ_θ(f)`` nor the constraint's intent).
+    * ``metric="wasserstein"``: ``∇ρ_θ(f)ᵀu − ½ E_ρ‖∇f‖²``, the objective of Prop. 3,
+      eq. (15);
+    * ``metric="fisher"``: ``∇ρ_θ(f)ᵀu − ½ E_ρ[(f − E_ρ f)²]``, the objective of Prop.
+      2, eq. (11) (``f`` is centred, which changes neither ``∇ρ_θ(f)`` nor the
+      constraint's intent).
 
-    The supremum over ``f`` is ``½uᵀGu``; on a model without density the Fisher one is infinite.
+    The supremum over ``f`` is ``½uᵀGu``; on a model without density the Fisher one is
+    infinite.
     """
     check_choice(metric, "metric", ("wasserstein", "fisher"))
     lin = float(distributional_gradient(sampler, theta, u, f, weights)[0])
@@ -207,8 +273,9 @@ def dual_objective(sampler: Sampler, theta: torch.Tensor, u: torch.Tensor, f: Fe
 
 @dataclass
 class DualOptimum:
-    """Result of :func:`dual_optimum`: the maximal value, the coefficients ``β`` of the optimal
-    test function ``f = Σ_k β_k ψ_k`` and the linear and quadratic terms ``b``, ``Q``."""
+    """Result of :func:`dual_optimum`: the maximal value, the coefficients ``β`` of the
+    optimal test function ``f = Σ_k β_k ψ_k`` and the linear and quadratic terms ``b``,
+    ``Q``."""
 
     value: float
     beta: torch.Tensor
@@ -216,15 +283,24 @@ class DualOptimum:
     Q: torch.Tensor
 
 
-def dual_optimum(sampler: Sampler, theta: torch.Tensor, u: torch.Tensor, features: Features, *,
-                 metric: str = "wasserstein", weights: torch.Tensor | None = None,
-                 ridge: float = 0.0) -> DualOptimum:
-    """Maximise the dual objective of Prop. 3 (eq. (15), ``metric="wasserstein"``) or Prop. 2
-    (eq. (11), ``metric="fisher"``) over the span of a feature map ``ψ: (n, d) → (n, K)``.
+def dual_optimum(
+    sampler: Sampler,
+    theta: torch.Tensor,
+    u: torch.Tensor,
+    features: Features,
+    *,
+    metric: str = "wasserstein",
+    weights: torch.Tensor | None = None,
+    ridge: float = 0.0,
+) -> DualOptimum:
+    """Maximise the dual objective of Prop. 3 (eq. (15), ``metric="wasserstein"``) or
+    Prop. 2 (eq. (11), ``metric="fisher"``) over the span of a feature map ``ψ: (n, d) →
+    (n, K)``.
 
-    With ``f = Σ β_k ψ_k`` the objective is ``βᵀb − ½βᵀQβ`` where ``b_k = ∇ρ_θ(ψ_k)ᵀu`` and
-    ``Q = E[∇ψ ∇ψᵀ]`` (Wasserstein) or ``Cov(ψ)`` (Fisher); the maximum is ``½ bᵀQ†b`` (``Q + ridge·I``
-    when ``ridge > 0``). It equals ``½uᵀGu`` exactly when the span contains the optimal ``f``.
+    With ``f = Σ β_k ψ_k`` the objective is ``βᵀb − ½βᵀQβ`` where ``b_k = ∇ρ_θ(ψ_k)ᵀu``
+    and ``Q = E[∇ψ ∇ψᵀ]`` (Wasserstein) or ``Cov(ψ)`` (Fisher); the maximum is ``½
+    bᵀQ†b`` (``Q + ridge·I`` when ``ridge > 0``). It equals ``½uᵀGu`` exactly when the
+    span contains the optimal ``f``.
     """
     check_choice(metric, "metric", ("wasserstein", "fisher"))
     ridge = check_positive(ridge, "ridge", allow_zero=True)
@@ -244,13 +320,18 @@ def dual_optimum(sampler: Sampler, theta: torch.Tensor, u: torch.Tensor, feature
 
 
 def polynomial_features(d: int, degree: int = 2) -> Features:
-    """All monomials ``x^a`` with ``1 ≤ |a| ≤ degree`` in ``d`` variables (constants are useless:
-    the dual objectives only see ``∇f`` or the centred ``f``). Returns a feature map."""
+    """All monomials ``x^a`` with ``1 ≤ |a| ≤ degree`` in ``d`` variables (constants are
+    useless: the dual objectives only see ``∇f`` or the centred ``f``). Returns a
+    feature map."""
     d = check_int(d, "d", 1)
     degree = check_int(degree, "degree", 1, 6)
     import itertools
 
-    exps = [a for a in itertools.product(range(degree + 1), repeat=d) if 1 <= sum(a) <= degree]
+    exps = [
+        a
+        for a in itertools.product(range(degree + 1), repeat=d)
+        if 1 <= sum(a) <= degree
+    ]
     E = torch.tensor(exps, dtype=torch.float64)  # (K, d)
 
     def features(X: torch.Tensor) -> torch.Tensor:
@@ -260,8 +341,9 @@ def polynomial_features(d: int, degree: int = 2) -> Features:
 
 
 def rbf_features(centres: torch.Tensor, bandwidth: float) -> Features:
-    """Gaussian bumps ``ψ_k(x) = exp(−‖x − c_k‖² / (2σ))``, ``σ = bandwidth`` (the kernel sections
-    ``k(c_k, ·)`` of :class:`~kwng.GaussianKernel`): an RKHS-flavoured rich function class."""
+    """Gaussian bumps ``ψ_k(x) = exp(−‖x − c_k‖² / (2σ))``, ``σ = bandwidth`` (the
+    kernel sections ``k(c_k, ·)`` of :class:`~kwng.GaussianKernel`): an RKHS-flavoured
+    rich function class."""
     centres = check_points(centres, "centres").detach()
     sigma = check_positive(bandwidth, "bandwidth")
 
@@ -276,10 +358,11 @@ def negative_sobolev_objective(f: Features, X: torch.Tensor, X_prime: torch.Tens
                                weights: torch.Tensor | None = None,
                                weights_prime: torch.Tensor | None = None) -> float:
     """Dual objective of the negative Sobolev distance, App. B.3 eq. (50):
-    ``E_ρ f − E_ρ' f − ½ E_ρ‖∇f‖²``, with ``ρ`` and ``ρ'`` given by weighted samples ``X``, ``X_prime``.
+    ``E_ρ f − E_ρ' f − ½ E_ρ‖∇f‖²``, with ``ρ`` and ``ρ'`` given by weighted samples
+    ``X``, ``X_prime``.
 
-    For Dirac masses ``ρ = δ_θ``, ``ρ' = δ_{θ+εu}`` (eq. (51), divided by ``ε``) this is unbounded
-    over ``f`` while the metric's dual (52) stays at ``½‖u‖²``.
+    For Dirac masses ``ρ = δ_θ``, ``ρ' = δ_{θ+εu}`` (eq. (51), divided by ``ε``) this is
+    unbounded over ``f`` while the metric's dual (52) stays at ``½‖u‖²``.
     """
     w = _weights(check_points(X, "X"), weights).to(X.dtype)
     wp = _weights(check_points(X_prime, "X_prime"), weights_prime).to(X.dtype)

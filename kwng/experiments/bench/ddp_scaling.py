@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kwng.experiments.bench.step_cost import training_step
+from kwng.experiments.bench.timed import training_step
 from kwng.experiments.guard import backup
 from kwng.experiments.provenance import atomic_write_json, make_provenance
 

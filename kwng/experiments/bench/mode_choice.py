@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from kwng.engine.precond import KWNGPreconditioner
-from kwng.experiments.bench.step_cost import time_steps, training_step
+from kwng.experiments.bench.timed import time_steps, training_step
 from kwng.experiments.cifar.nets import mlp, resnet18, tiny_cnn
 from kwng.experiments.provenance import (
     atomic_write_json,

@@ -1,31 +1,38 @@
-"""KFAC and EKFAC preconditioners for the CIFAR study, as thin wrappers around nngeometry 0.4.
+"""KFAC and EKFAC preconditioners for the CIFAR study, as thin wrappers around
+nngeometry 0.4.
 
-The paper compares KWNG with KFAC (Martens & Grosse 2015; Grosse & Martens 2016) and EKFAC (George et
-al. 2018) with "a damping coefficient of 1e-3 and a frequency of reparametrization of 100 updates"
-(App. D.2). nngeometry (by EKFAC's first author) represents the Monte-Carlo Fisher of a classifier in both
-forms (``PMatKFAC``, ``PMatEKFAC``) but has no optimizer; :class:`KFACPreconditioner` supplies the loop:
+The paper compares KWNG with KFAC (Martens & Grosse 2015; Grosse & Martens 2016) and
+EKFAC (George et al. 2018) with "a damping coefficient of 1e-3 and a frequency of
+reparametrization of 100 updates" (App. D.2). nngeometry (by EKFAC's first author)
+represents the Monte-Carlo Fisher of a classifier in both forms (``PMatKFAC``,
+``PMatEKFAC``) but has no optimizer; :class:`KFACPreconditioner` supplies the loop:
 
-* the Fisher is that of the model's predictive distribution ``softmax(U h_θ(z))``: nngeometry's
-  ``FIM_MonteCarlo`` with ``variant="classif_logits"`` and one sampled label per input, evaluated on the
-  current mini-batch, with the output transform ``U`` (``output_fn``) included;
-* only ``Conv2d`` and ``Linear`` layers are preconditioned; BatchNorm parameters keep the plain gradient;
-* the Kronecker factors (KFAC) or the Kronecker-factored eigenbasis (EKFAC) are recomputed every
-  ``update_freq`` (100) updates; EKFAC's diagonal scalings are re-estimated every ``diag_freq`` (1) step;
-* the extra forward/backward passes run in training mode (batch statistics, as in the step itself) and
-  the BatchNorm running statistics are restored afterwards, so evaluation sees only the training passes.
+* the Fisher is that of the model's predictive distribution ``softmax(U h_θ(z))``:
+  nngeometry's ``FIM_MonteCarlo`` with ``variant="classif_logits"`` and one sampled
+  label per input, evaluated on the current mini-batch, with the output transform ``U``
+  (``output_fn``) included;
+* only ``Conv2d`` and ``Linear`` layers are preconditioned; BatchNorm parameters keep
+  the plain gradient;
+* the Kronecker factors (KFAC) or the Kronecker-factored eigenbasis (EKFAC) are
+  recomputed every ``update_freq`` (100) updates; EKFAC's diagonal scalings are
+  re-estimated every ``diag_freq`` (1) step;
+* the extra forward/backward passes run in training mode (batch statistics, as in the
+  step itself) and the BatchNorm running statistics are restored afterwards, so
+  evaluation sees only the training passes.
 
-**Damping convention (``damping`` = 1e-3).** KFAC: nngeometry's ``PMatKFAC.inverse(regul=damping)``,
-i.e. the factored Tikhonov damping of Martens & Grosse (2015, §6.3): ``A + π √damping I`` and
-``G + √damping / π I`` with ``π² = (tr A / dim A) / (tr G / dim G)``. EKFAC: ``(s + damping)^{-1}`` on
-the re-estimated eigenvalues ``s`` (``PMatEKFAC.solvePVec(regul=damping)``), as in George et al. (2018).
-The two are not the same damping; the step size is selected per method anyway.
+**Damping convention (``damping`` = 1e-3).** KFAC: nngeometry's
+``PMatKFAC.inverse(regul=damping)``, i.e. the factored Tikhonov damping of Martens &
+Grosse (2015, §6.3): ``A + π √damping I`` and ``G + √damping / π I`` with ``π² = (tr A /
+dim A) / (tr G / dim G)``. EKFAC: ``(s + damping)^{-1}`` on the re-estimated eigenvalues
+``s`` (``PMatEKFAC.solvePVec(regul=damping)``), as in George et al. (2018). The two are
+not the same damping; the step size is selected per method anyway.
 
 Usage, in the same loop shape as :class:`kwng.engine.precond.KWNGPreconditioner`::
 
     precond = KFACPreconditioner(model, kind="ekfac", output_fn=U, clip_norm=1.0)
     optimizer.zero_grad(); outputs = model(z); loss = loss_fn(U(outputs), y)
-    info = precond.step(loss, outputs, inputs=z)   # backward, precondition, clip, into p.grad
-    optimizer.step()
+    info = precond.step(loss, outputs, inputs=z)   # backward, precondition, clip, into
+    p.grad optimizer.step()
 """
 
 from __future__ import annotations
@@ -44,13 +51,16 @@ log = logging.getLogger(__name__)
 
 
 def clip_grad_norm(params, clip_norm: float | None) -> torch.Tensor:
-    """Scale the ``.grad`` of ``params`` so that their joint norm is at most ``clip_norm``; return the norm
-    before clipping as a 0-dim tensor (no host sync). ``clip_norm=None``: no clipping. The same rule for
-    every method of the study (KWNG clips its own direction in the same way)."""
+    """Scale the ``.grad`` of ``params`` so that their joint norm is at most
+    ``clip_norm``; return the norm before clipping as a 0-dim tensor (no host sync).
+    ``clip_norm=None``: no clipping. The same rule for every method of the study (KWNG
+    clips its own direction in the same way)."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.zeros(())
-    return torch.nn.utils.clip_grad_norm_(params, float("inf") if clip_norm is None else clip_norm, foreach=True)
+    return torch.nn.utils.clip_grad_norm_(
+        params, float("inf") if clip_norm is None else clip_norm, foreach=True
+    )
 
 
 def bn_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -78,31 +88,43 @@ def _nngeometry():
         from nngeometry.object import PMatEKFAC, PMatKFAC
         from nngeometry.object.vector import PVector
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("KFAC/EKFAC need nngeometry 0.4: pip install --no-deps nngeometry==0.4") from exc
+        raise ImportError(
+            "KFAC/EKFAC need nngeometry 0.4: pip install --no-deps nngeometry==0.4"
+        ) from exc
     return LayerCollection, FIM_MonteCarlo, PMatKFAC, PMatEKFAC, PVector
 
 
 class KFACPreconditioner:
-    """KFAC (``kind="kfac"``) or EKFAC (``kind="ekfac"``) natural-gradient preconditioning of ``p.grad``.
+    """KFAC (``kind="kfac"``) or EKFAC (``kind="ekfac"``) natural-gradient
+    preconditioning of ``p.grad``.
 
-    Parameters: ``model``; ``kind``; ``damping`` (> 0, see the module docstring for its convention);
-    ``update_freq`` (≥ 1, steps between factor / eigenbasis refreshes); ``diag_freq`` (≥ 1, EKFAC: steps
-    between re-estimates of the scalings); ``output_fn`` (maps the network's logits to the logits of the
-    predictive distribution, e.g. the fixed ``U``; identity when ``None``); ``clip_norm`` (the joint norm
-    bound applied to the final update, ``None`` for none); ``device``.
+    Parameters: ``model``; ``kind``; ``damping`` (> 0, see the module docstring for its
+    convention); ``update_freq`` (≥ 1, steps between factor / eigenbasis refreshes);
+    ``diag_freq`` (≥ 1, EKFAC: steps between re-estimates of the scalings);
+    ``output_fn`` (maps the network's logits to the logits of the predictive
+    distribution, e.g. the fixed ``U``; identity when ``None``); ``clip_norm`` (the
+    joint norm bound applied to the final update, ``None`` for none); ``device``.
     """
 
-    def __init__(self, model: nn.Module, kind: str = "kfac", damping: float = 1e-3, update_freq: int = 100,
-                 diag_freq: int = 1, output_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 clip_norm: float | None = 1.0, device: str | torch.device | None = None) -> None:
+    def __init__(self, model: nn.Module, kind: str = "kfac", damping: float = 1e-3,
+                 update_freq: int = 100, diag_freq: int = 1,
+                 output_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 clip_norm: float | None = 1.0, device: str | torch.device | None = None
+                 ) -> None:
         self.kind = check_choice(kind, "kind", ("kfac", "ekfac"))
         self.damping = check_positive(damping, "damping")
         self.update_freq = check_int(update_freq, "update_freq", 1)
         self.diag_freq = check_int(diag_freq, "diag_freq", 1)
-        self.clip_norm = None if clip_norm is None else check_positive(clip_norm, "clip_norm")
+        self.clip_norm = (
+            None if clip_norm is None else check_positive(clip_norm, "clip_norm")
+        )
         self.model = model
         self.output_fn = output_fn
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else next(model.parameters()).device
+        )
         LayerCollection, _, _, _, _ = _nngeometry()
         lc = LayerCollection()
         self.modules: dict[str, nn.Module] = {}
@@ -118,24 +140,36 @@ class KFACPreconditioner:
         self.inverse = None    # KFAC: damped inverse factors
 
     def __repr__(self) -> str:
-        return (f"KFACPreconditioner(kind={self.kind!r}, damping={self.damping}, update_freq={self.update_freq}, "
-                f"diag_freq={self.diag_freq}, clip_norm={self.clip_norm}, layers={len(self.modules)})")
+        return (
+            f"KFACPreconditioner(kind={self.kind!r}, damping={self.damping}, "
+            f"update_freq={self.update_freq}, "
+            f"diag_freq={self.diag_freq}, clip_norm={self.clip_norm}, "
+            f"layers={len(self.modules)})"
+        )
 
-    # ------------------------------------------------------------------------------------- internals
+    # ----------------------------------------------------------------------------------
+    # internals
     def _function(self, z: torch.Tensor) -> torch.Tensor:
         out = self.model(z)
         return self.output_fn(out) if self.output_fn is not None else out
 
     def _examples(self, inputs: torch.Tensor):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs.detach()),
-                                           batch_size=inputs.shape[0])
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(inputs.detach()), batch_size=inputs.shape[0]
+        )
 
     def _refresh(self, inputs: torch.Tensor) -> None:
         _, FIM_MonteCarlo, PMatKFAC, PMatEKFAC, _ = _nngeometry()
         rep = PMatKFAC if self.kind == "kfac" else PMatEKFAC
-        self.fim = FIM_MonteCarlo(model=self.model, loader=self._examples(inputs), representation=rep,
-                                  variant="classif_logits", device=self.device,
-                                  function=lambda *d: self._function(d[0]), layer_collection=self.layer_collection)
+        self.fim = FIM_MonteCarlo(
+            model=self.model,
+            loader=self._examples(inputs),
+            representation=rep,
+            variant="classif_logits",
+            device=self.device,
+            function=lambda *d: self._function(d[0]),
+            layer_collection=self.layer_collection,
+        )
         if self.kind == "kfac":
             self.inverse = self.fim.inverse(regul=self.damping)
 
@@ -147,27 +181,40 @@ class KFACPreconditioner:
         d = {}
         for name, mod in self.modules.items():
             if mod.weight.grad is None:
-                raise ValueError(f"layer {name} has no gradient; call step() after a loss that depends on it")
-            d[name] = (mod.weight.grad,) if mod.bias is None else (mod.weight.grad, mod.bias.grad)
+                raise ValueError(
+                    f"layer {name} has no gradient; call step() after a loss that "
+                    "depends on it"
+                )
+            d[name] = (
+                (mod.weight.grad,)
+                if mod.bias is None
+                else (mod.weight.grad, mod.bias.grad)
+            )
         return PVector(self.layer_collection, dict_repr=d)
 
-    # ------------------------------------------------------------------------------------------ step
-    def step(self, loss: torch.Tensor, outputs: torch.Tensor | None = None, inputs: torch.Tensor | None = None) -> dict:
-        """Backward ``loss``, replace the Conv/Linear gradients by the (E)KFAC direction, clip all gradients.
+    # ----------------------------------------------------------------------------------
+    # step
+    def step(self, loss: torch.Tensor, outputs: torch.Tensor | None = None,
+             inputs: torch.Tensor | None = None) -> dict:
+        """Backward ``loss``, replace the Conv/Linear gradients by the (E)KFAC
+        direction, clip all gradients.
 
-        ``inputs`` (the mini-batch ``z``) is needed for the extra Fisher passes. Returns a dict with
-        ``grad_norm`` (before clipping), ``refreshed`` and ``fallback`` (1 when the direction was
-        non-finite and the plain gradient was used instead; logged).
+        ``inputs`` (the mini-batch ``z``) is needed for the extra Fisher passes. Returns
+        a dict with ``grad_norm`` (before clipping), ``refreshed`` and ``fallback`` (1
+        when the direction was non-finite and the plain gradient was used instead;
+        logged).
         """
         if inputs is None:
             raise ValueError("inputs must be the mini-batch tensor z for KFAC/EKFAC")
         loss.backward()
         info = {"refreshed": 0, "fallback": 0}
         need_refresh = self.fim is None or self.steps % self.update_freq == 0
-        need_diag = self.kind == "ekfac" and not need_refresh and self.steps % self.diag_freq == 0
+        need_diag = (self.kind == "ekfac" and not need_refresh
+                     and self.steps % self.diag_freq == 0)
         if need_refresh or need_diag:
             saved = bn_state(self.model)
-            grads = {id(p): p.grad.detach().clone() for p in self.model.parameters() if p.grad is not None}
+            grads = {id(p): p.grad.detach().clone()
+                     for p in self.model.parameters() if p.grad is not None}
             with torch.enable_grad():
                 if need_refresh:
                     self._refresh(inputs)
@@ -175,8 +222,10 @@ class KFACPreconditioner:
                 if self.kind == "ekfac":
                     self._update_diag(inputs)
             restore_bn_state(self.model, saved)
-            for p in self.model.parameters():  # nngeometry's passes use autograd.grad w.r.t. inputs only,
-                if id(p) in grads:               # but keep the gradient safe regardless
+            # nngeometry's passes use autograd.grad w.r.t. inputs only, but keep
+            # the gradient safe regardless
+            for p in self.model.parameters():
+                if id(p) in grads:
                     p.grad.copy_(grads[id(p)])
         g = self._grad_pvector()
         if self.kind == "kfac":
@@ -184,7 +233,8 @@ class KFACPreconditioner:
         else:
             direction = self.fim.solvePVec(g, regul=self.damping)
         dd = direction.to_dict()
-        finite = bool(torch.stack([torch.isfinite(t).all() for ts in dd.values() for t in ts]).all())  # one sync
+        finite = bool(torch.stack(  # one sync
+            [torch.isfinite(t).all() for ts in dd.values() for t in ts]).all())
         if finite:
             for name, mod in self.modules.items():
                 mod.weight.grad.copy_(dd[name][0])
@@ -192,12 +242,15 @@ class KFACPreconditioner:
                     mod.bias.grad.copy_(dd[name][1])
         else:
             info["fallback"] = 1
-            log.warning("%s direction non-finite at step %d: using the plain gradient", self.kind, self.steps)
-        info["grad_norm"] = clip_grad_norm(list(self.model.parameters()), self.clip_norm)
+            log.warning("%s direction non-finite at step %d: using the plain "
+                        "gradient", self.kind, self.steps)
+        info["grad_norm"] = clip_grad_norm(list(self.model.parameters()),
+                                           self.clip_norm)
         self.steps += 1
         return info
 
-    # --------------------------------------------------------------------------------------- state
+    # ----------------------------------------------------------------------------------
+    # state
     def state_dict(self) -> dict:
         """Step counter and current factors (enough for an exact resume)."""
         state: dict = {"steps": self.steps, "kind": self.kind}
@@ -209,21 +262,28 @@ class KFACPreconditioner:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != self.kind:
-            raise ValueError(f"state is for kind={state.get('kind')!r}, this preconditioner is {self.kind!r}")
+            raise ValueError(
+                f"state is for kind={state.get('kind')!r}, this preconditioner is "
+                f"{self.kind!r}"
+            )
         self.steps = int(state["steps"])
         if "fim_data" in state:
             _, _, PMatKFAC, PMatEKFAC, _ = _nngeometry()
             from nngeometry.backend import TorchHooksJacobianBackend
 
             rep = PMatKFAC if self.kind == "kfac" else PMatEKFAC
-            gen = TorchHooksJacobianBackend(model=self.model, function=lambda *d: self._mc_logprob(d[0]),
-                                            layer_collection=self.layer_collection)
+            gen = TorchHooksJacobianBackend(
+                model=self.model,
+                function=lambda *d: self._mc_logprob(d[0]),
+                layer_collection=self.layer_collection,
+            )
             self.fim = rep(generator=gen, data=state["fim_data"])
             if "inverse_data" in state:
                 self.inverse = PMatKFAC(generator=gen, data=state["inverse_data"])
 
     def _mc_logprob(self, z: torch.Tensor) -> torch.Tensor:
-        """The Monte-Carlo function of nngeometry's ``classif_logits`` variant (one sampled label)."""
+        """The Monte-Carlo function of nngeometry's ``classif_logits`` variant (one
+        sampled label)."""
         log_softmax = torch.log_softmax(self._function(z), dim=1)
         sampled = torch.multinomial(torch.exp(log_softmax), 1, replacement=True)
         return torch.gather(log_softmax, 1, sampled)

@@ -42,7 +42,7 @@ Commands (``python -m kwng.experiments cifar ...``):
   small ones (:meth:`~kwng.experiments.cifar.config.RunConfig.small`: the tiny network
   on the committed sample, 2 epochs, results under ``scratch/``); ``KWNG_SCALE=full``
   gives the study's (ResNet-18, the full data set, 30 epochs, ``results/cifar``).
-* ``cifar sweep --plan claim_select|claim|select|main|<file.json> --gpus N
+* ``cifar sweep --plan claim_select|claim|authors100|fig3|<file.json> --gpus N
   --procs-per-gpu P [--deadline-s S]`` — runs the plan in ``N × P`` worker processes,
   one run per worker first (assigned so that the GPUs get similar loads), then any
   unfinished run; finished runs are skipped, interrupted ones resume from their
@@ -52,7 +52,7 @@ Commands (``python -m kwng.experiments cifar ...``):
   idle device.
 * ``cifar schedule --plan claim --budget-s B --gpus N`` — the number of epochs that fits
   a budget.
-* ``cifar check [--suite claim|study6]`` — completeness of the results
+* ``cifar check [--suite claim|study6|authors100|fig3]`` — completeness of the results
   (:func:`~kwng.experiments.cifar.results.check_claim`,
   :func:`~kwng.experiments.cifar.results.check_results`).
 """
@@ -73,7 +73,7 @@ from kwng.experiments import guard
 from kwng.experiments.cifar.commands import COMMANDS
 from kwng.experiments.cifar.config import SETTINGS, RunConfig, add_run_options
 from kwng.experiments.cifar.data import DATASETS
-from kwng.experiments.cifar.methods import CHECKPOINTS, CLAIM, RESULTS
+from kwng.experiments.cifar.methods import CHECKPOINTS, CLAIM
 from kwng.experiments.cifar.plans import PLAN_NAMES, build_plan
 from kwng.experiments.cifar.sweep import (
     run_lock_for,
@@ -197,7 +197,6 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--finish-by-s", type=number_arg(0), default=None,
         help="start no run whose estimated duration (a plan's est_s) would end it "
              "after this many seconds")
-    add("--select-steps", type=int_arg(1), default=120)
     add("--select-epochs", type=int_arg(1), default=2,
         help="claim_select: epochs of each run")
     add("--select-subset", type=int_arg(1), default=None, help="claim_select: "
@@ -243,16 +242,15 @@ def _main_worker(a: argparse.Namespace) -> int:
 def _main_sweep(a: argparse.Namespace) -> int:
     epochs = a.epochs
     if epochs == "auto":
-        sched = (CLAIM if a.plan == "claim" else RESULTS) / "schedule.json"
-        epochs = int(read_json(sched)["epochs"])
+        epochs = int(read_json(CLAIM / "schedule.json")["epochs"])
     only = a.methods.split(",") if a.methods else None
     if a.plan == "claim_select":
         plan = build_plan(a.plan, a.dataset, int(epochs), select_subset=a.select_subset,
                           select_val=a.select_val, data_root=a.data_root,
                           select_epochs=a.select_epochs, methods=only)
     else:
-        plan = build_plan(a.plan, a.dataset, int(epochs), select_steps=a.select_steps,
-                          data_root=a.data_root, methods=only)
+        plan = build_plan(a.plan, a.dataset, int(epochs), data_root=a.data_root,
+                          methods=only)
     plan = [{**j, **_overrides(a.set)} for j in plan]
     # sweeps of one plan over disjoint method lists may run side by side: one plan
     # file each

@@ -147,7 +147,7 @@ def trainer_timing_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
 
 def schedule_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     add = p.add_argument
-    add("--plan", default="claim", choices=("claim", "main"))
+    add("--plan", default="claim", choices=("claim",))
     add("--budget-s", type=number_arg(0), required=True)
     add("--timing", default=str(RESULTS / "timing" / "timing.json"))
     add("--concurrency-gain", type=number_arg(0), default=1.0)
@@ -179,9 +179,7 @@ def schedule_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
                 "timing": a.timing,
                 "plan": a.plan,
                 "runs": len(plan),
-                "milestones": milestones_for(
-                    e, a.plan if a.plan == "claim" else "study6"
-                ),
+                "milestones": milestones_for(e, "claim"),
             },
             a.force,
         )

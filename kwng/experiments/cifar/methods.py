@@ -70,9 +70,6 @@ class Method:
 _KWNG = {"precond": "kwng", "num_basis": 5, "damping": "T_tilde", "kernel": "gaussian",
          "diagonal_only": False, "estimator_input": "scaled",
          "eps_convention": "authors"}
-# the KWNG of the earlier 6-epoch study: samples before U, ε0 = 1e-5 in our convention
-_KWNG6 = {k: v for k, v in {**_KWNG, "estimator_input": "logits"}.items()
-          if k != "eps_convention"}
 _HOST = ("its step decides on the host whether to refresh the Kronecker factors (every "
          "100 steps, through nngeometry) and checks the direction for non-finite "
          "values with a host sync every step")
@@ -106,24 +103,6 @@ METHODS: dict[str, Method] = {
     "sgd_momentum_wd": _m("sgd", {"momentum": 0.9, "weight_decay": 5e-4}, "#bcbd22",
                           ":", "SGD + momentum + wd", 8, 1.05, 0.1),
     "ekfac": _m("sgd", {"precond": "ekfac"}, "#ff7f0e", "--", "EKFAC", 9, 11.0, 0.1),
-    # the earlier 6-epoch study's (their records carry their own "method_spec")
-    "kwng_m20": _m("sgd", {**_KWNG6, "num_basis": 20, **_T}, "#8c564b", "--",
-                   "KWNG, M = 20 (6 epochs)", 10, 16.7, 0.1),
-    "kwng_momentum": _m("sgd", {"momentum": 0.9, **_KWNG6}, "#7f7f7f", "-.",
-                        "KWNG + momentum (6 epochs)", 11, 5.4, 0.1),
-    "kwng_bigbatch": _m("sgd", {**_KWNG6, "batch_size": 512, **_T}, "#e377c2", ":",
-                        "KWNG, batch 512 (6 epochs)", 12, 16.3, 0.1),
-    "kwng_damping_identity": _m("sgd", {**_KWNG6, "damping": "identity", **_T},
-                                "#aec7e8", "-", "KWNG, D = 1 (6 epochs)", 13, 5.4, 0.1),
-    "kwng_damping_T": _m("sgd", {**_KWNG6, "damping": "T", **_T}, "#98df8a", "-",
-                         "KWNG, D = ‖T‖ (6 epochs)", 14, 5.4, 0.1),
-    "diag_T": _m("sgd", {**_KWNG6, "damping": "T", "diagonal_only": True, **_T},
-                 "#c49c94", "--", "diagonal T (6 epochs)", 15, 5.4, 0.1),
-    "kwng_rq": _m("sgd", {**_KWNG6, "kernel": "rq", **_T}, "#daa520", "-.",
-                  "KWNG, RQ kernel (6 epochs)", 16, 5.4, 0.1),
-    "kwng_scaled_logits": _m("sgd", {**_KWNG6, "estimator_input": "scaled", **_T},
-                             "#9edae5", "--", "KWNG, samples U h (6 epochs)", 17,
-                             5.4, 0.1),
     # the authors'-horizon study: the claim suite's KWNG with M = 20 (the paper's brown
     # line in Fig. 3)
     "kwng_basis20": _m("sgd", {**_KWNG, "num_basis": 20, **_T}, "#5e3c99", "-",
@@ -161,23 +140,9 @@ CLAIM_TWO_SEEDS = ("sgd", "kwng")
 CLAIM_ABLATIONS = ("kwng_lm_same_batch",)
 #: every method of the claim suite, its ablation included (the order of its tables)
 CLAIM_ALL = CLAIM_METHODS + CLAIM_ABLATIONS
-#: the earlier study's method lists (its records were made with the definitions of that
-#: time: "kwng" and "diag_Ttilde" then took their samples before U with ε0 = 1e-5 in our
-#: convention)
-SELECT_METHODS = ("sgd", "sgd_momentum", "sgd_momentum_wd", "adam", "kfac", "ekfac",
-                  "kwng", "kwng_momentum")
-#: the earlier study's main methods (the order of its figures and tables), those run
-#: with three seeds, the others with one seed in both conditionings, and its ablations
-MAIN_METHODS = ("sgd", "sgd_momentum", "sgd_momentum_wd", "adam", "kfac", "ekfac",
-                "kwng",                "kwng_m20", "kwng_momentum", "kwng_bigbatch")
-MAIN_SEEDED = ("sgd", "adam", "kwng")
-ONE_SEED_BOTH = tuple(m for m in MAIN_METHODS if m not in MAIN_SEEDED)
-ABLATIONS = ("kwng_damping_identity", "kwng_damping_T", "diag_T", "diag_Ttilde",
-             "kwng_rq", "kwng_scaled_logits")
-#: the step-size schedules, "study6" ×0.1 after 50 % and 75 % of the epochs (the
-#: earlier study), "claim" ×0.1 for the last ~15 % (one milestone, like the paper's
-#: first), "constant" (selection runs)
-SCHEDULES = ("claim", "constant", "study6", "authors")
+#: the step-size schedules, "claim" ×0.1 for the last ~15 % (one milestone, like the
+#: paper's first), "constant" (selection runs), "authors" (:data:`AUTHORS_MILESTONES`)
+SCHEDULES = ("claim", "constant", "authors")
 #: The authors' milestones, from configs/cifar10_KWNG.yml of MichaelArbel/KWNG. The step
 #: is multiplied by 0.1 after each of these epochs that comes before the last one
 #: (schedule ``authors``).
@@ -245,12 +210,16 @@ def check_method_spec(name: str, spec: dict[str, Any]) -> None:
     if spec.get("precond", None) not in (None, *PRECONDITIONERS):
         raise ValueError(f"method {name!r}: precond must be absent or one of "
                          f"{PRECONDITIONERS}, got {spec.get('precond')!r}")
+    if spec.get("precond") == "kwng" and spec.get("eps_convention") != "authors":
+        raise ValueError(f"method {name!r}: a KWNG method takes the authors' ε "
+                         f"(eps_convention 'authors'), got "
+                         f"{spec.get('eps_convention')!r}")
 
 
 def milestones_for(epochs: int, schedule: str) -> list[int]:
     """Epochs after which the step size is multiplied by 0.1: ``claim`` — one
     milestone so that the last ``max(1, round(0.15 E))`` epochs run at 0.1× (for
-    ``E ≥ 2``); ``study6`` — after ``round(0.5 E)`` and ``round(0.75 E)`` epochs;
+    ``E ≥ 2``); ``authors`` — :data:`AUTHORS_MILESTONES` before the last epoch;
     ``constant`` — none."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
@@ -260,10 +229,7 @@ def milestones_for(epochs: int, schedule: str) -> list[int]:
         return []
     if schedule == "authors":
         return [m for m in AUTHORS_MILESTONES if m < epochs]
-    if schedule == "claim":
-        return [epochs - max(1, round(0.15 * epochs))]
-    half, three_quarters = max(1, round(0.5 * epochs)), max(1, round(0.75 * epochs))
-    return sorted({half, three_quarters} - {epochs})
+    return [epochs - max(1, round(0.15 * epochs))]
 
 
 def movement_budget(lr: float, epochs: int, schedule: str, steps_per_epoch: int = 391,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kwng.experiments.cifar.data import GPUAugmentedData
+from kwng.experiments.cifar.images import GPUAugmentedData
 from kwng.experiments.cifar.methods import INFO_KEYS
 
 
@@ -97,10 +97,10 @@ class EpochStats:
     :data:`~kwng.experiments.cifar.methods.INFO_KEYS`.
 
     Every device sum is updated in place, so a training step recorded in a CUDA graph
-    (:mod:`kwng.experiments.cifar.capture`) accumulates into the same tensors on every
-    replay; :meth:`reset` zeroes them in place at the start of an epoch. The host
-    counters (examples ``seen``, ``steps``) are advanced by :meth:`count`, outside any
-    graph."""
+    (:class:`kwng.experiments.cifar.steps.StepRunner`) accumulates into the same
+    tensors on every replay; :meth:`reset` zeroes them in place at the start of an
+    epoch. The host counters (examples ``seen``, ``steps``) are advanced by
+    :meth:`count`, outside any graph."""
 
     _STATE = ("loss_sum", "correct", "share_sum", "row_move", "seen", "steps",
               "info_sum", "info_n", "info_last", "info_keys")

@@ -1,6 +1,6 @@
 """The CIFAR study's plans, lists of runs (the claim suite, its selection, the authors'
-horizon, the earlier 6-epoch study), and how their runs are spread over GPU slots by
-estimated cost."""
+horizon, the Fig. 3 protocol, the amortized step), and how their runs are spread over
+GPU slots by estimated cost."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 
 from kwng.experiments.cifar.fig3 import amortized_plan, fig3_plan
 from kwng.experiments.cifar.methods import (
-    ABLATIONS,
     AUTHORS100,
     AUTHORS100_RUNS,
     AUTHORS100_SETTINGS,
@@ -22,11 +21,7 @@ from kwng.experiments.cifar.methods import (
     CLAIM_SELECTION,
     CLAIM_TWO_SEEDS,
     LR_GRID,
-    MAIN_SEEDED,
     METHODS,
-    ONE_SEED_BOTH,
-    SELECT_METHODS,
-    SELECTION,
 )
 from kwng.experiments.provenance import (
     read_json,
@@ -35,8 +30,8 @@ from kwng.experiments.provenance import (
 log = logging.getLogger(__name__)
 
 #: the named plans of :func:`build_plan` (any other plan is a JSON file of run settings)
-PLAN_NAMES = ("claim_select", "claim", "select", "main", "authors100", "authors100_all",
-              "fig3", "amortized")
+PLAN_NAMES = ("claim_select", "claim", "authors100", "authors100_all", "fig3",
+              "amortized")
 
 
 # ------------------------------------------------------------------------------ plans
@@ -152,19 +147,8 @@ def authors100_plan(common: dict, tiers: Sequence[int] = (1, 2, 3)) -> list[dict
     return jobs
 
 
-def _main_plan(common: dict, epochs: int) -> list[dict]:
-    base = {**common, "epochs": epochs, "lr": "selected", "schedule": "study6"}
-    jobs = []
-    for seed in (0, 1, 2):
-        for cond in ("ill", "well"):
-            jobs += _seeded(base, MAIN_SEEDED, seed, (cond,))
-    for cond in ("ill", "well"):
-        jobs += _seeded(base, ONE_SEED_BOTH, 0, (cond,))
-    return jobs + _seeded(base, ABLATIONS, 0, ("ill",))
-
-
 def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
-               select_steps: int = 120, select_subset: int | None = 10_000,
+               select_subset: int | None = 10_000,
                select_val: int = 2_000, data_root: str | None = None,
                select_epochs: int = 2, with_ablations: bool | None = None,
                methods: Sequence[str] | None = None) -> list[dict]:
@@ -180,13 +164,6 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       :data:`CLAIM_METHODS` in both conditionings, seed 1 of :data:`CLAIM_TWO_SEEDS`,
       then :data:`CLAIM_ABLATIONS` (seed 0, both conditionings) when ``with_ablations``
       (default: yes).
-    * ``select`` and ``main``: the plans of the earlier 6-epoch study. ``select``: every
-      method of :data:`~kwng.experiments.cifar.methods.SELECT_METHODS` × {ill, well} ×
-      :data:`~kwng.experiments.cifar.methods.LR_GRID` for ``select_steps`` steps on
-      ``select_subset`` training images, evaluated on ``select_val`` held-out training
-      images. ``main``: seed 0 of sgd/adam/kwng in both conditionings, seeds 1–2 of
-      those, seed 0 of the other methods in both conditionings, the ablations (ill
-      only).
     * ``authors100``: the authors'-horizon study (:data:`AUTHORS100_RUNS` of tiers 1–3,
       every run with its own epochs and step size; ``epochs`` is not used; the plan
       ``authors100_all`` adds tier 4), results under
@@ -203,8 +180,7 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
             raise ValueError(
                 f"methods must be names from {sorted(METHODS)}, got {unknown}"
             )
-    select = {"epochs": select_epochs, "steps": select_steps, "subset": select_subset,
-              "val": select_val}
+    select = {"epochs": select_epochs, "subset": select_subset, "val": select_val}
     jobs = _named_plan(name, {"dataset": dataset, "data_root": data_root}, epochs,
                        select, with_ablations)
     return jobs if methods is None else [j for j in jobs if j["method"] in set(methods)]
@@ -212,8 +188,8 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
 
 def _named_plan(name: str, common: dict, epochs: int, select: dict,
                 with_ablations: bool | None) -> list[dict]:
-    """The plan ``name`` (``select``: the selection runs' epochs, steps, training
-    subset and held-out size)."""
+    """The plan ``name`` (``select``: the selection runs' epochs, training subset and
+    held-out size)."""
     if name == "claim_select":
         return _grid(
             CLAIM_METHODS,
@@ -226,22 +202,6 @@ def _named_plan(name: str, common: dict, epochs: int, select: dict,
         )
     if name == "claim":
         return _claim_plan(common, epochs, with_ablations)
-    if name == "select":
-        jobs = _grid(
-            SELECT_METHODS,
-            common,
-            SELECTION,
-            epochs=100,
-            max_steps=select["steps"],
-            train_subset=select["subset"],
-            val_size=select["val"],
-            schedule="study6",
-        )
-        # expensive methods first so that they do not form the tail
-        order = {"ekfac": 0, "kfac": 1, "kwng": 2, "kwng_momentum": 3}
-        return sorted(jobs, key=lambda j: order.get(j["method"], 9))
-    if name == "main":
-        return _main_plan(common, epochs)
     if name in ("authors100", "authors100_all"):
         return authors100_plan(
             common, (1, 2, 3, 4) if name.endswith("all") else (1, 2, 3)

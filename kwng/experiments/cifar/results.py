@@ -51,7 +51,19 @@ def load_results(root: str | os.PathLike = RESULTS,
     return out
 
 
-#: Runs of the committed ``main`` plan that the GPU budget cut short, with the number of
+#: The earlier 6-epoch study (book chapter :ref:`cifar-6epoch`), frozen as data: its 38
+#: runs (``cond/method/seedk``, the plan ``main`` of that time), its method lists
+#: (``main_methods``, ``ablations``) and the colour, line style and label of each of
+#: its methods in its figures (``looks``); each record carries its ``method_spec``
+STUDY6_TABLE = Path(__file__).with_name("study6.json")
+
+
+def study6_table() -> dict:
+    """The frozen table :data:`STUDY6_TABLE` of the earlier 6-epoch study."""
+    return read_json(STUDY6_TABLE)
+
+
+#: Runs of the earlier 6-epoch study that the GPU budget cut short, with the number of
 #: epochs each reached (of 6). The sweep's deadline stopped them; their last checkpoint
 #: was not kept. They are reported as ``"cut"`` by :func:`check_results` (not
 #: ``"incomplete"``) only while their record has exactly this many finite epochs,
@@ -95,9 +107,10 @@ def _records(plan: list[dict], root: str | os.PathLike, dataset: str, res: dict)
 def check_results(root: str | os.PathLike = RESULTS, dataset: str = "cifar10",
                   epochs: int | None = None,
                   allow_cut: dict[str, int] | None = None) -> dict:
-    """Completeness of the committed results: for every run of the ``main`` plan,
-    whether its ``metrics.json`` and ``provenance.json`` exist, it is complete (or
-    diverged, recorded as such), and has one row per epoch with finite test accuracy.
+    """Completeness of the earlier 6-epoch study's records: for every run of its frozen
+    list (:data:`STUDY6_TABLE`), whether its ``metrics.json`` and ``provenance.json``
+    exist, it is complete (or diverged, recorded as such), and has one row per epoch
+    with finite test accuracy.
 
     ``allow_cut`` (default :data:`BUDGET_CUT` for CIFAR-10, none otherwise) maps run
     names to the number of epochs they are documented to have reached; such a run
@@ -108,7 +121,11 @@ def check_results(root: str | os.PathLike = RESULTS, dataset: str = "cifar10",
     if allow_cut is None:
         allow_cut = BUDGET_CUT if dataset == "cifar10" else {}
     res: dict[str, list[str]] = {"missing": [], "incomplete": [], "cut": [], "ok": []}
-    plan = build_plan("main", dataset=dataset, epochs=epochs or 1)
+    plan = []
+    for name in study6_table()["runs"]:
+        cond, method, seed = name.split("/")
+        plan.append({"conditioning": cond, "method": method,
+                     "seed": int(seed.removeprefix("seed"))})
     for name, rec in _records(plan, root, dataset, res):
         e = len(rec["epochs"])
         want = epochs or rec["config"]["epochs"]
@@ -287,7 +304,12 @@ def _write_selection(path: Path, out: dict, force: bool) -> None:
     selection, and a method added to the table adds its ``inherit`` entry: entries
     that are only added are written without ``force``; a changed or removed entry
     (another rule, grid, step size or inheritance) is refused unless ``force`` (then
-    the old file is backed up)."""
+    the old file is backed up). The ``inherit`` entries of methods that have left the
+    table (those of a frozen study) stay as the file records them."""
+    if path.exists():
+        gone = {m: v for m, v in read_json(path).get("inherit", {}).items()
+                if m not in METHODS}
+        out["inherit"] = dict(sorted({**gone, **out["inherit"]}.items()))
     if path.exists() and not force:
         old = read_json(path)
         added = {f"{part}.{k}" for part in ("selected", "inherit")

@@ -2,11 +2,16 @@
 the optimizer (:func:`build_optimizer`) and the step protocol. Every method takes its
 step through :class:`MethodStep` (``step(loss, outputs, hidden=..., batch=...)``), one
 adapter per family (a plain ``torch.optim`` step, KFAC/EKFAC, KWNG), built once by
-:func:`make_step`; the training loop and ``cifar timing`` call it and nothing else."""
+:func:`make_step`; the training loop and ``cifar timing`` call it and nothing else.
+:class:`StepRunner` runs a whole training step (forward, update, the epoch's
+device-side sums) eagerly or, on CUDA with ``capture=True``, replayed from a CUDA graph
+recorded once per batch shape and step size."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +35,8 @@ from kwng.experiments.cifar.nets import (
     DiagonalConditioning,
 )
 
+log = logging.getLogger(__name__)
+
 
 def build_model(cfg: RunConfig) -> nn.Module:
     """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`):
@@ -50,16 +57,13 @@ def build_optimizer(cfg: RunConfig, model: nn.Module,
 
 def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
     """KWNG on one process, or :class:`kwng.engine.distributed.DistributedKWNG` when
-    ``world_size > 1`` (ε converted with the global batch)."""
+    ``world_size > 1`` (the authors' ε, converted with the global batch)."""
     from kwng.engine.precond import KWNGPreconditioner
 
-    spec = cfg.spec
-    eps, bounds = 1e-5, {}
-    if spec.get("eps_convention", "ours") == "authors":
-        n = cfg.batch * cfg.world_size
-        eps = eps_from_authors(EPS_AUTHORS, n)
-        bounds = {"eps_min": eps_from_authors(EPS_BOUNDS_AUTHORS[0], n),
-                  "eps_max": eps_from_authors(EPS_BOUNDS_AUTHORS[1], n)}
+    spec, n = cfg.spec, cfg.batch * cfg.world_size
+    eps = eps_from_authors(EPS_AUTHORS, n)
+    bounds = {"eps_min": eps_from_authors(EPS_BOUNDS_AUTHORS[0], n),
+              "eps_max": eps_from_authors(EPS_BOUNDS_AUTHORS[1], n)}
     # the rest of the ε rule, the kernel's bandwidth rule and λ = 0 are KWNGConfig's
     # defaults (App. D.2's values)
     schedule = LMSchedule(rule=spec.get("lm_rule", "authors"), **bounds)
@@ -92,7 +96,7 @@ class MethodStep:
 
     precond = None
     #: whether the step can be recorded in a CUDA graph
-    #: (:class:`~kwng.experiments.cifar.capture.StepRunner`)
+    #: (:class:`StepRunner`)
     capturable = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -278,3 +282,111 @@ def train_step(
     info = method.step(loss, outputs, hidden=h, batch=(z, yb))
     frac = share.after() if share is not None else None
     return loss, outputs, info, frac
+
+
+# ------------------------------------------------------------ replayed from a graph
+class StepRunner:
+    """Calls ``step_fn(z, y)`` for each batch, eagerly or replayed from a CUDA graph.
+
+    ``lr_fn`` returns the current step size (a change records the graph again);
+    ``capture`` is honoured only on a CUDA ``device`` (elsewhere the steps run eagerly,
+    with a warning, and ``capture`` reads ``False``). The attributes ``captures``,
+    ``replays`` and ``eager`` count the recordings, the replayed steps and the eager
+    ones. ``cache``: the amortized preconditioner's system cache, or ``None``.
+
+    The step function must leave every piece of state that outlives a step in tensors
+    updated in place (the Levenberg–Marquardt rule of :mod:`kwng.engine.lm`, the
+    preconditioner's counters, the sums of
+    :class:`~kwng.experiments.cifar.metrics.EpochStats`) and must never wait for the
+    device: a replay runs the recorded kernels only, no Python. The life of one batch
+    shape, at one step size: the first ``warmup`` steps run eagerly on a side stream,
+    on the static input buffers the graph will read (optimizer state, cuDNN's choices
+    and the fast path's buffers come into existence); the next step is recorded
+    (:func:`kwng.engine.capture.record_graph`) and replayed (recording runs nothing, so
+    the replay is that step); every later step copies its batch into the buffers and
+    replays. A step size is a constant of the recorded kernels (``torch.optim`` and the
+    ε rule read ``lr`` on the host), so a milestone records the graph again; each batch
+    shape has its own graph. With an amortized ``cache`` (every ``k > 1`` steps), the
+    warm-up alternates its two programs and two graphs are recorded, the replay taking
+    the one the cache's host-side counter names
+    (:func:`kwng.engine.capture.amortized_replay`)."""
+
+    def __init__(self, step_fn: Callable[[torch.Tensor, torch.Tensor], None],
+                 device: torch.device, capture: bool, lr_fn: Callable[[], float],
+                 warmup: int = 3, cache=None) -> None:
+        if not callable(step_fn) or not callable(lr_fn):
+            raise ValueError("step_fn and lr_fn must be callables")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup must be an integer >= 1, got {warmup!r}")
+        self.step_fn, self.lr_fn, self.warmup = step_fn, lr_fn, warmup
+        self.cache = cache if cache is not None and cache.every > 1 else None
+        if self.cache is not None:
+            self.warmup = max(warmup, 2)  # at least one step of each kind
+        self.device = torch.device(device)
+        self.capture = bool(capture) and self.device.type == "cuda"
+        if capture and not self.capture:
+            log.warning("capture needs a CUDA device: the steps run eagerly on %s",
+                        self.device)
+        self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._warm: dict[tuple, int] = {}
+        self._graphs: dict[tuple, tuple[float, Callable[[], None]]] = {}
+        self.captures = self.replays = self.eager = 0
+
+    def __repr__(self) -> str:
+        return (f"StepRunner(capture={self.capture}, captures={self.captures}, "
+                f"replays={self.replays}, eager={self.eager})")
+
+    def __call__(self, z: torch.Tensor, y: torch.Tensor) -> None:
+        if not self.capture:
+            self.step_fn(z, y)
+            self.eager += 1
+            return
+        shape = (tuple(z.shape), z.dtype, tuple(y.shape))
+        if shape not in self._static:
+            fmt = (torch.channels_last if z.dim() == 4 and not z.is_contiguous()
+                   and z.is_contiguous(memory_format=torch.channels_last)
+                   else torch.contiguous_format)
+            self._static[shape] = (torch.empty_like(z, memory_format=fmt),
+                                   torch.empty_like(y))
+            self._warm[shape] = 0
+        sz, sy = self._static[shape]
+        sz.copy_(z)
+        sy.copy_(y)
+        lr = float(self.lr_fn())
+        held = self._graphs.get(shape)
+        if held is not None and held[0] == lr:
+            held[1]()
+            self.replays += 1
+            return
+        if self._warm[shape] < self.warmup:  # eager warm-up on a side stream
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                if self.cache is not None:
+                    with self.cache.forced(self._warm[shape] % 2 == 0):
+                        self.step_fn(sz, sy)
+                else:
+                    self.step_fn(sz, sy)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._warm[shape] += 1
+            self.eager += 1
+            return
+        if held is not None:  # the step size changed: drop the old graph first
+            del self._graphs[shape]
+            del held
+        from kwng.engine.capture import amortized_replay, record_graph
+
+        torch.cuda.synchronize(self.device)
+        if self.cache is not None:
+            def record():
+                return record_graph(lambda: self.step_fn(sz, sy))
+
+            replay = amortized_replay(self.cache, record)
+        else:
+            replay = record_graph(lambda: self.step_fn(sz, sy)).replay
+        self._graphs[shape] = (lr, replay)
+        self.captures += 1
+        log.info("recorded the training step in a CUDA graph (batch %s, lr %g)",
+                 shape[0], lr)
+        replay()  # recording ran nothing: this is the step of this batch
+        self.replays += 1

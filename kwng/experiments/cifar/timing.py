@@ -3,7 +3,7 @@ on one device (book chapter :ref:`experiments-cifar`).
 
 :func:`trainer_timing` trains each method for a few whole epochs twice — eagerly and
 with its step replayed from a CUDA graph
-(:class:`~kwng.experiments.cifar.capture.StepRunner`) — and records, per epoch, the wall
+(:class:`~kwng.experiments.cifar.steps.StepRunner`) — and records, per epoch, the wall
 time of the training loop, of the evaluation and record keeping after it, and of the
 whole epoch. It then checks that the graph computes what the eager step computes: with
 cuDNN deterministic and its benchmark search off, it trains ``trace_steps`` steps from

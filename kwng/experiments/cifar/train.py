@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from kwng.experiments import guard
-from kwng.experiments.cifar.capture import StepRunner
 from kwng.experiments.cifar.config import RunConfig
-from kwng.experiments.cifar.data import NUM_CLASSES, GPUAugmentedData
+from kwng.experiments.cifar.data import NUM_CLASSES
 from kwng.experiments.cifar.early_stop import sibling_rows, stop_reason
+from kwng.experiments.cifar.images import GPUAugmentedData
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
     METHODS,
@@ -55,6 +55,7 @@ from kwng.experiments.cifar.runtime import (
     test_arrays,
 )
 from kwng.experiments.cifar.steps import (
+    StepRunner,
     build_model,
     build_optimizer,
     make_step,
