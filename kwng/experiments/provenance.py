@@ -102,23 +102,12 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str:
     if os.environ.get("KWNG_GIT_COMMIT"):
         return os.environ["KWNG_GIT_COMMIT"]
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=cwd, capture_output=True,
+                                  text=True, check=True, timeout=10).stdout.strip()
+
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("KWNG_GIT_COMMIT", "unknown")
 
