@@ -119,8 +119,11 @@ def test_sigterm_to_a_sweep_reaches_its_worker(tmp_path):
 FORWARD = """
 import subprocess, sys
 from kwng.experiments.cifar.sweep import _wait_forwarding
-kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                         start_new_session=True) for _ in range(2)]
+# as a worker does: hear SIGINT even when started with it ignored (a background job)
+KID = ("import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+       "time.sleep(60)")
+kids = [subprocess.Popen([sys.executable, "-c", KID], start_new_session=True)
+        for _ in range(2)]
 print(" ".join(str(k.pid) for k in kids), flush=True)
 sys.exit(_wait_forwarding(kids))
 """

@@ -64,6 +64,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,9 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _main_worker(a: argparse.Namespace) -> int:
+    # a sweep started in the background by a non-interactive shell starts its workers
+    # with SIGINT ignored; the sweep passes a SIGINT on, so the worker must hear it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     jobs = list(read_json(a.plan))
     if any("slot" in j for j in jobs):
         # this worker's assigned run, then the unassigned ones; never another worker's
