@@ -1,7 +1,7 @@
 """The amortized KWNG step: ``refresh_every = k`` (:class:`kwng.KWNGConfig`) builds the
 kernel system every ``k`` steps and applies it to every step's fresh gradient.
 
-The schedule. Steps are counted from 0 on the host (:attr:`SystemCache.steps`, equal to
+The schedule. Steps are counted from 0 on the host (``SystemCache.steps``, equal to
 the preconditioner's ``num_steps``). Step ``s`` is a *refresh* step when ``s % k == 0``,
 when nothing is cached yet, or when the cached system does not fit the active parameters
 (one frozen since): it is the exact step (basis draw, bandwidth, ``C``, ``K``,

@@ -169,8 +169,8 @@ class RunConfig:
 
     @property
     def batch(self) -> int:
-        """The batch of one process: ``batch_size``, else the method's, else
-        :data:`~kwng.experiments.cifar.methods.BATCH_SIZE`."""
+        """The per-process batch size, which is ``batch_size``, else the method's,
+        else :data:`~kwng.experiments.cifar.methods.BATCH_SIZE`."""
         return int(self.batch_size or self.spec.get("batch_size", BATCH_SIZE))
 
     # ---------------------------------------------------------------- dicts, presets

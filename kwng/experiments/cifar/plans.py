@@ -38,7 +38,7 @@ PLAN_NAMES = ("claim_select", "claim", "authors100", "authors100_all", "fig3",
 def job_cost(job: dict, timing: dict | None = None) -> float:
     """Relative cost of a run of ``job`` (per epoch, times its ``epochs`` when given;
     the timing file's seconds per step if given, else the method's
-    :attr:`~kwng.experiments.cifar.methods.Method.rel_cost`)."""
+    ``Method.rel_cost``)."""
     m = job["method"]
     epochs = int(job.get("epochs", 1))
     if timing is not None and m in timing:

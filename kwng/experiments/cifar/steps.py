@@ -141,7 +141,7 @@ class MethodStep:
 class KFACStep(MethodStep):
     """KFAC or EKFAC (:class:`kwng.experiments.cifar.baselines.KFACPreconditioner`):
     needs ``batch``. Not capturable
-    (:attr:`kwng.experiments.cifar.methods.Method.not_capturable` says why)."""
+    (``Method.not_capturable`` of :mod:`kwng.experiments.cifar.methods` says why)."""
 
     capturable = False
 
