@@ -6,26 +6,25 @@ Equation numbers ``(n)`` follow the paper's LaTeX source (main text and appendic
 numbered consecutively); the LaTeX label is given too, so that a reader can find the
 equation whichever numbering they hold.
 
-=====================================
-==================================================== paper
-here =====================================
-==================================================== (2), (4), (5), Prop. 1 (6)
-:func:`integrate_flow`, :func:`pullback_wng` Def. 2 (G_W), gradient velocity fields
-:func:`pullback_metric` Def. 1 (G_F) for the normal
-:func:`kwng.fisher_exact.normal_fisher_matrix` (10), (14) distributional gradient
-:func:`distributional_gradient` Prop. 2 (11), Prop. 3 (15)
-:func:`dual_objective`, :func:`dual_optimum` App. B.3 (50)–(52), Dirac family
-:func:`negative_sobolev_objective` Prop. 4 (18)–(21), minimax exchange
-:func:`~kwng.theory.nystrom.rkhs_brute_force`,
-:class:`~kwng.theory.nystrom.BruteForceKWNG` (22) full-derivative Nyström subspace
-:func:`~kwng.theory.nystrom.full_derivative_basis`,
-:func:`~kwng.theory.nystrom.sutherland_kwng_gradient` Prop. 6 (27) as printed
-:func:`~kwng.theory.nystrom.stable_as_printed` Thm. 7 / well-specified theorem
-:func:`~kwng.theory.nystrom.theory_schedule`,
-:func:`~kwng.theory.nystrom.predicted_rate` §3.3 cost model
-:func:`~kwng.theory.nystrom.predicted_cost`, :func:`~kwng.theory.nystrom.loglog_slope`
-=====================================
-====================================================
+Where each part of the paper lives:
+
+* (2), (4), (5), Prop. 1 (6): :func:`integrate_flow`, :func:`pullback_wng`
+* Def. 2 (G_W), gradient velocity fields: :func:`pullback_metric`
+* Def. 1 (G_F) for the normal: :func:`kwng.fisher_exact.normal_fisher_matrix`
+* (10), (14), the distributional gradient: :func:`distributional_gradient`
+* Prop. 2 (11), Prop. 3 (15): :func:`dual_objective`, :func:`dual_optimum`
+* App. B.3 (50)–(52), the Dirac family: :func:`negative_sobolev_objective`
+* Prop. 4 (18)–(21), the minimax exchange:
+  :func:`~kwng.theory.nystrom.rkhs_brute_force`,
+  :class:`~kwng.theory.nystrom.BruteForceKWNG`
+* (22), the full-derivative Nyström subspace:
+  :func:`~kwng.theory.nystrom.full_derivative_basis`,
+  :func:`~kwng.theory.nystrom.sutherland_kwng_gradient`
+* Prop. 6 (27) as printed: :func:`~kwng.theory.nystrom.stable_as_printed`
+* Thm. 7, the well-specified theorem: :func:`~kwng.theory.nystrom.theory_schedule`,
+  :func:`~kwng.theory.nystrom.predicted_rate`
+* §3.3, the cost model: :func:`~kwng.theory.nystrom.predicted_cost`,
+  :func:`~kwng.theory.nystrom.loglog_slope`
 
 Symbols ↔ argument names: ``N`` = number of samples, ``M`` = ``num_basis`` /
 ``num_points``, ``ε`` = ``eps``, ``λ`` = ``lam``, ``D(θ)`` = ``damping``, ``∇L(θ)`` =

@@ -55,6 +55,8 @@ def load_results(root: str | os.PathLike = RESULTS,
 #: runs (``cond/method/seedk``, the plan ``main`` of that time), its method lists
 #: (``main_methods``, ``ablations``) and the colour, line style and label of each of
 #: its methods in its figures (``looks``); each record carries its ``method_spec``
+#:
+#: :meta hide-value:
 STUDY6_TABLE = Path(__file__).with_name("study6.json")
 
 
