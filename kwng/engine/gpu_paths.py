@@ -37,8 +37,8 @@ __all__ = ["GPU_PATHS", "gpu_path", "use_gpu_path", "use_kernels", "compile_on_c
 
 #: ``"triton"``: the hand-written kernels where they run (else the compiled PyTorch
 #: functions); ``"compile"``: the compiled PyTorch functions everywhere on CUDA;
-#: ``"eager"``: the PyTorch functions uncompiled (no compiler dispatch per call: the
-#: eager step's host time, issue 32's item 5).
+#: ``"eager"``: the PyTorch functions uncompiled (no compiler dispatch per call, which
+#: the host time of an eager step pays).
 GPU_PATHS = ("triton", "compile", "eager")
 _current = ["triton"]
 
