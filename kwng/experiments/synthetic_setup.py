@@ -42,10 +42,9 @@ __all__ = [
 ]
 
 #: The models of the sweeps (names of :data:`kwng.models.MODELS`) in the order of the
-#: paper's
-#: figures: the sphere (Fig. 1), then the normal and log-normal models (Fig. 5). The
-#: committed configurations record this order: changing it makes the guards refuse
-#: them.
+#: paper's figures: the sphere (Fig. 1), then the normal and log-normal models
+#: (Fig. 5). The committed configurations record this order: changing it makes the
+#: guards refuse them.
 FIGURE_MODELS = model_names(("sphere", "normal", "lognormal"))
 SWEEP_COLUMNS = (
     "model",
