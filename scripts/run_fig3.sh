@@ -11,7 +11,9 @@
 #   MODE=wait       bash scripts/run_fig3.sh  # waits up to LIMIT s, then tars the records
 #
 # Knobs: GPU_IDS (the GPUs of this queue, "0"), PROCS (runs per GPU, 1), METHODS (comma
-# list: the methods of this queue; queues on other GPUs take other methods), START_BY
+# list: the methods of this queue; queues on other GPUs take other methods), PLANS
+# (comma list of sweep plans the queue takes in turn, "fig3"; "amortized" writes under
+# results/cifar/amortized), START_BY
 # (seconds from now after which no run starts), FINISH_BY (seconds from now by which a
 # run must end: a run whose estimated duration, from the finished runs of its method,
 # ends later is not started), LIMIT (seconds this call may take, 560),
@@ -28,6 +30,7 @@ LIMIT=${LIMIT:-560}
 START_BY=${START_BY:-1200}
 FINISH_BY=${FINISH_BY:-1560}
 METHODS=${METHODS:-sgd,sgd_momentum,sgd_momentum_wd,adam}
+PLANS=${PLANS:-fig3}
 TAG=${TAG:-q0}
 DATA=${DATA:-.data/cifar10_jpeg.npz}
 PY=${PY:-python3}
@@ -55,7 +58,8 @@ fi
 # skipped, the early-stop rule and the selection see them, and the authors100 records
 # give the run-time estimate of a method without a Fig. 3 run yet
 if [ ! -f "$WORK/.seeded" ]; then
-  cp -rn "$ROOT/results/cifar/fig3" "$ROOT/results/cifar/authors100" "$WORK/results/cifar/" \
+  cp -rn "$ROOT/results/cifar/fig3" "$ROOT/results/cifar/authors100" \
+      $(ls -d "$ROOT/results/cifar/amortized" 2>/dev/null) "$WORK/results/cifar/" \
     && touch "$WORK/.seeded"
 fi
 cd "$WORK"
@@ -71,11 +75,14 @@ cd "$WORK"
 while [ \$(date +%s) -lt $END ]; do
   left=\$(( $END - \$(date +%s) )); fin=\$(( $FIN - \$(date +%s) ))
   [ \$fin -lt 300 ] && break
-  CUDA_VISIBLE_DEVICES=$GPU_IDS $PY -m kwng.experiments cifar sweep --plan fig3 \
-      --methods $METHODS --gpus $(echo "$GPU_IDS" | tr ',' '\n' | wc -l) \
-      --procs-per-gpu $PROCS --data-root "$DATA" --start-by-s \$left \
-      --finish-by-s \$fin || true
-  n=\$($PY -c "from kwng.experiments.cifar.plans import build_plan; print(len(build_plan('fig3', methods='$METHODS'.split(','))))")
+  for plan in ${PLANS//,/ }; do
+    left=\$(( $END - \$(date +%s) )); fin=\$(( $FIN - \$(date +%s) ))
+    CUDA_VISIBLE_DEVICES=$GPU_IDS $PY -m kwng.experiments cifar sweep --plan \$plan \
+        --methods $METHODS --gpus $(echo "$GPU_IDS" | tr ',' '\n' | wc -l) \
+        --procs-per-gpu $PROCS --data-root "$DATA" --start-by-s \$left \
+        --finish-by-s \$fin || true
+  done
+  n=\$($PY -c "from kwng.experiments.cifar.plans import build_plan; print(sum(len(build_plan(p, methods='$METHODS'.split(','))) for p in '$PLANS'.split(',')))")
   echo "queue $TAG: \$n run(s) left"
   [ "\$n" = 0 ] && break
   sleep 5
@@ -83,7 +90,7 @@ done
 LOOP
     setsid nohup bash "$LOGS/$TAG.sh" > "$LOGS/$TAG.log" 2>&1 < /dev/null &
     echo $! > "$LOGS/$TAG.pid"
-    say "queue $TAG started on GPU(s) $GPU_IDS with $PROCS run(s) per GPU: $METHODS"
+    say "queue $TAG started on GPU(s) $GPU_IDS with $PROCS run(s) per GPU: $PLANS: $METHODS"
   fi
 fi
 
@@ -95,7 +102,8 @@ while [ $SECONDS -lt $((LIMIT - 30)) ]; do
   sleep 10
 done
 grep -hE "Error|Traceback|failed|early stop|left" "$LOGS"/q*.log 2>/dev/null | tail -12
-tar czf "$OUT/fig3.tar.gz" -C "$WORK" results/cifar/fig3 && say "tarred $(du -h "$OUT/fig3.tar.gz" | cut -f1)"
+tar czf "$OUT/fig3.tar.gz" -C "$WORK" results/cifar/fig3 \
+    $(cd "$WORK" && ls -d results/cifar/amortized 2>/dev/null) && say "tarred $(du -h "$OUT/fig3.tar.gz" | cut -f1)"
 cp "$LOGS"/q*.log "$OUT/" 2>/dev/null
 $PY -m kwng.experiments cifar check --suite fig3 | tail -20
 exit 0
