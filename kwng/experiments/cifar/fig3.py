@@ -36,7 +36,7 @@ from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["FIG3", "AMORTIZED", "PROTOCOL_FILE", "load_protocol", "window_for",
            "protocol_commit", "run_status", "record_at", "grid_state", "fig3_plan",
-           "amortized_plan", "check_fig3"]
+           "amortized_plan", "record_problem", "check_fig3"]
 
 #: the study's records, ``results/cifar/fig3`` of the checkout
 #:
@@ -283,7 +283,7 @@ def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike 
     return jobs
 
 
-def _record_problem(p: dict, mp: Path, part: str) -> str | None:
+def record_problem(p: dict, mp: Path, part: str) -> str | None:
     """Why the record ``mp`` (under ``<part>/lr<lr>/``) breaks the protocol, or
     ``None``."""
     rec = read_record(mp)
@@ -325,7 +325,7 @@ def check_fig3(root: str | os.PathLike = FIG3, p: dict | None = None) -> dict:
                                             "metrics.json")):
             name = "/".join(mp.relative_to(root).parts[:2] + mp.parts[-4:-1])
             try:
-                problem = _record_problem(p, mp, part)
+                problem = record_problem(p, mp, part)
             except (ResultFileError, KeyError, TypeError, ValueError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             if problem:

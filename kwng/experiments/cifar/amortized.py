@@ -1,0 +1,182 @@
+"""The amortized-step study read as time to accuracy.
+
+KWNG with its kernel system rebuilt every ``k`` steps (``refresh_every``,
+:mod:`kwng.engine.amortized`) ran at KWNG's selected steps of the Fig. 3 protocol
+(:func:`kwng.experiments.cifar.fig3.amortized_plan`, records under
+``results/cifar/amortized``). Its runs are set here beside the protocol's runs that
+had a GPU to themselves (exact KWNG is ``k = 1``; Adam and the SGD variants at their
+selected steps), as seconds and epochs to a test accuracy, and the study's goal is
+checked: some ``k`` reaches 85 % test accuracy in the ill-conditioned case in fewer
+training seconds than the best-tuned Adam while its final test accuracy stays within
+exact KWNG's seed spread.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+from kwng.experiments.cifar.fig3 import AMORTIZED, FIG3, grid_state, record_problem
+from kwng.experiments.cifar.methods import AMORTIZED_METHODS, METHODS
+from kwng.experiments.cifar.verdicts import alone_runs, seed_summary
+from kwng.experiments.provenance import ResultFileError, read_json
+
+__all__ = ["TARGETS", "TIME_HEADER", "amortized_runs", "time_rows", "time_table",
+           "time_values", "amortized_goal"]
+
+#: the test accuracies a row reports the time to
+TARGETS = (0.80, 0.85)
+
+
+def amortized_runs(p: dict, root: str | os.PathLike = AMORTIZED) -> dict[tuple, dict]:
+    """``{(conditioning, method, seed): record}`` of every record under ``root``,
+    finished or cut, each checked against the protocol ``p`` as the Fig. 3 records are
+    (:func:`kwng.experiments.cifar.fig3.record_problem`). A record that breaks it raises
+    :class:`~kwng.experiments.provenance.ResultFileError` naming the file."""
+    out = {}
+    for mp in sorted(Path(root).glob(f"lr*/{p['dataset']}/*/*/seed*/metrics.json")):
+        problem = record_problem(p, mp, "")
+        if problem:
+            raise ResultFileError(f"{mp}: {problem}")
+        out[(mp.parts[-4], mp.parts[-3], int(mp.parts[-2][4:]))] = read_json(mp)
+    return out
+
+
+def _seconds_to(rows: list[dict], target: float) -> tuple[float | None, int | None]:
+    hit = next((r for r in rows if r["test_acc"] >= target), None)
+    return (None, None) if hit is None else (hit["time_train"], hit["epoch"])
+
+
+def _mean(values: list) -> float | None:
+    return None if not values or None in values else statistics.fmean(values)
+
+
+def _row(cond: str, method: str, recs: list[dict], epochs: int) -> dict:
+    """One method in one conditioning over its runs ``recs``: seconds and epochs to
+    each of :data:`TARGETS` (mean over runs, ``None`` when a run never got there),
+    the median training seconds of an epoch (the first excluded), the first epoch's
+    seconds (compilation and graph capture fall there; ``steady_s_to_*`` counts that
+    epoch at the median instead), the final test accuracy when
+    every run finished, else ``None``, and the epochs the shortest run reached."""
+    row = {"cond": cond, "method": method, "label": METHODS[method].label,
+           "k": int(METHODS[method].settings.get("refresh_every", 1)),
+           "lr": float(recs[0]["lr"]), "runs": len(recs),
+           "epochs": min(len(r["epochs"]) for r in recs),
+           "complete": all(len(r["epochs"]) == epochs for r in recs)}
+    steps = [b["time_train"] - a["time_train"]
+             for r in recs for a, b in zip(r["epochs"], r["epochs"][1:])]
+    row["s_per_epoch"] = statistics.median(steps)
+    row["first_epoch_s"] = statistics.fmean(r["epochs"][0]["time_train"] for r in recs)
+    for t in TARGETS:
+        hits = [_seconds_to(r["epochs"], t) for r in recs]
+        s_to = _mean([h[0] for h in hits])
+        row[f"s_to_{round(100 * t)}"] = s_to
+        row[f"steady_s_to_{round(100 * t)}"] = (
+            None if s_to is None else s_to - row["first_epoch_s"] + row["s_per_epoch"])
+        row[f"epochs_to_{round(100 * t)}"] = _mean([h[1] for h in hits])
+    finals = [r["epochs"][-1]["test_acc"] for r in recs]
+    row["final"] = statistics.fmean(finals) if row["complete"] else None
+    row["last"] = statistics.fmean(finals)
+    return row
+
+
+def time_rows(p: dict, fig3_root: str | os.PathLike = FIG3,
+              root: str | os.PathLike = AMORTIZED) -> list[dict]:
+    """Per conditioning, the protocol's runs that had a GPU to themselves
+    (:func:`kwng.experiments.cifar.verdicts.alone_runs`: exact KWNG and the first-order
+    baselines at their selected steps, once the selection is final) and then the
+    amortized methods, in the order of
+    :data:`~kwng.experiments.cifar.methods.AMORTIZED_METHODS`; one row each
+    (:func:`_row`)."""
+    epochs = int(p["settings"]["epochs"])
+    alone, am = alone_runs(p, fig3_root), amortized_runs(p, root)
+    state, rows = grid_state(p, fig3_root), []
+    for cond in ("ill", "well"):
+        base = [m for m in p["order"] if state.get(f"{cond}/{m}", {}).get("final")
+                and any(k[:2] == (cond, m) for k in alone)]
+        for m in base:
+            recs = [r for k, r in sorted(alone.items()) if k[:2] == (cond, m)]
+            rows.append(_row(cond, m, recs, epochs))
+        for m in AMORTIZED_METHODS:
+            recs = [r for k, r in sorted(am.items()) if k[:2] == (cond, m)]
+            if recs:
+                rows.append(_row(cond, m, recs, epochs))
+    return rows
+
+
+def amortized_goal(p: dict, rows: list[dict], fig3_root: str | os.PathLike = FIG3,
+                   cond: str = "ill") -> dict:
+    """The study's goal in ``cond``: Adam's seconds to 85 %; exact KWNG's final test
+    accuracy over its seeds (``mean``, ``range`` = max − min) and the floor ``mean −
+    range`` (the ± of the protocol's verdict rule); per amortized method of ``rows``,
+    ``faster`` (85 % in fewer seconds than Adam), ``within`` (final test accuracy at or
+    above the floor; ``None`` while its run is unfinished) and ``met`` (both). ``met``
+    at the top lists the methods that meet it."""
+    if cond not in ("ill", "well"):
+        raise ValueError(f"cond must be 'ill' or 'well', got {cond!r}")
+    by = {r["method"]: r for r in rows if r["cond"] == cond}
+    if "adam" not in by:
+        raise ValueError(f"rows hold no Adam run alone on a GPU in {cond!r}")
+    exact = seed_summary(p, fig3_root)[f"{cond}/kwng"]
+    adam_s, floor = by["adam"]["s_to_85"], exact["mean"] - exact["range"]
+    out = {"adam_s": adam_s, "kwng_mean": exact["mean"], "kwng_range": exact["range"],
+           "kwng_seeds": exact["seeds"], "floor": floor, "methods": {}}
+    for m in AMORTIZED_METHODS:
+        if m not in by:
+            continue
+        r = by[m]
+        faster = (r["s_to_85"] is not None
+                  and (adam_s is None or r["s_to_85"] < adam_s))
+        within = None if r["final"] is None else r["final"] >= floor
+        out["methods"][m] = {"faster": faster, "within": within,
+                             "met": bool(faster and within)}
+    out["met"] = [m for m, v in out["methods"].items() if v["met"]]
+    return out
+
+
+def _sec(v: float | None) -> str:
+    return "never" if v is None else f"{v:.0f}"
+
+
+def _acc(r: dict) -> str:
+    if r["final"] is not None:
+        return f"{100 * r['final']:.1f}"
+    return f"({100 * r['last']:.1f} at epoch {r['epochs']})"
+
+
+#: the columns of :func:`time_table`
+TIME_HEADER = ("cond.", "method", "step", "runs", "s / epoch", "first epoch s",
+               "s to 80 %", "s to 85 %", "steady s to 85 %", "epochs to 85 %",
+               "final test %")
+
+
+def time_table(rows: list[dict]) -> list[tuple]:
+    """:func:`time_rows` as text, one tuple per row under :data:`TIME_HEADER`: "never"
+    for a target a run did not reach; a cut run's final accuracy as its last one, in
+    brackets, with its epoch."""
+    return [(r["cond"], r["label"], f"{r['lr']:g}", r["runs"],
+             f"{r['s_per_epoch']:.2f}", f"{r['first_epoch_s']:.1f}",
+             _sec(r["s_to_80"]), _sec(r["s_to_85"]), _sec(r["steady_s_to_85"]),
+             "never" if r["epochs_to_85"] is None else f"{r['epochs_to_85']:.1f}",
+             _acc(r))
+            for r in rows]
+
+
+def time_values(rows: list[dict]) -> dict[str, str]:
+    """The numbers a page quotes from :func:`time_rows`, as text, named
+    ``<cond>_<method>_<field>`` (fields ``s_to_85``, ``steady_s_to_85``,
+    ``epochs_to_85``, ``spe`` the seconds per epoch, ``final``), plus ``first_max``,
+    ``spe_min`` and ``spe_max`` over every row."""
+    out = {"first_max": f"{max(r['first_epoch_s'] for r in rows):.0f}",
+           "spe_min": f"{min(r['s_per_epoch'] for r in rows):.1f}",
+           "spe_max": f"{max(r['s_per_epoch'] for r in rows):.1f}"}
+    for r in rows:
+        key = f"{r['cond']}_{r['method']}"
+        out[f"{key}_s_to_85"] = _sec(r["s_to_85"])
+        out[f"{key}_steady_s_to_85"] = _sec(r["steady_s_to_85"])
+        out[f"{key}_epochs_to_85"] = ("never" if r["epochs_to_85"] is None
+                                      else f"{r['epochs_to_85']:.1f}")
+        out[f"{key}_spe"] = f"{r['s_per_epoch']:.2f}"
+        out[f"{key}_final"] = _acc(r)
+    return out

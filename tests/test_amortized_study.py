@@ -1,0 +1,97 @@
+"""The amortized-step study's committed records (results/cifar/amortized) and their
+reading as time to accuracy (kwng.experiments.cifar.amortized)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kwng.experiments.cifar import amortized, fig3, verdicts
+from kwng.experiments.cifar.methods import AMORTIZED_METHODS, METHODS
+from kwng.experiments.provenance import ResultFileError
+
+ROOT = Path(__file__).resolve().parent.parent
+FIG3 = ROOT / "results" / "cifar" / "fig3"
+AM = ROOT / "results" / "cifar" / "amortized"
+P = fig3.load_protocol(FIG3 / "protocol.json")
+
+
+def test_every_record_keeps_the_protocol_at_kwngs_selected_step_from_one_round():
+    runs = amortized.amortized_runs(P, AM)
+    assert runs, "no amortized record committed"
+    state = fig3.grid_state(P, FIG3)
+    rounds = verdicts.rounds(FIG3)
+    for (cond, m, seed), rec in runs.items():
+        assert m in AMORTIZED_METHODS and seed == 0
+        assert rec["lr"] == state[f"{cond}/kwng"]["selected"], (cond, m)
+        spec = rec["method_spec"]
+        assert spec["refresh_every"] == METHODS[m].settings["refresh_every"] > 1
+        prov = json.loads((AM / f"lr{rec['lr']:g}" / "cifar10" / cond / m / "seed0"
+                           / "provenance.json").read_text())
+        rd = verdicts.round_of(prov, rounds)
+        assert rd is not None and rd["alone"], (cond, m)
+        assert [e["epoch"] for e in rec["epochs"]] == list(
+            range(1, len(rec["epochs"]) + 1))
+        assert rec["complete"] == (len(rec["epochs"]) == P["settings"]["epochs"])
+
+
+def test_time_rows_agree_with_the_records_they_read():
+    runs, rows = amortized.amortized_runs(P, AM), amortized.time_rows(P, FIG3, AM)
+    by = {(r["cond"], r["method"]): r for r in rows}
+    for (cond, m, _), rec in runs.items():
+        r, e = by[(cond, m)], rec["epochs"]
+        assert r["k"] == METHODS[m].settings["refresh_every"]
+        assert r["epochs"] == len(e) and r["complete"] == rec["complete"]
+        hit = next((x for x in e if x["test_acc"] >= 0.85), None)
+        assert r["s_to_85"] == (None if hit is None else hit["time_train"])
+        if hit is not None:
+            assert r["steady_s_to_85"] == pytest.approx(
+                hit["time_train"] - e[0]["time_train"] + r["s_per_epoch"])
+        assert (r["final"] is None) == (not rec["complete"])
+        assert r["last"] == e[-1]["test_acc"]
+    # the reference rows: exact KWNG (k = 1) and Adam, selections final, runs alone
+    for cond in ("ill", "well"):
+        assert by[(cond, "kwng")]["k"] == 1 and by[(cond, "adam")]["runs"] >= 1
+    state = fig3.grid_state(P, FIG3)
+    assert all(state[f"{r['cond']}/{r['method']}"]["final"] for r in rows
+               if r["method"] not in AMORTIZED_METHODS)
+    assert len(amortized.time_table(rows)[0]) == len(amortized.TIME_HEADER)
+
+
+def test_the_goal_needs_both_halves():
+    rows = amortized.time_rows(P, FIG3, AM)
+    goal = amortized.amortized_goal(P, rows, FIG3)
+    exact = verdicts.seed_summary(P, FIG3)["ill/kwng"]
+    assert goal["floor"] == pytest.approx(exact["mean"] - exact["range"])
+    by = {r["method"]: r for r in rows if r["cond"] == "ill"}
+    for m, v in goal["methods"].items():
+        assert v["faster"] == (by[m]["s_to_85"] is not None
+                               and by[m]["s_to_85"] < goal["adam_s"])
+        assert v["met"] == bool(v["faster"] and v["within"])
+    # the same rows with every amortized run slower than Adam: nothing meets it
+    slow = [{**r, "s_to_85": goal["adam_s"] + 1} if r["method"] in AMORTIZED_METHODS
+            else r for r in rows]
+    assert amortized.amortized_goal(P, slow, FIG3)["met"] == []
+    # and with every final below the floor
+    low = [{**r, "final": goal["floor"] - 1e-3} if r["method"] in AMORTIZED_METHODS
+           and r["final"] is not None else r for r in rows]
+    assert amortized.amortized_goal(P, low, FIG3)["met"] == []
+
+
+def test_the_goal_refuses_an_unknown_conditioning_and_rows_without_adam():
+    rows = amortized.time_rows(P, FIG3, AM)
+    with pytest.raises(ValueError, match="cond must be"):
+        amortized.amortized_goal(P, rows, FIG3, cond="bad")
+    with pytest.raises(ValueError, match="no Adam run"):
+        amortized.amortized_goal(P, [r for r in rows if r["method"] != "adam"], FIG3)
+
+
+def test_a_record_in_the_wrong_step_folder_is_named(tmp_path):
+    src = next(AM.glob("lr10/cifar10/ill/*/seed0"))
+    dst = tmp_path / "lr1" / "cifar10" / "ill" / src.parent.name / "seed0"
+    shutil.copytree(src, dst)
+    with pytest.raises(ResultFileError, match="metrics.json: step 10"):
+        amortized.amortized_runs(P, tmp_path)
