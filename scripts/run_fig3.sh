@@ -75,6 +75,7 @@ cd "$WORK"
 while [ \$(date +%s) -lt $END ]; do
   left=\$(( $END - \$(date +%s) )); fin=\$(( $FIN - \$(date +%s) ))
   [ \$fin -lt 300 ] && break
+  started=\$(grep -c " epoch 1: " "$LOGS/$TAG.log")
   for plan in ${PLANS//,/ }; do
     left=\$(( $END - \$(date +%s) )); fin=\$(( $FIN - \$(date +%s) ))
     CUDA_VISIBLE_DEVICES=$GPU_IDS $PY -m kwng.experiments cifar sweep --plan \$plan \
@@ -85,6 +86,9 @@ while [ \$(date +%s) -lt $END ]; do
   n=\$($PY -c "from kwng.experiments.cifar.plans import build_plan; print(sum(len(build_plan(p, methods='$METHODS'.split(','))) for p in '$PLANS'.split(',')))")
   echo "queue $TAG: \$n run(s) left"
   [ "\$n" = 0 ] && break
+  # a pass that began no run (every run left would end after FINISH_BY) ends the
+  # queue: its process exits, so a later queue may wait on it
+  [ "\$(grep -c " epoch 1: " "$LOGS/$TAG.log")" = "\$started" ] && break
   sleep 5
 done
 LOOP
