@@ -286,3 +286,19 @@ def test_a_captured_kfac_loop_trains_as_the_eager_one(monkeypatch):
     for p, q in zip(m_eager.parameters(), m_cap.parameters()):
         assert torch.equal(p, q)
     assert method.epoch_fields([]) == {"fallbacks": 0}
+
+
+def test_the_trainer_keeps_channels_last_for_kfac_only(tmp_path):
+    """KFAC trains in channels_last when asked; EKFAC (nngeometry views its gradients
+    as NCHW tensors) stays NCHW."""
+    from kwng.experiments.cifar import train
+
+    for method, want in (("kfac", True), ("ekfac", False)):
+        cfg = {"source": "sample", "model": "tiny", "batch_size": 50, "epochs": 1,
+               "lr": 0.1, "device": "cpu", "method": method, "conditioning": "ill",
+               "train_subset": 100, "val_size": 50, "schedule": "authors",
+               "channels_last": True, "out": str(tmp_path / method / "res"),
+               "checkpoint_dir": str(tmp_path / method / "ck")}
+        rec = train.run(cfg, progress=False)
+        assert rec["channels_last"] is want and rec["complete"]
+        assert rec["epochs"][-1]["fallbacks"] == 0
