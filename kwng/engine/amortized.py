@@ -76,6 +76,9 @@ class SystemCache:
     whenever it may have changed (the preconditioner switches its replicated forward
     with it)."""
 
+    #: a refresh step is a program of its own that a CUDA graph records
+    refresh_capturable = True
+
     def __init__(self, every: int,
                  on_due: Callable[[bool], None] | None = None) -> None:
         self.every = every

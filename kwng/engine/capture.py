@@ -27,13 +27,14 @@ casts (``cache_enabled=False``), or the replay reads memory freed after the capt
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 
 from kwng._checks import check_int
 
-__all__ = ["amortized_replay", "capture_step", "record_graph"]
+__all__ = ["amortized_replay", "capture_step", "record_graph", "warmup_kind"]
 
 
 def record_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -53,7 +54,7 @@ def record_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
 
 
 def capture_step(step: Callable[[], None], warmup: int = 3,
-                 preconditioner: Any = None) -> Callable[[], None]:
+                 preconditioner: Any = None) -> Callable[[], bool | None]:
     """Run ``step`` ``warmup`` times on a side stream, record one call in a CUDA graph
     and return the graph's replay (a function of no arguments).
 
@@ -64,11 +65,15 @@ def capture_step(step: Callable[[], None], warmup: int = 3,
     benchmark a replay after it hit an illegal memory access on an H200 (the cache gave
     back memory the graph still uses, most likely the cuBLAS workspace).
 
-    ``preconditioner``: the :class:`kwng.KWNGPreconditioner` that ``step`` calls. With
-    ``refresh_every = k > 1`` its two kinds of step are two programs
-    (:mod:`kwng.engine.amortized`): the warm-up alternates them (at least one of each),
-    one graph of each is recorded, and each replay runs the one that the
-    preconditioner's host-side counter names (:func:`amortized_replay`).
+    ``preconditioner``: the preconditioner that ``step`` calls, when its ``cache``
+    refreshes every ``k > 1`` steps (:class:`kwng.KWNGPreconditioner` with
+    ``refresh_every = k``, :mod:`kwng.engine.amortized`; KFAC,
+    :mod:`kwng.experiments.cifar.kfac_factors`). Its two kinds of step are two programs:
+    at least two warm-up steps are taken, the steps between refreshes are recorded and
+    each replay runs the kind that the cache's host-side counter names
+    (:func:`amortized_replay`). A refresh step that can be captured (KWNG) is recorded
+    too, the warm-up alternating the two kinds; one that cannot (KFAC) runs ``step``
+    eagerly, and the warm-up follows the schedule.
     """
     if not callable(step):
         raise ValueError(
@@ -85,33 +90,56 @@ def capture_step(step: Callable[[], None], warmup: int = 3,
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(max(warmup, 2) if two else warmup):
-            if two:
-                with cache.forced(i % 2 == 0):
-                    step()
-            else:
+            with warmup_kind(cache if two else None, i):
                 step()
     torch.cuda.current_stream().wait_stream(side)
     if not two:
         return record_graph(step).replay
-    return amortized_replay(cache, lambda: record_graph(step))
+    return amortized_replay(cache, lambda: record_graph(step), eager=step)
 
 
-def amortized_replay(cache: Any, record: Callable[[], Any]) -> Callable[[], None]:
+def warmup_kind(cache: Any, i: int) -> contextlib.AbstractContextManager:
+    """The kind of the ``i``-th warm-up step of a captured loop with the refresh
+    ``cache`` (``None``: a single program): alternately refresh and not (from a
+    refresh) when the cache's refresh step is recorded too, so that both programs run
+    before their recording; the kind the schedule names otherwise."""
+    i = check_int(i, "i", 0)
+    if cache is None or not cache.refresh_capturable:
+        return contextlib.nullcontext()
+    return cache.forced(i % 2 == 0)
+
+
+def amortized_replay(cache: Any, record: Callable[[], Any],
+                     eager: Callable[[], None] | None = None) -> Callable[[], bool]:
     """Record one refresh step and one step between refreshes with ``record`` (a
     function that records the step and returns an object with ``replay()``), each under
     ``cache.forced`` (:class:`kwng.engine.amortized.SystemCache`); returns the replay
     that runs, at each call, the graph of the kind ``cache.due`` names, then counts the
-    step. The recordings run no step: the counter is left where the warm-up put it."""
+    step. The recordings run no step: the counter is left where the warm-up put it.
+
+    A cache whose refresh step cannot be captured (``cache.refresh_capturable`` false,
+    :class:`kwng.experiments.cifar.kfac_factors.FactorSchedule`) has its step between
+    refreshes recorded only; a due refresh step runs ``eager`` (the step itself, on the
+    same static inputs, outside any graph; it counts itself on the cache). The replay
+    returns whether a graph ran."""
+    if not cache.refresh_capturable and not callable(eager):
+        raise ValueError("eager must be the step (a callable of no arguments) when "
+                         "the cache's refresh step cannot be captured, got "
+                         f"{type(eager).__name__}")
     steps = cache.steps
     graphs = {}
-    for refresh in (True, False):
+    for refresh in (True, False) if cache.refresh_capturable else (False,):
         with cache.forced(refresh):
             graphs[refresh] = record()
     cache.steps = steps
     cache.notify()
 
-    def replay() -> None:
+    def replay() -> bool:
+        if cache.due not in graphs:  # a refresh step that runs eagerly
+            eager()
+            return False
         graphs[cache.due].replay()
         cache.advance()
+        return True
 
     return replay

@@ -1,7 +1,7 @@
 """Does a training loop built on :func:`kwng.capture_step` train as the eager loop does?
 
 python -m kwng.experiments.bench.capture_check [--steps 40] [--config
-bf16_channels_last]
+bf16_channels_last] [--methods sgd,kwng,kfac]
 
 On a GPU, the paper's ResNet-18 (batch 128) is trained on four fixed random batches in
 turn, each copied into the captured step's static inputs before the replay, as a real
@@ -9,8 +9,14 @@ loop would: (1) SGD eagerly and graph-captured from the same initialisation (wit
 ``--deterministic`` cuDNN algorithms the parameters must agree bit for bit; without, two
 eager runs already differ, and training on random labels amplifies it); (2) KWNG
 (fast path) eagerly and graph-captured (the basis draws differ between the two, so the
-loss curves are compared, not the parameters). Prints both loss curves of each method,
-the parameter difference and the time per step of each loop.
+loss curves are compared, not the parameters); (3) KFAC
+(:class:`kwng.experiments.cifar.baselines.KFACPreconditioner`, damping 1e-3, factors
+refreshed every 100 steps, clip 1; needs nngeometry and ``--steps`` ≥ 250, so that the
+timed loop holds two refreshes) eagerly and captured: the steps between refreshes
+replay a graph, the refresh steps run eagerly (both loops draw the Monte-Carlo labels
+from the same seed). Prints both loss curves of each method, the parameter difference,
+the time per step of each loop (refresh steps included) and, for KFAC, the number of
+eager steps in the captured loop.
 """
 
 from __future__ import annotations
@@ -26,12 +32,28 @@ from kwng import KWNGPreconditioner, capture_step
 from kwng.experiments.bench.step_cost import CONFIGS
 from kwng.experiments.cifar.nets import resnet18
 
+__all__ = ["KFAC_STEPS", "METHODS", "main", "make_loop", "train"]
+
+#: the methods the check can run
+METHODS = ("sgd", "kwng", "kfac")
+#: the fewest timed steps of a KFAC check (two refreshes at update_freq 100)
+KFAC_STEPS = 250
+
 
 def make_loop(model, method, amp, static_z, static_y):
+    """The step of ``method`` (one of :data:`METHODS`) on the static inputs, the list
+    its losses go to (device tensors) and its preconditioner (``None`` for SGD)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     pc = None
     if method == "kwng":
         pc = KWNGPreconditioner(model, lr=0.05, num_basis=5, eps=1e-3)
+    elif method == "kfac":
+        from kwng.experiments.cifar.baselines import KFACPreconditioner
+
+        pc = KFACPreconditioner(model, kind="kfac", damping=1e-3, update_freq=100,
+                                clip_norm=1.0)
     losses = []
 
     def step():
@@ -46,47 +68,58 @@ def make_loop(model, method, amp, static_z, static_y):
             loss = nn.functional.cross_entropy(X.float(), static_y)
         if pc is None:
             loss.backward()
+        elif method == "kfac":
+            pc.step(loss, X, inputs=static_z)
         else:
             pc.step(loss, X)
         opt.step()
         losses.append(loss.detach())  # a device tensor: no host sync
 
-    return step, losses
+    return step, losses, pc
 
 
 def train(model, method, graph, batches, steps, amp):
     """``steps`` steps over ``batches`` after 3 warm-up steps on the first batch (those
     of :func:`kwng.capture_step`, run eagerly too so that both loops take the same
-    number of steps); returns the losses and the ms per step."""
+    number of steps); returns the losses, the ms per step and the number of timed steps
+    that ran eagerly (all of them in the eager loop; KFAC's refreshes when captured)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    torch.manual_seed(2)  # the same Monte-Carlo labels (KFAC) in both loops
     static_z, static_y = (t.clone() for t in batches[0])
-    step, losses = make_loop(model, method, amp, static_z, static_y)
+    step, losses, pc = make_loop(model, method, amp, static_z, static_y)
     if graph:
-        run = capture_step(step, warmup=3)
+        run = capture_step(step, warmup=3, preconditioner=pc)
         static_loss = losses[-1]  # the tensor every replay rewrites
     else:
         for _ in range(3):
             step()
         run = step
     losses.clear()
+    eager = 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(steps):
         z, y = batches[i % len(batches)]
         static_z.copy_(z)
         static_y.copy_(y)
+        n = len(losses)
         run()
-        if graph:
+        if len(losses) == n:  # a replay ran no Python: read the graph's loss
             losses.append(static_loss.clone())
+        else:
+            eager += 1
     torch.cuda.synchronize()
     ms = 1e3 * (time.perf_counter() - t0) / steps
-    return [float(v) for v in losses], ms
+    return [float(v) for v in losses], ms, eager
 
 
-def main() -> None:
+def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--config", default="bf16_channels_last", choices=list(CONFIGS))
-    p.add_argument("--methods", default="sgd,kwng")
+    p.add_argument("--methods", default="sgd,kwng",
+                   help=f"comma-separated, of {','.join(METHODS)}")
     p.add_argument(
         "--no-tf32", action="store_true", help="fp32 convolutions in full fp32"
     )
@@ -95,7 +128,19 @@ def main() -> None:
         action="store_true",
         help="deterministic cuDNN algorithms (else two eager runs differ too)",
     )
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    a.methods = a.methods.split(",")
+    if any(m not in METHODS for m in a.methods):
+        p.error(f"--methods must name methods of {METHODS}, got {a.methods}")
+    if "kfac" in a.methods and a.steps < KFAC_STEPS:
+        p.error(f"--steps must be >= {KFAC_STEPS} with kfac (two refreshes), "
+                f"got {a.steps}")
+    return a
+
+
+def main() -> None:
+    a = _args()
+    methods = a.methods
     if a.no_tf32:
         torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic = a.deterministic
@@ -117,17 +162,17 @@ def main() -> None:
     ]
     print(torch.cuda.get_device_name(), a.config)
     models = {}
-    methods = a.methods.split(",")
     for method in methods:
         for graph in (False, True):
             m = copy.deepcopy(base)
-            losses, ms = train(m, method, graph, batches, a.steps, amp)
+            losses, ms, eager = train(m, method, graph, batches, a.steps, amp)
             models[(method, graph)] = m
             tag = f"{method} {'graph' if graph else 'eager'}"
             print(
                 f"{tag:11s} {ms:6.2f} ms/step  loss "
                 + " ".join(f"{v:.3f}" for v in losses[:: max(1, a.steps // 8)])
-                + f"  last {losses[-1]:.3f}"
+                + f"  last {losses[-1]:.3f}  mean {sum(losses) / len(losses):.4f}"
+                + (f"  eager steps {eager}/{a.steps}" if graph else "")
             )
     for method in methods:
         e, gm = models[(method, False)], models[(method, True)]

@@ -27,6 +27,16 @@ dim A) / (tr G / dim G)``. EKFAC: ``(s + damping)^{-1}`` on the re-estimated eig
 ``s`` (``PMatEKFAC.solvePVec(regul=damping)``), as in George et al. (2018). The two are
 not the same damping; the step size is selected per method anyway.
 
+**Capture (KFAC).** A step between refreshes applies the cached damped inverse factors
+with plain torch ops (:class:`kwng.experiments.cifar.kfac_factors.InverseFactors`: the
+same products as nngeometry's ``PMatKFAC.mv``), never syncs with the host, and reads
+the factors from persistent buffers that each refresh updates in place; the refresh
+step runs eagerly. :attr:`KFACPreconditioner.cache` (a
+:class:`~kwng.experiments.cifar.kfac_factors.FactorSchedule`) tells
+:class:`~kwng.experiments.cifar.steps.StepRunner` which steps refresh, so the other
+steps replay a CUDA graph. EKFAC re-estimates its scalings with an nngeometry pass every
+step and is never captured.
+
 Usage, in the same loop shape as :class:`kwng.engine.precond.KWNGPreconditioner`::
 
     precond = KFACPreconditioner(model, kind="ekfac", output_fn=U, clip_norm=1.0)
@@ -44,6 +54,7 @@ import torch
 from torch import nn
 
 from kwng._checks import check_choice, check_int, check_positive
+from kwng.experiments.cifar.kfac_factors import FactorSchedule, InverseFactors
 
 __all__ = ["KFACPreconditioner", "clip_grad_norm", "bn_state", "restore_bn_state"]
 
@@ -135,9 +146,9 @@ class KFACPreconditioner:
         if not self.modules:
             raise ValueError("model has no Conv2d or Linear layer to precondition")
         self.layer_collection = lc
-        self.steps = 0
+        self.schedule = FactorSchedule(update_freq)
         self.fim = None        # PMatKFAC / PMatEKFAC (current factors)
-        self.inverse = None    # KFAC: damped inverse factors
+        self.factors = InverseFactors()  # KFAC: damped inverse factors, in place
 
     def __repr__(self) -> str:
         return (
@@ -146,6 +157,21 @@ class KFACPreconditioner:
             f"diag_freq={self.diag_freq}, clip_norm={self.clip_norm}, "
             f"layers={len(self.modules)})"
         )
+
+    @property
+    def steps(self) -> int:
+        """Steps taken (the host-side counter of :attr:`schedule`)."""
+        return self.schedule.steps
+
+    @property
+    def cache(self) -> FactorSchedule | None:
+        """The refresh schedule that a graph-capturing runner follows (its steps between
+        refreshes are replayed, its refresh steps run eagerly): KFAC with
+        ``update_freq > 1``; ``None`` for EKFAC (an nngeometry pass on every step) and
+        for ``update_freq = 1`` (every step refreshes)."""
+        if self.kind == "kfac" and self.update_freq > 1:
+            return self.schedule
+        return None
 
     # ----------------------------------------------------------------------------------
     # internals
@@ -171,26 +197,59 @@ class KFACPreconditioner:
             layer_collection=self.layer_collection,
         )
         if self.kind == "kfac":
-            self.inverse = self.fim.inverse(regul=self.damping)
+            self.factors.store(self.fim.inverse(regul=self.damping).data)
+        self.schedule.ready = True
 
-    def _update_diag(self, inputs: torch.Tensor) -> None:
-        self.fim.update_diag(self._examples(inputs))
+    def _fisher_passes(self, inputs: torch.Tensor, refresh: bool) -> None:
+        """The eager nngeometry passes of a refresh step (factors) and of an EKFAC
+        step (scalings); BatchNorm statistics and gradients are left as they were."""
+        saved = bn_state(self.model)
+        grads = {id(p): p.grad.detach().clone()
+                 for p in self.model.parameters() if p.grad is not None}
+        with torch.enable_grad():
+            if refresh:
+                self._refresh(inputs)
+            if self.kind == "ekfac":
+                self.fim.update_diag(self._examples(inputs))
+        restore_bn_state(self.model, saved)
+        # nngeometry's passes use autograd.grad w.r.t. inputs only, but keep
+        # the gradient safe regardless
+        for p in self.model.parameters():
+            if id(p) in grads:
+                p.grad.copy_(grads[id(p)])
 
-    def _grad_pvector(self):
-        PVector = _nngeometry()[4]
-        d = {}
+    def _check_grads(self) -> None:
         for name, mod in self.modules.items():
-            if mod.weight.grad is None:
+            if mod.weight.grad is None or (mod.bias is not None
+                                           and mod.bias.grad is None):
                 raise ValueError(
                     f"layer {name} has no gradient; call step() after a loss that "
                     "depends on it"
                 )
-            d[name] = (
-                (mod.weight.grad,)
-                if mod.bias is None
-                else (mod.weight.grad, mod.bias.grad)
-            )
+
+    def _grad_pvector(self):
+        PVector = _nngeometry()[4]
+        d = {name: (mod.weight.grad,) if mod.bias is None
+             else (mod.weight.grad, mod.bias.grad)
+             for name, mod in self.modules.items()}
         return PVector(self.layer_collection, dict_repr=d)
+
+    def _ekfac_direction(self) -> int:
+        """EKFAC's direction into the gradients (1, and the plain gradient, when it is
+        non-finite: one host sync)."""
+        direction = self.fim.solvePVec(self._grad_pvector(), regul=self.damping)
+        dd = direction.to_dict()
+        finite = bool(torch.stack(  # one sync
+            [torch.isfinite(t).all() for ts in dd.values() for t in ts]).all())
+        if not finite:
+            log.warning("%s direction non-finite at step %d: using the plain "
+                        "gradient", self.kind, self.steps)
+            return 1
+        for name, mod in self.modules.items():
+            mod.weight.grad.copy_(dd[name][0])
+            if mod.bias is not None:
+                mod.bias.grad.copy_(dd[name][1])
+        return 0
 
     # ----------------------------------------------------------------------------------
     # step
@@ -201,52 +260,26 @@ class KFACPreconditioner:
 
         ``inputs`` (the mini-batch ``z``) is needed for the extra Fisher passes. Returns
         a dict with ``grad_norm`` (before clipping), ``refreshed`` and ``fallback`` (1
-        when the direction was non-finite and the plain gradient was used instead;
-        logged).
+        when the direction was non-finite and the plain gradient was used instead).
+        KFAC's ``fallback`` is a 0-dim device tensor (a step between refreshes never
+        waits for the device); EKFAC's an int, logged when 1.
         """
         if inputs is None:
             raise ValueError("inputs must be the mini-batch tensor z for KFAC/EKFAC")
         loss.backward()
-        info = {"refreshed": 0, "fallback": 0}
-        need_refresh = self.fim is None or self.steps % self.update_freq == 0
-        need_diag = (self.kind == "ekfac" and not need_refresh
-                     and self.steps % self.diag_freq == 0)
-        if need_refresh or need_diag:
-            saved = bn_state(self.model)
-            grads = {id(p): p.grad.detach().clone()
-                     for p in self.model.parameters() if p.grad is not None}
-            with torch.enable_grad():
-                if need_refresh:
-                    self._refresh(inputs)
-                    info["refreshed"] = 1
-                if self.kind == "ekfac":
-                    self._update_diag(inputs)
-            restore_bn_state(self.model, saved)
-            # nngeometry's passes use autograd.grad w.r.t. inputs only, but keep
-            # the gradient safe regardless
-            for p in self.model.parameters():
-                if id(p) in grads:
-                    p.grad.copy_(grads[id(p)])
-        g = self._grad_pvector()
+        self._check_grads()
+        refresh = self.schedule.refresh_now()
+        diag = self.kind == "ekfac" and not refresh and self.steps % self.diag_freq == 0
+        if refresh or diag:
+            self._fisher_passes(inputs, refresh)
+        info = {"refreshed": int(refresh)}
         if self.kind == "kfac":
-            direction = self.inverse.mv(g)
+            info["fallback"] = self.factors.apply(self.modules)
         else:
-            direction = self.fim.solvePVec(g, regul=self.damping)
-        dd = direction.to_dict()
-        finite = bool(torch.stack(  # one sync
-            [torch.isfinite(t).all() for ts in dd.values() for t in ts]).all())
-        if finite:
-            for name, mod in self.modules.items():
-                mod.weight.grad.copy_(dd[name][0])
-                if mod.bias is not None:
-                    mod.bias.grad.copy_(dd[name][1])
-        else:
-            info["fallback"] = 1
-            log.warning("%s direction non-finite at step %d: using the plain "
-                        "gradient", self.kind, self.steps)
+            info["fallback"] = self._ekfac_direction()
         info["grad_norm"] = clip_grad_norm(list(self.model.parameters()),
                                            self.clip_norm)
-        self.steps += 1
+        self.schedule.advance()
         return info
 
     # ----------------------------------------------------------------------------------
@@ -256,17 +289,18 @@ class KFACPreconditioner:
         state: dict = {"steps": self.steps, "kind": self.kind}
         if self.fim is not None:
             state["fim_data"] = self.fim.data
-            if self.inverse is not None:
-                state["inverse_data"] = self.inverse.data
+            if self.kind == "kfac":
+                state["inverse_data"] = self.factors.state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != self.kind:
+        """Restore a :meth:`state_dict` (the inverse factors into the same buffers)."""
+        if not isinstance(state, dict) or state.get("kind") != self.kind:
+            got = state.get("kind") if isinstance(state, dict) else state
             raise ValueError(
-                f"state is for kind={state.get('kind')!r}, this preconditioner is "
-                f"{self.kind!r}"
+                f"state must be a state_dict of kind={self.kind!r}, got {got!r:.100}"
             )
-        self.steps = int(state["steps"])
+        self.schedule.steps = int(state["steps"])
         if "fim_data" in state:
             _, _, PMatKFAC, PMatEKFAC, _ = _nngeometry()
             from nngeometry.backend import TorchHooksJacobianBackend
@@ -278,8 +312,9 @@ class KFACPreconditioner:
                 layer_collection=self.layer_collection,
             )
             self.fim = rep(generator=gen, data=state["fim_data"])
-            if "inverse_data" in state:
-                self.inverse = PMatKFAC(generator=gen, data=state["inverse_data"])
+            if self.kind == "kfac":
+                self.factors.store(state.get("inverse_data"), self.device)
+        self.schedule.ready = self.fim is not None
 
     def _mc_logprob(self, z: torch.Tensor) -> torch.Tensor:
         """The Monte-Carlo function of nngeometry's ``classif_logits`` variant (one

@@ -70,16 +70,19 @@ class Method:
 _KWNG = {"precond": "kwng", "num_basis": 5, "damping": "T_tilde", "kernel": "gaussian",
          "diagonal_only": False, "estimator_input": "scaled",
          "eps_convention": "authors"}
-_HOST = ("its step decides on the host whether to refresh the Kronecker factors (every "
-         "100 steps, through nngeometry) and checks the direction for non-finite "
-         "values with a host sync every step")
+# KFAC is capturable: its steps between refreshes apply the cached inverse factors with
+# plain torch ops and are replayed, its refresh steps (every 100) run eagerly
+_EKFAC_HOST = ("every step re-estimates the eigenbasis scalings with nngeometry's "
+               "Monte-Carlo Fisher pass (Python objects and a sampled label, run "
+               "eagerly) and checks the direction for non-finite values with a host "
+               "sync")
 
 
 def _m(opt: str, settings: dict, color: str, style: str, label: str, order: int,
        cost: float, timing_lr: float) -> Method:
-    host = settings.get("precond") in ("kfac", "ekfac")
+    host = settings.get("precond") == "ekfac"
     return Method(opt, settings, color, style, label, order, cost, timing_lr,
-                  _HOST if host else None)
+                  _EKFAC_HOST if host else None)
 
 
 _T = {"lr_from": "kwng"}

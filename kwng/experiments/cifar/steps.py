@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kwng.engine.capture import amortized_replay, record_graph, warmup_kind
 from kwng.engine.config import eps_from_authors
 from kwng.engine.lm import LMSchedule
 from kwng.experiments.cifar.config import RunConfig
@@ -140,16 +141,17 @@ class MethodStep:
 
 class KFACStep(MethodStep):
     """KFAC or EKFAC (:class:`kwng.experiments.cifar.baselines.KFACPreconditioner`):
-    needs ``batch``. Not capturable
-    (``Method.not_capturable`` of :mod:`kwng.experiments.cifar.methods` says why)."""
-
-    capturable = False
+    needs ``batch``. Capturable when the preconditioner has a refresh schedule
+    (``precond.cache``: KFAC with ``update_freq > 1``; its refresh steps run eagerly);
+    EKFAC is not (``Method.not_capturable`` of :mod:`kwng.experiments.cifar.methods`
+    says why). The fallbacks are summed on the device, read once an epoch."""
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, precond
     ) -> None:
         super().__init__(model, optimizer)
-        self.precond, self._fallbacks = precond, 0
+        self.precond, self.capturable = precond, precond.cache is not None
+        self._fallbacks = torch.zeros((), dtype=torch.int64, device=precond.device)
 
     def direction(self, loss, outputs, hidden, batch) -> dict:
         if batch is None:
@@ -157,12 +159,15 @@ class KFACStep(MethodStep):
         return self.precond.step(loss, outputs, inputs=batch[0])
 
     def track(self, info: dict, stats) -> None:
-        self._fallbacks += info["fallback"]
+        self._fallbacks.add_(info["fallback"])  # in place: a replay repeats it
 
     def epoch_fields(self, rows: list[dict]) -> dict:
-        prev = rows[-1]["fallbacks"] if rows else 0
-        out, self._fallbacks = {"fallbacks": prev + int(self._fallbacks)}, 0
-        return out
+        prev, n = rows[-1]["fallbacks"] if rows else 0, int(self._fallbacks)
+        if n:
+            log.warning("%s: the direction was non-finite on %d steps of the epoch: "
+                        "they took the plain gradient", self.precond.kind, n)
+        self._fallbacks.zero_()
+        return {"fallbacks": prev + n}
 
 
 class KWNGStep(MethodStep):
@@ -306,10 +311,12 @@ class StepRunner:
     the replay is that step); every later step copies its batch into the buffers and
     replays. A step size is a constant of the recorded kernels (``torch.optim`` and the
     ε rule read ``lr`` on the host), so a milestone records the graph again; each batch
-    shape has its own graph. With an amortized ``cache`` (every ``k > 1`` steps), the
-    warm-up alternates its two programs and two graphs are recorded, the replay taking
-    the one the cache's host-side counter names
-    (:func:`kwng.engine.capture.amortized_replay`)."""
+    shape has its own graph. With an amortized ``cache`` (every ``k > 1`` steps), each
+    step takes the kind the cache's host-side counter names
+    (:func:`kwng.engine.capture.amortized_replay`): KWNG's two programs are both
+    recorded (the warm-up alternates them); KFAC's refresh step
+    (``cache.refresh_capturable`` false) runs eagerly on the static inputs, outside any
+    graph, and counts as eager, its other steps are replayed."""
 
     def __init__(self, step_fn: Callable[[torch.Tensor, torch.Tensor], None],
                  device: torch.device, capture: bool, lr_fn: Callable[[], float],
@@ -355,18 +362,13 @@ class StepRunner:
         lr = float(self.lr_fn())
         held = self._graphs.get(shape)
         if held is not None and held[0] == lr:
-            held[1]()
-            self.replays += 1
+            self._replay(held[1])
             return
         if self._warm[shape] < self.warmup:  # eager warm-up on a side stream
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                if self.cache is not None:
-                    with self.cache.forced(self._warm[shape] % 2 == 0):
-                        self.step_fn(sz, sy)
-                else:
-                    self.step_fn(sz, sy)
+            with torch.cuda.stream(side), warmup_kind(self.cache, self._warm[shape]):
+                self.step_fn(sz, sy)
             torch.cuda.current_stream(self.device).wait_stream(side)
             self._warm[shape] += 1
             self.eager += 1
@@ -374,19 +376,25 @@ class StepRunner:
         if held is not None:  # the step size changed: drop the old graph first
             del self._graphs[shape]
             del held
-        from kwng.engine.capture import amortized_replay, record_graph
-
         torch.cuda.synchronize(self.device)
         if self.cache is not None:
             def record():
                 return record_graph(lambda: self.step_fn(sz, sy))
 
-            replay = amortized_replay(self.cache, record)
+            replay = amortized_replay(self.cache, record,
+                                      eager=lambda: self.step_fn(sz, sy))
         else:
             replay = record_graph(lambda: self.step_fn(sz, sy)).replay
         self._graphs[shape] = (lr, replay)
         self.captures += 1
         log.info("recorded the training step in a CUDA graph (batch %s, lr %g)",
                  shape[0], lr)
-        replay()  # recording ran nothing: this is the step of this batch
-        self.replays += 1
+        self._replay(replay)  # recording ran nothing: this is the step of this batch
+
+    def _replay(self, replay: Callable[[], bool | None]) -> None:
+        """Run ``replay``; count a replay, or an eager step when an amortized replay
+        ran a refresh step eagerly (it returns ``False`` then)."""
+        if replay() is False:
+            self.eager += 1
+        else:
+            self.replays += 1

@@ -86,9 +86,9 @@ class Run:
         self.test_set = (GPUAugmentedData(*test_arrays(cfg), cfg.dataset, device)
                          if cfg.eval_test else None)
         self.model = build_model(cfg).to(device)
-        # KFAC/EKFAC stay NCHW: nngeometry views their gradients as NCHW tensors
-        self.channels_last = (cfg.channels_last
-                              and cfg.spec.get("precond") not in ("kfac", "ekfac"))
+        # EKFAC stays NCHW: nngeometry views its gradients as NCHW tensors (KFAC
+        # reshapes them itself, kwng.experiments.cifar.kfac_factors)
+        self.channels_last = cfg.channels_last and cfg.spec.get("precond") != "ekfac"
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.optimizer = build_optimizer(cfg, self.model, lr)
