@@ -284,7 +284,7 @@ class DistributedKWNG(KWNGPreconditioner):
             for t in self.model.buffers():
                 dist.broadcast(t, self._src, group=self.group)
 
-    # --- the hooks of KWNGPreconditioner._step ---------------------------------------
+    # --- the hooks of the step (kwng.engine.precond_step) -----------------------------
     def _check_inputs(self, loss: torch.Tensor, outputs: torch.Tensor) -> None:
         """The base class's checks, except that ``num_basis`` may exceed this rank's
         shard: :meth:`_share` checks it against the global batch."""

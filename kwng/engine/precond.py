@@ -1,71 +1,83 @@
-"""KWNG as a drop-in preconditioner for any PyTorch model (book chapter :ref:`deep-learning`).
+"""KWNG as a drop-in preconditioner for any PyTorch model (book chapter
+:ref:`deep-learning`).
 
-A classifier ``z ↦ X = h_θ(z) ∈ R^d`` is an implicit model: its outputs on a mini-batch are ``N``
-samples ``X_n`` of a distribution ``ρ_θ`` (Arbel et al., 2020, §4.2). The preconditioner replaces
-the Euclidean gradient ``g = ∇_θ L`` by the kernelized Wasserstein natural gradient of Prop. 6,
-then any ``torch.optim`` optimizer takes the step::
+A classifier ``z ↦ X = h_θ(z) ∈ R^d`` is an implicit model: its outputs on a mini-batch
+are ``N`` samples ``X_n`` of a distribution ``ρ_θ`` (Arbel et al., 2020, §4.2). The
+preconditioner replaces the Euclidean gradient ``g = ∇_θ L`` by the kernelized
+Wasserstein natural gradient of Prop. 6, then any ``torch.optim`` optimizer takes the
+step::
 
     precond = KWNGPreconditioner(model, lr=0.1, num_basis=5, eps=1e-5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for z, y in loader:
         optimizer.zero_grad()
-        X = model(z)                      # (N, d): the samples
+        X = model(z)                  # (N, d): the samples
         loss = loss_fn(X, y)
-        info = precond.step(loss, X)      # backward pass(es) + KWNG direction into p.grad
+        info = precond.step(loss, X)  # backward pass(es), KWNG direction into p.grad
         optimizer.step()
 
 Algorithm (one call of :meth:`KWNGPreconditioner.step`; symbols ↔ arguments)::
 
-    draw M = num_basis indices Y_m = X_{b_m} and coordinates i_m              (draw_basis)
-    σ ← σ0 · mean ‖X_n − Y_m‖²   (bandwidth="mean_sq", sigma0)                 (§3.3)
-    C, K, CCᵀ of Prop. 5 from X and the kernel                                  (kernel_matrices)
-    g ← ∇_θ L,  T_m ← (C_m / N)ᵀ ∂X/∂θ   (m = 1..M)                             (the backward passes)
-    ĝ ← (1/ε)[D⁻¹ − D⁻¹T̃ᵀ(T̃D⁻¹T̃ᵀ + (ε/N) I)⁻¹T̃D⁻¹] g,  D = diag ‖T̃_{·,i}‖  (Prop. 6, damping)
+    draw M = num_basis indices Y_m = X_{b_m} and coordinates i_m     (draw_basis)
+    σ ← σ0 · mean ‖X_n − Y_m‖²   (bandwidth="mean_sq", sigma0)        (§3.3)
+    C, K, CCᵀ of Prop. 5 from X and the kernel                        (kernel_matrices)
+    g ← ∇_θ L,  T_m ← (C_m / N)ᵀ ∂X/∂θ   (m = 1..M)                   (backward passes)
+    ĝ ← (1/ε)[D⁻¹ − D⁻¹T̃ᵀ(T̃D⁻¹T̃ᵀ + (ε/N) I)⁻¹T̃D⁻¹] g,  D = diag ‖T̃_{·,i}‖
+                                                                      (Prop. 6, damping)
         (diagonal_only: ĝ ← D⁻¹ g, the paper's "diagonal conditioning" ablation)
-    (refresh_every = k > 1: the lines above only every k steps; in between, g from one plain
-     backward pass and ĝ from the cached T, CCᵀ, K at this step's ε: kwng.engine.amortized)
-    if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g                                       (counted fallback)
-    if ‖ĝ‖ > clip_norm:  ĝ ← clip_norm · ĝ / ‖ĝ‖                                 (clip_norm)
+    (refresh_every = k > 1: the lines above only every k steps; in between, g from
+     one plain backward pass and ĝ from the cached T, CCᵀ, K at this step's ε:
+     kwng.engine.amortized)
+    if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g                             (counted fallback)
+    if ‖ĝ‖ > clip_norm:  ĝ ← clip_norm · ĝ / ‖ĝ‖                       (clip_norm)
     p.grad ← ĝ
-    Levenberg-Marquardt (App. D.2, eps_schedule = LMSchedule(interval, omega, low, high, eps_min,
-    eps_max): every interval steps, with r the largest reduction ratio
+    Levenberg-Marquardt (App. D.2, eps_schedule = LMSchedule(interval, omega, low,
+    high, eps_min, eps_max): every interval steps, with r the largest reduction ratio
     r_t = 2 (L_{t-1} − L_t) / (lr ⟨g, ĝ⟩_{t-1}) seen since the last update):
         ε ← omega · ε if r > high;   ε ← ε / omega if r < low;   ε ∈ [eps_min, eps_max]
 
 Two ways to get ``g`` and ``T`` (``mode``):
 
 * ``"fast"`` (default) — one backward pass for all ``M + 1`` cotangents
-  (:mod:`kwng.engine.replicate`): the model's training forward runs on ``M + 1`` stacked copies of the
-  batch (matrix work on one copy only; batch norm per copy, so ``X``, the running statistics and
-  the Jacobian are the model's own), the backward pass takes the stacked cotangent
-  ``(∂L/∂X, C_1/N, …, C_M/N)``, and every layer forms the ``M + 1`` weight gradients in one call.
-  ``outputs`` must be the tensor the model returned, or computed from it without parameters
-  (e.g. ``U · model(z)`` with a fixed ``U``: the cotangents are pulled back through that map).
-  The direction is :func:`kwng.engine.step_direction.step_direction` (Prop. 6 through
-  :func:`kwng.solve.kwng_direction`, then :func:`kwng.solve.safeguard`, compiled on CUDA) and all
-  bookkeeping (ε, r, counters, fallbacks, clipping) stays in device tensors: no host
-  synchronisation in a step. The replicated pass runs in the model's memory format: on a GPU, make
-  a convolutional model channels_last (``model.to(memory_format=torch.channels_last)`` and inputs
-  ``z.contiguous(memory_format=torch.channels_last)``), which cuDNN runs without conversions
-  (``results/benchmarks/step_cost.json``: 21.9 ms a captured fp32 ResNet-18 step, M = 5, H100). A model with parameters outside
-  ``Conv2d``/``Linear``/``BatchNorm`` (:func:`kwng.engine.replicate.unsupported_reason`), or a step whose
-  ``outputs`` are not the model's own output, uses the serial passes below (logged once);
-* ``"reference"`` — as the authors' code: ``M + 1`` serial backward passes (``retain_graph``), the
-  float64 eigendecomposition solve of :func:`kwng.nystrom_solve` and :func:`kwng.solve.safeguard`,
-  bookkeeping on the host.
+  (:mod:`kwng.engine.replicate`): the model's training forward runs on ``M + 1``
+  stacked copies of the batch (matrix work on one copy only; batch norm per copy, so
+  ``X``, the running statistics and the Jacobian are the model's own), the backward
+  pass takes the stacked cotangent ``(∂L/∂X, C_1/N, …, C_M/N)``, and every layer forms
+  the ``M + 1`` weight gradients in one call. ``outputs`` must be the tensor the model
+  returned, or computed from it without parameters (e.g. ``U · model(z)`` with a fixed
+  ``U``: the cotangents are pulled back through that map). The direction is
+  :func:`kwng.engine.step_direction.step_direction` (Prop. 6 through
+  :func:`kwng.solve.kwng_direction`, then :func:`kwng.solve.safeguard`, compiled on
+  CUDA) and all bookkeeping (ε, r, counters, fallbacks, clipping) stays in device
+  tensors: no host synchronisation in a step. The replicated pass runs in the model's
+  memory format: on a GPU, make a convolutional model channels_last
+  (``model.to(memory_format=torch.channels_last)`` and inputs
+  ``z.contiguous(memory_format=torch.channels_last)``), which cuDNN runs without
+  conversions (``results/benchmarks/step_cost.json``: 21.9 ms a captured fp32
+  ResNet-18 step, M = 5, H100). A model with parameters outside
+  ``Conv2d``/``Linear``/``BatchNorm``
+  (:func:`kwng.engine.replicate.unsupported_reason`), or a step whose ``outputs`` are
+  not the model's own output, uses the serial passes below (logged once);
+* ``"reference"`` — as the authors' code: ``M + 1`` serial backward passes
+  (``retain_graph``), the float64 eigendecomposition solve of :func:`kwng.nystrom_solve`
+  and :func:`kwng.solve.safeguard`, bookkeeping on the host.
 
-Under ``torch.autocast`` the network runs in the autocast dtype; ``g`` and ``T`` are returned in the
-parameters' dtype and the kernel algebra runs in float32/float64 as in full precision.
+How a step computes, and the hooks the distributed preconditioner overrides:
+:mod:`kwng.engine.precond_step`. Under ``torch.autocast`` the network runs in the
+autocast dtype; ``g`` and ``T`` are returned in the parameters' dtype and the kernel
+algebra runs in float32/float64 as in full precision.
 
-ε convention: ``eps`` enters as ``(ε/N) I`` next to the whitened ``T̃ D⁻¹ T̃ᵀ`` (Prop. 6). The
-authors' code whitens with ``(CCᵀ/N)^{-1/2}`` and adds ``ε_a I``; with the paper's damping
-``T_tilde`` the two regularisers agree when ``ε = √N · ε_a`` (:func:`kwng.engine.config.eps_from_authors`), bounds
-included; with ``identity`` or ``T`` damping they agree when ``ε = ε_a``.
+ε convention: ``eps`` enters as ``(ε/N) I`` next to the whitened ``T̃ D⁻¹ T̃ᵀ``
+(Prop. 6). The authors' code whitens with ``(CCᵀ/N)^{-1/2}`` and adds ``ε_a I``; with
+the paper's damping ``T_tilde`` the two regularisers agree when ``ε = √N · ε_a``
+(:func:`kwng.engine.config.eps_from_authors`), bounds included; with ``identity`` or
+``T`` damping they agree when ``ε = ε_a``.
 
-Counters (:meth:`KWNGPreconditioner.counters`): ``fallbacks`` (steps where the natural direction
-was replaced by ``g``), ``ill_conditioned`` (``CCᵀ`` regularised), ``rank_sum`` (sum over steps
-of the rank kept by the stable solve), ``damping_floored``, ``clipped``, ``eps_up``/``eps_down``.
-In fast mode fallbacks are counted on the device and logged by :meth:`counters` (a host sync).
+Counters (:meth:`KWNGPreconditioner.counters`): ``fallbacks`` (steps where the natural
+direction was replaced by ``g``), ``ill_conditioned`` (``CCᵀ`` regularised),
+``rank_sum`` (sum over steps of the rank kept by the stable solve),
+``damping_floored``, ``clipped``, ``eps_up``/``eps_down``. In fast mode fallbacks are
+counted on the device and logged by :meth:`counters` (a host sync).
 """
 
 from __future__ import annotations
@@ -79,71 +91,64 @@ from torch import nn
 
 from kwng.engine.amortized import SystemCache
 from kwng.engine.config import KWNGConfig, config_with, resolve_mode
-from kwng.engine.grads import step_gradients
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.engine.precond_loop import (
     GradWriter,
-    backward_hint,
     check_grad_scaler,
     check_lr,
     check_model,
-    check_not_loss_gradient,
-    check_step_inputs,
     group_lrs_missing,
-    is_compiled,
-    overflowed_step,
-    predicted_decrease,
     resolve_params,
     scale_of,
 )
 from kwng.engine.precond_state import (
     COUNTERS,
-    count_step,
     counters_report,
     generator_state,
     load_generator_state,
     load_preconditioner_state,
 )
+from kwng.engine.precond_step import PreconditionerStep
 from kwng.engine.replicate import ReplicatedEngine, unsupported_reason
-from kwng.engine.step_direction import reference_direction_into, step_direction
-from kwng.estimator import draw_basis, kernel_matrices, with_bandwidth
-from kwng.nosync import kernel_matrices_nosync
 
 __all__ = ["KWNGPreconditioner"]
 
 log = logging.getLogger(__name__)
 
 
-class KWNGPreconditioner:
+class KWNGPreconditioner(PreconditionerStep):
     """Replace the gradients of ``model``'s parameters by the KWNG direction (Prop. 6).
 
     Arguments: ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q``
-    numbers). A parameter frozen later (``requires_grad=False``) is left alone from then on. In
-    fast mode the replicated forward runs when ``model`` itself is called (``model(z)``); attach
-    the preconditioner to the network that the training loop calls. ``config`` — a
-    :class:`kwng.KWNGConfig` with the hyperparameters (``num_basis``, ``eps``, ``lam``,
-    ``kernel``, ``bandwidth``, ``sigma0``, ``damping``, ``eps_schedule``, ``clip_norm``,
-    ``mode``, ``diagonal_only``, ``rcond``, ``refresh_every``; see there); keyword arguments of the same names
-    build it (or override fields of ``config``). ``lr`` — the optimizer's step size, a number
+    numbers). A parameter frozen later (``requires_grad=False``) is left alone from then
+    on. In fast mode the replicated forward runs when ``model`` itself is called
+    (``model(z)``); attach the preconditioner to the network that the training loop
+    calls. ``config`` — a :class:`kwng.KWNGConfig` with the hyperparameters
+    (``num_basis``, ``eps``, ``lam``, ``kernel``, ``bandwidth``, ``sigma0``,
+    ``damping``, ``eps_schedule``, ``clip_norm``, ``mode``, ``diagonal_only``,
+    ``rcond``, ``refresh_every``; see there); keyword arguments of the same names build
+    it (or override fields of ``config``). ``lr`` — the optimizer's step size, a number
     or a callable of no arguments that returns the current one (e.g.
-    ``lambda: optimizer.param_groups[0]["lr"]`` under a learning-rate schedule); it enters the
-    reduction ratio ``r`` of the ε rule, so it is required unless ``eps_schedule=None``.
-    ``generator`` — a ``torch.Generator`` for the basis draw (reproducible runs and tests;
-    its state is part of :meth:`state_dict`; without one the basis comes from torch's global
-    stream, which a checkpoint saves with ``torch.get_rng_state()``).
+    ``lambda: optimizer.param_groups[0]["lr"]`` under a learning-rate schedule); it
+    enters the reduction ratio ``r`` of the ε rule, so it is required unless
+    ``eps_schedule=None``. ``generator`` — a ``torch.Generator`` for the basis draw
+    (reproducible runs and tests; its state is part of :meth:`state_dict`; without one
+    the basis comes from torch's global stream, which a checkpoint saves with
+    ``torch.get_rng_state()``).
 
-    The loop (:mod:`kwng.engine.precond_loop`): ``params`` — the parameters whose metric is
-    built, by default every trainable one; pass ``optimizer.param_groups`` when the
-    optimizer holds a subset, or groups with different step sizes (each group's ``"lr"``
-    then enters the ε rule, and ``lr`` is needed only for groups without one).
+    The loop (:mod:`kwng.engine.precond_loop`): ``params`` — the parameters whose metric
+    is built, by default every trainable one; pass ``optimizer.param_groups`` when the
+    optimizer holds a subset, or groups with different step sizes (each group's
+    ``"lr"`` then enters the ε rule, and ``lr`` is needed only for groups without one).
     ``grad_scaler`` — the ``torch.amp.GradScaler`` of an fp16 loop: pass
-    ``grad_scaler.scale(loss)`` to :meth:`step`, which unscales ``g`` before the
-    solve and the clip, then ``grad_scaler.step(optimizer)``. A gradient already in ``p.grad``
-    (another loss term's ``backward()``) is added to the direction; two steps without an
-    optimizer step between them (gradient accumulation) are refused, as is a
-    ``DistributedDataParallel`` model (use :class:`kwng.DistributedKWNG`). The fast mode
-    patches the model's layers: a pickled model (``torch.save(model)``) carries neither
-    the patch nor the preconditioner, and :meth:`remove_hooks` detaches it.
+    ``grad_scaler.scale(loss)`` to :meth:`step`, which unscales ``g`` before the solve
+    and the clip, then ``grad_scaler.step(optimizer)``. A gradient already in
+    ``p.grad`` (another loss term's ``backward()``) is added to the direction; two
+    steps without an optimizer step between them (gradient accumulation) are refused,
+    as is a ``DistributedDataParallel`` model (use :class:`kwng.DistributedKWNG`). The
+    fast mode patches the model's layers: a pickled model (``torch.save(model)``)
+    carries neither the patch nor the preconditioner, and :meth:`remove_hooks` detaches
+    it.
     """
 
     #: a gradient already in ``p.grad`` is added to the direction
@@ -157,19 +162,21 @@ class KWNGPreconditioner:
         check_model(model)
         self.model = model
         self.params, self.groups = resolve_params(model, params)
-        self._lr = check_lr(lr, cfg.eps_schedule is not None and group_lrs_missing(self.groups))
+        self._lr = check_lr(lr, cfg.eps_schedule is not None
+                            and group_lrs_missing(self.groups))
         self.grad_scaler = check_grad_scaler(grad_scaler)
         if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+            raise ValueError("generator must be a torch.Generator or None, got "
+                             f"{type(generator).__name__}")
         self.generator = generator
         dev = self.params[0].device
         # a fixed ε is a schedule whose bounds cannot move it (and it is never updated)
-        self.lm = LevenbergMarquardt(cfg.eps, cfg.eps_schedule or LMSchedule(eps_min=cfg.eps, eps_max=cfg.eps),
-                                     device=dev)
+        fixed = LMSchedule(eps_min=cfg.eps, eps_max=cfg.eps)
+        self.lm = LevenbergMarquardt(cfg.eps, cfg.eps_schedule or fixed, device=dev)
         self._step_count = torch.zeros((), dtype=torch.long, device=dev)
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
-        self.mode = resolve_mode(cfg.mode, dev, model)  # "auto": by device and model kind
+        self.mode = resolve_mode(cfg.mode, dev, model)  # "auto": by device, model kind
         if self.mode == "fast":
             reason = unsupported_reason(model, self.params)
             if reason is not None and "already carries" in reason:
@@ -177,15 +184,19 @@ class KWNGPreconditioner:
             if reason is None:
                 self._engine = ReplicatedEngine(model, cfg.num_basis + 1)
             else:
-                self._warn_once("unsupported", "KWNG fast mode: %s; this model uses serial backward passes", reason)
+                self._warn_once("unsupported", "KWNG fast mode: %s; this model uses "
+                                "serial backward passes", reason)
         self._grads = GradWriter(self.adds_prefilled_grads)
-        self.cache = SystemCache(cfg.refresh_every, self._follow_schedule)  # refresh_every > 1
-        self._counters = {k: torch.zeros((), dtype=torch.long, device=dev) for k in COUNTERS}
+        # refresh_every > 1: the system between refreshes
+        self.cache = SystemCache(cfg.refresh_every, self._follow_schedule)
+        self._counters = {k: torch.zeros((), dtype=torch.long, device=dev)
+                          for k in COUNTERS}
 
-    # --- state ------------------------------------------------------------------------------
+    # --- state ------------------------------------------------------------------------
     @property
     def num_steps(self) -> int:
-        """Steps taken (counted on the device, so CUDA-graph replays count; a host sync)."""
+        """Steps taken (counted on the device, so CUDA-graph replays count; a host
+        sync)."""
         return int(self._step_count)
 
     @property
@@ -194,7 +205,8 @@ class KWNGPreconditioner:
         return float(self.lm.eps)
 
     def _follow_schedule(self, due: bool) -> None:
-        """The replicated forward runs before refresh steps only (:mod:`kwng.engine.amortized`)."""
+        """The replicated forward runs before refresh steps only
+        (:mod:`kwng.engine.amortized`)."""
         if self._engine is not None:
             self._engine.enabled = due
 
@@ -204,33 +216,41 @@ class KWNGPreconditioner:
             log.warning(msg, *args)
 
     def counters(self) -> dict[str, int]:
-        """Counters since construction, as Python ints (a host sync); logs fallbacks if any."""
+        """Counters since construction, as Python ints (a host sync); logs fallbacks if
+        any."""
         return counters_report(self._counters, self.lm, self.num_steps, self._warn_once)
 
     def hyperparameters(self) -> dict[str, Any]:
-        """The configuration as plain values (the kernel as its repr, the schedule as a dict)."""
+        """The configuration as plain values (the kernel as its repr, the schedule as a
+        dict)."""
         cfg = self.config
         hp = {k: getattr(cfg, k) for k in KWNGConfig.fields()}
         hp["kernel"] = repr(cfg.kernel)
-        hp["eps_schedule"] = None if cfg.eps_schedule is None else cfg.eps_schedule.as_dict()
+        hp["eps_schedule"] = (None if cfg.eps_schedule is None
+                              else cfg.eps_schedule.as_dict())
         return hp
 
     def state_dict(self) -> dict[str, Any]:
-        """The Levenberg-Marquardt state (``lm``, with the current ``ε``), the counters, the
-        basis generator's state (``None`` without a generator), the cached system of
-        ``refresh_every > 1`` (``cache``: :meth:`kwng.engine.amortized.SystemCache.state_dict`)
-        and the hyperparameters (for checking): a run resumed from it takes the same directions."""
+        """The Levenberg-Marquardt state (``lm``, with the current ``ε``), the counters,
+        the basis generator's state (``None`` without a generator), the cached system of
+        ``refresh_every > 1`` (``cache``:
+        :meth:`kwng.engine.amortized.SystemCache.state_dict`) and the hyperparameters
+        (for checking): a run resumed from it takes the same directions."""
         return {"lm": self.lm.state_dict(), "num_steps": self.num_steps,
                 "counters": {k: int(v) for k, v in self._counters.items()},
-                "generator": generator_state(self.generator), "cache": self.cache.state_dict(),
+                "generator": generator_state(self.generator),
+                "cache": self.cache.state_dict(),
                 "hyperparameters": self.hyperparameters()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (also one saved before ``eps_schedule`` replaced the
-        ``lm_*``/``adapt_eps``/``eps_min``/``eps_max`` fields); warns if the hyperparameters differ."""
-        self._step_count, self._counters = load_preconditioner_state(state, self.lm, self.hyperparameters())
+        """Restore a :meth:`state_dict` (also one saved before ``eps_schedule`` replaced
+        the ``lm_*``/``adapt_eps``/``eps_min``/``eps_max`` fields); warns if the
+        hyperparameters differ."""
+        self._step_count, self._counters = load_preconditioner_state(
+            state, self.lm, self.hyperparameters())
         load_generator_state(state, self.generator)
-        self.cache.load_state_dict(state.get("cache"), int(self._step_count), self.params[0].device)
+        self.cache.load_state_dict(state.get("cache"), int(self._step_count),
+                                   self.params[0].device)
 
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
@@ -238,160 +258,38 @@ class KWNGPreconditioner:
         return f"KWNGPreconditioner(q={q}, {hp})"
 
     def remove_hooks(self) -> None:
-        """Give the model its own forward back (fast mode patches Conv2d/Linear/BatchNorm)."""
+        """Give the model its own forward back (fast mode patches
+        Conv2d/Linear/BatchNorm)."""
         if self._engine is not None:
             self._engine.remove()
             self._engine = None
 
-    # --- the step ---------------------------------------------------------------------------
-    def _check_inputs(self, loss: torch.Tensor, outputs: torch.Tensor) -> None:
-        """The arguments of :meth:`step` (:func:`kwng.engine.precond_loop.check_step_inputs`)."""
-        check_step_inputs(loss, outputs, self.config.num_basis)
-
-    def _current_lr(self) -> float:
-        """The step size of the reduction ratio (1 with a fixed ε, where nothing reads it)."""
-        if self._lr is None:
-            return 1.0
-        return float(self._lr()) if callable(self._lr) else self._lr
-
+    # --- the step (computed by PreconditionerStep) ------------------------------------
     def observe_loss_after_step(self, loss_after: torch.Tensor) -> None:
-        """``eps_schedule.rule == "same_batch"``: the loss of the step's mini-batch after
-        ``optimizer.step()``."""
+        """``eps_schedule.rule == "same_batch"``: the loss of the step's mini-batch
+        after ``optimizer.step()``."""
         if not isinstance(loss_after, torch.Tensor) or loss_after.dim() != 0:
-            raise ValueError("loss_after must be a scalar tensor (the same batch's loss after the step)")
+            raise ValueError("loss_after must be a scalar tensor (the same batch's "
+                             "loss after the step)")
         self.lm.observe(loss_after)
 
-    def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g`` (``q``) and ``T`` (``M × q``) of the active parameters, from the graph of ``loss``, ``X``
-        (:func:`kwng.engine.grads.step_gradients`)."""
-        return step_gradients(loss, X, C, params, self._engine, self.mode == "fast", self._warn_once,
-                              self._counters)
-
     def step(self, loss: torch.Tensor, outputs: torch.Tensor) -> dict[str, Any]:
-        """Backward pass(es), KWNG direction, fallback, clipping; the result is written into ``p.grad``.
+        """Backward pass(es), KWNG direction, fallback, clipping; the result is written
+        into ``p.grad``.
 
-        ``outputs`` is the ``(N, d)`` batch ``X = h_θ(z)`` and ``loss`` a scalar built from it
-        (it may also depend on the parameters directly, e.g. an L2 term: ``g`` is its full
-        gradient). Returns a dict with ``eps`` (used in this step), ``reduction_ratio`` (the
-        latest ``r`` of the ε rule), ``fallback`` (the Euclidean gradient was used), ``clipped``,
-        ``rank``, ``floored_columns`` (entries of ``D`` raised to the relative floor),
-        ``floored_share`` (their share of ``‖ĝ‖²``), ``loss_only`` (components of parameters the
-        samples do not depend on, :func:`kwng.solve.loss_only_columns`), ``dot``
-        (``⟨g, ĝ⟩`` after clipping), ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim
-        tensors on the outputs' device in both modes (``"fast"`` never syncs with the host).
+        ``outputs`` is the ``(N, d)`` batch ``X = h_θ(z)`` and ``loss`` a scalar built
+        from it (it may also depend on the parameters directly, e.g. an L2 term: ``g``
+        is its full gradient). Returns a dict with ``eps`` (used in this step),
+        ``reduction_ratio`` (the latest ``r`` of the ε rule), ``fallback`` (the
+        Euclidean gradient was used), ``clipped``, ``rank``, ``floored_columns``
+        (entries of ``D`` raised to the relative floor), ``floored_share`` (their share
+        of ``‖ĝ‖²``), ``loss_only`` (components of parameters the samples do not depend
+        on, :func:`kwng.solve.loss_only_columns`), ``dot`` (``⟨g, ĝ⟩`` after clipping),
+        ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim tensors on the outputs'
+        device in both modes (``"fast"`` never syncs with the host).
         """
         self._check_inputs(loss, outputs)
         scale = scale_of(self.grad_scaler, loss)
-        with torch.autocast(outputs.device.type, enabled=False):  # the kernel algebra in ≥ float32
+        # the kernel algebra in at least float32
+        with torch.autocast(outputs.device.type, enabled=False):
             return self._step(loss, outputs, scale)
-
-    def _active_params(self, device: torch.device) -> list[torch.Tensor]:
-        """The parameters that still require a gradient (frozen ones lose the buffer's view),
-        with the state moved to ``device``."""
-        if device != self.lm.eps.device:
-            self.lm.to(device)
-            self._counters = {k: v.to(device) for k, v in self._counters.items()}
-            self._step_count = self._step_count.to(device)
-        self._grads.release(p for p in self.params if not p.requires_grad)
-        params = [p for p in self.params if p.requires_grad]
-        if not params:
-            raise ValueError("every parameter of the model is frozen (requires_grad=False): nothing to update")
-        return params
-
-    def _share(self, Xk: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The samples, basis and loss the step's estimator sees: here this process's own
-        (:class:`kwng.engine.distributed.DistributedKWNG` gathers every rank's)."""
-        N, d = Xk.shape
-        idx, coords = draw_basis(N, d, self.config.num_basis, self.generator, Xk.device)
-        return Xk, idx, coords, loss
-
-    def _reduce(self, g: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g`` and ``T`` as the solve sees them: here unchanged (the distributed
-        preconditioner sums the ranks' shares)."""
-        return g, T
-
-    def _backward(self, gradients: Callable[[], tuple], params: list[torch.Tensor],
-                  taken: dict[int, torch.Tensor], scale: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-        """``gradients()`` (``g`` and ``T`` or ``None``), ``g`` unscaled (``scale``: the loss scale of a
-        ``GradScaler``; the cotangents of ``T`` are not scaled); a loop's mistake is named."""
-        try:
-            g, T = gradients()
-        except RuntimeError as err:
-            hint = backward_hint(err, is_compiled(self.model), self.mode)
-            if hint is err:
-                raise
-            raise hint from err
-        check_not_loss_gradient(taken, g, params)
-        return (g, T) if scale is None else (g / scale, T)
-
-    def _refresh(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor],
-                 taken: dict[int, torch.Tensor], scale: torch.Tensor | None) -> tuple:
-        """The exact step's system: ``(g, T, CCᵀ, K, N, σ, ε)`` (kept by the cache when ``k > 1``)."""
-        cfg = self.config
-        Xk = X.detach().to(torch.promote_types(X.dtype, torch.float32))
-        Xk, idx, coords, loss_all = self._share(Xk, loss if scale is None else loss.detach() / scale)
-        N = Xk.shape[0]
-        eps = self.lm.update(loss_all) if cfg.eps_schedule is not None else self.lm.eps
-        if self.mode == "reference":
-            kern = with_bandwidth(cfg.kernel, Xk, idx, cfg.bandwidth, cfg.sigma0)
-            C, K, CCt = kernel_matrices(Xk, idx, coords, kern)
-            sigma = torch.tensor(kern.bandwidth)
-        else:
-            C, K, CCt, sigma = kernel_matrices_nosync(Xk, idx, coords, cfg.kernel, cfg.bandwidth, cfg.sigma0)
-        g, T = self._backward(lambda: self._gradients(loss, X, C, params), params, taken, scale)
-        g = g.to(Xk.dtype) if g.dtype not in (torch.float32, torch.float64) else g
-        g, T = self._reduce(g, T.to(g.dtype))
-        self.cache.store(T, CCt, K, N, sigma)
-        return g, T, CCt, K, N, sigma, eps
-
-    def _cached(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor],
-                taken: dict[int, torch.Tensor], scale: torch.Tensor | None) -> tuple:
-        """A step between refreshes (:mod:`kwng.engine.amortized`): the fresh ``g`` with the cached system."""
-        c = self.cache
-        g, _ = self._backward(lambda: (self._plain_gradient(loss, X, params), None), params, taken, scale)
-        g = g.to(c.T.dtype) if g.dtype not in (torch.float32, torch.float64) else g
-        g, loss_all = self._reduce_gradient(g, loss if scale is None else loss.detach() / scale)
-        eps = self.lm.update(loss_all) if self.config.eps_schedule is not None else self.lm.eps
-        return g, c.T, c.CCt, c.K, c.N, c.sigma, eps
-
-    def _plain_gradient(self, loss: torch.Tensor, X: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-        """``g`` alone, from one ordinary backward pass (``X``: the step's outputs)."""
-        parts = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
-        if self._engine is not None:  # a replicated forward's graph is not kept
-            self._engine.outputs = self._engine.first = None
-        return torch.cat([gp.reshape(-1) for gp in parts])
-
-    def _reduce_gradient(self, g: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g`` and the loss of a step between refreshes as the solve and the ε rule see them: here
-        unchanged (the distributed preconditioner sums the ranks' shares)."""
-        return g, loss
-
-    def _step(self, loss: torch.Tensor, outputs: torch.Tensor, scale: torch.Tensor | None) -> dict[str, Any]:
-        cfg, X = self.config, outputs
-        params = self._active_params(X.device)
-        taken = self._grads.take(params)
-        refresh = self.cache.refresh_now(sum(p.numel() for p in params), X.device)
-        self._step_count += 1
-        g, T, CCt, K, N, sigma, eps = (self._refresh if refresh else self._cached)(loss, X, params, taken, scale)
-        reference = self.mode == "reference"
-        out = self._grads.views(g.numel(), params)
-        if scale is not None and reference and not bool(torch.isfinite(g).all()):
-            f = overflowed_step(out, g)
-        elif reference and not cfg.diagonal_only:
-            f = reference_direction_into(out, T, CCt, K, g, N, eps=float(eps), lam=cfg.lam,
-                                         damping=cfg.damping, rcond=cfg.rcond, clip_norm=cfg.clip_norm)
-        else:
-            f = step_direction(out, T, CCt, K, g, N, eps=torch.as_tensor(eps, device=T.device), lam=cfg.lam,
-                               damping=cfg.damping, rcond=cfg.rcond, clip_norm=cfg.clip_norm,
-                               diagonal_only=cfg.diagonal_only)
-        self.lm.record(*predicted_decrease(self.groups, params, g, out, f["dot"], self._current_lr))
-        if scale is not None:
-            out.mul_(scale)  # GradScaler.step(optimizer) divides it again
-        self._grads.finish(params, taken)
-        self.cache.advance()
-        info = count_step(self._counters, f, {"eps": eps, "reduction_ratio": self.lm.ratio.clone(),
-                                              "bandwidth": sigma}, X.device)
-        if reference and bool(info["fallback"]):  # the reference mode syncs anyway
-            log.info("step %d: ⟨g, ĝ⟩ ≤ 0 or ĝ not finite: Euclidean gradient used", self.num_steps)
-        return info
