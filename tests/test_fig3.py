@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.cifar import early_stop, fig3, train
+from kwng.experiments.cifar import fig3, plans, train
 from kwng.experiments.cifar.methods import LR_GRID
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def _row(e, acc, loss=1.0):
 
 
 def test_stop_rule_reasons_and_their_thresholds():
-    stop = early_stop.stop_reason
+    stop = fig3.stop_reason
     assert stop(_row(3, 0.5, math.nan), {}, 10)["reason"] == "non-finite loss"
     assert stop(_row(9, 0.10), {}, 10) is None
     assert stop(_row(10, 0.119), {}, 10)["reason"] == "at chance"
@@ -88,7 +88,7 @@ def test_stop_rule_reasons_and_their_thresholds():
 
 
 def test_the_protocol_states_the_codes_rule():
-    assert P["early_stop"] == early_stop.RULE
+    assert P["early_stop"] == fig3.RULE
 
 
 # --------------------------------------------------------- selection and extension
@@ -139,7 +139,7 @@ def test_the_plan_puts_grid_runs_first_then_seeds(tmp_path):
     p = _one(tmp_path, [10.0, 1.0, 0.1])
     for lr, acc in ((10.0, 0.9), (1.0, 0.8), (0.1, 0.7)):
         _fake(tmp_path, "ill", "sgd", lr, acc)
-    jobs = fig3.fig3_plan({"data_root": None}, p, tmp_path, commit="abc")
+    jobs = plans.fig3_plan({"data_root": None}, p, tmp_path, commit="abc")
     assert [(j["seed"], j["lr"]) for j in jobs] == [(1, 10.0), (2, 10.0)]
     assert all(j["early_stop"] is None and j["protocol"] == "abc" for j in jobs)
     assert jobs[0]["out"] == str(tmp_path / "seeds" / "lr10")
@@ -248,12 +248,12 @@ def test_a_run_estimate_comes_from_the_method_or_its_family():
     """A method's own fastest run; a KWNG variant at most KWNG's; a method without
     runs the longest estimate (twice for KFAC/EKFAC)."""
     times = {"kwng": 600.0, "sgd": 200.0, "diag_Ttilde": 1200.0}
-    assert fig3._estimate(times, "sgd") == 200.0
-    assert fig3._estimate(times, "diag_Ttilde") == 600.0
-    assert fig3._estimate(times, "kwng_kernel_rq") == 600.0
-    assert fig3._estimate(times, "adam") == 1200.0
-    assert fig3._estimate(times, "kfac") == 2400.0
-    assert fig3._estimate({}, "sgd") is None
+    assert plans._estimate(times, "sgd") == 200.0
+    assert plans._estimate(times, "diag_Ttilde") == 600.0
+    assert plans._estimate(times, "kwng_kernel_rq") == 600.0
+    assert plans._estimate(times, "adam") == 1200.0
+    assert plans._estimate(times, "kfac") == 2400.0
+    assert plans._estimate({}, "sgd") is None
 
 
 def test_every_record_belongs_to_one_round_of_the_ledger():
@@ -310,7 +310,7 @@ def test_the_amortized_plan_runs_at_kwngs_selected_steps(tmp_path, monkeypatch):
     from kwng.experiments.cifar.methods import AMORTIZED_METHODS
 
     state = fig3.grid_state(P, FIG3)
-    jobs = fig3.amortized_plan({}, P, FIG3, out=tmp_path / "am")
+    jobs = plans.amortized_plan({}, P, FIG3, out=tmp_path / "am")
     assert {(j["conditioning"], j["method"]) for j in jobs} == {
         (c, m) for c in ("ill", "well") for m in AMORTIZED_METHODS}
     assert all(j["lr"] == state[f"{j['conditioning']}/kwng"]["selected"] for j in jobs)

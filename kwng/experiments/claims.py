@@ -14,6 +14,7 @@ import numpy as np
 
 from kwng.experiments.cifar import fig3
 from kwng.experiments.cifar.methods import CLAIM_ALL
+from kwng.experiments.cifar.plans import queue_left
 from kwng.experiments.cifar.results import load_authors100, load_results, study6_table
 from kwng.experiments.cifar.tables import (
     at_epoch,
@@ -25,7 +26,6 @@ from kwng.experiments.cifar.verdicts import (
     authors100_verdict,
     claim_verdict,
     fig3_verdicts,
-    queue_left,
 )
 from kwng.experiments.synthetic_setup import load_flow, load_rows, summarise
 

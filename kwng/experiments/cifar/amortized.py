@@ -2,7 +2,7 @@
 
 KWNG with its kernel system rebuilt every ``k`` steps (``refresh_every``,
 :mod:`kwng.engine.amortized`) ran at KWNG's selected steps of the Fig. 3 protocol
-(:func:`kwng.experiments.cifar.fig3.amortized_plan`, records under
+(:func:`kwng.experiments.cifar.plans.amortized_plan`, records under
 ``results/cifar/amortized``). Its runs are set here beside the protocol's runs that
 had a GPU to themselves (exact KWNG is ``k = 1``; Adam and the SGD variants at their
 selected steps), as seconds and epochs to a test accuracy, and the study's goal is
@@ -17,8 +17,9 @@ import os
 import statistics
 from pathlib import Path
 
-from kwng.experiments.cifar.fig3 import AMORTIZED, FIG3, grid_state, record_problem
+from kwng.experiments.cifar.fig3 import FIG3, grid_state, record_problem
 from kwng.experiments.cifar.methods import AMORTIZED_METHODS, METHODS
+from kwng.experiments.cifar.plans import AMORTIZED
 from kwng.experiments.cifar.verdicts import alone_runs, seed_summary
 from kwng.experiments.provenance import ResultFileError, read_json
 

@@ -110,7 +110,7 @@ class RunConfig:
         "with --val-size: evaluate the test set too after every epoch (val_* and "
         "test_* fields)"))
     early_stop: str | None = field(default=None, metadata=_opt(
-        "the early-stop rule (kwng.experiments.cifar.early_stop; needs --val-size)",
+        "the early-stop rule (kwng.experiments.cifar.fig3; needs --val-size)",
         choices=tuple(r for r in EARLY_STOP_RULES if r is not None)))
     #: the Fig. 3 protocol a run belongs to (:mod:`kwng.experiments.cifar.fig3`)
     protocol: str | None = None

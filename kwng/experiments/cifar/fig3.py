@@ -6,37 +6,48 @@ The protocol is a committed file (:data:`PROTOCOL_FILE`), written before its fir
 this module reads it and derives everything else from it and from the records on disk:
 
 * :func:`grid_state` — per (conditioning, method), the grid runs made so far, which
-  finished, which the early-stop rule stopped
-  (:mod:`~kwng.experiments.cifar.early_stop`), the step selected so far and the steps
+  finished, which the early-stop rule stopped, the step selected so far and the steps
   still to run (the first window, and the next grid value whenever the best step sits
-  at an inner edge of what was run);
-* :func:`fig3_plan` — the queue: the grid runs still to make, then the seeds of every
-  final selection, then the ablations at KWNG's selected ill-conditioned step;
+  at an inner edge of what was run); the queue made of it is
+  :func:`kwng.experiments.cifar.plans.fig3_plan`;
 * :func:`check_fig3` — every record against the protocol, with its provenance.
+
+The early-stop rule (:func:`stop_reason`, the run setting ``early_stop="fig3"``). A
+step-size grid spends most of its GPU time on steps that cannot win. The protocol stops
+a grid run only when it cannot be selected, for one of three reasons, checked after
+every epoch ``e`` on the validation accuracy (the split held out of the training set;
+the test set plays no part):
+
+* ``"non-finite loss"``: the training loss is not finite;
+* ``"at chance"``: ``e ≥ 10`` and the validation accuracy is below chance plus
+  :data:`CHANCE_MARGIN` (12 % on CIFAR-10);
+* ``"behind"``: ``e ≥ 30`` and a run of the same method, conditioning and seed at
+  another step of the grid reached at least :data:`GAP` (25 points) more validation
+  accuracy at the same epoch ``e``.
+
+The third reason compares with the records that exist when the epoch ends: a run ahead
+of its siblings is compared at a later epoch, once they have reached it. A stopped run
+keeps its record with ``"early_stop": {"reason", "epoch", ...}`` and counts as finished.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
 from pathlib import Path
 
-from kwng.experiments.cifar.early_stop import RULE
-from kwng.experiments.cifar.methods import (
-    AMORTIZED_METHODS,
-    AUTHORS100,
-    LR_GRID,
-    METHODS,
-    RESULTS,
-    milestones_for,
-)
+from kwng.experiments.cifar.methods import LR_GRID, METHODS, RESULTS, milestones_for
 from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
 from kwng.experiments.provenance import ResultFileError, read_json
 
-__all__ = ["FIG3", "AMORTIZED", "PROTOCOL_FILE", "load_protocol", "window_for",
-           "protocol_commit", "run_status", "record_at", "grid_state", "fig3_plan",
-           "amortized_plan", "record_problem", "check_fig3"]
+__all__ = ["FIG3", "PROTOCOL_FILE", "CHANCE_MARGIN", "CHANCE_EPOCH", "GAP", "GAP_EPOCH",
+           "RULE", "load_protocol", "window_for", "protocol_commit", "sibling_rows",
+           "stop_reason", "run_status", "record_at", "grid_state", "record_problem",
+           "check_fig3"]
+
+log = logging.getLogger(__name__)
 
 #: the study's records, ``results/cifar/fig3`` of the checkout
 #:
@@ -47,11 +58,22 @@ FIG3 = RESULTS / "fig3"
 #: :meta hide-value:
 PROTOCOL_FILE = FIG3 / "protocol.json"
 _PARTS = ("grid", "seeds", "ablation")
+#: "at chance" means below ``1 / classes + CHANCE_MARGIN`` validation accuracy
+CHANCE_MARGIN = 0.02
+#: the first epoch at which "at chance" stops a run
+CHANCE_EPOCH = 10
+#: "behind" means at least this much validation accuracy (a fraction) below a sibling
+GAP = 0.25
+#: the first epoch at which "behind" stops a run
+GAP_EPOCH = 30
+#: the rule's constants as the protocol file states them (tested against it)
+RULE = {"chance_margin": CHANCE_MARGIN, "chance_epoch": CHANCE_EPOCH, "gap": GAP,
+        "gap_epoch": GAP_EPOCH}
 
 
 def load_protocol(path: str | os.PathLike = PROTOCOL_FILE) -> dict:
     """The protocol file, checked: its grid is the paper's, its early-stop constants
-    are those of :mod:`~kwng.experiments.cifar.early_stop`, its methods are known."""
+    are :data:`RULE`, its methods are known."""
     p = read_json(path)
     if not isinstance(p, dict) or "settings" not in p:
         raise ResultFileError(f"{path}: not a protocol file (no 'settings')")
@@ -95,6 +117,56 @@ def protocol_commit(path: str | os.PathLike = PROTOCOL_FILE) -> str:
         raise RuntimeError(f"{path} is not committed: commit the protocol before its "
                            "first run")
     return out
+
+
+def sibling_rows(rdir: str | Path) -> dict[str, list[dict]]:
+    """The per-epoch rows of the runs of the same dataset, conditioning, method and seed
+    at the other step sizes of the grid: ``rdir`` is
+    ``<root>/lr<lr>/<dataset>/<conditioning>/<method>/seed<k>`` and the siblings are
+    ``<root>/lr*/...`` with the same tail. Returns ``{"lr<lr>": rows}``; a sibling whose
+    record cannot be read now (being written by another process) is skipped with a
+    warning."""
+    rdir = Path(rdir)
+    lr_dir = rdir.parents[3]
+    tail = rdir.relative_to(lr_dir)
+    out = {}
+    for d in sorted(lr_dir.parent.glob("lr*")):
+        mp = d / tail / "metrics.json"
+        if d == lr_dir or not mp.is_file():
+            continue
+        try:
+            rec = read_json(mp)
+        except ResultFileError as exc:
+            log.warning("early stop: sibling %s not read (%s)", mp, exc)
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("epochs"), list):
+            out[d.name] = rec["epochs"]
+    return out
+
+
+def stop_reason(row: dict, siblings: dict[str, list[dict]],
+                num_classes: int) -> dict | None:
+    """Why the run whose latest epoch is ``row`` (with ``epoch``, ``train_loss`` and
+    ``val_acc``) stops under the Fig. 3 rule, or ``None`` to go on. ``siblings`` maps
+    each other step's name to its rows (:func:`sibling_rows`)."""
+    if not isinstance(num_classes, int) or num_classes < 2:
+        raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+    e, acc = int(row["epoch"]), float(row["val_acc"])
+    if not math.isfinite(row["train_loss"]) or not math.isfinite(acc):
+        return {"reason": "non-finite loss", "epoch": e}
+    chance = 1.0 / num_classes + CHANCE_MARGIN
+    if e >= CHANCE_EPOCH and acc < chance:
+        return {"reason": "at chance", "epoch": e, "val_acc": acc,
+                "threshold": chance}
+    if e < GAP_EPOCH:
+        return None
+    for name, rows in sorted(siblings.items()):
+        same = [r for r in rows if r.get("epoch") == e]
+        other = float(same[0].get("val_acc", math.nan)) if same else math.nan
+        if math.isfinite(other) and other - acc >= GAP:
+            return {"reason": "behind", "epoch": e, "val_acc": acc, "sibling": name,
+                    "sibling_val_acc": other}
+    return None
 
 
 def _methods(p: dict, cond: str) -> list[str]:
@@ -160,127 +232,6 @@ def grid_state(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
                 "val_acc": {lr: _final_val(r) for lr, r in done.items()},
                 "final": settled and best is not None}
     return out
-
-
-#: seconds a worker needs beside training and evaluation (start, data, capture)
-START_S = 60.0
-#: factor on the fastest finished run of a method, for a run on a GPU of its own
-RUN_MARGIN = 1.15
-
-
-def _wall_times(root: Path) -> dict[str, float]:
-    times: dict[str, float] = {}
-    for mp in root.glob("**/seed*/metrics.json"):
-        rec = read_json(mp)
-        rows = rec.get("epochs") if isinstance(rec, dict) else None
-        if rows and rec.get("complete") and not rec.get("early_stop") \
-                and len(rows) == 100 and "time_train" in rows[-1]:
-            t = rows[-1]["time_train"] + sum(r.get("time_eval", 0.0) for r in rows)
-            m = rec["config"]["method"]
-            times[m] = min(times.get(m, math.inf), t)
-    return times
-
-
-def run_seconds(root: str | os.PathLike = FIG3,
-                fallback: str | os.PathLike | None = AUTHORS100) -> dict[str, float]:
-    """Per method, the wall time (training and evaluation) of its fastest finished
-    100-epoch run under ``root`` or ``fallback`` (the authors100 study), times
-    :data:`RUN_MARGIN`, plus :data:`START_S`: the estimate that keeps a queue from
-    starting a run it cannot finish. The queue runs one run per GPU, and the fastest
-    record is the one that shared its GPU least. A method without any finished run gets
-    the estimate of the longest method, twice that for KFAC/EKFAC (eager steps)."""
-    times = _wall_times(Path(root))
-    for m, t in (_wall_times(Path(fallback)) if fallback is not None else {}).items():
-        times[m] = min(t, times.get(m, math.inf))
-    return {m: t * RUN_MARGIN + START_S for m, t in times.items()}
-
-
-def _estimate(times: dict[str, float], method: str) -> float | None:
-    """A method's own estimate; a KWNG variant (the same Jacobian block, another
-    damping, kernel or momentum) at most KWNG's; else the longest method's, twice
-    that for KFAC/EKFAC."""
-    precond = METHODS[method].spec.get("precond")
-    own = [times[k] for k in (method, "kwng" if precond == "kwng" else None)
-           if k in times]
-    if own:
-        return min(own)
-    if not times:
-        return None
-    return max(times.values()) * (2.0 if precond in ("kfac", "ekfac") else 1.0)
-
-
-def _job(p: dict, part: str, cond: str, method: str, lr: float, seed: int,
-         root: Path, commit: str, times: dict[str, float], **extra) -> dict:
-    est = _estimate(times, method)
-    return {**p["settings"], "dataset": p["dataset"], "conditioning": cond,
-            "method": method, "lr": lr, "seed": seed, "protocol": commit,
-            "out": str(root / part / f"lr{lr:g}"), **extra,
-            **({"est_s": round(est)} if est is not None else {})}
-
-
-def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
-              commit: str | None = None) -> list[dict]:
-    """The runs of the protocol still to make, in its order: grid runs (early stop on),
-    then the other seeds of every final selection, then the ablations once KWNG's
-    ill-conditioned step is final. ``common`` adds settings (``data_root``)."""
-    p = load_protocol() if p is None else p
-    root, commit = Path(root), commit or protocol_commit()
-    state, epochs, jobs = grid_state(p, root), int(p["settings"]["epochs"]), []
-    times = run_seconds(root)
-    rank = {m: i for i, m in enumerate(p["order"])}
-    keys = sorted(state, key=lambda k: (rank[k.split("/")[1]],
-                                        k.split("/")[0] != "ill"))
-    for k in keys:
-        cond, m = k.split("/")
-        jobs += [_job(p, "grid", cond, m, lr, 0, root, commit, times,
-                      early_stop=p["early_stop_rule"], **common)
-                 for lr in state[k]["next"]]
-    for k in keys:
-        cond, m = k.split("/")
-        lr = state[k]["selected"]
-        if state[k]["final"]:
-            jobs += [_job(p, "seeds", cond, m, lr, s, root, commit, times,
-                          early_stop=None, **common)
-                     for s in range(1, int(p["seeds"][cond]))
-                     if run_status(record_at(root, "seeds", lr, cond, m, s), epochs)
-                     in ("missing", "running")]
-    kw = state.get(f"{p['ablations']['conditioning']}/{p['ablations']['lr_of']}")
-    if kw and kw["final"]:
-        cond, lr = p["ablations"]["conditioning"], kw["selected"]
-        for m, n in p["ablations"]["runs"].items():
-            jobs += [_job(p, "ablation", cond, m, lr, s, root, commit, times,
-                          early_stop=None, **common)
-                     for s in range(int(n))
-                     if run_status(record_at(root, "ablation", lr, cond, m, s), epochs)
-                     in ("missing", "running")]
-    return jobs
-
-
-#: the amortized-step study's records, ``results/cifar/amortized`` of the checkout
-#:
-#: :meta hide-value:
-AMORTIZED = RESULTS / "amortized"
-
-
-def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
-                   out: str | os.PathLike = AMORTIZED) -> list[dict]:
-    """The amortized-step study
-    (:data:`~kwng.experiments.cifar.methods.AMORTIZED_METHODS`, seed 0) in each
-    conditioning where KWNG's Fig. 3 selection is final, at that step
-    and with the protocol's settings, under ``out``: the runs not finished yet."""
-    p = load_protocol() if p is None else p
-    state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
-    times, commit, jobs = run_seconds(root), protocol_commit(), []
-    for cond in ("ill", "well"):
-        st = state.get(f"{cond}/kwng")
-        if not (st and st["final"]):
-            continue
-        jobs += [_job(p, "", cond, m, st["selected"], 0, Path(out), commit, times,
-                      early_stop=None, **common)
-                 for m in AMORTIZED_METHODS
-                 if run_status(record_at(Path(out), "", st["selected"], cond, m, 0),
-                               epochs) in ("missing", "running")]
-    return jobs
 
 
 def record_problem(p: dict, mp: Path, part: str) -> str | None:

@@ -161,7 +161,7 @@ INFO_KEYS = ("eps", "reduction_ratio", "clipped", "fallback", "floored_columns",
 
 #: the early-stop rules a run may follow (``None``: every epoch runs unless the loss
 #: becomes non-finite); ``"fig3"`` is the Fig. 3 protocol's
-#: (:mod:`kwng.experiments.cifar.early_stop`)
+#: (:mod:`kwng.experiments.cifar.fig3`)
 EARLY_STOP_RULES = (None, "fig3")
 
 RESULTS = Path("results") / "cifar"

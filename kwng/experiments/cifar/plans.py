@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from kwng.experiments.cifar.fig3 import amortized_plan, fig3_plan
+from kwng.experiments.cifar.fig3 import (
+    FIG3,
+    grid_state,
+    load_protocol,
+    protocol_commit,
+    record_at,
+    run_status,
+)
 from kwng.experiments.cifar.methods import (
+    AMORTIZED_METHODS,
     AUTHORS100,
     AUTHORS100_RUNS,
     AUTHORS100_SETTINGS,
@@ -22,10 +31,9 @@ from kwng.experiments.cifar.methods import (
     CLAIM_TWO_SEEDS,
     LR_GRID,
     METHODS,
+    RESULTS,
 )
-from kwng.experiments.provenance import (
-    read_json,
-)
+from kwng.experiments.provenance import read_json
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +155,139 @@ def authors100_plan(common: dict, tiers: Sequence[int] = (1, 2, 3)) -> list[dict
     return jobs
 
 
+# ------------------------------------------------------- the Fig. 3 protocol's queues
+#: seconds a worker needs beside training and evaluation (start, data, capture)
+START_S = 60.0
+#: factor on the fastest finished run of a method, for a run on a GPU of its own
+RUN_MARGIN = 1.15
+
+
+def _wall_times(root: Path) -> dict[str, float]:
+    times: dict[str, float] = {}
+    for mp in root.glob("**/seed*/metrics.json"):
+        rec = read_json(mp)
+        rows = rec.get("epochs") if isinstance(rec, dict) else None
+        if rows and rec.get("complete") and not rec.get("early_stop") \
+                and len(rows) == 100 and "time_train" in rows[-1]:
+            t = rows[-1]["time_train"] + sum(r.get("time_eval", 0.0) for r in rows)
+            m = rec["config"]["method"]
+            times[m] = min(times.get(m, math.inf), t)
+    return times
+
+
+def run_seconds(root: str | os.PathLike = FIG3,
+                fallback: str | os.PathLike | None = AUTHORS100) -> dict[str, float]:
+    """Per method, the wall time (training and evaluation) of its fastest finished
+    100-epoch run under ``root`` or ``fallback`` (the authors100 study), times
+    :data:`RUN_MARGIN`, plus :data:`START_S`: the estimate that keeps a queue from
+    starting a run it cannot finish. The queue runs one run per GPU, and the fastest
+    record is the one that shared its GPU least. A method without any finished run gets
+    the estimate of the longest method, twice that for KFAC/EKFAC (eager steps)."""
+    times = _wall_times(Path(root))
+    for m, t in (_wall_times(Path(fallback)) if fallback is not None else {}).items():
+        times[m] = min(t, times.get(m, math.inf))
+    return {m: t * RUN_MARGIN + START_S for m, t in times.items()}
+
+
+def _estimate(times: dict[str, float], method: str) -> float | None:
+    """A method's own estimate; a KWNG variant (the same Jacobian block, another
+    damping, kernel or momentum) at most KWNG's; else the longest method's, twice
+    that for KFAC/EKFAC."""
+    precond = METHODS[method].spec.get("precond")
+    own = [times[k] for k in (method, "kwng" if precond == "kwng" else None)
+           if k in times]
+    if own:
+        return min(own)
+    if not times:
+        return None
+    return max(times.values()) * (2.0 if precond in ("kfac", "ekfac") else 1.0)
+
+
+def _job(p: dict, part: str, cond: str, method: str, lr: float, seed: int,
+         root: Path, commit: str, times: dict[str, float], **extra) -> dict:
+    est = _estimate(times, method)
+    return {**p["settings"], "dataset": p["dataset"], "conditioning": cond,
+            "method": method, "lr": lr, "seed": seed, "protocol": commit,
+            "out": str(root / part / f"lr{lr:g}"), **extra,
+            **({"est_s": round(est)} if est is not None else {})}
+
+
+def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
+              commit: str | None = None) -> list[dict]:
+    """The runs of the protocol still to make, in its order: grid runs (early stop on),
+    then the other seeds of every final selection, then the ablations once KWNG's
+    ill-conditioned step is final. ``common`` adds settings (``data_root``)."""
+    p = load_protocol() if p is None else p
+    root, commit = Path(root), commit or protocol_commit()
+    state, epochs, jobs = grid_state(p, root), int(p["settings"]["epochs"]), []
+    times = run_seconds(root)
+    rank = {m: i for i, m in enumerate(p["order"])}
+    keys = sorted(state, key=lambda k: (rank[k.split("/")[1]],
+                                        k.split("/")[0] != "ill"))
+    for k in keys:
+        cond, m = k.split("/")
+        jobs += [_job(p, "grid", cond, m, lr, 0, root, commit, times,
+                      early_stop=p["early_stop_rule"], **common)
+                 for lr in state[k]["next"]]
+    for k in keys:
+        cond, m = k.split("/")
+        lr = state[k]["selected"]
+        if state[k]["final"]:
+            jobs += [_job(p, "seeds", cond, m, lr, s, root, commit, times,
+                          early_stop=None, **common)
+                     for s in range(1, int(p["seeds"][cond]))
+                     if run_status(record_at(root, "seeds", lr, cond, m, s), epochs)
+                     in ("missing", "running")]
+    kw = state.get(f"{p['ablations']['conditioning']}/{p['ablations']['lr_of']}")
+    if kw and kw["final"]:
+        cond, lr = p["ablations"]["conditioning"], kw["selected"]
+        for m, n in p["ablations"]["runs"].items():
+            jobs += [_job(p, "ablation", cond, m, lr, s, root, commit, times,
+                          early_stop=None, **common)
+                     for s in range(int(n))
+                     if run_status(record_at(root, "ablation", lr, cond, m, s), epochs)
+                     in ("missing", "running")]
+    return jobs
+
+
+def queue_left(p: dict, root: str | os.PathLike = FIG3) -> dict[str, int]:
+    """Runs the protocol still needs, by part (grid, seeds, ablation); grid values
+    added by the extension rule and seeds of selections not yet final are counted
+    once they are known."""
+    jobs = fig3_plan({}, p, root, commit="(count only)")
+    out = {"grid": 0, "seeds": 0, "ablation": 0}
+    for j in jobs:
+        out[Path(j["out"]).parent.name] += 1
+    return out
+
+
+#: the amortized-step study's records, ``results/cifar/amortized`` of the checkout
+#:
+#: :meta hide-value:
+AMORTIZED = RESULTS / "amortized"
+
+
+def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
+                   out: str | os.PathLike = AMORTIZED) -> list[dict]:
+    """The amortized-step study
+    (:data:`~kwng.experiments.cifar.methods.AMORTIZED_METHODS`, seed 0) in each
+    conditioning where KWNG's Fig. 3 selection is final, at that step
+    and with the protocol's settings, under ``out``: the runs not finished yet."""
+    p = load_protocol() if p is None else p
+    state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
+    times, commit, jobs = run_seconds(root), protocol_commit(), []
+    for cond in ("ill", "well"):
+        st = state.get(f"{cond}/kwng")
+        if not (st and st["final"]):
+            continue
+        jobs += [_job(p, "", cond, m, st["selected"], 0, Path(out), commit, times,
+                      early_stop=None, **common)
+                 for m in AMORTIZED_METHODS
+                 if run_status(record_at(Path(out), "", st["selected"], cond, m, 0),
+                               epochs) in ("missing", "running")]
+    return jobs
+
+
 def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
                select_subset: int | None = 10_000,
                select_val: int = 2_000, data_root: str | None = None,
@@ -168,10 +309,10 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       every run with its own epochs and step size; ``epochs`` is not used; the plan
       ``authors100_all`` adds tier 4), results under
       ``results/cifar/authors100/lr<lr>/``.
-    * ``fig3``: the runs of the Fig. 3 protocol still to make
-      (:func:`kwng.experiments.cifar.fig3.fig3_plan`); ``epochs`` is not used.
+    * ``fig3``: the runs of the Fig. 3 protocol still to make (:func:`fig3_plan`);
+      ``epochs`` is not used.
     * ``amortized``: the amortized-step study at KWNG's Fig. 3 steps
-      (:func:`kwng.experiments.cifar.fig3.amortized_plan`).
+      (:func:`amortized_plan`).
     * a path to a JSON list of run settings.
     """
     if methods is not None:

@@ -29,7 +29,7 @@ import torch
 from kwng.experiments import guard
 from kwng.experiments.cifar.config import RunConfig
 from kwng.experiments.cifar.data import NUM_CLASSES
-from kwng.experiments.cifar.early_stop import sibling_rows, stop_reason
+from kwng.experiments.cifar.fig3 import sibling_rows, stop_reason
 from kwng.experiments.cifar.images import GPUAugmentedData
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
@@ -306,9 +306,9 @@ class Run:
         return spread
 
     def _early_stop(self, row: dict, num_classes: int) -> bool:
-        """Apply the run's early-stop rule (:mod:`~kwng.experiments.cifar.early_stop`)
-        to its latest epoch ``row``, on the validation accuracy; ``True`` records the
-        reason and ends the run."""
+        """Apply the run's early-stop rule
+        (:func:`~kwng.experiments.cifar.fig3.stop_reason`) to its latest epoch ``row``,
+        on the validation accuracy; ``True`` records the reason and ends the run."""
         acc = row.get("val_acc", row["test_acc"])  # without eval_test: validation
         stop = stop_reason({**row, "val_acc": acc}, sibling_rows(self.rdir),
                            num_classes)

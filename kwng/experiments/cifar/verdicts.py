@@ -5,8 +5,9 @@
   :func:`authors100_verdict`), both read in the book chapter :ref:`experiments-cifar`.
 * The Fig. 3 protocol's records (book chapter :ref:`cifar-fig3`): the selection table,
   the runs at each selected step, the verdict per baseline by the protocol's rule
-  (:func:`fig3_verdicts`), the time to reach a test accuracy, and the queue left. Plots
-  take these as arguments (:func:`kwng.plots.cifar.fig_accuracy_per_epoch`).
+  (:func:`fig3_verdicts`) and the time to reach a test accuracy (the queue left:
+  :func:`kwng.experiments.cifar.plans.queue_left`). Plots take these as arguments
+  (:func:`kwng.plots.cifar.fig_accuracy_per_epoch`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import numpy as np
 
 from kwng.experiments.cifar.fig3 import (
     FIG3,
-    fig3_plan,
     grid_state,
     record_at,
     run_status,
@@ -33,9 +33,8 @@ from kwng.experiments.cifar.tables import (
 from kwng.experiments.provenance import read_json
 
 __all__ = ["SMALL_U", "claim_verdict", "authors100_verdict", "selection_rows",
-           "selected_runs", "seed_summary", "fig3_verdicts", "queue_left",
-           "round_epoch_seconds", "rounds", "round_of", "alone_runs",
-           "seconds_to_accuracy"]
+           "selected_runs", "seed_summary", "fig3_verdicts", "round_epoch_seconds",
+           "rounds", "round_of", "alone_runs", "seconds_to_accuracy"]
 
 #: Threshold of the claim suite's decision rule (its small-scaling classes have U_k at
 #: most this).
@@ -291,17 +290,6 @@ def fig3_verdicts(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
                    else "within spread")
         out[m] = {"drop": dm, "spread": sm, "drop_kwng": dk, "spread_kwng": sk,
                   "verdict": verdict}
-    return out
-
-
-def queue_left(p: dict, root: str | os.PathLike = FIG3) -> dict[str, int]:
-    """Runs the protocol still needs, by part (grid, seeds, ablation); grid values
-    added by the extension rule and seeds of selections not yet final are counted
-    once they are known."""
-    jobs = fig3_plan({}, p, root, commit="(count only)")
-    out = {"grid": 0, "seeds": 0, "ablation": 0}
-    for j in jobs:
-        out[Path(j["out"]).parent.name] += 1
     return out
 
 
