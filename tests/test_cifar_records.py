@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwng.experiments.cifar import methods, tables, verdicts
+from kwng.experiments.cifar import methods, records, verdicts
 from kwng.experiments.cifar import results as results_
 
 ROOT = Path(__file__).resolve().parents[1] / "results" / "cifar"
@@ -31,7 +31,7 @@ PARTIAL = ROOT / "claim_partial"
 def claim():
     results = results_.load_results(CLAIM, "cifar10")
     E = min(len(r["epochs"]) for r in results.values())
-    at_E = tables.at_epoch(results, E)
+    at_E = records.at_epoch(results, E)
     return results, E, at_E
 
 
@@ -63,7 +63,7 @@ def test_claim_verdict_numbers(claim):
     assert not v["a_within"] and v["b_above_sgd"] and not v["c_small_classes"]
     assert v["holds"] is False
     assert max(v["per_class_ill"][:2]) < 0.01 and min(v["per_class_well"][:2]) > 0.9
-    table = tables.final_accuracy_table(at_E, methods=methods.CLAIM_ALL)
+    table = records.final_accuracy_table(at_E, methods=methods.CLAIM_ALL)
     ill = {m: round(100 * table[m]["ill"]["mean"], 1) for m in table}
     assert (ill["diag_Ttilde"], ill["adam"], ill["kfac"]) == (70.1, 60.6, 63.3), ill
     drops = {m: round(100 * d, 1) for m, d in v["drops"].items() if d is not None}
@@ -83,7 +83,7 @@ def test_claim_wc_kwng_and_samples_before_u_are_one_algorithm(claim):
     # with U = I the samples before and after U are the same: only the step differs
     lr = {m: results[("well", m, 0)]["lr"] for m in ("kwng", "kwng_samples_before_U")}
     assert lr == {"kwng": 0.1, "kwng_samples_before_U": 1.0}, lr
-    table = tables.final_accuracy_table(at_E, methods=methods.CLAIM_ALL)
+    table = records.final_accuracy_table(at_E, methods=methods.CLAIM_ALL)
     assert round(100 * table["kwng_samples_before_U"]["well"]["mean"], 1) == 88.4
 
 
@@ -92,15 +92,15 @@ def test_claim_eps_dynamics_records(claim):
     for (cond, m, seed), r in results.items():
         if m != "kwng":
             continue
-        ratio = tables.diag_series(r, "reduction_ratio")[1:]
+        ratio = records.diag_series(r, "reduction_ratio")[1:]
         assert -0.35 < ratio.min() and ratio.max() < 0.15, (cond, seed)
-        assert tables.diag_series(r, "clipped").min() == 1.0
+        assert records.diag_series(r, "clipped").min() == 1.0
         if cond == "well":
             assert (ratio < 0).all()
     pilot = results_.load_results(PARTIAL, "cifar10")
     for cond in ("ill", "well"):
         r = pilot[(cond, "kwng_lm_same_batch", 0)]
-        ratio = tables.diag_series(r, "reduction_ratio")[:5]
+        ratio = records.diag_series(r, "reduction_ratio")[:5]
         assert len(r["epochs"]) == 5 and 1.0 < ratio.min() and ratio.max() < 1.6
 
 
@@ -113,7 +113,7 @@ STUDY6 = results_.study6_table()
 @pytest.fixture(scope="module")
 def six():
     results = results_.load_results(ROOT, "cifar10")
-    table = tables.final_accuracy_table(
+    table = records.final_accuracy_table(
         results, STUDY6["main_methods"] + STUDY6["ablations"]
     )
     return results, table

@@ -15,13 +15,13 @@ import numpy as np
 from kwng.experiments.cifar import fig3
 from kwng.experiments.cifar.methods import CLAIM_ALL
 from kwng.experiments.cifar.plans import queue_left
-from kwng.experiments.cifar.results import load_authors100, load_results, study6_table
-from kwng.experiments.cifar.tables import (
+from kwng.experiments.cifar.records import (
     at_epoch,
     epoch_seconds,
     final_accuracy_table,
     time_to_accuracy,
 )
+from kwng.experiments.cifar.results import load_authors100, load_results, study6_table
 from kwng.experiments.cifar.verdicts import (
     authors100_verdict,
     claim_verdict,

@@ -12,7 +12,7 @@ method, seed)``, ``tag`` = ``lr<step>`` or ``fp32/lr<step>``).
   scale goes;
 * :func:`fig_accuracy` — test accuracy per epoch and per second (Figs. 3 and 7 of the
   paper; the seconds per epoch of
-  :func:`kwng.experiments.cifar.tables.epoch_seconds`).
+  :func:`kwng.experiments.cifar.records.epoch_seconds`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kwng.experiments.cifar.methods import METHODS
-from kwng.experiments.cifar.tables import run_label
+from kwng.experiments.cifar.records import run_label
 from kwng.plots.style import FIG_WIDTH_IN, book_figure
 
 __all__ = ["final_rows", "scale_points", "scale_threshold", "fig_logit_scale",

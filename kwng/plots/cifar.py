@@ -4,7 +4,7 @@
 Each function takes the dictionary of
 :func:`kwng.experiments.cifar.results.load_results` (``{(conditioning, method, seed):
 record}``) and returns a matplotlib figure; the numbers behind them are the tables of
-:mod:`kwng.experiments.cifar.tables`, and every method is drawn in the colour and line
+:mod:`kwng.experiments.cifar.records`, and every method is drawn in the colour and line
 style of its record (:class:`kwng.experiments.cifar.methods.Method`):
 
 * :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per
@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kwng.experiments.cifar.methods import METHODS
-from kwng.experiments.cifar.tables import (
+from kwng.experiments.cifar.records import (
     class_scalings,
     curves,
     diag_series,

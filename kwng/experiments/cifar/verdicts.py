@@ -25,7 +25,7 @@ from kwng.experiments.cifar.fig3 import (
     run_status,
 )
 from kwng.experiments.cifar.methods import CLAIM_ALL
-from kwng.experiments.cifar.tables import (
+from kwng.experiments.cifar.records import (
     class_scalings,
     final_accuracy_table,
     final_per_class,
