@@ -118,7 +118,7 @@ cd "$WORK" || exit 2
 "$PY" -c "from kwng.experiments.cifar.data import load_cifar; [load_cifar('cifar10', s, '$ROOT') for s in ('train', 'test')]" || exit 2
 TIMING_METHODS=${TIMING_METHODS:-${METHODS:-claim}}  # every method of the suite, in one timing run
 if [ -n "$EARLY_METHODS" ]; then  # the other methods: the selection and the main claim sweep
-  ALL=${METHODS:-$($PY -c "from kwng.experiments.cifar.sweep import build_plan
+  ALL=${METHODS:-$($PY -c "from kwng.experiments.cifar.plans import build_plan
 print(','.join(dict.fromkeys(j['method'] for j in build_plan('claim', epochs=1))))")}
   METHODS=$($PY -c "e = set('$EARLY_METHODS'.split(','))
 print(','.join(m for m in '$ALL'.split(',') if m not in e))")
@@ -138,11 +138,11 @@ plan_done() {  # prints 1 if every run of plan $1 is complete with the settings 
   SETS="${SELSET[*]}" $PY -c "
 import os, sys
 from kwng.experiments import guard
-from kwng.experiments.cifar import cli, plans, sweep
+from kwng.experiments.cifar import plans, sweep
 p = plans.build_plan('$1', epochs=1, select_epochs=$SELECT_EPOCHS, data_root='$ROOT',
                      select_subset=${SELECT_SUBSET:-None}, select_val=5000,
                      methods='$METHODS'.split(',') if '$METHODS' else None)
-sets = cli._overrides([s for s in os.environ['SETS'].split() if s != '--set'])
+sets = sweep._overrides([s for s in os.environ['SETS'].split() if s != '--set'])
 try:
     print(int(all(sweep.is_complete({**j, **sets}) for j in p)))
 except guard.ConfigMismatchError as err:  # a finished run of other settings

@@ -1,6 +1,6 @@
 """Configuration errors are one line: an unknown subcommand or a bad option value exits
 with status 2 and a message that names the option and the cause, with no traceback and
-nothing written; the two-rank ``cifar.ddp`` prints at most one line per rank. And the
+nothing written; the two-rank ``cifar ddp`` prints at most one line per rank. And the
 README's ``cifar select`` runs on a fresh checkout of the committed selection."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kwng.experiments.__main__ import main as experiments_main
-from kwng.experiments.cifar import ddp
+from kwng.experiments.cifar.cli import ddp_main
 from kwng.experiments.cifar.methods import METHODS
 from kwng.experiments.cifar.results import select_lrs
 from kwng.experiments.distributed_check import launch
@@ -78,17 +78,17 @@ def test_config_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, words):
 def test_ddp_timeout_is_checked_before_the_process_group(tmp_path, capsys,
                                                          monkeypatch, timeout):
     monkeypatch.chdir(tmp_path)
-    assert _exit_code(lambda: ddp.main(["--device", "cpu", "--timeout", timeout])) == 2
+    assert _exit_code(lambda: ddp_main(["--device", "cpu", "--timeout", timeout])) == 2
     err = capsys.readouterr().err
     assert f"argument --timeout: must be a finite number > 0, got '{timeout}'" in err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_ddp_without_data_says_so_in_one_line_per_rank(tmp_path):
-    argv = ["-m", "kwng.experiments.cifar.ddp", "--device", "cpu", "--model", "tiny",
-            "--data-root", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
-            "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress",
-            "--timeout", "30"]
+    argv = ["-m", "kwng.experiments", "cifar", "ddp", "--device", "cpu", "--model",
+            "tiny", "--data-root", str(tmp_path / "none"), "--out",
+            str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "ck"),
+            "--no-progress", "--timeout", "30"]
     with pytest.raises(RuntimeError, match="exited with status 2"):
         launch(argv, 2, timeout=90, logdir=tmp_path)
     for r in range(2):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kwng.experiments.cifar import ddp, train
+from kwng.experiments.cifar import train
+from kwng.experiments.cifar.cli import ddp_main
 from kwng.experiments.cifar.timing import trainer_timing
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -36,7 +37,7 @@ def test_capture_on_a_cpu_is_recorded_as_eager(tmp_path, caplog):
 def test_ddp_capture_without_cuda_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exc:
-        ddp.main(["--device", "cpu", "--capture", "--model", "tiny"])
+        ddp_main(["--device", "cpu", "--capture", "--model", "tiny"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--capture replays CUDA graphs: it needs --device cuda" in err

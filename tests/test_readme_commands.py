@@ -59,11 +59,11 @@ COMMANDS = [
      [*XP, "cifar", "trainer-timing", "--methods", "sgd", "--precisions", "fp32",
       "--epochs", "1", "--trace-steps", "2", *TINY, "--train-subset", "200",
       "--out", "scratch/cifar/trainer_timing.json"], False),
-    ("torchrun --nproc-per-node=2 -m kwng.experiments.cifar.ddp --device cpu --model "
+    ("torchrun --nproc-per-node=2 -m kwng.experiments cifar ddp --device cpu --model "
      "tiny", [PY, "-m", "torch.distributed.run", "--nproc-per-node=2",
-              "--master-port", "PORT", "-m", "kwng.experiments.cifar.ddp", "--device",
-              "cpu", "--model", "tiny", "--source", "sample", "--epochs", "1",
-              "--subset", "256", "--batch", "16", "--no-progress"], False),
+              "--master-port", "PORT", "-m", "kwng.experiments", "cifar", "ddp",
+              "--device", "cpu", "--model", "tiny", "--source", "sample", "--epochs",
+              "1", "--subset", "256", "--batch", "16", "--no-progress"], False),
     ("python -m kwng.experiments relerr --scale small",
      [*XP, "relerr", "--scale", "small", "--model", "sphere", "--out",
       "scratch/relerr", "--no-progress"], True),

@@ -16,14 +16,18 @@ Two studies share this runner:
   ``results/cifar/cifar10``), kept readable: its methods keep their definitions (samples
   before ``U``, our ε convention).
 
-Split by job: :mod:`kwng.experiments.cifar.methods` (method table, run configuration,
-construction of model and optimizer), :mod:`~kwng.experiments.cifar.steps` (the one step
-protocol :class:`~kwng.experiments.cifar.steps.MethodStep`),
+Split by job: :mod:`~kwng.experiments.cifar.config` (the settings of one run),
+:mod:`kwng.experiments.cifar.methods` (the method table),
+:mod:`~kwng.experiments.cifar.steps` (the one step protocol
+:class:`~kwng.experiments.cifar.steps.MethodStep`),
 :mod:`~kwng.experiments.cifar.train` (one run), :mod:`~kwng.experiments.cifar.metrics`
-(per-epoch measurements), :mod:`~kwng.experiments.cifar.sweep` (plans, workers, timing,
-schedule), :mod:`~kwng.experiments.cifar.results` (loading, checks, selection rule) and
+(per-epoch measurements), :mod:`~kwng.experiments.cifar.plans` (lists of runs),
+:mod:`~kwng.experiments.cifar.sweep` (worker processes),
+:mod:`~kwng.experiments.cifar.timing` (step and epoch times, the schedule),
+:mod:`~kwng.experiments.cifar.results` (loading, checks, selection rule) and
 :mod:`~kwng.experiments.cifar.verdicts` (the decision rules). This module is the command
-line.
+line: one run, in one process or in ``W`` under torchrun, and the table of the other
+commands (:data:`COMMANDS`), each defined beside what it runs.
 
 Commands (``python -m kwng.experiments cifar ...``):
 
@@ -42,57 +46,60 @@ Commands (``python -m kwng.experiments cifar ...``):
   small ones (:meth:`~kwng.experiments.cifar.config.RunConfig.small`: the tiny network
   on the committed sample, 2 epochs, results under ``scratch/``); ``KWNG_SCALE=full``
   gives the study's (ResNet-18, the full data set, 30 epochs, ``results/cifar``).
+* ``torchrun --nproc-per-node=W -m kwng.experiments cifar ddp --epochs 100`` — one run
+  of ResNet-18 on CIFAR-10 with KWNG on ``W`` processes (book chapter
+  :ref:`distributed`; :func:`ddp_main`).
 * ``cifar sweep --plan claim_select|claim|authors100|fig3|<file.json> --gpus N
   --procs-per-gpu P [--deadline-s S]`` — runs the plan in ``N × P`` worker processes,
   one run per worker first (assigned so that the GPUs get similar loads), then any
   unfinished run; finished runs are skipped, interrupted ones resume from their
-  checkpoint.
-* ``cifar select [--root results/cifar/claim/selection]`` — applies the selection rule.
+  checkpoint (:func:`~kwng.experiments.cifar.sweep.sweep_command`).
+* ``cifar select [--root results/cifar/claim/selection]`` — applies the selection rule
+  (:func:`~kwng.experiments.cifar.results.select_command`).
 * ``cifar timing`` — seconds per step of every method, one at a time on an otherwise
-  idle device.
+  idle device; ``cifar trainer-timing`` — the trainer's epochs, eager against captured
+  (:mod:`~kwng.experiments.cifar.timing`).
 * ``cifar schedule --plan claim --budget-s B --gpus N`` — the number of epochs that fits
-  a budget.
+  a budget (:func:`~kwng.experiments.cifar.timing.schedule_command`).
 * ``cifar check [--suite claim|study6|authors100|fig3]`` — completeness of the results
-  (:func:`~kwng.experiments.cifar.results.check_claim`,
-  :func:`~kwng.experiments.cifar.results.check_results`).
+  (:func:`~kwng.experiments.cifar.results.check_command`).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import datetime
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
-from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from kwng import config
 from kwng.experiments import guard
-from kwng.experiments.cifar.commands import COMMANDS
 from kwng.experiments.cifar.config import SETTINGS, RunConfig, add_run_options
-from kwng.experiments.cifar.data import DATASETS
-from kwng.experiments.cifar.methods import CHECKPOINTS, CLAIM
-from kwng.experiments.cifar.plans import PLAN_NAMES, build_plan
-from kwng.experiments.cifar.sweep import (
-    run_lock_for,
-    sweep,
-    worker,
+from kwng.experiments.cifar.data import SOURCES
+from kwng.experiments.cifar.methods import PRECISIONS
+from kwng.experiments.cifar.results import check_command, select_command
+from kwng.experiments.cifar.sweep import run_lock_for, sweep_command, worker_command
+from kwng.experiments.cifar.timing import (
+    schedule_command,
+    timing_command,
+    trainer_timing_command,
 )
-from kwng.experiments.cifar.train import (
-    run,
-)
+from kwng.experiments.cifar.train import run
 from kwng.experiments.cli_checks import (
     device_problem,
     int_arg,
     number_arg,
     path_problem,
 )
-from kwng.experiments.provenance import ResultFileError, read_json
+from kwng.experiments.provenance import ResultFileError
 
-__all__ = ["main", "run_config_from_args"]
+__all__ = ["main", "run_config_from_args", "ddp_main", "COMMANDS"]
 
 log = logging.getLogger(__name__)
 
@@ -148,154 +155,159 @@ def _main_run(rest: list[str]) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------ sweep, worker
-def _overrides(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for it in items:
-        key, sep, val = it.partition("=")
-        if not sep or key not in SETTINGS:
-            raise ValueError(f"--set takes KEY=VALUE with KEY one of "
-                             f"{sorted(SETTINGS)}, got {it!r}")
-        try:
-            out[key] = json.loads(val)
-        except json.JSONDecodeError:
-            out[key] = val
-    return out
+# ---------------------------------------------------- one run on W processes (torchrun)
+#: ``--num-basis`` -> the method of that basis size
+_METHOD_OF_BASIS = {5: "kwng", 20: "kwng_basis20"}
 
 
-def _plan_arg(text: str) -> str:
-    """``--plan``: a named plan or an existing JSON file of run settings."""
-    if text in PLAN_NAMES or Path(text).is_file():
-        return text
-    raise argparse.ArgumentTypeError(f"must be one of {', '.join(PLAN_NAMES)} or a "
-                                     f"JSON file of run settings, got {text!r}")
-
-
-def _epochs_arg(text: str) -> str:
-    """``--epochs`` of a sweep: an integer >= 1 or ``auto``."""
-    try:
-        return text if text == "auto" else str(int_arg(1)(text))
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer >= 1 or 'auto', got {text!r}") from None
-
-
-def _sweep_arguments(p: argparse.ArgumentParser) -> None:
+def _ddp_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchrun ... -m kwng.experiments cifar ddp",
+        description="ResNet-18 on CIFAR-10 with KWNG on W processes (book chapter "
+                    "'KWNG on many GPUs')")
     add = p.add_argument
-    add("--plan", required=True, type=_plan_arg,
-        help=f"{', '.join(PLAN_NAMES)} or a JSON file of run settings")
-    add("--dataset", default="cifar10", choices=DATASETS)
-    add("--epochs", default="6", type=_epochs_arg,
-        help="an integer, or 'auto' (from the schedule file)")
+    add("--out", default=str(Path("scratch") / "cifar_ddp"),
+        help="results folder (default: the git-ignored scratch/cifar_ddp)")
+    add("--checkpoint-dir", default=str(Path("checkpoints") / "cifar_ddp"))
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=("cuda", "cpu"))
+    add("--model", default="resnet18", choices=("resnet18", "tiny"))
+    add("--epochs", type=int_arg(1), default=100)
+    add("--stop-after-epoch", type=int_arg(1), default=None,
+        help="stop (checkpointed) after this epoch; rerun to resume")
+    add("--batch", type=int_arg(1), default=128, help="per-rank batch")
+    add("--lr", type=number_arg(0), default=0.1)
+    add("--num-basis", type=int, default=5, choices=tuple(_METHOD_OF_BASIS))
+    add("--precision", default="fp32", choices=PRECISIONS)
+    add("--capture", action="store_true", help="replay the step from a CUDA graph")
+    add("--subset", type=int_arg(1), default=None, help="train on this many images")
+    add("--source", default="auto", choices=SOURCES)
     add("--data-root", default=None)
-    add("--gpus", type=int_arg(0), default=1)
-    add("--procs-per-gpu", type=int_arg(1), default=4)
-    add("--deadline-s", type=number_arg(0), default=None,
-        help="stop starting/continuing runs after this")
-    add("--start-by-s", type=number_arg(0), default=None,
-        help="start no run after this many seconds (a run begun later could not "
-             "finish before the machine goes back)")
-    add("--finish-by-s", type=number_arg(0), default=None,
-        help="start no run whose estimated duration (a plan's est_s) would end it "
-             "after this many seconds")
-    add("--select-epochs", type=int_arg(1), default=2,
-        help="claim_select: epochs of each run")
-    add("--select-subset", type=int_arg(1), default=None, help="claim_select: "
-        "training images per run (default: all but the held-out ones)")
-    add("--select-val", type=int_arg(1), default=5_000,
-        help="claim_select: held-out images")
-    add("--timing", default=None, help="a timing file (`cifar timing`) to balance the "
-        "GPUs")
-    add("--methods", default=None, help="comma list: only these methods' runs")
-    add("--force", action="store_true", help="back up finished runs of another config")
-    add("--set", action="append", default=[], metavar="KEY=VALUE",
-        help="override a run setting in every run of the plan (e.g. model=tiny for a "
-             "CPU smoke test); VALUE is read as JSON if it parses, else as a string")
+    add("--eval-batch", type=int_arg(1), default=1000)
+    add("--seed", type=int_arg(0), default=0)
+    add("--timeout", type=number_arg(0), default=600.0,
+        help="seconds a collective may wait for the other ranks")
+    add("--force", action="store_true",
+        help="move results of another configuration to a dated backup")
+    add("--no-progress", action="store_true")
+    return p
 
 
-def _worker_arguments(p: argparse.ArgumentParser) -> None:
-    """A sweep's worker process (started by the sweep, never by hand): its plan file,
-    session, slot and the sweep's limits as Unix times."""
-    add = p.add_argument
-    add("--plan", required=True, help="the sweep's plan file")
-    add("--session", default=None)
-    add("--offset", type=int_arg(0), default=0)
-    add("--deadline", type=number_arg(0), default=None)
-    add("--start-by", type=number_arg(0), default=None)
-    add("--finish-by", type=number_arg(0), default=None)
+def _ddp_launch_checks(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here (use --device cpu)")
+    if args.capture and args.device != "cuda":
+        p.error("--capture replays CUDA graphs: it needs --device cuda")
+    if "RANK" not in os.environ:
+        p.error("launch with torchrun: torchrun --nproc-per-node=W -m "
+                "kwng.experiments cifar ddp ...")
 
 
-def _main_worker(a: argparse.Namespace) -> int:
-    # a sweep started in the background by a non-interactive shell starts its workers
-    # with SIGINT ignored; the sweep passes a SIGINT on, so the worker must hear it
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    jobs = list(read_json(a.plan))
-    if any("slot" in j for j in jobs):
-        # this worker's assigned run, then the unassigned ones; never another worker's
-        # run (that would move it to another GPU and unbalance the loads)
-        jobs = ([j for j in jobs if j.get("slot") == a.offset]
-                + [j for j in jobs if "slot" not in j])
-    else:
-        jobs = jobs[a.offset:] + jobs[:a.offset]  # spread the first claims
-    stem = Path(a.plan).stem
-    ff = Path(a.plan).with_name(f"{stem}.failures-{a.session}-{os.getpid()}.json")
-    return 1 if worker(jobs, a.session, a.deadline, ff, a.start_by,
-                       a.finish_by) else 0
+def _ddp_config(args: argparse.Namespace, world: int) -> RunConfig:
+    """The run of the command line ``args`` on ``world`` processes, on this rank's
+    device (its local GPU, ``LOCAL_RANK``, or the CPU)."""
+    device = "cpu"
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    return RunConfig(
+        dataset="cifar10", conditioning="well", method=_METHOD_OF_BASIS[args.num_basis],
+        seed=args.seed, epochs=args.epochs, lr=args.lr, data_root=args.data_root,
+        source=args.source, device=device,
+        out=str(Path(args.out) / f"{args.model}-W{world}-B{args.batch}"),
+        checkpoint_dir=args.checkpoint_dir, train_subset=args.subset,
+        model=args.model, batch_size=args.batch, eval_batch_size=args.eval_batch,
+        stop_after_epoch=args.stop_after_epoch, schedule="claim", capture=args.capture,
+        precision=args.precision, channels_last=args.device == "cuda",
+        world_size=world)
 
 
-def _main_sweep(a: argparse.Namespace) -> int:
-    epochs = a.epochs
-    if epochs == "auto":
-        epochs = int(read_json(CLAIM / "schedule.json")["epochs"])
-    only = a.methods.split(",") if a.methods else None
-    if a.plan == "claim_select":
-        plan = build_plan(a.plan, a.dataset, int(epochs), select_subset=a.select_subset,
-                          select_val=a.select_val, data_root=a.data_root,
-                          select_epochs=a.select_epochs, methods=only)
-    else:
-        plan = build_plan(a.plan, a.dataset, int(epochs), data_root=a.data_root,
-                          methods=only)
-    plan = [{**j, **_overrides(a.set)} for j in plan]
-    # sweeps of one plan over disjoint method lists may run side by side: one plan
-    # file each
-    tag = ("-" + hashlib.sha1(",".join(sorted(only)).encode()).hexdigest()[:8]
-           if only else "")
-    plan_file = CHECKPOINTS / "plans" / f"{Path(a.plan).stem}{tag}.json"
-    timing_rec = read_json(a.timing)["methods"] if a.timing else None
-    log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus,
-             a.procs_per_gpu)
-    return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file, timing_rec,
-                 force=a.force, start_by_s=a.start_by_s,
-                 finish_by_s=a.finish_by_s)
+def ddp_main(argv: list[str] | None = None) -> dict | None:
+    """``torchrun --nproc-per-node=W -m kwng.experiments cifar ddp [options]``: one run
+    of the one trainer (:func:`kwng.experiments.cifar.train.run`) on ``W`` processes;
+    returns its record. On a CPU (gloo) a small run checks the whole path::
+
+        torchrun --nproc-per-node=2 -m kwng.experiments cifar ddp --device cpu \\
+            --model tiny --source sample --epochs 1 --subset 256 --batch 16
+
+    It starts the process group and trains a
+    :class:`~kwng.experiments.cifar.config.RunConfig` of ``world_size = W``. Every rank
+    builds the same *global* batch of ``W × --batch`` images from one data generator
+    and trains on its slice, so a ``W``-rank run sees exactly the batches of a
+    one-process run at batch ``W·B``; :class:`kwng.engine.distributed.DistributedKWNG`
+    gives every rank the direction of that global batch. The method is the claim
+    suite's ``kwng`` (plain SGD, ``M = 5``, ``T_tilde`` damping, Gaussian kernel, ``ε``
+    and its bounds in the authors' convention for the global batch, clipping at norm 1;
+    ``--num-basis 20``: ``kwng_basis20``) on the well-conditioned network; batch norm
+    uses each rank's shard statistics (as under DDP) and the running statistics of rank
+    0 are copied to every rank before each evaluation.
+
+    As every run: under ``<out>/<model>-W<W>-B<B>/`` the run directory
+    ``cifar10/well/<method>/seed<k>`` holds ``metrics.json`` (one row per epoch, with
+    the run's identity) and ``provenance.json``, written atomically by rank 0; a
+    checkpoint after every epoch (``--checkpoint-dir``) lets a rerun of the same command
+    resume exactly; a directory or checkpoint of another configuration is refused
+    (``--force`` moves it to a dated backup); a complete run is skipped. ``--capture``
+    replays the step from a CUDA graph (the collectives inside). Ranks must share the
+    filesystem (one host)."""
+    p = _ddp_parser()
+    args = p.parse_args(argv)
+    _ddp_launch_checks(p, args)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(message)s", stream=sys.stdout)
+    try:
+        return run(_ddp_config(args, world), progress=not args.no_progress,
+                   force=args.force)
+    except (guard.ConfigMismatchError, ResultFileError, ValueError,
+            FileNotFoundError) as exc:  # a refusal: one line per rank
+        print(f"rank {rank}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        dist.destroy_process_group()
 
 
-# ----------------------------------------------------- select, timing, schedule, check
+# -------------------------------------------------------------------- the command table
+#: the commands besides one run (``cifar [options]``, ``cifar ddp``), name ->
+#: ``(parser, argv) -> exit code``
+COMMANDS = {
+    "sweep": sweep_command,
+    "worker": worker_command,
+    "select": select_command,
+    "timing": timing_command,
+    "schedule": schedule_command,
+    "check": check_command,
+    "trainer-timing": trainer_timing_command,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kwng.experiments cifar [subcommand] ...`` (module docstring)."""
+    """``python -m kwng.experiments cifar [command] ...`` (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "cifar":
         argv = argv[1:]
+    if argv and argv[0] == "ddp":  # each rank sets up its own logging
+        ddp_main(argv[1:])
+        return 0
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sub = argv[0] if argv and not argv[0].startswith("-") else None
     rest = argv[1:] if sub else argv
     if sub is None:
         return _main_run(rest)
-    if sub not in COMMANDS and sub not in ("sweep", "worker"):
+    if sub not in COMMANDS:
         argparse.ArgumentParser(prog="python -m kwng.experiments cifar").error(
-            f"unknown cifar subcommand {sub!r}; use sweep, worker, "
-            f"{', '.join(COMMANDS)} (or options only: one run)")
+            f"unknown cifar subcommand {sub!r}; use {', '.join(COMMANDS)}, ddp (under "
+            "torchrun) (or options only: one run)")
     p = argparse.ArgumentParser(prog=f"python -m kwng.experiments cifar {sub}")
-    try:  # a refusal (other configuration, unreadable or missing file): rc 2, named
-        if sub in ("sweep", "worker"):
-            (_worker_arguments if sub == "worker" else _sweep_arguments)(p)
-            a = p.parse_args(rest)
-            return _main_worker(a) if sub == "worker" else _main_sweep(a)
+    if sub not in ("sweep", "worker"):  # a sweep has its own --force, a worker none
         p.add_argument("--force", action="store_true", help="replace a different "
                        "existing output file (select, timing, schedule), moving it to "
                        "a dated backup first")
+    try:  # a refusal (other configuration, unreadable or missing file): rc 2, named
         return COMMANDS[sub](p, rest)
     except (guard.ConfigMismatchError, ResultFileError, FileNotFoundError) as exc:
         log.error("refused: %s", exc)

@@ -10,7 +10,8 @@ this module reads it and derives everything else from it and from the records on
   still to run (the first window, and the next grid value whenever the best step sits
   at an inner edge of what was run); the queue made of it is
   :func:`kwng.experiments.cifar.plans.fig3_plan`;
-* :func:`check_fig3` — every record against the protocol, with its provenance.
+* :func:`check_fig3` — every record against the protocol, with its provenance
+  (``cifar check --suite fig3``: :func:`fig3_check`).
 
 The early-stop rule (:func:`stop_reason`, the run setting ``early_stop="fig3"``). A
 step-size grid spends most of its GPU time on steps that cannot win. The protocol stops
@@ -32,6 +33,7 @@ keeps its record with ``"early_stop": {"reason", "epoch", ...}`` and counts as f
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -45,7 +47,7 @@ from kwng.experiments.provenance import ResultFileError, read_json
 __all__ = ["FIG3", "PROTOCOL_FILE", "CHANCE_MARGIN", "CHANCE_EPOCH", "GAP", "GAP_EPOCH",
            "RULE", "load_protocol", "window_for", "protocol_commit", "sibling_rows",
            "stop_reason", "run_status", "record_at", "grid_state", "record_problem",
-           "check_fig3"]
+           "check_fig3", "fig3_check"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ FIG3 = RESULTS / "fig3"
 #: :meta hide-value:
 PROTOCOL_FILE = FIG3 / "protocol.json"
 _PARTS = ("grid", "seeds", "ablation")
+
 #: "at chance" means below ``1 / classes + CHANCE_MARGIN`` validation accuracy
 CHANCE_MARGIN = 0.02
 #: the first epoch at which "at chance" stops a run
@@ -286,3 +289,20 @@ def check_fig3(root: str | os.PathLike = FIG3, p: dict | None = None) -> dict:
             res[{"finished": "ok", "stopped": "stopped"}.get(status,
                                                              "incomplete")].append(name)
     return res
+
+
+def fig3_check(root: str | None) -> int:
+    """``cifar check --suite fig3``: every record of the Fig. 3 protocol against the
+    protocol (:func:`check_fig3`), then the selection so far and the queue left. Exit 1
+    if a record is bad or unfinished."""
+    p = load_protocol()
+    res = check_fig3(root or FIG3, p)
+    for name, problem in res["bad"]:
+        print("bad:", name, "-", problem)
+    print(json.dumps({k: len(v) for k, v in res.items()}),
+          "incomplete:", json.dumps(res["incomplete"]))
+    for key, st in grid_state(p, root or FIG3).items():
+        runs = " ".join(f"{lr:g}:{s}" for lr, s in sorted(st["runs"].items()))
+        print(f"{key:22s} selected {st['selected']} final {st['final']} "
+              f"next {st['next']}  [{runs}]")
+    return 1 if res["bad"] or res["incomplete"] else 0

@@ -42,7 +42,7 @@ PLAN_NAMES = ("claim_select", "claim", "authors100", "authors100_all", "fig3",
               "amortized")
 
 
-# ------------------------------------------------------------------------------ plans
+# --------------------------------------------------------- the cost of a run, GPU slots
 def job_cost(job: dict, timing: dict | None = None) -> float:
     """Relative cost of a run of ``job`` (per epoch, times its ``epochs`` when given;
     the timing file's seconds per step if given, else the method's
@@ -77,6 +77,7 @@ def assign_slots(
     return out
 
 
+# --------------------------------------------- the claim suite and the authors' horizon
 def _grid(methods: Sequence[str], common: dict, out: Path, **settings) -> list[dict]:
     """Every method × {ill, well} × :data:`~kwng.experiments.cifar.methods.LR_GRID`,
     seed 0, results under ``out/lr<lr>``."""
@@ -155,7 +156,7 @@ def authors100_plan(common: dict, tiers: Sequence[int] = (1, 2, 3)) -> list[dict
     return jobs
 
 
-# ------------------------------------------------------- the Fig. 3 protocol's queues
+# --------------------------------------------------------- the Fig. 3 protocol's queues
 #: seconds a worker needs beside training and evaluation (start, data, capture)
 START_S = 60.0
 #: factor on the fastest finished run of a method, for a run on a GPU of its own
@@ -288,6 +289,7 @@ def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike 
     return jobs
 
 
+# ---------------------------------------------------------------------- the named plans
 def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
                select_subset: int | None = 10_000,
                select_val: int = 2_000, data_root: str | None = None,

@@ -1,18 +1,23 @@
 """The CIFAR study's result records: loading, completeness checks and the step-size
-selection rule (book chapter :ref:`experiments-cifar`)."""
+selection rule (book chapter :ref:`experiments-cifar`), with their commands ``cifar
+check`` and ``cifar select``."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import math
 import os
 from pathlib import Path
 
 from kwng.experiments import guard
-from kwng.experiments.cifar.data import NUM_CLASSES
+from kwng.experiments.cifar.data import DATASETS, NUM_CLASSES
+from kwng.experiments.cifar.fig3 import fig3_check
 from kwng.experiments.cifar.methods import (
     AUTHORS100_TIERS,
     CLAIM,
+    CLAIM_SELECTION,
     CONDITION_NUMBER,
     LR_GRID,
     METHODS,
@@ -339,3 +344,51 @@ def load_authors100(root: str | os.PathLike = RESULTS / "authors100",
         c = rec["config"]
         out[(tag, c["conditioning"], c["method"], int(c["seed"]))] = rec
     return out
+
+
+# ----------------------------------------------------------------------------- commands
+def select_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
+    """``cifar select``: :func:`select_lrs` on the claim suite's selection runs."""
+    p.add_argument("--root", default=str(CLAIM_SELECTION))
+    a = p.parse_args(rest)
+    out = select_lrs(a.root, force=a.force)
+    for k, v in sorted(out["selected"].items()):
+        log.info("selected %s: lr=%g (held-out acc %.3f)", k, v["lr"], v["val_acc"])
+    return 0
+
+
+def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
+    """``cifar check``: the completeness of a suite's records (exit 1 when a run is
+    missing or incomplete)."""
+    p.add_argument(
+        "--suite", default="claim", choices=("claim", "study6", "authors100", "fig3")
+    )
+    p.add_argument("--tiers", default="1", help="authors100: comma list of tiers")
+    p.add_argument(
+        "--root",
+        default=None,
+        help="default: results/cifar/claim (claim), results/cifar (study6)",
+    )
+    p.add_argument("--dataset", default="cifar10", choices=DATASETS)
+    p.add_argument("--min-epochs", type=int, default=30)
+    a = p.parse_args(rest)
+    if a.suite == "fig3":
+        return fig3_check(a.root)
+    if a.suite == "authors100":
+        try:
+            tiers = tuple(int(t) for t in a.tiers.split(","))
+        except ValueError:
+            tiers = ()
+        if not tiers or set(tiers) - set(AUTHORS100_TIERS):
+            p.error(f"--tiers: a comma list of {AUTHORS100_TIERS}, got {a.tiers!r}")
+        res = check_authors100(a.root or RESULTS / "authors100", a.dataset, tiers)
+    elif a.suite == "claim":
+        res = check_claim(a.root or CLAIM, a.dataset, a.min_epochs)
+    else:
+        res = check_results(a.root or RESULTS, a.dataset)
+    extra = (("diverged:", res["diverged"]) if "diverged" in res
+             else ("cut by the budget (documented):", res["cut"]))
+    print(json.dumps({k: len(v) for k, v in res.items()}),
+          "not ok:", json.dumps(res["missing"] + res["incomplete"]),
+          extra[0], json.dumps(extra[1]))
+    return 0 if not res["missing"] and not res["incomplete"] else 1

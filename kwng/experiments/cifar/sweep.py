@@ -1,11 +1,14 @@
-"""Many CIFAR runs: plans, worker processes, GPU slots, the step-size selection rule,
-step timing and the epoch schedule (book chapter :ref:`experiments-cifar`)."""
+"""Many CIFAR runs (book chapter :ref:`experiments-cifar`): a plan's runs spread over
+worker processes on GPU slots (:func:`sweep`), each worker's loop over the plan
+(:func:`worker`), and their command lines, ``cifar sweep`` and ``cifar worker``."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import hashlib
+import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -14,40 +17,22 @@ import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from kwng.experiments import guard
-from kwng.experiments.cifar.config import RunConfig
-from kwng.experiments.cifar.data import NUM_CLASSES
-from kwng.experiments.cifar.methods import (
-    BATCH_SIZE,
-    METHODS,
-    device_for,
-)
-from kwng.experiments.cifar.metrics import UpdateShare
-from kwng.experiments.cifar.plans import assign_slots, job_cost
+from kwng.experiments.cifar.config import SETTINGS, RunConfig
+from kwng.experiments.cifar.data import DATASETS
+from kwng.experiments.cifar.methods import CHECKPOINTS, CLAIM
+from kwng.experiments.cifar.plans import PLAN_NAMES, assign_slots, build_plan, job_cost
 from kwng.experiments.cifar.runtime import (
     checkpoint_path_for,
-    fast_cuda,
     resolve_lr,
     run_dir_for,
     run_identity_of,
-    sync,
-)
-from kwng.experiments.cifar.steps import (
-    build_model,
-    build_optimizer,
-    make_step,
-    train_step,
 )
 from kwng.experiments.cifar.train import run
-from kwng.experiments.provenance import (
-    ResultFileError,
-    atomic_write_json,
-    read_json,
-    write_provenance,
-)
+from kwng.experiments.cli_checks import int_arg, number_arg
+from kwng.experiments.provenance import ResultFileError, atomic_write_json, read_json
 from kwng.experiments.run_lock import run_lock
 
 log = logging.getLogger(__name__)
@@ -246,77 +231,135 @@ def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | N
     return rc
 
 
-# ----------------------------------------------------------------------------- timing
-def _time_method(m: str, dataset: str, conditioning: str, steps: int, warmup: int,
-                 dev: torch.device, model_name: str) -> dict:
-    cfg = RunConfig(dataset=dataset, conditioning=conditioning, method=m, lr=0.01,
-                    model=model_name)
-    torch.manual_seed(0)
-    model = build_model(cfg).to(dev)
-    method = make_step(cfg, model, build_optimizer(cfg, model, 0.01), dev)
-    share = UpdateShare(model)
-    z = torch.randn(cfg.batch, 3, 32, 32, device=dev)
-    y = torch.randint(0, NUM_CLASSES[dataset], (cfg.batch,), device=dev)
-    for i in range(warmup + steps):
-        if i == warmup:
-            sync(dev)
-            t0 = time.perf_counter()
-        train_step(method, model, z, y, share)
-    sync(dev)
-    return {"sec_per_step": (time.perf_counter() - t0) / steps, "batch_size": cfg.batch}
+# ------------------------------------------------------------------------ command lines
+def _overrides(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for it in items:
+        key, sep, val = it.partition("=")
+        if not sep or key not in SETTINGS:
+            raise ValueError(f"--set takes KEY=VALUE with KEY one of "
+                             f"{sorted(SETTINGS)}, got {it!r}")
+        try:
+            out[key] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key] = val
+    return out
 
 
-def timing(methods: Iterable[str], dataset: str, conditioning: str, steps: int,
-           warmup: int, device: str | None, out: Path,
-           model_name: str = "resnet18") -> dict:
-    """Seconds per training step of each method alone on ``device`` (random inputs,
-    batch of the method): the step of the runner
-    (:func:`kwng.experiments.cifar.steps.train_step`, with the last-layer share), not
-    timing evaluation. Writes ``out`` with provenance."""
-    dev = device_for(device)
-    fast_cuda(dev)
-    res = {}
-    for m in methods:
-        res[m] = _time_method(m, dataset, conditioning, steps, warmup, dev, model_name)
-        log.info("timing %s: %.2f ms/step", m, 1e3 * res[m]["sec_per_step"])
-    rec = {"device": str(dev), "steps": steps, "warmup": warmup,
-           "conditioning": conditioning,
-           "note": "KFAC refreshes every 100 steps: its per-step time here includes "
-                   "the refresh share only if steps >= 100", "methods": res}
-    atomic_write_json(out, rec)
-    write_provenance(out.parent, {"command": "timing", "methods": list(methods)},
-                     device=str(dev))
-    return rec
+def _plan_arg(text: str) -> str:
+    """``--plan``: a named plan or an existing JSON file of run settings."""
+    if text in PLAN_NAMES or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(PLAN_NAMES)} or a "
+                                     f"JSON file of run settings, got {text!r}")
 
 
-def schedule_epochs(timing_file: Path, plan: list[dict], budget_s: float,
-                    concurrency_gain: float = 1.5, lo: int = 3, hi: int = 15,
-                    train_size: int = 50_000, gpus: int = 1,
-                    procs_per_gpu: int | None = None, eval_s: float = 0.5) -> int:
-    """The largest number of epochs (in ``[lo, hi]``) with which ``plan`` fits
-    ``budget_s`` seconds of wall clock on ``gpus`` GPUs, from the per-step times of
-    ``timing_file`` (a method missing from it costs like ``kwng``) and an assumed
-    throughput gain of concurrent processes on one GPU.
+def _epochs_arg(text: str) -> str:
+    """``--epochs`` of a sweep: an integer >= 1 or ``auto``."""
+    try:
+        return text if text == "auto" else str(int_arg(1)(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1 or 'auto', got {text!r}") from None
 
-    With one GPU the plan's total cost per epoch counts; with several, the most loaded
-    GPU's cost after :func:`assign_slots` (``procs_per_gpu`` workers each, default:
-    enough for every run)."""
-    t = read_json(timing_file)["methods"]
-    fallback = t.get("kwng", {"sec_per_step": 0.02, "batch_size": BATCH_SIZE})
-    timing = {m: t.get(m, fallback) for m in METHODS}
 
-    def per_epoch(j: dict) -> float:
-        bs = METHODS[j["method"]].spec.get("batch_size", BATCH_SIZE)
-        return math.ceil(train_size / bs) * timing[j["method"]]["sec_per_step"] + eval_s
+def _sweep_arguments(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    add("--plan", required=True, type=_plan_arg,
+        help=f"{', '.join(PLAN_NAMES)} or a JSON file of run settings")
+    add("--dataset", default="cifar10", choices=DATASETS)
+    add("--epochs", default="6", type=_epochs_arg,
+        help="an integer, or 'auto' (from the schedule file)")
+    add("--data-root", default=None)
+    add("--gpus", type=int_arg(0), default=1)
+    add("--procs-per-gpu", type=int_arg(1), default=4)
+    add("--deadline-s", type=number_arg(0), default=None,
+        help="stop starting/continuing runs after this")
+    add("--start-by-s", type=number_arg(0), default=None,
+        help="start no run after this many seconds (a run begun later could not "
+             "finish before the machine goes back)")
+    add("--finish-by-s", type=number_arg(0), default=None,
+        help="start no run whose estimated duration (a plan's est_s) would end it "
+             "after this many seconds")
+    add("--select-epochs", type=int_arg(1), default=2,
+        help="claim_select: epochs of each run")
+    add("--select-subset", type=int_arg(1), default=None, help="claim_select: "
+        "training images per run (default: all but the held-out ones)")
+    add("--select-val", type=int_arg(1), default=5_000,
+        help="claim_select: held-out images")
+    add("--timing", default=None, help="a timing file (`cifar timing`) to balance the "
+        "GPUs")
+    add("--methods", default=None, help="comma list: only these methods' runs")
+    add("--force", action="store_true", help="back up finished runs of another config")
+    add("--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a run setting in every run of the plan (e.g. model=tiny for a "
+             "CPU smoke test); VALUE is read as JSON if it parses, else as a string")
 
-    procs = procs_per_gpu or max(1, math.ceil(len(plan) / max(gpus, 1)))
-    loads = [0.0] * max(gpus, 1)
-    rest = 0.0
-    for j in assign_slots(plan, gpus, procs, timing):
-        if "slot" in j:
-            loads[j["slot"] // procs] += per_epoch(j)
-        else:
-            rest += per_epoch(j)
-    worst = max(loads) + rest / max(gpus, 1)
-    e = int(budget_s * concurrency_gain // worst)
-    return max(lo, min(hi, e))
+
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    """A sweep's worker process (started by the sweep, never by hand): its plan file,
+    session, slot and the sweep's limits as Unix times."""
+    add = p.add_argument
+    add("--plan", required=True, help="the sweep's plan file")
+    add("--session", default=None)
+    add("--offset", type=int_arg(0), default=0)
+    add("--deadline", type=number_arg(0), default=None)
+    add("--start-by", type=number_arg(0), default=None)
+    add("--finish-by", type=number_arg(0), default=None)
+
+
+def _main_worker(a: argparse.Namespace) -> int:
+    # a sweep started in the background by a non-interactive shell starts its workers
+    # with SIGINT ignored; the sweep passes a SIGINT on, so the worker must hear it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    jobs = list(read_json(a.plan))
+    if any("slot" in j for j in jobs):
+        # this worker's assigned run, then the unassigned ones; never another worker's
+        # run (that would move it to another GPU and unbalance the loads)
+        jobs = ([j for j in jobs if j.get("slot") == a.offset]
+                + [j for j in jobs if "slot" not in j])
+    else:
+        jobs = jobs[a.offset:] + jobs[:a.offset]  # spread the first claims
+    stem = Path(a.plan).stem
+    ff = Path(a.plan).with_name(f"{stem}.failures-{a.session}-{os.getpid()}.json")
+    return 1 if worker(jobs, a.session, a.deadline, ff, a.start_by,
+                       a.finish_by) else 0
+
+
+def _main_sweep(a: argparse.Namespace) -> int:
+    epochs = a.epochs
+    if epochs == "auto":
+        epochs = int(read_json(CLAIM / "schedule.json")["epochs"])
+    only = a.methods.split(",") if a.methods else None
+    if a.plan == "claim_select":
+        plan = build_plan(a.plan, a.dataset, int(epochs), select_subset=a.select_subset,
+                          select_val=a.select_val, data_root=a.data_root,
+                          select_epochs=a.select_epochs, methods=only)
+    else:
+        plan = build_plan(a.plan, a.dataset, int(epochs), data_root=a.data_root,
+                          methods=only)
+    plan = [{**j, **_overrides(a.set)} for j in plan]
+    # sweeps of one plan over disjoint method lists may run side by side: one plan
+    # file each
+    tag = ("-" + hashlib.sha1(",".join(sorted(only)).encode()).hexdigest()[:8]
+           if only else "")
+    plan_file = CHECKPOINTS / "plans" / f"{Path(a.plan).stem}{tag}.json"
+    timing_rec = read_json(a.timing)["methods"] if a.timing else None
+    log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus,
+             a.procs_per_gpu)
+    return sweep(plan, a.gpus, a.procs_per_gpu, a.deadline_s, plan_file, timing_rec,
+                 force=a.force, start_by_s=a.start_by_s,
+                 finish_by_s=a.finish_by_s)
+
+
+def sweep_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
+    """``cifar sweep``: the plan's runs in ``--gpus × --procs-per-gpu`` workers
+    (:func:`sweep`)."""
+    _sweep_arguments(p)
+    return _main_sweep(p.parse_args(rest))
+
+
+def worker_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
+    """``cifar worker``: one worker of a sweep (:func:`worker`)."""
+    _worker_arguments(p)
+    return _main_worker(p.parse_args(rest))

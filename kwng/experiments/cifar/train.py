@@ -8,7 +8,7 @@ checkpoint; every method takes its step through
 (:func:`~kwng.experiments.cifar.steps.train_step`).
 
 The same loop serves one process and ``world_size`` processes under torchrun
-(:mod:`kwng.experiments.cifar.ddp`): every rank draws the same global batch of
+(:func:`kwng.experiments.cifar.cli.ddp_main`): every rank draws the same global batch of
 ``world_size × batch`` images and trains on its slice (KWNG: ``DistributedKWNG``); the
 training sums are summed over the ranks, rank 0's batch-norm statistics are copied to
 every rank before the evaluation; rank 0 alone decides and writes.
