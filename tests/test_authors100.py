@@ -70,7 +70,7 @@ def test_epoch_stats_accumulate_in_place_and_reset():
 def test_evaluate_full_confusion_recall_precision_and_feature_norm():
     from kwng.experiments.cifar.images import GPUAugmentedData
     from kwng.experiments.cifar.metrics import evaluate, evaluate_full
-    from kwng.experiments.cifar.nets import ConditionedNetwork, tiny_cnn
+    from kwng.experiments.nets import ConditionedNetwork, tiny_cnn
 
     torch.manual_seed(0)
     rng = np.random.default_rng(1)

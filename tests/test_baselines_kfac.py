@@ -18,7 +18,7 @@ from kwng.engine.amortized import SystemCache
 from kwng.engine.capture import amortized_replay, warmup_kind
 from kwng.experiments.cifar import steps
 from kwng.experiments.cifar.kfac_factors import FactorSchedule, InverseFactors
-from kwng.experiments.cifar.nets import ConditionedNetwork, DiagonalConditioning
+from kwng.experiments.nets import ConditionedNetwork, DiagonalConditioning
 
 pytest.importorskip("nngeometry")
 

@@ -241,7 +241,7 @@ def test_frozen_six_epoch_study_covers_its_runs():
 def test_kfac_wrapper_step_keeps_bn_stats(kind):
     pytest.importorskip("nngeometry")
     from kwng.experiments.cifar.baselines import KFACPreconditioner, bn_state
-    from kwng.experiments.cifar.nets import DiagonalConditioning, tiny_cnn
+    from kwng.experiments.nets import DiagonalConditioning, tiny_cnn
 
     torch.manual_seed(0)
     model = tiny_cnn(10)
@@ -279,7 +279,7 @@ def test_kfac_wrapper_step_keeps_bn_stats(kind):
 def test_kfac_leaves_batchnorm_gradient_plain():
     pytest.importorskip("nngeometry")
     from kwng.experiments.cifar.baselines import KFACPreconditioner
-    from kwng.experiments.cifar.nets import tiny_cnn
+    from kwng.experiments.nets import tiny_cnn
 
     torch.manual_seed(1)
     model = tiny_cnn(10)
@@ -396,7 +396,7 @@ def _two_networks(seed: int = 0, d: int = 5, condition: float = 1e4):
     """Network A: ``z ↦ U h(z)`` (U inside). Network B: the same body with the last
     layer's rows multiplied by ``U`` and no U: the same function, reparametrised.
     Float64 for exact comparisons."""
-    from kwng.experiments.cifar.nets import (
+    from kwng.experiments.nets import (
         ConditionedNetwork,
         DiagonalConditioning,
         mlp,
@@ -780,7 +780,7 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
 def _fake_claim_results(kwng_ill: float, small_ill: float):
     """Records of the claim suite: 10 classes, per-class accuracy; KWNG IC has
     ``kwng_ill`` overall and ``small_ill`` on the four classes with the smallest U_k."""
-    from kwng.experiments.cifar.nets import DiagonalConditioning
+    from kwng.experiments.nets import DiagonalConditioning
 
     U = DiagonalConditioning(10, 1e7).diag.double().numpy()
     small = np.argsort(U)[:4]

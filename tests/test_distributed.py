@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from kwng import KWNGPreconditioner
 from kwng.engine.distributed import DistributedKWNG, bucket_size, replica_spread
-from kwng.experiments.cifar.nets import mlp
 from kwng.experiments.distributed_check import CASES, compare_directions, launch
+from kwng.experiments.nets import mlp
 
 TOL = 1e-10
 

@@ -27,7 +27,7 @@ from kwng.engine.precond import KWNGPreconditioner
 from kwng.engine.precond_loop import backward_hint, is_compiled, predicted_decrease
 from kwng.experiments.bench.mode_choice import ROWS, auto_modes
 from kwng.experiments.bench.mode_choice import main as mode_choice_main
-from kwng.experiments.cifar.nets import mlp, tiny_cnn
+from kwng.experiments.nets import mlp, tiny_cnn
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("fast", "reference")

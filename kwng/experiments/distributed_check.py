@@ -114,7 +114,7 @@ def launch(argv: Sequence[str], world_size: int, timeout: float = 60.0,
 
 def _problem(net: str, sizes: Sequence[int]):
     """The network (float64) and the global batch split into shards of ``sizes``."""
-    from kwng.experiments.cifar.nets import mlp, tiny_cnn
+    from kwng.experiments.nets import mlp, tiny_cnn
 
     gen = torch.Generator().manual_seed(_SEED)
     torch.manual_seed(_SEED)

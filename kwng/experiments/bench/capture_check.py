@@ -30,7 +30,7 @@ from torch import nn
 
 from kwng import KWNGPreconditioner, capture_step
 from kwng.experiments.bench.step_cost import CONFIGS
-from kwng.experiments.cifar.nets import resnet18
+from kwng.experiments.nets import resnet18
 
 __all__ = ["KFAC_STEPS", "METHODS", "main", "make_loop", "train"]
 

@@ -8,7 +8,7 @@ One ``torchrun`` job per world size ``W`` (``scripts/run_ddp_scaling.sh`` runs W
     python -m kwng.experiments.bench.ddp_record part_1.json part_2.json part_4.json \\
         --out ddp_scaling.json
 
-Each rank trains ResNet-18 (:func:`kwng.experiments.cifar.nets.resnet18`) on its own
+Each rank trains ResNet-18 (:func:`kwng.experiments.nets.resnet18`) on its own
 random CIFAR-shaped batch of ``--batch`` images (128: the global batch is ``W × 128``,
 weak scaling), in fp32 and in bf16 autocast, ``channels_last`` on a GPU (as
 :mod:`kwng.experiments.bench.step_cost`), and times the rows
@@ -201,7 +201,7 @@ def _device(args) -> torch.device:
 
 def run(args) -> dict | None:
     """One world size: every row on every rank; rank 0 writes ``args.out``."""
-    from kwng.experiments.cifar.nets import resnet18, tiny_cnn
+    from kwng.experiments.nets import resnet18, tiny_cnn
 
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout))

@@ -36,7 +36,7 @@ from torch import nn
 
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.experiments.bench.timed import time_steps, training_step
-from kwng.experiments.cifar.nets import mlp, resnet18, tiny_cnn
+from kwng.experiments.nets import mlp, resnet18, tiny_cnn
 from kwng.experiments.provenance import (
     atomic_write_json,
     index_provenance,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kwng.engine.precond import KWNGPreconditioner
-from kwng.experiments.cifar.nets import resnet18
+from kwng.experiments.nets import resnet18
 from kwng.experiments.provenance import (
     atomic_write_json,
     index_provenance,

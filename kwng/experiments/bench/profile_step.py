@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kwng.engine.gpu_paths import GPU_PATHS, use_gpu_path
 from kwng.experiments.bench.step_cost import CONFIGS, ROWS, _make_step
-from kwng.experiments.cifar.nets import resnet18
+from kwng.experiments.nets import resnet18
 
 KINDS = (  # first match wins; patterns on the lower-cased kernel name
     ("conv_wgrad", r"wgrad|weight_grad|bprop_filter|filter"),

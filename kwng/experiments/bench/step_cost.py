@@ -58,7 +58,7 @@ from kwng.engine.capture import capture_step
 from kwng.engine.gpu_paths import GPU_PATHS, use_gpu_path
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.experiments.bench.timed import _warm_then_time, training_step
-from kwng.experiments.cifar.nets import mlp, resnet18
+from kwng.experiments.nets import mlp, resnet18
 from kwng.experiments.provenance import (
     atomic_write_json,
     index_provenance,

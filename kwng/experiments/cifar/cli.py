@@ -5,7 +5,7 @@ Two studies share this runner:
 
 * the **claim suite** (plans ``claim_select`` and ``claim``, results under
   ``results/cifar/claim/``): the methods of ``CLAIM_METHODS`` with the network ``z ↦ U
-  h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`, ``U`` inside the
+  h_θ(z)`` (:class:`kwng.experiments.nets.ConditionedNetwork`, ``U`` inside the
   network as in the authors' code, so the KWNG samples are ``U h_θ(z)``;
   ``kwng_samples_before_U`` is the ablation on ``h_θ(z)``), the authors' ε convention
   (:func:`kwng.engine.config.eps_from_authors`), step sizes chosen from

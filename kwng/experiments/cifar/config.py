@@ -30,8 +30,8 @@ from kwng.experiments.cifar.methods import (
     SCHEDULES,
     check_method_spec,
 )
-from kwng.experiments.cifar.nets import NETWORKS
 from kwng.experiments.cli_checks import int_arg, lr_arg
+from kwng.experiments.nets import NETWORKS
 
 __all__ = ["RunConfig", "SETTINGS", "SMALL_RUN", "FULL_RUN", "add_run_options"]
 

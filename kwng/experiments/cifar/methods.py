@@ -21,7 +21,7 @@ CONDITIONINGS = ("well", "ill")
 #: the step sizes the selection runs try, as in the paper
 LR_GRID = (10.0, 1.0, 0.1, 0.01, 0.001, 0.0001)
 #: ``max U / min U`` of the ill-conditioned network
-#: (:class:`~kwng.experiments.cifar.nets.DiagonalConditioning`)
+#: (:class:`~kwng.experiments.nets.DiagonalConditioning`)
 CONDITION_NUMBER = 1e7
 #: every method's update is clipped to this norm
 CLIP_NORM = 1.0

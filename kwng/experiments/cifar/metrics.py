@@ -25,7 +25,7 @@ def evaluate_full(model: nn.Module, data: GPUAugmentedData, batch_size: int = 10
     ``feature_norm``: the mean norm ``‖φ‖`` of the input of the last linear layer
     (the features the class rows ``W_k`` multiply). ``num_classes`` defaults to the
     width of the outputs."""
-    from kwng.experiments.cifar.nets import last_linear
+    from kwng.experiments.nets import last_linear
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
             or batch_size < 1:
@@ -207,7 +207,7 @@ class UpdateShare:
     (the attribute ``row_move``, set by :meth:`after`)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from kwng.experiments.cifar.nets import last_linear
+        from kwng.experiments.nets import last_linear
 
         weight = last_linear(model).weight
         last = {id(p) for p in last_linear(model).parameters()}

@@ -25,9 +25,9 @@ from kwng.experiments.cifar.methods import (
     SELECTION,
     milestones_for,
 )
-from kwng.experiments.cifar.nets import DiagonalConditioning
 from kwng.experiments.cifar.plans import build_plan
 from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
+from kwng.experiments.nets import DiagonalConditioning
 from kwng.experiments.provenance import ResultFileError, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)

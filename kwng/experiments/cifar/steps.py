@@ -30,7 +30,7 @@ from kwng.experiments.cifar.methods import (
     OPTIMIZERS,
 )
 from kwng.experiments.cifar.metrics import UpdateShare
-from kwng.experiments.cifar.nets import (
+from kwng.experiments.nets import (
     NETWORKS,
     ConditionedNetwork,
     DiagonalConditioning,
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def build_model(cfg: RunConfig) -> nn.Module:
-    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.cifar.nets.ConditionedNetwork`):
+    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.nets.ConditionedNetwork`):
     ``U`` inside the network (the identity for ``well``)."""
     k = NUM_CLASSES[cfg.dataset]
     body = NETWORKS[cfg.model](k)

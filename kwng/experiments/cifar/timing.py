@@ -46,7 +46,6 @@ from kwng.experiments.cifar.methods import (
     milestones_for,
 )
 from kwng.experiments.cifar.metrics import UpdateShare
-from kwng.experiments.cifar.nets import NETWORKS
 from kwng.experiments.cifar.plans import assign_slots, build_plan
 from kwng.experiments.cifar.runtime import fast_cuda, sync
 from kwng.experiments.cifar.steps import (
@@ -57,6 +56,7 @@ from kwng.experiments.cifar.steps import (
 )
 from kwng.experiments.cifar.train import Run
 from kwng.experiments.cli_checks import device_problem, int_arg, names_arg, number_arg
+from kwng.experiments.nets import NETWORKS
 from kwng.experiments.provenance import (
     atomic_write_json,
     make_provenance,

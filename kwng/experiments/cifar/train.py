@@ -229,7 +229,7 @@ class Run:
     def end_epoch(self, epoch: int, total_steps: int) -> bool:
         """Evaluate, record the epoch (and checkpoint); ``True`` when the run is
         over."""
-        from kwng.experiments.cifar.nets import last_linear
+        from kwng.experiments.nets import last_linear
 
         cfg, record = self.cfg, self.record
         lr_epoch = self.optimizer.param_groups[0]["lr"]

@@ -1,5 +1,5 @@
-"""Networks of the CIFAR study (paper App. D.2, Table 1) and small models for tests and
-the book.
+"""Networks of the experiments: the CIFAR study's ResNet-18 and its conditioning (paper
+App. D.2, Table 1), and small models for the benchmarks, tests and the book.
 
 * :func:`resnet18` — one 3×3 convolution (64 channels), 8 residual blocks (two per width
   64, 128, 256, 512; each block two 3×3 convolutions with batch normalisation and ReLU;
