@@ -42,10 +42,10 @@ Where it runs.
 * ``mode="reference"``: the same schedule; a cached step's direction goes through the
   float64 solve of the reference path. It syncs with the host and is never captured.
 * Captured (:func:`kwng.engine.capture.capture_step` with ``preconditioner=``): the two
-  kinds of step are two programs, so two CUDA graphs are recorded (:meth:`forced` picks
-  the kind while recording) and each replay runs the one that :attr:`SystemCache.due`
-  names — a host counter, no sync. The cached tensors are updated in place, so both
-  graphs read and write the same memory.
+  kinds of step are two programs, so two CUDA graphs are recorded
+  (:meth:`SystemCache.forced` picks the kind while recording) and each replay runs the
+  one that :attr:`SystemCache.due` names — a host counter, no sync. The cached tensors
+  are updated in place, so both graphs read and write the same memory.
 * :class:`kwng.DistributedKWNG`: the ``(M + 1)·q`` all-reduce of ``[g; T]`` happens on
   refresh steps only; the other steps all-reduce ``q + 1`` values (``g`` and the shard's
   loss, for the ε rule), as DistributedDataParallel reduces ``g``.

@@ -160,7 +160,7 @@ class KFACPreconditioner:
 
     @property
     def steps(self) -> int:
-        """Steps taken (the host-side counter of :attr:`schedule`)."""
+        """Steps taken (the host-side counter of its ``schedule``)."""
         return self.schedule.steps
 
     @property

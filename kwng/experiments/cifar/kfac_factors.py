@@ -45,11 +45,12 @@ class FactorSchedule:
     """The host-side step counter of a preconditioner whose factors are refreshed every
     ``every`` steps by an eager pass.
 
-    Step ``s`` (counted from 0, :attr:`steps`) refreshes when ``s % every == 0`` or when
-    no factors exist yet (:attr:`ready` is ``False``); :meth:`forced` overrides the
+    Step ``s`` (counted from 0, ``steps``) refreshes when ``s % every == 0`` or when
+    no factors exist yet (``ready`` is ``False``); :meth:`forced` overrides the
     choice while a graph of the step between refreshes is recorded."""
 
-    #: a refresh step cannot be recorded in a CUDA graph: the runners run it eagerly
+    #: whether a refresh step can be recorded in a CUDA graph; never here, so the
+    #: runners run it eagerly
     refresh_capturable = False
 
     def __init__(self, every: int) -> None:
