@@ -352,7 +352,8 @@ def alone_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
 def seconds_to_accuracy(p: dict, root: str | os.PathLike = FIG3,
                      targets: tuple[float, ...] = (0.80, 0.85)) -> dict[str, dict]:
     """Per ``"<conditioning>/<method>"`` at its selected step, from
-    :func:`alone_runs`: ``lr``, ``runs``, ``s_per_epoch`` (median training seconds an
+    :func:`alone_runs`: ``lr``, ``final`` (whether that selection is final), ``runs``,
+    ``s_per_epoch`` (median training seconds an
     epoch, the first excluded), ``to`` (``{target: mean training seconds to the first
     epoch at or above that test accuracy, or None when a run never reached it}``) and
     ``epoch_to`` (the same in epochs). Training time only: the per-epoch evaluations
@@ -360,10 +361,10 @@ def seconds_to_accuracy(p: dict, root: str | os.PathLike = FIG3,
     state, out = grid_state(p, root), {}
     for (cond, m, _), rec in sorted(alone_runs(p, root).items()):
         rows = rec["epochs"]
-        e = out.setdefault(f"{cond}/{m}", {"lr": state[f"{cond}/{m}"]["selected"],
-                                            "runs": 0, "epochs": [],
-                                            "to": {t: [] for t in targets},
-                                            "epoch_to": {t: [] for t in targets}})
+        st = state[f"{cond}/{m}"]
+        e = out.setdefault(f"{cond}/{m}", {
+            "lr": st["selected"], "final": st["final"], "runs": 0, "epochs": [],
+            "to": {t: [] for t in targets}, "epoch_to": {t: [] for t in targets}})
         e["runs"] += 1
         e["epochs"] += [b["time_train"] - a["time_train"]
                         for a, b in zip(rows, rows[1:])]
