@@ -400,6 +400,25 @@ def test_corrupt_metrics_does_not_stop_the_worker(tmp_path):
     assert len(failures) == 1 and str(bad) in failures[0]["error"]
 
 
+def test_a_cut_run_is_refused_by_a_worker_and_run_again_with_force(tmp_path):
+    """A run cut after its first epoch whose checkpoint is gone: a worker logs it as a
+    failure and leaves it; with ``force`` the record moves to a dated backup beside it
+    and the run trains to the end."""
+    job = _run_cfg(tmp_path, method="sgd", epochs=2)
+    train.run({**job, "stop_after_epoch": 1}, progress=False)
+    rdir = runtime.run_dir_for(job)
+    runtime.checkpoint_path_for(job).unlink()
+    before = _snapshot(rdir)
+    failures = sweep.worker([job], "cut", None)
+    assert len(failures) == 1 and "checkpoint" in failures[0]["error"]
+    assert _snapshot(rdir) == before
+    assert sweep.worker([job], "cut-force", None, force=True) == []
+    rec = json.loads((rdir / "metrics.json").read_text())
+    assert rec["complete"] and len(rec["epochs"]) == 2
+    (backup,) = rdir.parent.glob("seed0.backup-*")
+    assert _snapshot(backup) == before
+
+
 def test_sweep_exits_non_zero_listing_failures(tmp_path, caplog):
     jobs = [_run_cfg(tmp_path, method="sgd", seed=s, epochs=1) for s in (0, 1)]
     bad = runtime.run_dir_for(jobs[1]) / "metrics.json"

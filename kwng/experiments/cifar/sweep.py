@@ -66,11 +66,13 @@ def run_lock_for(cfg: RunConfig) -> contextlib.AbstractContextManager:
 def worker(jobs: Iterable[dict], session: str, deadline: float | None,
            failures_file: str | os.PathLike | None = None,
            start_by: float | None = None,
-           finish_by: float | None = None) -> list[dict]:
+           finish_by: float | None = None, force: bool = False) -> list[dict]:
     """Run every unclaimed, unfinished job of ``jobs`` in this process: none started
     after the Unix time ``start_by``, and none whose estimated duration (its
     ``est_s``) would end it after ``finish_by``, so that a run that cannot finish
-    before the GPU machine goes back is not begun.
+    before the GPU machine goes back is not begun. ``force``: a record in a run's way
+    (another configuration, or a cut run whose checkpoint is gone) is moved to a dated
+    backup and the run starts again (:func:`kwng.experiments.cifar.train.run`).
 
     A run that fails (corrupt record, other configuration in its directory, error while
     training) is logged and listed, and the worker goes on with the next. Returns the
@@ -99,7 +101,7 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
             # run is still checked against the job (its identity), by that worker
             if _claim(cfg, session):
                 with run_lock_for(cfg):
-                    run(cfg, progress=False)
+                    run(cfg, progress=False, force=force)
         # one bad run must not stop a sweep
         except (RuntimeError, ValueError, OSError, KeyError, EOFError) as exc:
             log.error("run %s failed: %s", name, exc)
@@ -135,7 +137,8 @@ def is_complete(job: dict, force: bool = False) -> bool:
 
 def _spawn_workers(plan_file: Path, gpus: int, procs_per_gpu: int, session: str,
                    deadline: float | None, start_by: float | None = None,
-                   finish_by: float | None = None) -> list[subprocess.Popen]:
+                   finish_by: float | None = None,
+                   force: bool = False) -> list[subprocess.Popen]:
     procs = []
     for g in range(max(gpus, 1)):
         for p in range(procs_per_gpu):
@@ -152,6 +155,7 @@ def _spawn_workers(plan_file: Path, gpus: int, procs_per_gpu: int, session: str,
             for flag, t in (("--start-by", start_by), ("--finish-by", finish_by)):
                 if t is not None:
                     cmd += [flag, repr(t)]
+            cmd += ["--force"] if force else []
             # a session of their own: a terminal's Ctrl-C reaches the sweep, which
             # forwards it once (:func:`_wait_forwarding`)
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
@@ -219,7 +223,7 @@ def sweep(plan: list[dict], gpus: int, procs_per_gpu: int, deadline_s: float | N
     start_by = None if start_by_s is None else now + start_by_s
     finish_by = None if finish_by_s is None else now + finish_by_s
     rc = _wait_forwarding(_spawn_workers(plan_file, gpus, procs_per_gpu, session,
-                                         deadline, start_by, finish_by))
+                                         deadline, start_by, finish_by, force))
     failures = []
     pattern = f"{plan_file.stem}.failures-{session}-*.json"
     for f in sorted(plan_file.parent.glob(pattern)):
@@ -290,7 +294,9 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--timing", default=None, help="a timing file (`cifar timing`) to balance the "
         "GPUs")
     add("--methods", default=None, help="comma list: only these methods' runs")
-    add("--force", action="store_true", help="back up finished runs of another config")
+    add("--force", action="store_true", help="back up what is in a run's way (a "
+        "finished run of another configuration, a cut run whose checkpoint is gone) "
+        "and run it")
     add("--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a run setting in every run of the plan (e.g. model=tiny for a "
              "CPU smoke test); VALUE is read as JSON if it parses, else as a string")
@@ -306,6 +312,7 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     add("--deadline", type=number_arg(0), default=None)
     add("--start-by", type=number_arg(0), default=None)
     add("--finish-by", type=number_arg(0), default=None)
+    add("--force", action="store_true")
 
 
 def _main_worker(a: argparse.Namespace) -> int:
@@ -323,7 +330,7 @@ def _main_worker(a: argparse.Namespace) -> int:
     stem = Path(a.plan).stem
     ff = Path(a.plan).with_name(f"{stem}.failures-{a.session}-{os.getpid()}.json")
     return 1 if worker(jobs, a.session, a.deadline, ff, a.start_by,
-                       a.finish_by) else 0
+                       a.finish_by, a.force) else 0
 
 
 def _main_sweep(a: argparse.Namespace) -> int:
