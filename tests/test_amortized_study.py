@@ -23,7 +23,7 @@ def test_every_record_keeps_the_protocol_at_kwngs_selected_step_from_one_round()
     runs = amortized.amortized_runs(P, AM)
     assert runs, "no amortized record committed"
     state = fig3.grid_state(P, FIG3)
-    rounds = verdicts.rounds(FIG3)
+    rounds = fig3.rounds(FIG3)
     for (cond, m, seed), rec in runs.items():
         assert m in AMORTIZED_METHODS and seed == 0
         assert rec["lr"] == state[f"{cond}/kwng"]["selected"], (cond, m)
@@ -31,7 +31,7 @@ def test_every_record_keeps_the_protocol_at_kwngs_selected_step_from_one_round()
         assert spec["refresh_every"] == METHODS[m].settings["refresh_every"] > 1
         prov = json.loads((AM / f"lr{rec['lr']:g}" / "cifar10" / cond / m / "seed0"
                            / "provenance.json").read_text())
-        rd = verdicts.round_of(prov, rounds)
+        rd = fig3.round_of(prov, rounds)
         assert rd is not None and rd["alone"], (cond, m)
         assert [e["epoch"] for e in rec["epochs"]] == list(
             range(1, len(rec["epochs"]) + 1))

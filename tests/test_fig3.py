@@ -259,13 +259,12 @@ def test_a_run_estimate_comes_from_the_method_or_its_family():
 def test_every_record_belongs_to_one_round_of_the_ledger():
     """``rounds.json`` lists every GPU round; each committed record's provenance names
     the commit of exactly one, and the rounds' record counts add up."""
-    from kwng.experiments.cifar import verdicts
     from kwng.experiments.provenance import read_json
 
-    rounds = verdicts.rounds(FIG3)
+    rounds = fig3.rounds(FIG3)
     counts = dict.fromkeys((r["round"] for r in rounds), 0)
     for prov in FIG3.glob("*/lr*/*/*/*/seed*/provenance.json"):
-        rd = verdicts.round_of(read_json(prov), rounds)
+        rd = fig3.round_of(read_json(prov), rounds)
         assert rd is not None, prov
         counts[rd["round"]] += 1
     assert counts == {r["round"]: r["records"] for r in rounds}
@@ -283,10 +282,10 @@ def test_seconds_to_accuracy_counts_training_time_to_the_first_epoch_there(tmp_p
     assert verdicts._seconds_to(rows, 0.85) is None
     rounds = [{"round": 1, "git_commit": "abc123", "alone": False},
               {"round": 2, "git_commit": "def456", "alone": True}]
-    assert verdicts.round_of({"git_commit": "def4567890"}, rounds)["round"] == 2
-    assert verdicts.round_of({"git_commit": "abc"}, rounds)["round"] == 1
-    assert verdicts.round_of({"git_commit": "fff"}, rounds) is None
-    assert verdicts.round_of({}, rounds) is None
+    assert fig3.round_of({"git_commit": "def4567890"}, rounds)["round"] == 2
+    assert fig3.round_of({"git_commit": "abc"}, rounds)["round"] == 1
+    assert fig3.round_of({"git_commit": "fff"}, rounds) is None
+    assert fig3.round_of({}, rounds) is None
 
 
 def test_the_throughput_window_is_where_every_run_trains():
@@ -320,3 +319,39 @@ def test_the_amortized_plan_runs_at_kwngs_selected_steps(tmp_path, monkeypatch):
                      "train_subset": 200, "checkpoint_dir": "ck", "out": "res"},
                     progress=False)
     assert rec["complete"] and rec["method_spec"]["refresh_every"] == 5
+
+
+def test_ablation_runs_are_finished_ablations_beside_kwng_at_its_selected_step():
+    """The ablation figure's runs: the protocol's variants and KWNG itself, all in the
+    ablation conditioning, at KWNG's selected step there, every one finished."""
+    from kwng.experiments.cifar import verdicts
+
+    p = fig3.load_protocol()
+    ab = p["ablations"]
+    runs = verdicts.ablation_runs(p)
+    lr = fig3.grid_state(p)[f"{ab['conditioning']}/{ab['lr_of']}"]["selected"]
+    assert any(m == ab["lr_of"] for _, m, _ in runs)
+    for (cond, m, s), rec in runs.items():
+        assert cond == ab["conditioning"]
+        assert m == ab["lr_of"] or s < ab["runs"][m]
+        assert float(rec["lr"]) == lr
+        assert len(rec["epochs"]) == p["settings"]["epochs"]
+
+
+def test_an_eager_run_does_not_time_a_method_with_captured_runs(monkeypatch):
+    """alone_runs keeps, of a method with a captured run, only captured runs; a method
+    without any keeps its eager ones."""
+    from kwng.experiments.cifar import verdicts
+
+    fake = {("ill", "kfac", 0): {"capture": False},
+            ("ill", "kfac", 1): {"capture": True},
+            ("ill", "sgd", 0): {"capture": False}}
+    monkeypatch.setattr(verdicts, "selected_runs", lambda p, root: fake)
+    monkeypatch.setattr(verdicts, "grid_state",
+                        lambda p, root: {"ill/kfac": {"selected": 10.0},
+                                         "ill/sgd": {"selected": 1.0}})
+    monkeypatch.setattr(verdicts, "rounds", lambda root: [])
+    monkeypatch.setattr(verdicts, "read_json", lambda path: {})
+    monkeypatch.setattr(verdicts, "round_of", lambda prov, rs: {"alone": True})
+    runs = verdicts.alone_runs({"dataset": "cifar10"}, "unused")
+    assert set(runs) == {("ill", "kfac", 1), ("ill", "sgd", 0)}

@@ -199,7 +199,9 @@ def fig_accuracy_vs_time(
 
 
 @book_figure
-def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = None):
+def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = None,
+                 title: str = "Ill-conditioned CIFAR-10: damping, diagonal "
+                 "conditioning,\nkernel, estimator input"):
     """Fig. 8: ill-conditioned case, KWNG against its variants (training and test
     accuracy per epoch)."""
     fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.6), squeeze=False)
@@ -214,8 +216,7 @@ def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = Non
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
     _legend_below(fig, axes)
-    fig.suptitle("Ill-conditioned CIFAR-10: damping, diagonal conditioning,\nkernel, "
-                 "estimator input", wrap=True)
+    fig.suptitle(title, wrap=True)
     fig.tight_layout(rect=(0, _below(axes), 1, 0.9))
     return fig
 

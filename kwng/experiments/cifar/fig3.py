@@ -47,7 +47,7 @@ from kwng.experiments.provenance import ResultFileError, read_json
 __all__ = ["FIG3", "PROTOCOL_FILE", "CHANCE_MARGIN", "CHANCE_EPOCH", "GAP", "GAP_EPOCH",
            "RULE", "load_protocol", "window_for", "protocol_commit", "sibling_rows",
            "stop_reason", "run_status", "record_at", "grid_state", "record_problem",
-           "check_fig3", "fig3_check"]
+           "check_fig3", "fig3_check", "rounds", "round_of"]
 
 log = logging.getLogger(__name__)
 
@@ -306,3 +306,18 @@ def fig3_check(root: str | None) -> int:
         print(f"{key:22s} selected {st['selected']} final {st['final']} "
               f"next {st['next']}  [{runs}]")
     return 1 if res["bad"] or res["incomplete"] else 0
+
+
+def rounds(root: str | os.PathLike = FIG3) -> list[dict]:
+    """The GPU rounds of the queue (``rounds.json`` beside the records): machine, git
+    commit, runs per GPU, whether each run had its GPU alone, device seconds."""
+    return read_json(Path(root) / "rounds.json")["rounds"]
+
+
+def round_of(prov: dict, rounds_: list[dict]) -> dict | None:
+    """The round whose ``git_commit`` the provenance ``prov`` names (a prefix of the
+    full hash matches), or ``None``."""
+    commit = str(prov.get("git_commit", ""))
+    hits = [r for r in rounds_ if commit and (commit.startswith(r["git_commit"])
+                                                or r["git_commit"].startswith(commit))]
+    return hits[0] if len(hits) == 1 else None

@@ -22,6 +22,8 @@ from kwng.experiments.cifar.fig3 import (
     FIG3,
     grid_state,
     record_at,
+    round_of,
+    rounds,
     run_status,
 )
 from kwng.experiments.cifar.methods import CLAIM_ALL
@@ -34,7 +36,7 @@ from kwng.experiments.provenance import read_json
 
 __all__ = ["SMALL_U", "claim_verdict", "authors100_verdict", "selection_rows",
            "selected_runs", "seed_summary", "fig3_verdicts", "round_epoch_seconds",
-           "rounds", "round_of", "alone_runs", "seconds_to_accuracy"]
+           "alone_runs", "seconds_to_accuracy", "ablation_runs"]
 
 #: Threshold of the claim suite's decision rule (its small-scaling classes have U_k at
 #: most this).
@@ -315,28 +317,15 @@ def round_epoch_seconds(p: dict, root: str | os.PathLike = FIG3,
     return out
 
 
-def rounds(root: str | os.PathLike = FIG3) -> list[dict]:
-    """The GPU rounds of the queue (``rounds.json`` beside the records): machine, git
-    commit, runs per GPU, whether each run had its GPU alone, device seconds."""
-    return read_json(Path(root) / "rounds.json")["rounds"]
-
-
-def round_of(prov: dict, rounds_: list[dict]) -> dict | None:
-    """The round whose ``git_commit`` the provenance ``prov`` names (a prefix of the
-    full hash matches), or ``None``."""
-    commit = str(prov.get("git_commit", ""))
-    hits = [r for r in rounds_ if commit and (commit.startswith(r["git_commit"])
-                                                or r["git_commit"].startswith(commit))]
-    return hits[0] if len(hits) == 1 else None
-
-
 def _seconds_to(rows: list[dict], target: float) -> float | None:
     return next((r["time_train"] for r in rows if r["test_acc"] >= target), None)
 
 
 def alone_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
-    """The part of :func:`selected_runs` whose run had its GPU alone: its provenance
-    names a round of :func:`rounds` with ``alone`` true."""
+    """The part of :func:`selected_runs` whose run had its GPU alone (its provenance
+    names a round of :func:`~kwng.experiments.cifar.fig3.rounds` with ``alone`` true);
+    of a method with a captured run among them, only the captured runs: an eager run
+    does not time a step that can be replayed from a CUDA graph."""
     root, rs, out = Path(root), rounds(root), {}
     state = grid_state(p, root)
     for (cond, m, s), rec in selected_runs(p, root).items():
@@ -346,7 +335,8 @@ def alone_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
         rd = round_of(prov, rs)
         if rd is not None and rd["alone"]:
             out[(cond, m, s)] = rec
-    return out
+    captured = {k[:2] for k, r in out.items() if r.get("capture")}
+    return {k: r for k, r in out.items() if r.get("capture") or k[:2] not in captured}
 
 
 def seconds_to_accuracy(p: dict, root: str | os.PathLike = FIG3,
@@ -377,4 +367,23 @@ def seconds_to_accuracy(p: dict, root: str | os.PathLike = FIG3,
         for k in ("to", "epoch_to"):
             e[k] = {t: None if None in v else statistics.fmean(v)
                     for t, v in e[k].items()}
+    return out
+
+
+def ablation_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
+    """``{(conditioning, method, seed): record}``: the finished ablation runs (at
+    KWNG's selected step in the protocol's ablation conditioning) and, beside them, the
+    finished runs of KWNG itself at that step, every seed."""
+    root, ab = Path(root), p["ablations"]
+    cond, epochs = ab["conditioning"], int(p["settings"]["epochs"])
+    lr = grid_state(p, root).get(f"{cond}/{ab['lr_of']}", {}).get("selected")
+    if lr is None:
+        return {}
+    out = {k: r for k, r in selected_runs(p, root).items()
+           if k[:2] == (cond, ab["lr_of"])}
+    for m, n in ab["runs"].items():
+        for s in range(int(n)):
+            rec = record_at(root, "ablation", lr, cond, m, s)
+            if run_status(rec, epochs) == "finished":
+                out[(cond, m, s)] = rec
     return out
