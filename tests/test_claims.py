@@ -37,3 +37,8 @@ def test_the_ledger_reads_the_committed_records():
     fig3 = claims.cifar_fig3_verdict()
     assert fig3["verdict"] == "pending" or not fig3["counts"].get("pending")
     assert set(fig3["queue"]) == {"grid", "seeds", "ablation"}
+    from kwng.experiments.cifar.methods import METHODS
+
+    for m, v in fig3["per_baseline"].items():
+        assert f"{v['verdict']} against" in fig3["by_baseline"]
+        assert METHODS[m].label in fig3["by_baseline"]

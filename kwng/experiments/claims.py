@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kwng.experiments.cifar import fig3
-from kwng.experiments.cifar.methods import CLAIM_ALL
+from kwng.experiments.cifar.methods import CLAIM_ALL, METHODS
 from kwng.experiments.cifar.plans import queue_left
 from kwng.experiments.cifar.records import (
     at_epoch,
@@ -195,23 +195,28 @@ def cifar_context(root: str | os.PathLike = RESULTS) -> dict:
 def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     """The Fig. 3 protocol's verdicts so far
     (:func:`kwng.experiments.cifar.verdicts.fig3_verdicts`): ``per_baseline``, the
-    counts by verdict, the queue left, and ``verdict``: ``"pending"`` while any
-    baseline is pending, else the per-baseline verdicts in one phrase."""
+    counts by verdict, the queue left, ``verdict``: ``"pending"`` while any
+    baseline is pending, else the per-baseline verdicts in one phrase, and
+    ``by_baseline``: every baseline's verdict so far in one phrase ("holds against
+    SGD and Adam; pending against EKFAC")."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
     ver = fig3_verdicts(p, base)
     counts: dict[str, int] = {}
     for v in ver.values():
         counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
-    if "pending" in counts:
-        word = "pending"
-    else:
-        by = {w: ", ".join(m for m, v in ver.items() if v["verdict"] == w)
-              for w in sorted(counts)}
-        word = "; ".join(f"{w} for {ms}" for w, ms in by.items())
+    by = {w: [METHODS[m].label for m, v in ver.items() if v["verdict"] == w]
+          for w in sorted(counts)}
+    word = "pending" if "pending" in counts else "; ".join(
+        f"{w} for {', '.join(ms)}" for w, ms in by.items())
     queue = queue_left(p, base)
     return {"per_baseline": ver, "counts": counts, "verdict": word, "queue": queue,
+            "by_baseline": "; ".join(f"{w} against {_and(ms)}" for w, ms in by.items()),
             "settled": word != "pending" and not any(queue.values())}
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def flat(d: dict, prefix: str) -> dict[str, object]:
