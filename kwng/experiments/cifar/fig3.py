@@ -47,7 +47,8 @@ from kwng.experiments.provenance import ResultFileError, read_json
 __all__ = ["FIG3", "PROTOCOL_FILE", "CHANCE_MARGIN", "CHANCE_EPOCH", "GAP", "GAP_EPOCH",
            "RULE", "load_protocol", "window_for", "protocol_commit", "sibling_rows",
            "stop_reason", "run_status", "record_at", "grid_state", "record_problem",
-           "check_fig3", "fig3_check", "rounds", "round_of"]
+           "check_fig3", "fig3_check", "rounds", "round_of",
+           "round_epoch_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -321,3 +322,25 @@ def round_of(prov: dict, rounds_: list[dict]) -> dict | None:
     hits = [r for r in rounds_ if commit and (commit.startswith(r["git_commit"])
                                                 or r["git_commit"].startswith(commit))]
     return hits[0] if len(hits) == 1 else None
+
+
+def round_epoch_seconds(p: dict, root: str | os.PathLike = FIG3,
+                        methods: tuple[str, ...] = ("sgd", "sgd_momentum",
+                                                    "sgd_momentum_wd")
+                        ) -> dict[int, list[float]]:
+    """Per GPU round (:func:`rounds`), the training seconds of every epoch after the
+    first of the finished 100-epoch runs of ``methods`` (grid and seeds), as they ran in
+    that round's queue: the measure of what sharing a GPU costs."""
+    root, rs, out = Path(root), rounds(root), {}
+    epochs = int(p["settings"]["epochs"])
+    for mp in sorted(root.glob("*/lr*/*/*/*/seed*/metrics.json")):
+        rec = read_json(mp)
+        if rec["config"]["method"] not in methods \
+                or run_status(rec, epochs) != "finished":
+            continue
+        rd = round_of(read_json(mp.parent / "provenance.json"), rs)
+        if rd is None:
+            continue
+        t = [r["time_train"] for r in rec["epochs"]]
+        out.setdefault(rd["round"], []).extend(b - a for a, b in zip(t, t[1:]))
+    return out

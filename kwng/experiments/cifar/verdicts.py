@@ -35,8 +35,9 @@ from kwng.experiments.cifar.records import (
 from kwng.experiments.provenance import read_json
 
 __all__ = ["SMALL_U", "claim_verdict", "authors100_verdict", "selection_rows",
-           "selected_runs", "seed_summary", "fig3_verdicts", "round_epoch_seconds",
-           "alone_runs", "seconds_to_accuracy", "ablation_runs"]
+           "selected_runs", "seed_summary", "fig3_verdicts", "alone_runs",
+           "seconds_to_accuracy", "ablation_runs", "ablation_rows",
+           "captured_epoch_seconds"]
 
 #: Threshold of the claim suite's decision rule (its small-scaling classes have U_k at
 #: most this).
@@ -295,28 +296,6 @@ def fig3_verdicts(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
     return out
 
 
-def round_epoch_seconds(p: dict, root: str | os.PathLike = FIG3,
-                        methods: tuple[str, ...] = ("sgd", "sgd_momentum",
-                                                    "sgd_momentum_wd")
-                        ) -> dict[int, list[float]]:
-    """Per GPU round (:func:`rounds`), the training seconds of every epoch after the
-    first of the finished 100-epoch runs of ``methods`` (grid and seeds), as they ran in
-    that round's queue: the measure of what sharing a GPU costs."""
-    root, rs, out = Path(root), rounds(root), {}
-    epochs = int(p["settings"]["epochs"])
-    for mp in sorted(root.glob("*/lr*/*/*/*/seed*/metrics.json")):
-        rec = read_json(mp)
-        if rec["config"]["method"] not in methods \
-                or run_status(rec, epochs) != "finished":
-            continue
-        rd = round_of(read_json(mp.parent / "provenance.json"), rs)
-        if rd is None:
-            continue
-        t = [r["time_train"] for r in rec["epochs"]]
-        out.setdefault(rd["round"], []).extend(b - a for a, b in zip(t, t[1:]))
-    return out
-
-
 def _seconds_to(rows: list[dict], target: float) -> float | None:
     return next((r["time_train"] for r in rows if r["test_acc"] >= target), None)
 
@@ -387,3 +366,35 @@ def ablation_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
             if run_status(rec, epochs) == "finished":
                 out[(cond, m, s)] = rec
     return out
+
+
+def ablation_rows(p: dict, root: str | os.PathLike = FIG3) -> list[dict]:
+    """One row per method of the ablation figure (KWNG first, then the protocol's
+    variants): ``method``, ``runs`` (finished) and ``wanted``, and the mean final
+    ``test`` and ``train`` accuracy and the ``range`` of the test accuracy over its
+    runs (``None`` while it has none)."""
+    ab, runs, rows = p["ablations"], ablation_runs(p, root), []
+    wanted = {ab["lr_of"]: int(p["seeds"][ab["conditioning"]]), **ab["runs"]}
+    for m, n in wanted.items():
+        recs = [r["epochs"][-1] for k, r in sorted(runs.items()) if k[1] == m]
+        test = [e["test_acc"] for e in recs]
+        rows.append({"method": m, "runs": len(recs), "wanted": int(n),
+                     "test": statistics.fmean(test) if recs else None,
+                     "train": statistics.fmean(e["train_acc"] for e in recs)
+                     if recs else None,
+                     "range": max(test) - min(test) if recs else None})
+    return rows
+
+
+def captured_epoch_seconds(p: dict, cond: str, method: str,
+                           root: str | os.PathLike = FIG3) -> float | None:
+    """The median training seconds of an epoch (the first excluded) over the finished
+    grid runs of ``method`` in ``cond`` whose step was replayed from a CUDA graph, or
+    ``None`` when it has none."""
+    root, epochs = Path(root), int(p["settings"]["epochs"])
+    st = grid_state(p, root)[f"{cond}/{method}"]
+    recs = [record_at(root, "grid", lr, cond, method, 0) for lr in st["runs"]]
+    spe = [b["time_train"] - a["time_train"] for r in recs
+           if run_status(r, epochs) == "finished" and r.get("capture")
+           for a, b in zip(r["epochs"], r["epochs"][1:])]
+    return statistics.median(spe) if spe else None
