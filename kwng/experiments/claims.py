@@ -23,9 +23,11 @@ from kwng.experiments.cifar.records import (
 )
 from kwng.experiments.cifar.results import load_authors100, load_results, study6_table
 from kwng.experiments.cifar.verdicts import (
+    ablation_rows,
     authors100_verdict,
     claim_verdict,
     fig3_verdicts,
+    seed_summary,
 )
 from kwng.experiments.synthetic_setup import load_flow, load_rows, summarise
 
@@ -198,7 +200,9 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     counts by verdict, the queue left, ``verdict``: ``"pending"`` while any
     baseline is pending, else the per-baseline verdicts in one phrase, and
     ``by_baseline``: every baseline's verdict so far in one phrase ("holds against
-    SGD and Adam; pending against EKFAC")."""
+    SGD and Adam; pending against EKFAC"), and ``so_far``: the mean final test
+    accuracy (%) at each selected step so far (``"<cond>_<method>"``) and of each
+    ablation that has run (``"ab_<method>"``)."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
     ver = fig3_verdicts(p, base)
@@ -210,7 +214,12 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     word = "pending" if "pending" in counts else "; ".join(
         f"{w} for {', '.join(ms)}" for w, ms in by.items())
     queue = queue_left(p, base)
+    summ = seed_summary(p, base)
+    so_far = {k.replace("/", "_"): 100 * v["mean"] for k, v in summ.items()}
+    so_far.update({f"ab_{r['method']}": 100 * r["test"]
+                   for r in ablation_rows(p, base) if r["runs"]})
     return {"per_baseline": ver, "counts": counts, "verdict": word, "queue": queue,
+            "so_far": so_far,
             "by_baseline": "; ".join(f"{w} against {_and(ms)}" for w, ms in by.items()),
             "settled": word != "pending" and not any(queue.values())}
 
