@@ -14,11 +14,14 @@ represents the Monte-Carlo Fisher of a classifier in both forms (``PMatKFAC``,
 * only ``Conv2d`` and ``Linear`` layers are preconditioned; BatchNorm parameters keep
   the plain gradient;
 * the Kronecker factors (KFAC) or the Kronecker-factored eigenbasis (EKFAC) are
-  recomputed every ``update_freq`` (100) updates; EKFAC's diagonal scalings are
-  re-estimated every ``diag_freq`` (1) step;
-* the extra forward/backward passes run in training mode (batch statistics, as in the
-  step itself) and the BatchNorm running statistics are restored afterwards, so
-  evaluation sees only the training passes.
+  recomputed every ``update_freq`` (100) updates by nngeometry's pass; EKFAC's diagonal
+  scalings are re-estimated every ``diag_freq`` (1) step, as nngeometry's
+  ``PMatEKFAC.update_diag`` does, but from the training step's own forward (labels
+  sampled from its outputs, one extra backward; in a bf16 step its activations and
+  gradients are bf16, promoted to fp32);
+* the refresh's extra forward/backward passes run in training mode (batch statistics,
+  as in the step itself) and the BatchNorm running statistics are restored afterwards,
+  so evaluation sees only the training passes.
 
 **Damping convention (``damping`` = 1e-3).** KFAC: nngeometry's
 ``PMatKFAC.inverse(regul=damping)``, i.e. the factored Tikhonov damping of Martens &
