@@ -54,7 +54,7 @@ class _NNGeometryKFAC(KFACPreconditioner):
         loss.backward()
         refresh = self.schedule.refresh_now()
         if refresh:
-            self._fisher_passes(inputs, True)
+            self._fisher_passes(inputs)
         inverse = self.fim.inverse(regul=self.damping)
         dd = inverse.mv(self._grad_pvector()).to_dict()
         for name, mod in self.modules.items():
@@ -179,7 +179,8 @@ def test_schedule_and_buffers_refuse_bad_arguments():
     with pytest.raises(ValueError, match="eager must be the step"):
         amortized_replay(FactorSchedule(3), lambda: None)
     pc = KFACPreconditioner(_net(), kind="kfac", update_freq=1)
-    assert pc.cache is None and KFACPreconditioner(_net(), kind="ekfac").cache is None
+    assert pc.cache is None
+    assert KFACPreconditioner(_net(), kind="ekfac", diag_freq=2).cache is None
     with pytest.raises(ValueError, match="state must be a state_dict of kind='kfac'"):
         pc.load_state_dict({"kind": "ekfac", "steps": 0})
 
@@ -288,12 +289,12 @@ def test_a_captured_kfac_loop_trains_as_the_eager_one(monkeypatch):
     assert method.epoch_fields([]) == {"fallbacks": 0}
 
 
-def test_the_trainer_keeps_channels_last_for_kfac_only(tmp_path):
-    """KFAC trains in channels_last when asked; EKFAC (nngeometry views its gradients
-    as NCHW tensors) stays NCHW."""
+def test_the_trainer_keeps_channels_last_for_kfac_and_ekfac(tmp_path):
+    """KFAC and EKFAC (both reshape the gradients themselves) train in channels_last
+    when asked."""
     from kwng.experiments.cifar import train
 
-    for method, want in (("kfac", True), ("ekfac", False)):
+    for method, want in (("kfac", True), ("ekfac", True)):
         cfg = {"source": "sample", "model": "tiny", "batch_size": 50, "epochs": 1,
                "lr": 0.1, "device": "cpu", "method": method, "conditioning": "ill",
                "train_subset": 100, "val_size": 50, "schedule": "authors",

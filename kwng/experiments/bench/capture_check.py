@@ -1,7 +1,7 @@
 """Does a training loop built on :func:`kwng.capture_step` train as the eager loop does?
 
 python -m kwng.experiments.bench.capture_check [--steps 40] [--config
-bf16_channels_last] [--methods sgd,kwng,kfac]
+bf16_channels_last] [--methods sgd,kwng,kfac,ekfac]
 
 On a GPU, the paper's ResNet-18 (batch 128) is trained on four fixed random batches in
 turn, each copied into the captured step's static inputs before the replay, as a real
@@ -14,9 +14,11 @@ loss curves are compared, not the parameters); (3) KFAC
 refreshed every 100 steps, clip 1; needs nngeometry and ``--steps`` ≥ 250, so that the
 timed loop holds two refreshes) eagerly and captured: the steps between refreshes
 replay a graph, the refresh steps run eagerly (both loops draw the Monte-Carlo labels
-from the same seed). Prints both loss curves of each method, the parameter difference,
-the time per step of each loop (refresh steps included) and, for KFAC, the number of
-eager steps in the captured loop.
+from the same seed); (4) EKFAC likewise (eigenbasis refreshed every 100 steps, the
+scalings re-estimated on every step from the step's own forward, damping 1e-3, clip 1;
+the same ``--steps`` bound). Prints both loss curves of each method, the parameter
+difference, the time per step of each loop (refresh steps included) and, for KFAC and
+EKFAC, the number of eager steps in the captured loop.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from kwng.experiments.nets import resnet18
 __all__ = ["KFAC_STEPS", "METHODS", "main", "make_loop", "train"]
 
 #: the methods the check can run
-METHODS = ("sgd", "kwng", "kfac")
-#: the fewest timed steps of a KFAC check (two refreshes at update_freq 100)
+METHODS = ("sgd", "kwng", "kfac", "ekfac")
+#: the fewest timed steps of a KFAC or EKFAC check (two refreshes at update_freq 100)
 KFAC_STEPS = 250
 
 
@@ -49,10 +51,10 @@ def make_loop(model, method, amp, static_z, static_y):
     pc = None
     if method == "kwng":
         pc = KWNGPreconditioner(model, lr=0.05, num_basis=5, eps=1e-3)
-    elif method == "kfac":
+    elif method in ("kfac", "ekfac"):
         from kwng.experiments.cifar.baselines import KFACPreconditioner
 
-        pc = KFACPreconditioner(model, kind="kfac", damping=1e-3, update_freq=100,
+        pc = KFACPreconditioner(model, kind=method, damping=1e-3, update_freq=100,
                                 clip_norm=1.0)
     losses = []
 
@@ -68,7 +70,7 @@ def make_loop(model, method, amp, static_z, static_y):
             loss = nn.functional.cross_entropy(X.float(), static_y)
         if pc is None:
             loss.backward()
-        elif method == "kfac":
+        elif method in ("kfac", "ekfac"):
             pc.step(loss, X, inputs=static_z)
         else:
             pc.step(loss, X)
@@ -82,10 +84,11 @@ def train(model, method, graph, batches, steps, amp):
     """``steps`` steps over ``batches`` after 3 warm-up steps on the first batch (those
     of :func:`kwng.capture_step`, run eagerly too so that both loops take the same
     number of steps); returns the losses, the ms per step and the number of timed steps
-    that ran eagerly (all of them in the eager loop; KFAC's refreshes when captured)."""
+    that ran eagerly (all of them in the eager loop; (E)KFAC's refreshes when
+    captured)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    torch.manual_seed(2)  # the same Monte-Carlo labels (KFAC) in both loops
+    torch.manual_seed(2)  # the same Monte-Carlo labels ((E)KFAC) in both loops
     static_z, static_y = (t.clone() for t in batches[0])
     step, losses, pc = make_loop(model, method, amp, static_z, static_y)
     if graph:
@@ -132,8 +135,8 @@ def _args(argv=None) -> argparse.Namespace:
     a.methods = a.methods.split(",")
     if any(m not in METHODS for m in a.methods):
         p.error(f"--methods must name methods of {METHODS}, got {a.methods}")
-    if "kfac" in a.methods and a.steps < KFAC_STEPS:
-        p.error(f"--steps must be >= {KFAC_STEPS} with kfac (two refreshes), "
+    if {"kfac", "ekfac"} & set(a.methods) and a.steps < KFAC_STEPS:
+        p.error(f"--steps must be >= {KFAC_STEPS} with kfac or ekfac (two refreshes), "
                 f"got {a.steps}")
     return a
 

@@ -14,11 +14,14 @@ represents the Monte-Carlo Fisher of a classifier in both forms (``PMatKFAC``,
 * only ``Conv2d`` and ``Linear`` layers are preconditioned; BatchNorm parameters keep
   the plain gradient;
 * the Kronecker factors (KFAC) or the Kronecker-factored eigenbasis (EKFAC) are
-  recomputed every ``update_freq`` (100) updates; EKFAC's diagonal scalings are
-  re-estimated every ``diag_freq`` (1) step;
-* the extra forward/backward passes run in training mode (batch statistics, as in the
-  step itself) and the BatchNorm running statistics are restored afterwards, so
-  evaluation sees only the training passes.
+  recomputed every ``update_freq`` (100) updates by nngeometry's pass; EKFAC's diagonal
+  scalings are re-estimated every ``diag_freq`` (1) step, as nngeometry's
+  ``PMatEKFAC.update_diag`` does, but from the training step's own forward (labels
+  sampled from its outputs, one extra backward; in a bf16 step its activations and
+  gradients are bf16, promoted to fp32);
+* the refresh's extra forward/backward passes run in training mode (batch statistics,
+  as in the step itself) and the BatchNorm running statistics are restored afterwards,
+  so evaluation sees only the training passes.
 
 **Damping convention (``damping`` = 1e-3).** KFAC: nngeometry's
 ``PMatKFAC.inverse(regul=damping)``, i.e. the factored Tikhonov damping of Martens &
@@ -27,15 +30,18 @@ dim A) / (tr G / dim G)``. EKFAC: ``(s + damping)^{-1}`` on the re-estimated eig
 ``s`` (``PMatEKFAC.solvePVec(regul=damping)``), as in George et al. (2018). The two are
 not the same damping; the step size is selected per method anyway.
 
-**Capture (KFAC).** A step between refreshes applies the cached damped inverse factors
-with plain torch ops (:class:`kwng.experiments.cifar.kfac_factors.InverseFactors`: the
-same products as nngeometry's ``PMatKFAC.mv``), never syncs with the host, and reads
-the factors from persistent buffers that each refresh updates in place; the refresh
-step runs eagerly. :attr:`KFACPreconditioner.cache` (a
+**Capture.** A step between refreshes never syncs with the host and reads the factors
+from persistent buffers that each refresh updates in place; the refresh step (the
+nngeometry pass) runs eagerly. KFAC applies the cached damped inverse factors with plain
+torch ops (:class:`kwng.experiments.cifar.kfac_factors.InverseFactors`: the same
+products as nngeometry's ``PMatKFAC.mv``). EKFAC re-estimates its scalings from the
+training step's own forward, with one extra backward of the log-likelihood of labels
+sampled on the device, and solves in the eigenbasis with plain torch ops
+(:mod:`kwng.experiments.cifar.ekfac_factors`: nngeometry's ``get_kfe_diag`` and
+``solvePVec``), so it needs no second forward. :attr:`KFACPreconditioner.cache` (a
 :class:`~kwng.experiments.cifar.kfac_factors.FactorSchedule`) tells
 :class:`~kwng.experiments.cifar.steps.StepRunner` which steps refresh, so the other
-steps replay a CUDA graph. EKFAC re-estimates its scalings with an nngeometry pass every
-step and is never captured.
+steps replay a CUDA graph.
 
 Usage, in the same loop shape as :class:`kwng.engine.precond.KWNGPreconditioner`::
 
@@ -47,6 +53,7 @@ Usage, in the same loop shape as :class:`kwng.engine.precond.KWNGPreconditioner`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -54,6 +61,11 @@ import torch
 from torch import nn
 
 from kwng._checks import check_choice, check_int, check_positive
+from kwng.experiments.cifar.ekfac_factors import (
+    EigenFactors,
+    LayerRecorder,
+    fisher_output_grads,
+)
 from kwng.experiments.cifar.kfac_factors import FactorSchedule, InverseFactors
 
 __all__ = ["KFACPreconditioner", "clip_grad_norm", "bn_state", "restore_bn_state"]
@@ -115,6 +127,8 @@ class KFACPreconditioner:
     ``output_fn`` (maps the network's logits to the logits of the predictive
     distribution, e.g. the fixed ``U``; identity when ``None``); ``clip_norm`` (the
     joint norm bound applied to the final update, ``None`` for none); ``device``.
+    EKFAC hooks the model's Conv2d/Linear layers (their input and output of the
+    training forward: :class:`~kwng.experiments.cifar.ekfac_factors.LayerRecorder`).
     """
 
     def __init__(self, model: nn.Module, kind: str = "kfac", damping: float = 1e-3,
@@ -147,8 +161,10 @@ class KFACPreconditioner:
             raise ValueError("model has no Conv2d or Linear layer to precondition")
         self.layer_collection = lc
         self.schedule = FactorSchedule(update_freq)
-        self.fim = None        # PMatKFAC / PMatEKFAC (current factors)
+        self.fim = None        # PMatKFAC / PMatEKFAC (the last refresh's)
         self.factors = InverseFactors()  # KFAC: damped inverse factors, in place
+        self.eigen = EigenFactors()  # EKFAC: eigenbasis and scalings, in place
+        self.recorder = LayerRecorder(self.modules) if kind == "ekfac" else None
 
     def __repr__(self) -> str:
         return (
@@ -166,10 +182,10 @@ class KFACPreconditioner:
     @property
     def cache(self) -> FactorSchedule | None:
         """The refresh schedule that a graph-capturing runner follows (its steps between
-        refreshes are replayed, its refresh steps run eagerly): KFAC with
-        ``update_freq > 1``; ``None`` for EKFAC (an nngeometry pass on every step) and
-        for ``update_freq = 1`` (every step refreshes)."""
-        if self.kind == "kfac" and self.update_freq > 1:
+        refreshes are replayed, its refresh steps run eagerly) when
+        ``update_freq > 1`` and, for EKFAC, ``diag_freq = 1`` (one program between
+        refreshes); ``None`` otherwise (every step runs eagerly)."""
+        if self.update_freq > 1 and (self.kind == "kfac" or self.diag_freq == 1):
             return self.schedule
         return None
 
@@ -198,19 +214,20 @@ class KFACPreconditioner:
         )
         if self.kind == "kfac":
             self.factors.store(self.fim.inverse(regul=self.damping).data)
+        else:  # the eigenbasis, and its initial scalings (the factors' eigenvalues)
+            self.eigen.store(self.fim.data)
         self.schedule.ready = True
 
-    def _fisher_passes(self, inputs: torch.Tensor, refresh: bool) -> None:
-        """The eager nngeometry passes of a refresh step (factors) and of an EKFAC
-        step (scalings); BatchNorm statistics and gradients are left as they were."""
+    def _fisher_passes(self, inputs: torch.Tensor) -> None:
+        """The eager nngeometry pass of a refresh step (KFAC's factors, EKFAC's
+        eigenbasis); BatchNorm statistics and gradients are left as they were."""
         saved = bn_state(self.model)
         grads = {id(p): p.grad.detach().clone()
                  for p in self.model.parameters() if p.grad is not None}
-        with torch.enable_grad():
-            if refresh:
-                self._refresh(inputs)
-            if self.kind == "ekfac":
-                self.fim.update_diag(self._examples(inputs))
+        paused = (self.recorder.paused() if self.recorder is not None
+                  else contextlib.nullcontext())
+        with torch.enable_grad(), paused:
+            self._refresh(inputs)
         restore_bn_state(self.model, saved)
         # nngeometry's passes use autograd.grad w.r.t. inputs only, but keep
         # the gradient safe regardless
@@ -234,23 +251,6 @@ class KFACPreconditioner:
              for name, mod in self.modules.items()}
         return PVector(self.layer_collection, dict_repr=d)
 
-    def _ekfac_direction(self) -> int:
-        """EKFAC's direction into the gradients (1, and the plain gradient, when it is
-        non-finite: one host sync)."""
-        direction = self.fim.solvePVec(self._grad_pvector(), regul=self.damping)
-        dd = direction.to_dict()
-        finite = bool(torch.stack(  # one sync
-            [torch.isfinite(t).all() for ts in dd.values() for t in ts]).all())
-        if not finite:
-            log.warning("%s direction non-finite at step %d: using the plain "
-                        "gradient", self.kind, self.steps)
-            return 1
-        for name, mod in self.modules.items():
-            mod.weight.grad.copy_(dd[name][0])
-            if mod.bias is not None:
-                mod.bias.grad.copy_(dd[name][1])
-        return 0
-
     # ----------------------------------------------------------------------------------
     # step
     def step(self, loss: torch.Tensor, outputs: torch.Tensor | None = None,
@@ -258,43 +258,72 @@ class KFACPreconditioner:
         """Backward ``loss``, replace the Conv/Linear gradients by the (E)KFAC
         direction, clip all gradients.
 
-        ``inputs`` (the mini-batch ``z``) is needed for the extra Fisher passes. Returns
-        a dict with ``grad_norm`` (before clipping), ``refreshed`` and ``fallback`` (1
-        when the direction was non-finite and the plain gradient was used instead).
-        KFAC's ``fallback`` is a 0-dim device tensor (a step between refreshes never
-        waits for the device); EKFAC's an int, logged when 1.
+        ``inputs`` (the mini-batch ``z``) is needed for the refresh pass; ``outputs``
+        (the network's outputs of the forward that gave ``loss``) for EKFAC's scalings.
+        Returns a dict with ``grad_norm`` (before clipping), ``refreshed`` and
+        ``fallback`` (1 when the direction was non-finite and the plain gradient was
+        used instead, a 0-dim device tensor: a step between refreshes never waits for
+        the device; :class:`~kwng.experiments.cifar.steps.KFACStep` sums and logs it).
         """
         if inputs is None:
             raise ValueError("inputs must be the mini-batch tensor z for KFAC/EKFAC")
+        refresh = self.schedule.refresh_now()
+        records = None
+        if self.kind == "ekfac":
+            records = self._scaling_records(
+                outputs, refresh or self.steps % self.diag_freq == 0)
         loss.backward()
         self._check_grads()
-        refresh = self.schedule.refresh_now()
-        diag = self.kind == "ekfac" and not refresh and self.steps % self.diag_freq == 0
-        if refresh or diag:
-            self._fisher_passes(inputs, refresh)
+        if refresh:
+            self._fisher_passes(inputs)
         info = {"refreshed": int(refresh)}
         if self.kind == "kfac":
             info["fallback"] = self.factors.apply(self.modules)
         else:
-            info["fallback"] = self._ekfac_direction()
+            if records is not None:  # in the eigenbasis of this step (a new one, if
+                self.eigen.update(self.modules, records)  # it refreshed)
+            info["fallback"] = self.eigen.apply(self.modules, self.damping)
         info["grad_norm"] = clip_grad_norm(list(self.model.parameters()),
                                            self.clip_norm)
         self.schedule.advance()
         return info
+
+    def _scaling_records(self, outputs: torch.Tensor | None, due: bool):
+        """EKFAC: each layer's input and the gradient, with respect to its output, of
+        the log-likelihood of labels sampled from the predictive distribution of
+        ``outputs`` (the training forward's, its graph retained); ``None`` when the
+        scalings are not ``due`` at this step. Forgets the recorded forward."""
+        names = list(self.modules)
+        if not due:
+            self.recorder.saved = {}
+            return None
+        if not isinstance(outputs, torch.Tensor):
+            raise ValueError("outputs must be the network's outputs of the training "
+                             f"forward for EKFAC, got {type(outputs).__name__}")
+        layers = self.recorder.take(names)
+        logits = outputs.float() if outputs.dtype in (torch.float16,
+                                                      torch.bfloat16) else outputs
+        if self.output_fn is not None:
+            logits = self.output_fn(logits)
+        gys = fisher_output_grads(logits, {k: layers[k][1] for k in names})
+        return {k: (layers[k][0], gys[k]) for k in names}
 
     # ----------------------------------------------------------------------------------
     # state
     def state_dict(self) -> dict:
         """Step counter and current factors (enough for an exact resume)."""
         state: dict = {"steps": self.steps, "kind": self.kind}
-        if self.fim is not None:
+        if self.kind == "ekfac" and self.eigen.buffers:
+            # PMatEKFAC.data's form, with the current scalings
+            state["fim_data"] = self.eigen.state()
+        elif self.kind == "kfac" and self.fim is not None:
             state["fim_data"] = self.fim.data
-            if self.kind == "kfac":
-                state["inverse_data"] = self.factors.state()
+            state["inverse_data"] = self.factors.state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a :meth:`state_dict` (the inverse factors into the same buffers)."""
+        """Restore a :meth:`state_dict` (KFAC's inverse factors, EKFAC's eigenbasis and
+        scalings into the same buffers)."""
         if not isinstance(state, dict) or state.get("kind") != self.kind:
             got = state.get("kind") if isinstance(state, dict) else state
             raise ValueError(
@@ -314,6 +343,8 @@ class KFACPreconditioner:
             self.fim = rep(generator=gen, data=state["fim_data"])
             if self.kind == "kfac":
                 self.factors.store(state.get("inverse_data"), self.device)
+            else:
+                self.eigen.store(state["fim_data"], self.device)
         self.schedule.ready = self.fim is not None
 
     def _mc_logprob(self, z: torch.Tensor) -> torch.Tensor:

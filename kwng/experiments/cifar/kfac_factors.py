@@ -168,11 +168,20 @@ class InverseFactors:
         for name, mod in modules.items():
             a_inv, g_inv = self.buffers[name]
             dirs.append(torch.mm(torch.mm(g_inv, _weight_matrix(mod)), a_inv))
-        finite = torch.stack([torch.isfinite(d).all() for d in dirs]).all()
-        for mod, d in zip(modules.values(), dirs):
-            w = mod.weight.grad
-            n = w[0].numel()
-            w.copy_(torch.where(finite, d[:, :n].reshape(w.shape), w))
-            if mod.bias is not None:
-                mod.bias.grad.copy_(torch.where(finite, d[:, n], mod.bias.grad))
-        return (~finite).to(torch.int64)
+        return _write_back(modules, dirs)
+
+
+def _write_back(modules: Mapping[str, nn.Module],
+                dirs: list[torch.Tensor]) -> torch.Tensor:
+    """Write each ``(out, in·k·k [+ 1])`` direction of ``dirs`` into the weight (and
+    bias) gradient of its module, unless any entry of any direction is non-finite: then
+    every gradient stays plain. Returns 1 in that case, else 0, as a 0-dim int64 device
+    tensor (one device-side choice, no host sync)."""
+    finite = torch.stack([torch.isfinite(d).all() for d in dirs]).all()
+    for mod, d in zip(modules.values(), dirs):
+        w = mod.weight.grad
+        n = w[0].numel()
+        w.copy_(torch.where(finite, d[:, :n].reshape(w.shape), w))
+        if mod.bias is not None:
+            mod.bias.grad.copy_(torch.where(finite, d[:, n], mod.bias.grad))
+    return (~finite).to(torch.int64)

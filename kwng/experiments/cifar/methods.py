@@ -70,19 +70,14 @@ class Method:
 _KWNG = {"precond": "kwng", "num_basis": 5, "damping": "T_tilde", "kernel": "gaussian",
          "diagonal_only": False, "estimator_input": "scaled",
          "eps_convention": "authors"}
-# KFAC is capturable: its steps between refreshes apply the cached inverse factors with
-# plain torch ops and are replayed, its refresh steps (every 100) run eagerly
-_EKFAC_HOST = ("every step re-estimates the eigenbasis scalings with nngeometry's "
-               "Monte-Carlo Fisher pass (Python objects and a sampled label, run "
-               "eagerly) and checks the direction for non-finite values with a host "
-               "sync")
+# KFAC and EKFAC are capturable: their steps between refreshes apply the cached factors
+# (EKFAC: the eigenbasis, with scalings re-estimated from the step's own forward) with
+# plain torch ops and are replayed, their refresh steps (every 100) run eagerly
 
 
 def _m(opt: str, settings: dict, color: str, style: str, label: str, order: int,
        cost: float, timing_lr: float) -> Method:
-    host = settings.get("precond") == "ekfac"
-    return Method(opt, settings, color, style, label, order, cost, timing_lr,
-                  _EKFAC_HOST if host else None)
+    return Method(opt, settings, color, style, label, order, cost, timing_lr, None)
 
 
 _T = {"lr_from": "kwng"}

@@ -142,9 +142,9 @@ class MethodStep:
 class KFACStep(MethodStep):
     """KFAC or EKFAC (:class:`kwng.experiments.cifar.baselines.KFACPreconditioner`):
     needs ``batch``. Capturable when the preconditioner has a refresh schedule
-    (``precond.cache``: KFAC with ``update_freq > 1``; its refresh steps run eagerly);
-    EKFAC is not (``Method.not_capturable`` of :mod:`kwng.experiments.cifar.methods`
-    says why). The fallbacks are summed on the device, read once an epoch."""
+    (``precond.cache``: ``update_freq > 1``, and ``diag_freq = 1`` for EKFAC; its
+    refresh steps run eagerly). The fallbacks are summed on the device, read once an
+    epoch."""
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, precond
@@ -314,7 +314,7 @@ class StepRunner:
     shape has its own graph. With an amortized ``cache`` (every ``k > 1`` steps), each
     step takes the kind the cache's host-side counter names
     (:func:`kwng.engine.capture.amortized_replay`): KWNG's two programs are both
-    recorded (the warm-up alternates them); KFAC's refresh step
+    recorded (the warm-up alternates them); (E)KFAC's refresh step
     (``cache.refresh_capturable`` false) runs eagerly on the static inputs, outside any
     graph, and counts as eager, its other steps are replayed."""
 

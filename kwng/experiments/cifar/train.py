@@ -86,9 +86,9 @@ class Run:
         self.test_set = (GPUAugmentedData(*test_arrays(cfg), cfg.dataset, device)
                          if cfg.eval_test else None)
         self.model = build_model(cfg).to(device)
-        # EKFAC stays NCHW: nngeometry views its gradients as NCHW tensors (KFAC
-        # reshapes them itself, kwng.experiments.cifar.kfac_factors)
-        self.channels_last = cfg.channels_last and cfg.spec.get("precond") != "ekfac"
+        # KFAC and EKFAC reshape the gradients themselves (kfac_factors, ekfac_factors):
+        # any memory format
+        self.channels_last = cfg.channels_last
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.optimizer = build_optimizer(cfg, self.model, lr)
