@@ -1,7 +1,7 @@
 """Does a training loop built on :func:`kwng.capture_step` train as the eager loop does?
 
 python -m kwng.experiments.bench.capture_check [--steps 40] [--config
-bf16_channels_last] [--methods sgd,kwng,kfac,ekfac]
+bf16_channels_last] [--methods sgd,kwng,kfac,ekfac] [--json PATH]
 
 On a GPU, the paper's ResNet-18 (batch 128) is trained on four fixed random batches in
 turn, each copied into the captured step's static inputs before the replay, as a real
@@ -18,7 +18,8 @@ from the same seed); (4) EKFAC likewise (eigenbasis refreshed every 100 steps, t
 scalings re-estimated on every step from the step's own forward, damping 1e-3, clip 1;
 the same ``--steps`` bound). Prints both loss curves of each method, the parameter
 difference, the time per step of each loop (refresh steps included) and, for KFAC and
-EKFAC, the number of eager steps in the captured loop.
+EKFAC, the number of eager steps in the captured loop; ``--json`` also writes them, with
+their provenance, to a new file (an existing one is never overwritten).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,8 +35,9 @@ from torch import nn
 from kwng import KWNGPreconditioner, capture_step
 from kwng.experiments.bench.step_cost import CONFIGS
 from kwng.experiments.nets import resnet18
+from kwng.experiments.provenance import atomic_write_json, make_provenance
 
-__all__ = ["KFAC_STEPS", "METHODS", "main", "make_loop", "train"]
+__all__ = ["KFAC_STEPS", "METHODS", "main", "make_loop", "train", "write_record"]
 
 #: the methods the check can run
 METHODS = ("sgd", "kwng", "kfac", "ekfac")
@@ -131,7 +134,11 @@ def _args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="deterministic cuDNN algorithms (else two eager runs differ too)",
     )
+    p.add_argument("--json", default=None,
+                   help="write the rows and their provenance to this new file")
     a = p.parse_args(argv)
+    if a.json is not None and Path(a.json).exists():
+        p.error(f"--json {a.json} exists; results are never overwritten")
     a.methods = a.methods.split(",")
     if any(m not in METHODS for m in a.methods):
         p.error(f"--methods must name methods of {METHODS}, got {a.methods}")
@@ -164,12 +171,16 @@ def main() -> None:
         for _ in range(4)
     ]
     print(torch.cuda.get_device_name(), a.config)
-    models = {}
+    models, rows, diffs = {}, [], {}
     for method in methods:
         for graph in (False, True):
             m = copy.deepcopy(base)
             losses, ms, eager = train(m, method, graph, batches, a.steps, amp)
             models[(method, graph)] = m
+            rows.append({"method": method, "loop": "graph" if graph else "eager",
+                         "ms_per_step": ms, "eager_steps": eager if graph else None,
+                         "loss_last": losses[-1],
+                         "loss_mean": sum(losses) / len(losses)})
             tag = f"{method} {'graph' if graph else 'eager'}"
             print(
                 f"{tag:11s} {ms:6.2f} ms/step  loss "
@@ -187,9 +198,29 @@ def main() -> None:
             ** 0.5
         )
         den = sum(float(p.detach().double().norm() ** 2) for p in e.parameters()) ** 0.5
+        diffs[method] = num / den
         print(
             f"{method}: parameters eager vs graph, relative difference {num / den:.1e}"
         )
+    if a.json is not None:
+        write_record(a.json, rows, diffs, {"config": a.config, "steps": a.steps,
+                                           "methods": methods,
+                                           "deterministic": a.deterministic,
+                                           "tf32": not a.no_tf32})
+
+
+def write_record(path: str, rows: list[dict], diffs: dict[str, float],
+                 config: dict) -> dict:
+    """Write the check's ``rows`` (one per method and loop: ms per step, eager steps of
+    the captured loop, last and mean loss), the eager-vs-graph parameter differences
+    and the provenance to the new file ``path``; return the record."""
+    if Path(path).exists():
+        raise FileExistsError(f"path {path} exists; results are never overwritten")
+    record = {"rows": rows, "relative_difference": diffs,
+              "provenance": make_provenance(config, seeds={"torch": 0, "batches": 1},
+                                            device="cuda")}
+    atomic_write_json(path, record)
+    return record
 
 
 if __name__ == "__main__":
