@@ -24,11 +24,6 @@ MAX_CELL_LINES = 15
 TOO_LONG = [
     ("cifar_amortized.md", 'goal = amortized.amortized_goal(P, ROWS, ROOT / "fig3")'),
     ("cifar_fig3.md", "alone = verdicts.alone_runs(P, ROOT)"),
-    ("consistency.md", 'print("  b    d        N        M     M/N     λ         ε")'),
-    ("consistency.md",
-     "spread = {}  # the standard deviation over draws at the largest N, per model"),
-    ("consistency.md", 'for name in ("normal", "sphere"):'),
-    ("consistency.md", 'for name in ("normal", "sphere"):'),
     ("deep_learning.md", "gen = torch.Generator().manual_seed(1)"),
     ("deep_learning.md", "from torch.utils.flop_counter import FlopCounterMode"),
     ("deep_learning.md", "import json"),
