@@ -28,13 +28,6 @@ TOO_LONG = [
     ("deep_learning.md", "from torch.utils.flop_counter import FlopCounterMode"),
     ("deep_learning.md", "import json"),
     ("deep_learning.md", "def make_precond(net, opt, **kw):"),
-    ("nystrom.md", "import time"),
-    ("nystrom.md", "# a small, well-conditioned problem: N = 100, M = 6, ε = 0.1"),
-    ("nystrom.md", "rows = []"),
-    ("nystrom.md", 'med = {"one coordinate": [], "all d coordinates": []}'),
-    ("nystrom.md", "def time_stages(N, M, d, repeats=3):"),
-    ("nystrom.md", "threads = torch.get_num_threads()"),
-    ("nystrom.md", 'pred = {"N": (1, 1, 0), "M": (1, 2, 3), "d": (1, 1, 0)}'),
     ("ten_minutes.md", "import tempfile"),
     ("ten_minutes.md", "import json"),
 ]
