@@ -21,16 +21,7 @@ MAX_CELL_LINES = 15
 
 #: (chapter, first line of the cell) of every code cell still longer than the limit;
 #: a pair listed twice names two cells that start alike
-TOO_LONG = [
-    ("cifar_amortized.md", 'goal = amortized.amortized_goal(P, ROWS, ROOT / "fig3")'),
-    ("cifar_fig3.md", "alone = verdicts.alone_runs(P, ROOT)"),
-    ("deep_learning.md", "gen = torch.Generator().manual_seed(1)"),
-    ("deep_learning.md", "from torch.utils.flop_counter import FlopCounterMode"),
-    ("deep_learning.md", "import json"),
-    ("deep_learning.md", "def make_precond(net, opt, **kw):"),
-    ("ten_minutes.md", "import tempfile"),
-    ("ten_minutes.md", "import json"),
-]
+TOO_LONG: list[tuple[str, str]] = []
 
 CHAPTERS = sorted(BOOK.glob("*.md"))
 

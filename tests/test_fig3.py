@@ -355,3 +355,22 @@ def test_an_eager_run_does_not_time_a_method_with_captured_runs(monkeypatch):
     monkeypatch.setattr(verdicts, "round_of", lambda prov, rs: {"alone": True})
     runs = verdicts.alone_runs({"dataset": "cifar10"}, "unused")
     assert set(runs) == {("ill", "kfac", 1), ("ill", "sgd", 0)}
+
+
+def test_the_time_table_marks_unfinished_selections_and_never_reached_targets():
+    """fig3_tables: a selection that is not final says so, a target never reached reads
+    "never", and the glued names follow the conditioning and method."""
+    from kwng.plots import fig3_tables
+
+    tta = {"ill/sgd": {"lr": 1.0, "final": False, "runs": 2, "s_per_epoch": 1.2,
+                       "to": {0.8: None, 0.85: None}, "epoch_to": {0.85: None}},
+           "well/adam": {"lr": 0.01, "final": True, "runs": 1, "s_per_epoch": 1.43,
+                         "to": {0.8: 14.2, 0.85: 33.4}, "epoch_to": {0.85: 23.0}}}
+    table = fig3_tables.tta_table(tta)
+    assert "| ill | sgd | 1 (not final) | 2 | 1.20 | never | never | never |" in table
+    assert "| well | adam | 0.01 | 1 | 1.43 | 14 | 33 | 23.0 |" in table
+    v = fig3_tables.tta_values(tta)
+    assert v["tta_well_adam_85"] == "33" and v["tta_ill_sgd_80"] == "never"
+    assert v["tta_ep_well_adam"] == "23.0" and v["tta_spe_ill_sgd"] == "1.20"
+    with pytest.raises(TypeError, match="tta"):
+        fig3_tables.tta_table([])

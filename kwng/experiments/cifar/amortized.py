@@ -24,7 +24,8 @@ from kwng.experiments.cifar.verdicts import alone_runs, seed_summary
 from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["TARGETS", "TIME_HEADER", "amortized_runs", "time_rows", "time_table",
-           "time_values", "amortized_goal"]
+           "time_values", "amortized_goal", "GOAL_HEADER",
+           "goal_table", "goal_values"]
 
 #: the test accuracies a row reports the time to
 TARGETS = (0.80, 0.85)
@@ -181,3 +182,33 @@ def time_values(rows: list[dict]) -> dict[str, str]:
         out[f"{key}_spe"] = f"{r['s_per_epoch']:.2f}"
         out[f"{key}_final"] = _acc(r)
     return out
+
+
+#: the columns of :func:`goal_table`
+GOAL_HEADER = ("method", "85 % before Adam", "final within KWNG's spread", "goal met")
+
+
+def _yes(v: bool | None) -> str:
+    return "unknown (cut)" if v is None else "yes" if v else "no"
+
+
+def goal_table(goal: dict) -> list[tuple]:
+    """:func:`amortized_goal`'s methods as rows under :data:`GOAL_HEADER`."""
+    return [(m, _yes(v["faster"]), _yes(v["within"]), _yes(v["met"]))
+            for m, v in goal["methods"].items()]
+
+
+def goal_values(goal: dict, rows: list[dict]) -> dict[str, str]:
+    """The numbers the chapter quotes from :func:`amortized_goal` (``goal_adam``,
+    ``goal_mean``, ``goal_range``, ``goal_seeds``, ``goal_floor``, ``goal_met``) and
+    from :func:`time_rows` ``rows``: ``k_spread``, the span in points of the final
+    test accuracies of the ill-conditioned KWNG runs with ``k > 1``."""
+    finals = [r["final"] for r in rows if r["cond"] == "ill" and r["k"] > 1
+              and r["method"].startswith("kwng") and r["final"] is not None]
+    return {"goal_adam": f"{goal['adam_s']:.0f}",
+            "goal_mean": f"{100 * goal['kwng_mean']:.1f}",
+            "goal_range": f"{100 * goal['kwng_range']:.2f}",
+            "goal_seeds": str(goal["kwng_seeds"]),
+            "goal_floor": f"{100 * goal['floor']:.2f}",
+            "goal_met": ", ".join(f"`{m}`" for m in goal["met"]) or "none",
+            "k_spread": f"{100 * (max(finals) - min(finals)):.1f}" if finals else "–"}

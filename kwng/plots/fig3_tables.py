@@ -1,0 +1,49 @@
+"""The Fig. 3 protocol's time-to-accuracy table, as the chapter shows and quotes it.
+
+:func:`tta_table` turns :func:`kwng.experiments.cifar.verdicts.seconds_to_accuracy` into
+a Markdown table, :func:`tta_values` into the named numbers the prose glues.
+"""
+
+from __future__ import annotations
+
+from kwng.plots.tables import markdown_table
+
+__all__ = ["TTA_HEADER", "tta_table", "tta_values"]
+
+#: the columns of :func:`tta_table`
+TTA_HEADER = ("cond.", "method", "step", "runs", "s / epoch", "s to 80 %", "s to 85 %",
+              "epochs to 85 %")
+
+
+def _sec(v: float | None) -> str:
+    return "never" if v is None else f"{v:.0f}"
+
+
+def _epochs(v: float | None) -> str:
+    return "never" if v is None else f"{v:.1f}"
+
+
+def tta_table(tta: dict[str, dict]) -> str:
+    """One row per ``"<conditioning>/<method>"`` of ``tta``: its step (marked "not
+    final" while its selection is not), runs, seconds an epoch, seconds to 80 % and
+    85 % test accuracy and epochs to 85 % ("never" when a run did not get there)."""
+    if not isinstance(tta, dict):
+        raise TypeError(f"tta must be a dict of seconds_to_accuracy, got {type(tta)}")
+    rows = [(*k.split("/"), f"{v['lr']:g}" + ("" if v["final"] else " (not final)"),
+             v["runs"], f"{v['s_per_epoch']:.2f}", _sec(v["to"][0.8]),
+             _sec(v["to"][0.85]), _epochs(v["epoch_to"][0.85]))
+            for k, v in tta.items()]
+    return markdown_table(TTA_HEADER, rows, align="llrrrrrr")
+
+
+def tta_values(tta: dict[str, dict]) -> dict[str, str]:
+    """``tta_<cond>_<method>_80`` and ``_85`` (seconds), ``tta_ep_<cond>_<method>``
+    (epochs to 85 %) and ``tta_spe_<cond>_<method>`` (seconds an epoch), as text."""
+    out = {}
+    for k, v in tta.items():
+        name = k.replace("/", "_")
+        for t in (0.8, 0.85):
+            out[f"tta_{name}_{round(100 * t)}"] = _sec(v["to"][t])
+        out[f"tta_ep_{name}"] = _epochs(v["epoch_to"][0.85])
+        out[f"tta_spe_{name}"] = f"{v['s_per_epoch']:.2f}"
+    return out
