@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kwng.experiments.cifar.kfac_factors import _weight_matrix, _write_back
+from kwng.experiments.cifar.kfac_factors import _store, _weight_matrix, _write_back
 
 __all__ = ["EigenFactors", "LayerRecorder", "check_layers", "fisher_output_grads"]
 
@@ -200,18 +200,8 @@ class EigenFactors:
                              f"layers (U_G rows x U_A rows), got {data!r:.200}")
         evecs, diags = data
         for name, (evecs_a, evecs_g) in evecs.items():
-            new = (evecs_a, evecs_g,
-                   diags[name].reshape(evecs_g.shape[0], evecs_a.shape[0]))
-            new = tuple(t.detach() if device is None else t.detach().to(device)
-                        for t in new)
-            old = self.buffers.get(name)
-            if old is not None and all(o.shape == n.shape and o.dtype == n.dtype
-                                       and o.device == n.device
-                                       for o, n in zip(old, new)):
-                for o, n in zip(old, new):
-                    o.copy_(n)
-            else:
-                self.buffers[name] = tuple(n.clone() for n in new)
+            _store(self.buffers, name, (evecs_a, evecs_g, diags[name].reshape(
+                evecs_g.shape[0], evecs_a.shape[0])), device)
 
     def state(self) -> tuple[dict, dict]:
         """Copies of the buffers in the form of ``PMatEKFAC.data``."""

@@ -140,16 +140,7 @@ class InverseFactors:
             raise ValueError("data must map each layer name to a pair of tensors "
                              f"(A_inv, G_inv), got {data!r:.200}")
         for name, pair in data.items():
-            new = tuple(t.detach() if device is None else t.detach().to(device)
-                        for t in pair)
-            old = self.buffers.get(name)
-            if old is not None and all(o.shape == n.shape and o.dtype == n.dtype
-                                       and o.device == n.device
-                                       for o, n in zip(old, new)):
-                for o, n in zip(old, new):
-                    o.copy_(n)
-            else:
-                self.buffers[name] = tuple(n.clone() for n in new)
+            _store(self.buffers, name, pair, device)
 
     def state(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the buffers (layer name -> ``(A⁻¹, G⁻¹)``)."""
@@ -185,3 +176,18 @@ def _write_back(modules: Mapping[str, nn.Module],
         if mod.bias is not None:
             mod.bias.grad.copy_(torch.where(finite, d[:, n], mod.bias.grad))
     return (~finite).to(torch.int64)
+
+
+def _store(buffers: dict, name: str, tensors, device) -> None:
+    """Put ``tensors`` (detached, on ``device`` when given) into ``buffers[name]``: in
+    place when the buffers there have the same shapes, dtypes and device (a recorded
+    graph reads their addresses), else as new copies."""
+    new = tuple(t.detach() if device is None else t.detach().to(device)
+                for t in tensors)
+    old = buffers.get(name)
+    if old is not None and all(o.shape == n.shape and o.dtype == n.dtype
+                               and o.device == n.device for o, n in zip(old, new)):
+        for o, n in zip(old, new):
+            o.copy_(n)
+    else:
+        buffers[name] = tuple(n.clone() for n in new)
