@@ -13,9 +13,10 @@ update::
 Two ways of getting ``L_after`` (``rule``):
 
 * ``"authors"`` — as the authors' code: ``L_after`` is the loss of the *next*
-  mini-batch, read at the start of the next step (:meth:`LMSchedule.update`). The two
-  losses are of different batches, so ``r`` mixes the progress of the step with the
-  difference between the batches.
+  mini-batch, read at the start of the next step
+  (:meth:`~kwng.engine.lm.LevenbergMarquardt.update`). The two losses are of different
+  batches, so ``r`` mixes the progress of the step with the difference between the
+  batches.
 * ``"same_batch"`` — ``L_after`` is the loss of the *same* mini-batch after the step,
   which the training loop computes (one extra forward pass without gradients) and hands
   to :meth:`observe`. This is the comparison the rule intends.
