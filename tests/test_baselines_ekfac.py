@@ -333,3 +333,18 @@ def test_bad_arguments_are_refused():
         pc.step(nn.functional.cross_entropy(X, y), None, inputs=z)
     rec.remove()
     assert not fc._forward_hooks
+
+
+def test_close_removes_the_hooks_and_a_closed_preconditioner_refuses_to_step():
+    """close() leaves the model without EKFAC's forward hooks (KFAC has none)."""
+    model = _net()
+    layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    pc = KFACPreconditioner(model, kind="ekfac", update_freq=3, clip_norm=None)
+    assert all(len(m._forward_hooks) == 1 for m in layers)
+    (z, y), = _batches(1)
+    _step(pc, model, z, y, seed=0)
+    pc.close()
+    assert all(len(m._forward_hooks) == 0 for m in layers)
+    with pytest.raises(ValueError, match="ran no forward"):
+        _step(pc, model, z, y, seed=0)
+    KFACPreconditioner(_net(), kind="kfac").close()

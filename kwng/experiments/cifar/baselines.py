@@ -174,6 +174,13 @@ class KFACPreconditioner:
             f"layers={len(self.modules)})"
         )
 
+    def close(self) -> None:
+        """Remove EKFAC's forward hooks from the model (and the activations they keep),
+        so that the model can train on without this preconditioner; a no-op for KFAC.
+        A closed EKFAC preconditioner cannot step again."""
+        if self.recorder is not None:
+            self.recorder.remove()
+
     @property
     def steps(self) -> int:
         """Steps taken (the host-side counter of its ``schedule``)."""
