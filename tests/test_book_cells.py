@@ -73,3 +73,19 @@ def test_the_list_names_only_cells_still_too_long():
         f"TOO_LONG names cells that are short now or gone; remove them: "
         f"{sorted(stale.elements())}"
     )
+
+
+#: the widest code line, in characters, that fits the book's code column at 1280 px
+#: (tools/check_book.py measures the pixels; this catches it before a build)
+MAX_CODE_COLUMNS = 81
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_every_shown_code_line_fits_the_page(chapter):
+    """Code a reader can open (every cell but ``remove-input`` ones) stays within
+    :data:`MAX_CODE_COLUMNS` characters a line."""
+    nb = jupytext.read(chapter)
+    wide = [line for c in nb.cells if c.cell_type == "code"
+            and "remove-input" not in c.metadata.get("tags", [])
+            for line in c.source.splitlines() if len(line) > MAX_CODE_COLUMNS]
+    assert not wide, f"code lines over {MAX_CODE_COLUMNS} columns: {wide}"
