@@ -259,16 +259,20 @@ def test_no_nngeometry_between_refreshes_and_the_device_fallback(monkeypatch):
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain))
 
 
-def _runner_run(batches, capture, monkeypatch):
+def _runner_run(batches, capture, monkeypatch, diag_freq=1):
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    pc = KFACPreconditioner(model, kind="ekfac", update_freq=4)
+    pc = KFACPreconditioner(model, kind="ekfac", update_freq=4, diag_freq=diag_freq)
     method = steps.KFACStep(model, opt, pc)
     refreshed = []
 
     def step_fn(z, y):
         refreshed.append(pc.schedule.due)
+        before = [t.clone() for t in _buffers(pc)[2::3]] if pc.eigen.buffers else []
         steps.train_step(method, model, z, y)
+        method.scaled = getattr(method, "scaled", []) + [
+            bool(before) and any(not torch.equal(a, b)
+                                 for a, b in zip(before, _buffers(pc)[2::3]))]
 
     runner = steps.StepRunner(step_fn, torch.device("cpu"), False, lambda: 0.1,
                               cache=pc.cache)
@@ -291,6 +295,25 @@ def test_a_captured_ekfac_loop_trains_as_the_eager_one(monkeypatch):
     assert method.capturable and r_cap.captures == 1
     assert (r_cap.eager, r_cap.replays, r_eager.eager) == (5, 6, 11)
     assert [s for s, r in enumerate(ref_cap) if r] == [0, 4, 8]
+    for p, q in zip(m_eager.parameters(), m_cap.parameters()):
+        assert torch.equal(p, q)
+    assert method.epoch_fields([]) == {"fallbacks": 0}
+
+
+def test_scalings_every_k_steps_captured_train_as_the_eager_loop(monkeypatch):
+    """EKFAC with ``diag_freq = 3`` under :class:`StepRunner` (update_freq = 4, 13
+    steps): three eager warm-up steps as the schedule names them, one recording of the
+    two programs between refreshes, the refreshes (4, 8, 12) eager and the rest
+    replayed; the scalings change on the steps that refresh or re-estimate them (3, 6,
+    9) only; the parameters equal the eager loop's bit for bit."""
+    batches = _batches(13)
+    m_eager, r_eager, _, e_method = _runner_run(batches, False, monkeypatch, 3)
+    m_cap, r_cap, ref_cap, method = _runner_run(batches, True, monkeypatch, 3)
+    assert method.capturable and r_cap.captures == 1
+    assert (r_cap.eager, r_cap.replays, r_eager.eager) == (6, 7, 13)
+    assert [s for s, r in enumerate(ref_cap) if r] == [0, 4, 8, 12]
+    assert [s for s, c in enumerate(e_method.scaled) if c] == [3, 4, 6, 8, 9, 12]
+    assert method.scaled == e_method.scaled
     for p, q in zip(m_eager.parameters(), m_cap.parameters()):
         assert torch.equal(p, q)
     assert method.epoch_fields([]) == {"fallbacks": 0}
@@ -348,3 +371,15 @@ def test_close_removes_the_hooks_and_a_closed_preconditioner_refuses_to_step():
     with pytest.raises(ValueError, match="ran no forward"):
         _step(pc, model, z, y, seed=0)
     KFACPreconditioner(_net(), kind="kfac").close()
+
+
+def test_a_method_spec_takes_diag_freq_for_ekfac_only():
+    from kwng.experiments.cifar.methods import METHODS, check_method_spec
+
+    assert METHODS["ekfac_s10"].spec["diag_freq"] == 10
+    check_method_spec("x", {"optimizer": "sgd", "precond": "ekfac", "diag_freq": 3})
+    for bad in ({"precond": "kfac", "diag_freq": 3},
+                {"precond": "ekfac", "diag_freq": 0},
+                {"precond": "ekfac", "diag_freq": 2.5}):
+        with pytest.raises(ValueError, match="diag_freq"):
+            check_method_spec("x", {"optimizer": "sgd", **bad})

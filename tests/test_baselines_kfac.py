@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kwng.engine.amortized import SystemCache
-from kwng.engine.capture import amortized_replay, warmup_kind
+from kwng.engine.capture import amortized_replay, warmup_kind, warmup_steps
 from kwng.experiments.cifar import steps
 from kwng.experiments.cifar.kfac_factors import FactorSchedule, InverseFactors
 from kwng.experiments.nets import ConditionedNetwork, DiagonalConditioning
@@ -180,7 +180,16 @@ def test_schedule_and_buffers_refuse_bad_arguments():
         amortized_replay(FactorSchedule(3), lambda: None)
     pc = KFACPreconditioner(_net(), kind="kfac", update_freq=1)
     assert pc.cache is None
-    assert KFACPreconditioner(_net(), kind="ekfac", diag_freq=2).cache is None
+    assert KFACPreconditioner(_net(), kind="ekfac", diag_freq=2).cache.kinds == (
+        "scale", False)
+    with pytest.raises(ValueError, match="refresh must be True or False, got 'scale'"):
+        with FactorSchedule(3).forced("scale"):
+            pass
+    with pytest.raises(ValueError, match="or 'scale', got 'x'"):
+        with FactorSchedule(3, sub_every=2).forced("x"):
+            pass
+    with pytest.raises(ValueError, match=r"sub_every must be an integer in \[1, inf\]"):
+        FactorSchedule(3, sub_every=0)
     with pytest.raises(ValueError, match="state must be a state_dict of kind='kfac'"):
         pc.load_state_dict({"kind": "ekfac", "steps": 0})
 
@@ -224,6 +233,44 @@ def test_the_replay_runs_due_refreshes_eagerly_and_replays_the_rest():
         assert not kw.due
 
 
+def test_a_schedule_with_scalings_every_k_steps_names_three_kinds():
+    """``FactorSchedule(every=6, sub_every=3)``: refreshes at 0 and 6 (eager, kind
+    ``None``), the scalings re-estimated at 3 and 9 ("scale"), the other steps plain
+    (``False``); the replay records the two programs between refreshes and runs each
+    where the counter names it; the warm-up follows the schedule."""
+    cache = FactorSchedule(6, sub_every=3)
+    names = []
+    for s in range(12):
+        cache.ready, cache.steps = s > 0, s
+        names.append(cache.kind)
+    assert names == [None, False, False, "scale", False, False,
+                     None, False, False, "scale", False, False]
+    assert cache.kinds == ("scale", False)
+    with cache.forced("scale"):
+        assert cache.sub_due and not cache.due and cache.kind == "scale"
+    with cache.forced(True):
+        assert cache.due and cache.sub_due and cache.kind is None
+    cache.ready, cache.steps, log, recorded = True, 4, [], []
+
+    def record():
+        recorded.append(cache.kind)
+        cache.advance()
+        return _Graph(cache.kind, log)
+
+    def eager():
+        log.append("eager")
+        cache.advance()
+
+    replay = amortized_replay(cache, record, eager=eager)
+    assert recorded == ["scale", False] and cache.steps == 4
+    for _ in range(8):
+        replay()
+    assert log == [False, False, "eager", False, False, "scale", False, False]
+    assert all(isinstance(warmup_kind(cache, i), contextlib.nullcontext)
+               for i in range(4))
+    assert warmup_steps(cache) == 2 and warmup_steps(SystemCache(3)) == 2
+
+
 class _Stream:
     def wait_stream(self, other):
         pass
@@ -239,7 +286,7 @@ def _fake_cuda(monkeypatch, cache):
 
     class Graph:
         def __init__(self, fn):
-            self.fn, self.kind = fn, cache.due
+            self.fn, self.kind = fn, cache._forced  # recorded under forced(kind)
 
         def replay(self):
             n = cache.steps

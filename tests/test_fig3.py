@@ -66,6 +66,46 @@ def test_every_run_started_after_the_protocol_was_committed():
                 assert datetime.fromisoformat(prov["date"]) > when, p
 
 
+def test_amendments_are_applied_and_committed_before_the_runs_they_change():
+    """Each amendment's substitution is in the loaded protocol, names its reason and
+    evidence, and was committed (the oldest commit whose amendments file names the new
+    method) before the first run of the method it brings in."""
+    amendments = json.loads((FIG3 / "amendments.json").read_text())["amendments"]
+    assert amendments == P["amendments"]
+    for a in amendments:
+        assert a["why"] and (ROOT / a["evidence"]).exists()
+        for old, new in a["substitute"].items():
+            assert old not in P["order"] and new in P["order"]
+            try:
+                dates = _git("log", "--format=%cI", "-S", f'"{new}"', "--",
+                             "results/cifar/fig3/amendments.json").split()
+            except (OSError, subprocess.CalledProcessError):
+                pytest.skip("no git history")
+            if not dates:
+                if _git("rev-parse", "--is-shallow-repository") == "true":
+                    pytest.skip("a shallow clone lacks the amendment's commit")
+                continue  # not committed yet: no run may exist
+            when = datetime.fromisoformat(dates[-1])
+            for prov in FIG3.glob(f"*/lr*/cifar10/*/{new}/seed*/provenance.json"):
+                date = json.loads(prov.read_text())["date"]
+                assert datetime.fromisoformat(date) > when, prov
+
+
+def test_an_amendment_substitutes_only_a_method_of_the_protocol(tmp_path):
+    shutil.copy(FIG3 / "protocol.json", tmp_path / "protocol.json")
+    for sub, ok in (({"ekfac": "ekfac_s10"}, True), ({"nope": "ekfac_s10"}, False),
+                    ({"ekfac": "kfac"}, False)):
+        (tmp_path / "amendments.json").write_text(json.dumps(
+            {"amendments": [{"substitute": sub, "why": "w", "evidence": "e"}]}))
+        if ok:
+            p = fig3.load_protocol(tmp_path / "protocol.json")
+            assert p["windows"]["ill/ekfac_s10"] == P["windows"]["ill/ekfac_s10"]
+            assert "ekfac" not in p["methods"]["both"]
+        else:
+            with pytest.raises(fig3.ResultFileError, match="amendment"):
+                fig3.load_protocol(tmp_path / "protocol.json")
+
+
 # ------------------------------------------------------------------ the stop rule
 def _row(e, acc, loss=1.0):
     return {"epoch": e, "val_acc": acc, "train_loss": loss}

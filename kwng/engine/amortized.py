@@ -78,6 +78,9 @@ class SystemCache:
 
     #: a refresh step is a program of its own that a CUDA graph records
     refresh_capturable = True
+    #: the programs a captured loop records: a refresh step and a step between
+    #: refreshes (keys of :attr:`kind`)
+    kinds = (True, False)
 
     def __init__(self, every: int,
                  on_due: Callable[[bool], None] | None = None) -> None:
@@ -97,6 +100,11 @@ class SystemCache:
         if self._forced is not None:
             return self._forced
         return self.every == 1 or self.T is None or self.steps % self.every == 0
+
+    @property
+    def kind(self) -> bool:
+        """The program of the next step: :attr:`due`."""
+        return self.due
 
     def refresh_now(self, q: int, device: torch.device) -> bool:
         """Whether the step about to run refreshes: :attr:`due`, or no cached system

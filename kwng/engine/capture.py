@@ -34,7 +34,8 @@ import torch
 
 from kwng._checks import check_int
 
-__all__ = ["amortized_replay", "capture_step", "record_graph", "warmup_kind"]
+__all__ = ["amortized_replay", "capture_step", "record_graph", "warmup_kind",
+           "warmup_steps"]
 
 
 def record_graph(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -68,12 +69,14 @@ def capture_step(step: Callable[[], None], warmup: int = 3,
     ``preconditioner``: the preconditioner that ``step`` calls, when its ``cache``
     refreshes every ``k > 1`` steps (:class:`kwng.KWNGPreconditioner` with
     ``refresh_every = k``, :mod:`kwng.engine.amortized`; KFAC,
-    :mod:`kwng.experiments.cifar.kfac_factors`). Its two kinds of step are two programs:
-    at least two warm-up steps are taken, the steps between refreshes are recorded and
-    each replay runs the kind that the cache's host-side counter names
-    (:func:`amortized_replay`). A refresh step that can be captured (KWNG) is recorded
-    too, the warm-up alternating the two kinds; one that cannot (KFAC) runs ``step``
-    eagerly, and the warm-up follows the schedule.
+    :mod:`kwng.experiments.cifar.kfac_factors`). Its kinds of step are programs of their
+    own: at least :func:`warmup_steps` warm-up steps are taken, the steps between
+    refreshes are recorded and each replay runs the kind that the cache's host-side
+    counter names (:func:`amortized_replay`). A refresh step that can be captured (KWNG)
+    is recorded too, the warm-up alternating the kinds; one that cannot ((E)KFAC) runs
+    ``step`` eagerly and the warm-up follows the schedule (EKFAC with ``diag_freq > 1``
+    records two programs between refreshes: a step that re-estimates the scalings and
+    one that does not).
     """
     if not callable(step):
         raise ValueError(
@@ -89,7 +92,7 @@ def capture_step(step: Callable[[], None], warmup: int = 3,
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for i in range(max(warmup, 2) if two else warmup):
+        for i in range(max(warmup, warmup_steps(cache)) if two else warmup):
             with warmup_kind(cache if two else None, i):
                 step()
     torch.cuda.current_stream().wait_stream(side)
@@ -98,47 +101,59 @@ def capture_step(step: Callable[[], None], warmup: int = 3,
     return amortized_replay(cache, lambda: record_graph(step), eager=step)
 
 
+def warmup_steps(cache: Any) -> int:
+    """The fewest warm-up steps of a captured loop with the refresh ``cache``: one of
+    each recorded program when refreshes are recorded too (KWNG); else two, the first
+    an eager refresh ((E)KFAC: a refresh step runs every part of the steps between
+    refreshes, EKFAC's re-estimate of the scalings included)."""
+    return len(cache.kinds) if cache.refresh_capturable else 2
+
+
 def warmup_kind(cache: Any, i: int) -> contextlib.AbstractContextManager:
     """The kind of the ``i``-th warm-up step of a captured loop with the refresh
-    ``cache`` (``None``: a single program): alternately refresh and not (from a
-    refresh) when the cache's refresh step is recorded too, so that both programs run
-    before their recording; the kind the schedule names otherwise."""
+    ``cache`` (``None``: a single program): the recorded kinds in turn (KWNG: refresh,
+    then not) when the cache's refresh step is recorded too, so that every program runs
+    before its recording; else the kind the schedule names (a refresh first, as no
+    factors exist yet), so that a captured loop takes the eager loop's steps."""
     i = check_int(i, "i", 0)
     if cache is None or not cache.refresh_capturable:
         return contextlib.nullcontext()
-    return cache.forced(i % 2 == 0)
+    kinds = tuple(cache.kinds)
+    return cache.forced(kinds[i % len(kinds)])
 
 
 def amortized_replay(cache: Any, record: Callable[[], Any],
                      eager: Callable[[], None] | None = None) -> Callable[[], bool]:
-    """Record one refresh step and one step between refreshes with ``record`` (a
-    function that records the step and returns an object with ``replay()``), each under
-    ``cache.forced`` (:class:`kwng.engine.amortized.SystemCache`); returns the replay
-    that runs, at each call, the graph of the kind ``cache.due`` names, then counts the
-    step. The recordings run no step: the counter is left where the warm-up put it.
+    """Record each program of ``cache.kinds`` with ``record`` (a function that records
+    the step and returns an object with ``replay()``), each under ``cache.forced``
+    (:class:`kwng.engine.amortized.SystemCache`: a refresh step and a step between
+    refreshes); returns the replay that runs, at each call, the graph of the kind
+    ``cache.kind`` names, then counts the step. The recordings run no step: the counter
+    is left where the warm-up put it.
 
     A cache whose refresh step cannot be captured (``cache.refresh_capturable`` false,
-    :class:`kwng.experiments.cifar.kfac_factors.FactorSchedule`) has its step between
-    refreshes recorded only; a due refresh step runs ``eager`` (the step itself, on the
-    same static inputs, outside any graph; it counts itself on the cache). The replay
-    returns whether a graph ran."""
+    :class:`kwng.experiments.cifar.kfac_factors.FactorSchedule`) lists only the steps
+    between refreshes in ``kinds``; a due refresh step (``cache.kind`` is ``None``)
+    runs ``eager`` (the step itself, on the same static inputs, outside any graph; it
+    counts itself on the cache). The replay returns whether a graph ran."""
     if not cache.refresh_capturable and not callable(eager):
         raise ValueError("eager must be the step (a callable of no arguments) when "
                          "the cache's refresh step cannot be captured, got "
                          f"{type(eager).__name__}")
     steps = cache.steps
     graphs = {}
-    for refresh in (True, False) if cache.refresh_capturable else (False,):
-        with cache.forced(refresh):
-            graphs[refresh] = record()
+    for kind in cache.kinds:
+        with cache.forced(kind):
+            graphs[kind] = record()
     cache.steps = steps
     cache.notify()
 
     def replay() -> bool:
-        if cache.due not in graphs:  # a refresh step that runs eagerly
+        kind = cache.kind
+        if kind not in graphs:  # a refresh step that runs eagerly
             eager()
             return False
-        graphs[cache.due].replay()
+        graphs[kind].replay()
         cache.advance()
         return True
 

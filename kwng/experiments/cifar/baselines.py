@@ -15,8 +15,9 @@ represents the Monte-Carlo Fisher of a classifier in both forms (``PMatKFAC``,
   the plain gradient;
 * the Kronecker factors (KFAC) or the Kronecker-factored eigenbasis (EKFAC) are
   recomputed every ``update_freq`` (100) updates by nngeometry's pass; EKFAC's diagonal
-  scalings are re-estimated every ``diag_freq`` (1) step, as nngeometry's
-  ``PMatEKFAC.update_diag`` does, but from the training step's own forward (labels
+  scalings are re-estimated every ``diag_freq`` steps (1: every step; between
+  re-estimates the last ones are kept) with the estimator of nngeometry's
+  ``PMatEKFAC.update_diag``, from the training step's own forward (labels
   sampled from its outputs, one extra backward; in a bf16 step its activations and
   gradients are bf16, promoted to fp32);
 * the refresh's extra forward/backward passes run in training mode (batch statistics,
@@ -160,7 +161,8 @@ class KFACPreconditioner:
         if not self.modules:
             raise ValueError("model has no Conv2d or Linear layer to precondition")
         self.layer_collection = lc
-        self.schedule = FactorSchedule(update_freq)
+        self.schedule = FactorSchedule(
+            update_freq, sub_every=self.diag_freq if kind == "ekfac" else 1)
         self.fim = None        # PMatKFAC / PMatEKFAC (the last refresh's)
         self.factors = InverseFactors()  # KFAC: damped inverse factors, in place
         self.eigen = EigenFactors()  # EKFAC: eigenbasis and scalings, in place
@@ -190,11 +192,9 @@ class KFACPreconditioner:
     def cache(self) -> FactorSchedule | None:
         """The refresh schedule that a graph-capturing runner follows (its steps between
         refreshes are replayed, its refresh steps run eagerly) when
-        ``update_freq > 1`` and, for EKFAC, ``diag_freq = 1`` (one program between
-        refreshes); ``None`` otherwise (every step runs eagerly)."""
-        if self.update_freq > 1 and (self.kind == "kfac" or self.diag_freq == 1):
-            return self.schedule
-        return None
+        ``update_freq > 1``; ``None`` otherwise (every step runs eagerly). EKFAC with
+        ``diag_freq > 1`` has two programs between refreshes (``schedule.kinds``)."""
+        return self.schedule if self.update_freq > 1 else None
 
     # ----------------------------------------------------------------------------------
     # internals
@@ -278,7 +278,7 @@ class KFACPreconditioner:
         records = None
         if self.kind == "ekfac":
             records = self._scaling_records(
-                outputs, refresh or self.steps % self.diag_freq == 0)
+                outputs, refresh or self.schedule.sub_due)
         loss.backward()
         self._check_grads()
         if refresh:

@@ -44,10 +44,10 @@ from kwng.experiments.cifar.methods import LR_GRID, METHODS, RESULTS, milestones
 from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
 from kwng.experiments.provenance import ResultFileError, read_json
 
-__all__ = ["FIG3", "PROTOCOL_FILE", "CHANCE_MARGIN", "CHANCE_EPOCH", "GAP", "GAP_EPOCH",
-           "RULE", "load_protocol", "window_for", "protocol_commit", "sibling_rows",
-           "stop_reason", "run_status", "record_at", "grid_state", "record_problem",
-           "check_fig3", "fig3_check", "rounds", "round_of",
+__all__ = ["FIG3", "PROTOCOL_FILE", "AMENDMENTS_NAME", "CHANCE_MARGIN", "CHANCE_EPOCH",
+           "GAP", "GAP_EPOCH", "RULE", "load_protocol", "window_for", "protocol_commit",
+           "sibling_rows", "stop_reason", "run_status", "record_at", "grid_state",
+           "record_problem", "check_fig3", "fig3_check", "rounds", "round_of",
            "round_epoch_seconds"]
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ FIG3 = RESULTS / "fig3"
 #:
 #: :meta hide-value:
 PROTOCOL_FILE = FIG3 / "protocol.json"
+#: the file of amendments beside the protocol: each one committed before the first run
+#: it changes, with its reason (:func:`load_protocol` applies them)
+AMENDMENTS_NAME = "amendments.json"
 _PARTS = ("grid", "seeds", "ablation")
 
 #: "at chance" means below ``1 / classes + CHANCE_MARGIN`` validation accuracy
@@ -77,7 +80,10 @@ RULE = {"chance_margin": CHANCE_MARGIN, "chance_epoch": CHANCE_EPOCH, "gap": GAP
 
 def load_protocol(path: str | os.PathLike = PROTOCOL_FILE) -> dict:
     """The protocol file, checked: its grid is the paper's, its early-stop constants
-    are :data:`RULE`, its methods are known."""
+    are :data:`RULE`, its methods are known; with the amendments of
+    :data:`AMENDMENTS_NAME` beside it applied (listed under ``"amendments"``). An
+    amendment ``{"substitute": {old: new}, ...}`` runs the method ``new`` wherever the
+    protocol names ``old``."""
     p = read_json(path)
     if not isinstance(p, dict) or "settings" not in p:
         raise ResultFileError(f"{path}: not a protocol file (no 'settings')")
@@ -86,12 +92,31 @@ def load_protocol(path: str | os.PathLike = PROTOCOL_FILE) -> dict:
     if p["early_stop"] != RULE:
         raise ResultFileError(f"{path}: early_stop {p['early_stop']} differs from "
                               f"the code's rule {RULE}")
+    amend = Path(path).with_name(AMENDMENTS_NAME)
+    p["amendments"] = read_json(amend)["amendments"] if amend.exists() else []
+    for a in p["amendments"]:
+        for old, new in a["substitute"].items():
+            _substitute(p, old, new)
     names = [m for ms in p["methods"].values() for m in ms]
     names += list(p["ablations"]["runs"])
     unknown = sorted(set(names) - set(METHODS))
     if unknown:
         raise ResultFileError(f"{path}: unknown methods {unknown}")
     return p
+
+
+def _substitute(p: dict, old: str, new: str) -> None:
+    """An amendment's substitution: the method ``new`` takes ``old``'s place in the
+    protocol ``p`` (its lists, windows, window sources and order)."""
+    if old not in p["order"] or new in p["order"]:
+        raise ResultFileError(f"amendment: {old!r} must be a method of the protocol "
+                              f"and {new!r} not yet one")
+    for part, ms in p["methods"].items():
+        p["methods"][part] = [new if m == old else m for m in ms]
+    p["order"] = [new if m == old else m for m in p["order"]]
+    for table in ("windows", "window_sources"):
+        p[table] = {(k.split("/")[0] + "/" + new if k.split("/")[1] == old else k): v
+                    for k, v in p[table].items()}
 
 
 def window_for(short_lr: float, grid: tuple[float, ...] = LR_GRID) -> list[float]:

@@ -17,11 +17,13 @@ gradient, and that is what this module does with its own tensor ops:
   every layer keeps its plain gradient (one device-side choice, ``torch.where``, no
   host sync).
 * :class:`FactorSchedule` is the host-side step counter that says which steps refresh
-  (``s % update_freq == 0``, or no factors yet). It has the interface of
+  (``s % update_freq == 0``, or no factors yet) and, for EKFAC, which steps between
+  refreshes re-estimate the scalings (``s % diag_freq == 0``). It has the interface of
   :class:`kwng.engine.amortized.SystemCache` that
   :class:`~kwng.experiments.cifar.steps.StepRunner` and
   :func:`kwng.engine.capture.capture_step` read, with ``refresh_capturable = False``:
-  they record a graph of the step between refreshes only, and run a due refresh step
+  they record a graph of each kind of step between refreshes only (one, or two when the
+  scalings are re-estimated every ``diag_freq > 1`` steps), and run a due refresh step
   eagerly on the same static inputs (:func:`kwng.engine.capture.amortized_replay`).
 
 A gradient in ``channels_last`` is reshaped (a copy in the logical order), never viewed,
@@ -43,38 +45,69 @@ __all__ = ["FactorSchedule", "InverseFactors"]
 
 class FactorSchedule:
     """The host-side step counter of a preconditioner whose factors are refreshed every
-    ``every`` steps by an eager pass.
+    ``every`` steps by an eager pass, and whose cheaper state (EKFAC's scalings) is
+    re-estimated every ``sub_every`` steps.
 
     Step ``s`` (counted from 0, ``steps``) refreshes when ``s % every == 0`` or when
-    no factors exist yet (``ready`` is ``False``); :meth:`forced` overrides the
-    choice while a graph of the step between refreshes is recorded."""
+    no factors exist yet (``ready`` is ``False``); a step that does not refresh
+    re-estimates the scalings when ``s % sub_every == 0`` (:attr:`sub_due`).
+    :meth:`forced` overrides the choice while a graph is recorded. The steps between
+    refreshes are one program (``kinds == (False,)``) or, with ``sub_every > 1``, two:
+    ``"scale"`` (re-estimate, then apply) and ``False`` (apply only); :attr:`kind`
+    names the program of the next step, ``None`` for a refresh step (eager)."""
 
     #: whether a refresh step can be recorded in a CUDA graph; never here, so the
     #: runners run it eagerly
     refresh_capturable = False
+    #: the key of the program that re-estimates the scalings between refreshes
+    SCALE = "scale"
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, sub_every: int = 1) -> None:
         self.every = check_int(every, "every", 1)
+        self.sub_every = check_int(sub_every, "sub_every", 1)
         self.steps = 0
         self.ready = False
-        self._forced: bool | None = None
+        self._forced: bool | str | None = None
 
     def __repr__(self) -> str:
-        return (f"FactorSchedule(every={self.every}, steps={self.steps}, "
-                f"ready={self.ready})")
+        return (f"FactorSchedule(every={self.every}, sub_every={self.sub_every}, "
+                f"steps={self.steps}, ready={self.ready})")
+
+    @property
+    def kinds(self) -> tuple:
+        """The programs of the steps between refreshes, in recording order."""
+        return (self.SCALE, False) if self.sub_every > 1 else (False,)
 
     @property
     def due(self) -> bool:
         """Whether the next step refreshes the factors."""
         if self._forced is not None:
-            return self._forced
+            return self._forced is True
         return not self.ready or self.steps % self.every == 0
+
+    @property
+    def sub_due(self) -> bool:
+        """Whether the next step re-estimates the scalings (every step with
+        ``sub_every = 1``, every refresh step)."""
+        if self.sub_every == 1:
+            return True
+        if self._forced is not None:
+            return self._forced is not False
+        return self.due or self.steps % self.sub_every == 0
+
+    @property
+    def kind(self) -> bool | str | None:
+        """The program of the next step: ``None`` (a refresh, run eagerly), else a key
+        of :attr:`kinds`."""
+        if self.due:
+            return None
+        return self.SCALE if self.sub_every > 1 and self.sub_due else False
 
     def refresh_now(self) -> bool:
         """:attr:`due`, for the step about to run; raises when that step cannot run:
         a step between refreshes forced before any factors exist, or a refresh step
         inside a CUDA graph capture."""
-        if self._forced is False and not self.ready:
+        if self._forced is not None and self._forced is not True and not self.ready:
             raise ValueError("a step between refreshes was forced, but no factors "
                              "exist yet: run a refresh step first")
         if (self.due and torch.cuda.is_available()
@@ -93,12 +126,16 @@ class FactorSchedule:
         """Nothing listens to :attr:`due` (the interface of ``SystemCache``)."""
 
     @contextlib.contextmanager
-    def forced(self, refresh: bool) -> Iterator[None]:
-        """Steps inside the block refresh (``True``) or apply the last factors
-        (``False``) whatever the counter says."""
-        if not isinstance(refresh, bool):
-            raise ValueError(f"refresh must be True or False, got {refresh!r}")
-        if not refresh and self.every == 1:
+    def forced(self, refresh: bool | str) -> Iterator[None]:
+        """Steps inside the block refresh (``True``), apply the last factors
+        (``False``) or, with ``sub_every > 1``, re-estimate the scalings and apply
+        (``"scale"``), whatever the counter says."""
+        scale = self.sub_every > 1 and isinstance(refresh, str) \
+            and refresh == self.SCALE
+        if not (isinstance(refresh, bool) or scale):
+            also = f" or {self.SCALE!r}" if self.sub_every > 1 else ""
+            raise ValueError(f"refresh must be True or False{also}, got {refresh!r}")
+        if refresh is not True and self.every == 1:
             raise ValueError("every = 1: every step refreshes, none can be forced to "
                              "reuse the factors")
         old, self._forced = self._forced, refresh

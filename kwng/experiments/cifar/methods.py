@@ -125,6 +125,11 @@ METHODS: dict[str, Method] = {
                     "KWNG, k = 100", 26, 2.1, 10.0),
     "diag_k20": _m("sgd", {**_KWNG, "diagonal_only": True, "refresh_every": 20},
                    "#807dba", "-.", "diagonal, k = 20", 27, 2.3, 10.0),
+    # EKFAC with its scalings re-estimated every 10 steps (the Fig. 3 protocol's
+    # amendment: every step costs about 9 captured KFAC steps); the planning weight
+    # assumes a tenth of that re-estimate per step
+    "ekfac_s10": _m("sgd", {"precond": "ekfac", "diag_freq": 10}, "#d95f02", "--",
+                    "EKFAC, scalings every 10 steps", 28, 3.0, 0.1),
 }
 #: the methods of the amortized-step study, in the order of its figure
 AMORTIZED_METHODS = ("kwng_k5", "kwng_k20", "kwng_k100", "diag_k20")
@@ -208,6 +213,12 @@ def check_method_spec(name: str, spec: dict[str, Any]) -> None:
     if spec.get("precond", None) not in (None, *PRECONDITIONERS):
         raise ValueError(f"method {name!r}: precond must be absent or one of "
                          f"{PRECONDITIONERS}, got {spec.get('precond')!r}")
+    freq = spec.get("diag_freq", 1)
+    if freq != 1 and (spec.get("precond") != "ekfac" or isinstance(freq, bool)
+                      or not isinstance(freq, int) or freq < 1):
+        raise ValueError(f"method {name!r}: diag_freq (EKFAC's steps between "
+                         f"re-estimates of its scalings) must be an integer >= 1 and "
+                         f"only EKFAC takes one, got {freq!r}")
     if spec.get("precond") == "kwng" and spec.get("eps_convention") != "authors":
         raise ValueError(f"method {name!r}: a KWNG method takes the authors' ε "
                          f"(eps_convention 'authors'), got "

@@ -183,7 +183,7 @@ def run_seconds(root: str | os.PathLike = FIG3,
     :data:`RUN_MARGIN`, plus :data:`START_S`: the estimate that keeps a queue from
     starting a run it cannot finish. The queue runs one run per GPU, and the fastest
     record is the one that shared its GPU least. A method without any finished run gets
-    the estimate of the longest method, twice that for KFAC/EKFAC (eager steps)."""
+    the estimate of :func:`_estimate`."""
     times = _wall_times(Path(root))
     for m, t in (_wall_times(Path(fallback)) if fallback is not None else {}).items():
         times[m] = min(t, times.get(m, math.inf))
@@ -192,8 +192,9 @@ def run_seconds(root: str | os.PathLike = FIG3,
 
 def _estimate(times: dict[str, float], method: str) -> float | None:
     """A method's own estimate; a KWNG variant (the same Jacobian block, another
-    damping, kernel or momentum) at most KWNG's; else the longest method's, twice
-    that for KFAC/EKFAC."""
+    damping, kernel or momentum) at most KWNG's; an (E)KFAC method without a run
+    KFAC's, scaled by their planning weights (``rel_cost``); else the longest
+    method's, twice that for KFAC/EKFAC."""
     precond = METHODS[method].spec.get("precond")
     own = [times[k] for k in (method, "kwng" if precond == "kwng" else None)
            if k in times]
@@ -201,6 +202,8 @@ def _estimate(times: dict[str, float], method: str) -> float | None:
         return min(own)
     if not times:
         return None
+    if precond in ("kfac", "ekfac") and "kfac" in times:
+        return times["kfac"] * METHODS[method].rel_cost / METHODS["kfac"].rel_cost
     return max(times.values()) * (2.0 if precond in ("kfac", "ekfac") else 1.0)
 
 

@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kwng.engine.capture import amortized_replay, record_graph, warmup_kind
+from kwng.engine.capture import (
+    amortized_replay,
+    record_graph,
+    warmup_kind,
+    warmup_steps,
+)
 from kwng.engine.config import eps_from_authors
 from kwng.engine.lm import LMSchedule
 from kwng.experiments.cifar.config import RunConfig
@@ -106,13 +111,8 @@ class MethodStep:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(optimizer={type(self.optimizer).__name__})"
 
-    def direction(
-        self,
-        loss: torch.Tensor,
-        outputs: torch.Tensor,
-        hidden: torch.Tensor | None,
-        batch: tuple | None,
-    ) -> dict:
+    def direction(self, loss: torch.Tensor, outputs: torch.Tensor,
+                  hidden: torch.Tensor | None, batch: tuple | None) -> dict:
         from kwng.experiments.cifar.baselines import clip_grad_norm
 
         loss.backward()
@@ -142,9 +142,8 @@ class MethodStep:
 class KFACStep(MethodStep):
     """KFAC or EKFAC (:class:`kwng.experiments.cifar.baselines.KFACPreconditioner`):
     needs ``batch``. Capturable when the preconditioner has a refresh schedule
-    (``precond.cache``: ``update_freq > 1``, and ``diag_freq = 1`` for EKFAC; its
-    refresh steps run eagerly). The fallbacks are summed on the device, read once an
-    epoch."""
+    (``precond.cache``: ``update_freq > 1``; its refresh steps run eagerly). The
+    fallbacks are summed on the device, read once an epoch."""
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, precond
@@ -245,7 +244,7 @@ def make_step(
             kind=kind,
             damping=1e-3,
             update_freq=100,
-            diag_freq=1,
+            diag_freq=cfg.spec.get("diag_freq", 1),
             output_fn=None,
             clip_norm=CLIP_NORM,
             device=device,
@@ -316,7 +315,8 @@ class StepRunner:
     (:func:`kwng.engine.capture.amortized_replay`): KWNG's two programs are both
     recorded (the warm-up alternates them); (E)KFAC's refresh step
     (``cache.refresh_capturable`` false) runs eagerly on the static inputs, outside any
-    graph, and counts as eager, its other steps are replayed."""
+    graph, and counts as eager, its other steps are replayed (EKFAC with
+    ``diag_freq > 1``: from two graphs, with and without the scalings' re-estimate)."""
 
     def __init__(self, step_fn: Callable[[torch.Tensor, torch.Tensor], None],
                  device: torch.device, capture: bool, lr_fn: Callable[[], float],
@@ -328,7 +328,7 @@ class StepRunner:
         self.step_fn, self.lr_fn, self.warmup = step_fn, lr_fn, warmup
         self.cache = cache if cache is not None and cache.every > 1 else None
         if self.cache is not None:
-            self.warmup = max(warmup, 2)  # at least one step of each kind
+            self.warmup = max(warmup, warmup_steps(self.cache))  # one of each kind
         self.device = torch.device(device)
         self.capture = bool(capture) and self.device.type == "cuda"
         if capture and not self.capture:
