@@ -14,6 +14,7 @@ import pytest
 
 from kwng.experiments.cifar import fig3, plans, train
 from kwng.experiments.cifar.methods import LR_GRID
+from kwng.experiments.provenance import ResultFileError
 
 ROOT = Path(__file__).resolve().parent.parent
 FIG3 = ROOT / "results" / "cifar" / "fig3"
@@ -102,7 +103,7 @@ def test_an_amendment_substitutes_only_a_method_of_the_protocol(tmp_path):
             assert p["windows"]["ill/ekfac_s10"] == P["windows"]["ill/ekfac_s10"]
             assert "ekfac" not in p["methods"]["both"]
         else:
-            with pytest.raises(fig3.ResultFileError, match="amendment"):
+            with pytest.raises(ResultFileError, match="amendment"):
                 fig3.load_protocol(tmp_path / "protocol.json")
 
 
