@@ -33,7 +33,7 @@ from kwng.experiments.synthetic_setup import load_flow, load_rows, summarise
 
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
-           "mixed_verdict", "flat"]
+           "mixed_verdict", "ablation_verdict", "ABLATION_WORSE", "flat"]
 
 RESULTS = Path("results")
 """The committed results folder, relative to the repository root."""
@@ -43,6 +43,32 @@ def mixed_verdict(oks: dict[str, bool]) -> str:
     """``"holds"`` if every case passes, ``"fails"`` if none does, else ``"partly"``."""
     n = sum(bool(v) for v in oks.values())
     return "holds" if n == len(oks) else "fails" if n == 0 else "partly"
+
+
+#: the ablations the paper's Fig. 7 says do worse than KWNG: other dampings (§4.2, "a
+#: drop in performance when a different choice of damping is used") and the diagonal
+#: preconditioners ("doesn't match the performance of KWNG")
+ABLATION_WORSE = ("kwng_D_identity", "kwng_D_T", "kwng_diag_T", "diag_Ttilde")
+
+
+def ablation_verdict(rows: list[dict]) -> dict:
+    """The Fig. 7 claim from the ablation rows of the Fig. 3 protocol
+    (:func:`kwng.experiments.cifar.verdicts.ablation_rows`). A variant lies
+    ``"below"`` or ``"above"`` KWNG when its mean final test accuracy differs from
+    KWNG's by more than the larger of the two seed ranges (0 for one run), else
+    ``"level"``; the claim :func:`mixed_verdict` of "every variant of
+    :data:`ABLATION_WORSE` lies below", ``"pending"`` until all of them have run."""
+    by = {r["method"]: r for r in rows}
+    if not by.get("kwng", {}).get("runs") or any(
+            not by.get(m, {}).get("runs") for m in ABLATION_WORSE):
+        return {"verdict": "pending", "side": {}}
+    kw, side = by["kwng"], {}
+    for m, r in by.items():
+        if m != "kwng" and r["runs"]:
+            d, tol = r["test"] - kw["test"], max(r["range"], kw["range"])
+            side[m] = "level" if abs(d) <= tol else "above" if d > 0 else "below"
+    return {"verdict": mixed_verdict({m: side[m] == "below" for m in ABLATION_WORSE}),
+            "side": side}
 
 
 def _slope(x: np.ndarray, y: np.ndarray) -> float:
@@ -200,9 +226,11 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     counts by verdict, the queue left, ``verdict``: ``"pending"`` while any
     baseline is pending, else the per-baseline verdicts in one phrase, and
     ``by_baseline``: every baseline's verdict so far in one phrase ("holds against
-    SGD and Adam; pending against EKFAC"), and ``so_far``: the mean final test
+    SGD and Adam; pending against EKFAC"), ``so_far``: the mean final test
     accuracy (%) at each selected step so far (``"<cond>_<method>"``) and of each
-    ablation that has run (``"ab_<method>"``)."""
+    ablation that has run (``"ab_<method>"``), ``kfac_drop``: whether KFAC drops from
+    WC to IC by more than its seed spread (§4.2), and ``ablation_verdict``
+    (:func:`ablation_verdict`)."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
     ver = fig3_verdicts(p, base)
@@ -218,8 +246,12 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     so_far = {k.replace("/", "_"): 100 * v["mean"] for k, v in summ.items()}
     so_far.update({f"ab_{r['method']}": 100 * r["test"]
                    for r in ablation_rows(p, base) if r["runs"]})
+    kf = ver.get("kfac", {"verdict": "pending"})
+    kfac_drop = "pending" if kf["verdict"] == "pending" else (
+        "holds" if kf["drop"] > kf["spread"] else "fails")
     return {"per_baseline": ver, "counts": counts, "verdict": word, "queue": queue,
-            "so_far": so_far,
+            "so_far": so_far, "kfac_drop": kfac_drop,
+            "ablation_verdict": ablation_verdict(ablation_rows(p, base))["verdict"],
             "by_baseline": "; ".join(f"{w} against {_and(ms)}" for w, ms in by.items()),
             "settled": word != "pending" and not any(queue.values())}
 

@@ -129,7 +129,7 @@ METHODS: dict[str, Method] = {
     # amendment: every step costs about 9 captured KFAC steps); the planning weight
     # assumes a tenth of that re-estimate per step
     "ekfac_s10": _m("sgd", {"precond": "ekfac", "diag_freq": 10}, "#d95f02", "--",
-                    "EKFAC, scalings every 10 steps", 28, 3.0, 0.1),
+                    "EKFAC (scalings every 10 steps)", 28, 3.0, 0.1),
 }
 #: the methods of the amortized-step study, in the order of its figure
 AMORTIZED_METHODS = ("kwng_k5", "kwng_k20", "kwng_k100", "diag_k20")
