@@ -78,7 +78,7 @@ class SystemCache:
 
     #: a refresh step is a program of its own that a CUDA graph records
     refresh_capturable = True
-    #: the programs a captured loop records: a refresh step and a step between
+    #: the programs a captured loop records, a refresh step and a step between
     #: refreshes (keys of :attr:`kind`)
     kinds = (True, False)
 
@@ -103,7 +103,7 @@ class SystemCache:
 
     @property
     def kind(self) -> bool:
-        """The program of the next step: :attr:`due`."""
+        """The program the next step runs, which is :attr:`due`."""
         return self.due
 
     def refresh_now(self, q: int, device: torch.device) -> bool:

@@ -45,9 +45,9 @@ def mixed_verdict(oks: dict[str, bool]) -> str:
     return "holds" if n == len(oks) else "fails" if n == 0 else "partly"
 
 
-#: the ablations the paper's Fig. 7 says do worse than KWNG: other dampings (§4.2, "a
-#: drop in performance when a different choice of damping is used") and the diagonal
-#: preconditioners ("doesn't match the performance of KWNG")
+#: the ablations that the paper's Fig. 7 says do worse than KWNG, the other dampings
+#: (§4.2, "a drop in performance when a different choice of damping is used") and the
+#: diagonal preconditioners ("doesn't match the performance of KWNG")
 ABLATION_WORSE = ("kwng_D_identity", "kwng_D_T", "kwng_diag_T", "diag_Ttilde")
 
 

@@ -60,8 +60,8 @@ FIG3 = RESULTS / "fig3"
 #:
 #: :meta hide-value:
 PROTOCOL_FILE = FIG3 / "protocol.json"
-#: the file of amendments beside the protocol: each one committed before the first run
-#: it changes, with its reason (:func:`load_protocol` applies them)
+#: the name of the amendments file beside the protocol, each amendment committed before
+#: the first run it changes and giving its reason (:func:`load_protocol` applies them)
 AMENDMENTS_NAME = "amendments.json"
 _PARTS = ("grid", "seeds", "ablation")
 

@@ -97,8 +97,8 @@ class FactorSchedule:
 
     @property
     def kind(self) -> bool | str | None:
-        """The program of the next step: ``None`` (a refresh, run eagerly), else a key
-        of :attr:`kinds`."""
+        """The program the next step runs, ``None`` for a refresh (run eagerly), else
+        a key of :attr:`kinds`."""
         if self.due:
             return None
         return self.SCALE if self.sub_every > 1 and self.sub_due else False
