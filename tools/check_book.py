@@ -45,7 +45,9 @@ typesetting, the page fails on
   in it) and the displayed width; a raster figure cannot be measured and is reported;
 * ``empty-axes``: a figure with a framed axes that shows nothing;
 * ``screenshot-offset``: the full-page screenshot draws a heading away from where the
-  page has it (compared with a screenshot of the heading alone), after three tries.
+  page has it (compared with a screenshot of the heading alone), after four tries, the
+  later ones after a fresh load and a wait of 0.5, 1 and 1.5 s (on a loaded machine a
+  page can still be settling after the first tries).
 
 At a phone's width the blocks that scroll sideways in a cued box (equations, tables,
 code) are counted per page and summed in the summary and in ``report.json``.
@@ -387,10 +389,13 @@ def _inspect(page, page_path: Path, name: str, add, screenshots: Path | None,
             name.replace("/", "__").removesuffix(".html") + f"-{width}.png"
         )
         anchors = result["anchors"]
-        for attempt in range(3):  # a layout still settling is drawn shifted: again,
-            if attempt:           # from a fresh load of the page
+        # a layout still settling is drawn shifted: again, from a fresh load of the
+        # page, given longer to settle each time
+        for attempt in range(4):
+            if attempt:
                 page.reload(wait_until="load")
                 page.evaluate(WAIT_FOR_MATHJAX)
+                page.wait_for_timeout(500 * attempt)
                 anchors = page.evaluate(PAGE_PROBE, opts)["anchors"]
             page.evaluate(SETTLE)
             full = page.screenshot(full_page=True)
