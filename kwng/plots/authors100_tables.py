@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from kwng.experiments.cifar.methods import movement_budget
 from kwng.plots.authors100 import final_rows
-from kwng.plots.tables import markdown_table
+from kwng.plots.tables import kwng_criteria_rows, markdown_table
 
 __all__ = ["budget_table", "budget_values", "trainer_timing_table",
            "loss_match_table", "trainer_timing_values", "final_table", "verdict_table",
@@ -129,12 +129,7 @@ def verdict_table(v: dict) -> str:
     """The four criteria of
     :func:`~kwng.experiments.cifar.verdicts.authors100_verdict` (its result ``v``),
     with the numbers behind each and whether it holds."""
-    kwng = f"{100 * v['kwng_ill']:.1f} vs "
-    rows = [
-        ("1. IC within 5 points of WC", kwng + f"{100 * v['kwng_well']:.1f} %",
-         v["c1_within"]),
-        ("2. IC at least 20 points above SGD", kwng + f"{100 * v['sgd_ill']:.1f} %",
-         v["c2_above_sgd"]),
+    rows = kwng_criteria_rows(v, "c1_within", "c2_above_sgd") + [
         ("3. half the WC recall where U_k ≤ 1e-3",
          f"{_fmt(v['recall_ill'])} (WC {_fmt(v['recall_well'])})",
          v["c3_small_classes"]),

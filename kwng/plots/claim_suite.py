@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kwng.experiments.cifar.records import class_scalings, diag_series, final_per_class
-from kwng.plots.tables import markdown_table
+from kwng.plots.tables import kwng_criteria_rows, markdown_table
 
 __all__ = ["selection_rule", "selected_steps", "recall_table", "recall_values",
            "eps_table", "eps_values", "pilot_table", "pilot_values", "verdict_word",
@@ -158,12 +158,7 @@ def verdict_table(v: dict) -> str:
     U_small = ", ".join(f"{u:.0e}" for u in v["U_small"])
     per_class = ", ".join(f"{a:.2f} (WC {b:.2f})"
                           for a, b in zip(v["per_class_ill"], v["per_class_well"]))
-    kwng = f"{100 * v['kwng_ill']:.1f} vs "
-    rows = [
-        ("1. IC within 5 points of WC", kwng + f"{100 * v['kwng_well']:.1f} %",
-         v["a_within"]),
-        ("2. IC at least 20 points above SGD", kwng + f"{100 * v['sgd_ill']:.1f} %",
-         v["b_above_sgd"]),
+    rows = kwng_criteria_rows(v, "a_within", "b_above_sgd") + [
         (f"3. half the WC accuracy on the classes with U_k = {U_small}", per_class,
          v["c_small_classes"]),
     ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["markdown_table"]
+__all__ = ["markdown_table", "kwng_criteria_rows"]
 
 
 def _cell(value) -> str:
@@ -45,3 +45,15 @@ def markdown_table(
             )
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return "\n".join(lines)
+
+
+def kwng_criteria_rows(v: dict, within: str, above: str) -> list[tuple]:
+    """The two criteria that the CIFAR verdict rules share, as table rows
+    ``(criterion, numbers, holds)``: KWNG's IC accuracy within 5 points of its WC one
+    (``v[within]``), and at least 20 points above SGD's in IC (``v[above]``); ``v``
+    holds ``kwng_ill``, ``kwng_well`` and ``sgd_ill`` as fractions."""
+    kwng = f"{100 * v['kwng_ill']:.1f} vs "
+    return [("1. IC within 5 points of WC", kwng + f"{100 * v['kwng_well']:.1f} %",
+             v[within]),
+            ("2. IC at least 20 points above SGD", kwng + f"{100 * v['sgd_ill']:.1f} %",
+             v[above])]
