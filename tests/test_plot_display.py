@@ -51,9 +51,10 @@ def test_every_figure_is_shown_in_a_kernel():
     assert images == [0, 1, 2, 1], images
 
 
-def test_book_figures_are_shown_as_svg():
+def test_book_figures_are_shown_as_svg_and_png():
     """A figure drawn by a book figure function is shown as SVG in a kernel, so the
-    book's checker can read the size of its text from the file."""
+    book's checker can read the size of its text from the file, with a PNG of it for
+    notebook readers."""
     pytest.importorskip("nbclient")
     from nbclient import NotebookClient
 
@@ -62,4 +63,4 @@ def test_book_figures_are_shown_as_svg():
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()
     kinds = [set(o.get("data", {})) & IMAGES for o in nb.cells[1].outputs]
-    assert kinds == [{"image/svg+xml"}], kinds
+    assert kinds == [{"image/svg+xml", "image/png"}], kinds

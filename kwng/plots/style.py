@@ -76,7 +76,10 @@ _SVG_SET = False
 
 
 def _show_as_svg() -> None:
-    """In an IPython kernel, have figures displayed as SVG (once per session)."""
+    """In an IPython kernel, have figures displayed as SVG with a PNG beside it (once
+    per session). The book's pages show the SVG (MyST-NB prefers it), whose text sizes
+    the book's checker reads; the PNG is the image a reader of the executed notebook
+    (or a viewer without SVG) sees."""
     global _SVG_SET
     if _SVG_SET:
         return
@@ -88,7 +91,7 @@ def _show_as_svg() -> None:
         return
     from matplotlib_inline.backend_inline import set_matplotlib_formats
 
-    set_matplotlib_formats("svg")
+    set_matplotlib_formats("svg", "png")
     _SVG_SET = True
 
 
