@@ -3,6 +3,8 @@ reading of the committed records."""
 
 from __future__ import annotations
 
+import pytest
+
 from kwng.experiments import claims
 
 WORDS = {"holds", "fails", "partly"}
@@ -12,6 +14,8 @@ def test_mixed_verdict_and_flat():
     assert claims.mixed_verdict({"a": True, "b": True}) == "holds"
     assert claims.mixed_verdict({"a": False, "b": False}) == "fails"
     assert claims.mixed_verdict({"a": True, "b": False}) == "partly"
+    assert [claims.name_list(n) for n in ([], ["a"], ["a", "b"], ["a", "b", "c"])] == [
+        "none", "a", "a and b", "a, b and c"]
     assert claims.flat({"x": {"y": 1, "z": [1]}, "w": 2}, "p") == {"p_x_y": 1,
                                                                   "p_w": 2}
 
@@ -42,3 +46,59 @@ def test_the_ledger_reads_the_committed_records():
     for m, v in fig3["per_baseline"].items():
         assert f"{v['verdict']} against" in fig3["by_baseline"]
         assert METHODS[m].label in fig3["by_baseline"]
+
+
+def _summ(mean: float, rng: float, seeds: int = 2, final: bool = True) -> dict:
+    return {"mean": mean, "range": rng, "seeds": seeds, "wanted": 2, "final": final}
+
+
+def test_momentum_verdict_compares_the_gap_with_the_larger_seed_range():
+    kw = _summ(0.880, 0.002)
+    assert claims.momentum_verdict({"well/kwng_mom": _summ(0.900, 0.004),
+                                    "well/kwng": kw})["verdict"] == "holds"
+    assert claims.momentum_verdict({"well/kwng_mom": _summ(0.860, 0.004),
+                                    "well/kwng": kw})["verdict"] == "fails"
+    v = claims.momentum_verdict({"well/kwng_mom": _summ(0.883, 0.004), "well/kwng": kw})
+    assert v["verdict"] == "within spread" and abs(v["tol"] - 0.4) < 1e-9
+    for partial in (_summ(0.9, 0.0, seeds=1), _summ(0.9, 0.0, final=False)):
+        assert claims.momentum_verdict({"well/kwng_mom": partial,
+                                        "well/kwng": kw}) == {"verdict": "pending"}
+    assert claims.momentum_verdict({"well/kwng": kw}) == {"verdict": "pending"}
+
+
+def _tta(**seconds) -> dict:
+    return {f"ill/{m}": {"to": {0.85: s}} for m, s in seconds.items()}
+
+
+def test_time_verdict_counts_a_baseline_that_never_gets_there_as_slower():
+    ver = {m: {"verdict": "holds"} for m in ("sgd", "adam", "kfac")}
+    v = claims.time_verdict(_tta(kwng=130.0, sgd=None, adam=70.0, kfac=200.0), ver)
+    assert v["per_baseline"] == {"sgd": "holds", "adam": "fails", "kfac": "holds"}
+    assert v["verdict"] == "partly"
+    assert v["by_baseline"] == "fails against Adam; holds against SGD and KFAC"
+    ver["kfac"] = {"verdict": "pending"}
+    v = claims.time_verdict(_tta(kwng=130.0, sgd=None, adam=140.0, kfac=100.0), ver)
+    assert v["per_baseline"]["kfac"] == "pending" and v["verdict"] == "pending"
+    v = claims.time_verdict(_tta(kwng=130.0, sgd=None, adam=140.0), ver)
+    assert v["per_baseline"] == {"sgd": "holds", "adam": "holds", "kfac": "pending"}
+    with pytest.raises(ValueError, match="target"):
+        claims.time_verdict({}, ver, target=85)
+
+
+def test_the_ledger_states_momentum_and_time_by_their_rules():
+    fig3 = claims.cifar_fig3_verdict()
+    assert fig3["momentum"]["verdict"] in {"holds", "fails", "within spread",
+                                           "pending"}
+    assert fig3["time"] in WORDS | {"pending"}
+    assert "kwng" in fig3["time_s85"]
+
+
+def test_the_readme_states_the_books_cifar_verdict_word_for_word():
+    """The README carries the sentence every book page glues (fig3_sentence); when a
+    record changes the verdict, this fails until the README says the same."""
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    sentence = claims.fig3_sentence()
+    assert sentence.startswith(("So far, by", "By the paper's own protocol"))
+    assert " ".join(sentence.split()) in readme

@@ -413,5 +413,6 @@ def test_the_time_table_marks_unfinished_selections_and_never_reached_targets():
     v = fig3_tables.tta_values(tta)
     assert v["tta_well_adam_85"] == "33" and v["tta_ill_sgd_80"] == "never"
     assert v["tta_ep_well_adam"] == "23.0" and v["tta_spe_ill_sgd"] == "1.20"
+    assert v["tta_never80_ill"] == "SGD" and v["tta_never80_well"] == "none"
     with pytest.raises(TypeError, match="tta"):
         fig3_tables.tta_table([])

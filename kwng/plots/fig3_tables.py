@@ -6,6 +6,8 @@ a Markdown table, :func:`tta_values` into the named numbers the prose glues.
 
 from __future__ import annotations
 
+from kwng.experiments.cifar.methods import METHODS
+from kwng.experiments.claims import name_list
 from kwng.plots.tables import markdown_table
 
 __all__ = ["TTA_HEADER", "tta_table", "tta_values"]
@@ -38,12 +40,18 @@ def tta_table(tta: dict[str, dict]) -> str:
 
 def tta_values(tta: dict[str, dict]) -> dict[str, str]:
     """``tta_<cond>_<method>_80`` and ``_85`` (seconds), ``tta_ep_<cond>_<method>``
-    (epochs to 85 %) and ``tta_spe_<cond>_<method>`` (seconds an epoch), as text."""
-    out = {}
+    (epochs to 85 %) and ``tta_spe_<cond>_<method>`` (seconds an epoch), as text, and
+    ``tta_never80_<cond>``: the methods (labels) whose runs never reach 80 % there."""
+    out, never = {}, {}
     for k, v in tta.items():
+        cond, m = k.split("/")
+        never.setdefault(cond, [])
+        if v["to"][0.8] is None:
+            never[cond].append(METHODS[m].label)
         name = k.replace("/", "_")
         for t in (0.8, 0.85):
             out[f"tta_{name}_{round(100 * t)}"] = _sec(v["to"][t])
         out[f"tta_ep_{name}"] = _epochs(v["epoch_to"][0.85])
         out[f"tta_spe_{name}"] = f"{v['s_per_epoch']:.2f}"
+    out.update({f"tta_never80_{c}": name_list(ms) for c, ms in never.items()})
     return out
