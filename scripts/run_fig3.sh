@@ -9,6 +9,10 @@
 #   MODE=start      bash scripts/run_fig3.sh  # launches a queue worker (its own process
 #                                              # session: it outlives the call), then waits
 #   MODE=wait       bash scripts/run_fig3.sh  # waits up to LIMIT s, then tars the records
+#   MODE=timing     bash scripts/run_fig3.sh  # launches `cifar trainer-timing` of the
+#                                              # protocol's methods on GPU TP_GPU (its own
+#                                              # process session), then waits; the record
+#                                              # comes back in the tar
 #
 # Knobs: GPU_IDS (the GPUs of this queue, "0"), PROCS (runs per GPU, 1), METHODS (comma
 # list: the methods of this queue; queues on other GPUs take other methods), PLANS
@@ -17,7 +21,10 @@
 # (seconds from now after which no run starts), FINISH_BY (seconds from now by which a
 # run must end: a run whose estimated duration, from the finished runs of its method,
 # ends later is not started), LIMIT (seconds this call may take, 560),
-# DATA (.data/cifar10_jpeg.npz), TAG (the queue's name, for its log and pid).
+# DATA (.data/cifar10_jpeg.npz), TAG (the queue's name, for its log and pid),
+# TIMING_METHODS (the methods MODE=timing times, the protocol's), TIMING_ARGS (more
+# arguments of `cifar trainer-timing`, e.g. "--model tiny --train-subset 256" for a CPU
+# check of the script).
 # KWNG_PROTOCOL_COMMIT and KWNG_GIT_COMMIT must be set (the copied tree has no .git).
 # The queue loops: after each sweep it re-plans (new grid values when a best step sits
 # at an inner edge, then seeds), until nothing is left or START_BY has passed.
@@ -43,7 +50,9 @@ LOGS=$ROOT/checkpoints/logs
 say() { echo "[${SECONDS}s] $*"; }
 
 [ -f "$DATA" ] || { echo "missing $DATA (copy ../shared/data/cifar10_jpeg.npz there)"; exit 2; }
-case "$MODE" in throughput|start|wait) ;; *) echo "MODE must be throughput, start or wait"; exit 2;; esac
+case "$MODE" in throughput|start|wait|timing) ;;
+  *) echo "MODE must be throughput, start, wait or timing"; exit 2;; esac
+TIMING_METHODS=${TIMING_METHODS:-sgd,sgd_momentum,sgd_momentum_wd,adam,kfac,ekfac_s10,kwng,kwng_mom}
 . "$ROOT/scripts/nngeometry_site.sh" && nngeometry_site "$ROOT"
 mkdir -p "$OUT" "$LOGS" "$WORK/results/cifar"
 DATA=$(readlink -f "$DATA")
@@ -98,7 +107,22 @@ LOOP
   fi
 fi
 
-# ---- wait (MODE=start continues here): until LIMIT, or until every queue has ended
+if [ "$MODE" = timing ]; then
+  # one call times every method alone on one GPU: the clock of the time figure
+  # (kwng.experiments.cifar.fig3_time); an existing record makes the command refuse
+  if [ -f "$LOGS/timing.pid" ] && kill -0 "$(cat "$LOGS/timing.pid")" 2>/dev/null; then
+    say "trainer timing already running"
+  else
+    setsid nohup env CUDA_VISIBLE_DEVICES="${TP_GPU:-0}" $PY -m kwng.experiments cifar \
+        trainer-timing --methods "$TIMING_METHODS" --precisions bf16 --epochs 2 \
+        --data-root "$DATA" --out results/cifar/fig3/timing/trainer_timing.json \
+        ${TIMING_ARGS:-} > "$LOGS/qtiming.log" 2>&1 < /dev/null &
+    echo $! > "$LOGS/timing.pid"
+    say "trainer timing started on GPU ${TP_GPU:-0}: $TIMING_METHODS"
+  fi
+fi
+
+# ---- wait (MODE=start and MODE=timing continue here): until LIMIT, or until every queue has ended
 while [ $SECONDS -lt $((LIMIT - 30)) ]; do
   alive=0
   for f in "$LOGS"/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && alive=1; done

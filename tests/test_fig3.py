@@ -314,13 +314,15 @@ def test_every_record_belongs_to_one_round_of_the_ledger():
 def test_seconds_to_accuracy_counts_training_time_to_the_first_epoch_there(tmp_path):
     """A run alone reaching 80 % at epoch 2 and 85 % never; a run that shared its GPU
     is left out."""
-    from kwng.experiments.cifar import verdicts
+    from kwng.experiments.cifar import fig3_time
 
     rows = [{"epoch": e, "test_acc": a, "time_train": 2.0 * e, "val_acc": a,
              "train_acc": a, "train_loss": 1.0}
             for e, a in ((1, 0.5), (2, 0.81), (3, 0.84))]
-    assert verdicts._seconds_to(rows, 0.8) == 4.0
-    assert verdicts._seconds_to(rows, 0.85) is None
+    assert fig3_time._seconds_to(rows, 0.8) == 4.0
+    assert fig3_time._seconds_to(rows, 0.85) is None
+    with pytest.raises(ValueError, match="targets"):
+        fig3_time.seconds_to_accuracy({}, tmp_path, targets=(80,), runs={})
     rounds = [{"round": 1, "git_commit": "abc123", "alone": False},
               {"round": 2, "git_commit": "def456", "alone": True}]
     assert fig3.round_of({"git_commit": "def4567890"}, rounds)["round"] == 2
@@ -416,3 +418,40 @@ def test_the_time_table_marks_unfinished_selections_and_never_reached_targets():
     assert v["tta_never80_ill"] == "SGD" and v["tta_never80_well"] == "none"
     with pytest.raises(TypeError, match="tta"):
         fig3_tables.tta_table([])
+
+
+def _timing(*rows) -> dict:
+    return {"device": "NVIDIA H100 80GB HBM3", "config": {"methods": ["sgd", "kfac"]},
+            "rows": [{"method": m, "precision": "bf16", "mode": mode,
+                      "steady_ms_per_step": ms} for m, mode, ms in rows]}
+
+
+def test_one_trainer_timing_puts_every_seed_on_one_clock(monkeypatch, tmp_path):
+    """step_ms prefers a method's captured row; timed_runs re-times every selected run
+    of a timed method (epoch e ends at steps(e) x ms) and leaves the others out;
+    time_runs falls back to the runs alone until the record exists."""
+    from kwng.experiments.cifar import fig3_time
+
+    timing = _timing(("sgd", "eager", 11.0), ("sgd", "captured", 3.5),
+                     ("kfac", "eager", 18.0), ("kfac", "eager", 19.0))
+    assert fig3_time.step_ms(timing) == {"sgd": 3.5, "kfac": 18.0}
+    with pytest.raises(ValueError, match="precision"):
+        fig3_time.step_ms(timing, "fp32")
+    ep = [{"epoch": e, "steps": 352 * e, "test_acc": 0.5, "time_train": 99.0}
+          for e in (1, 2)]
+    fake = {("ill", "sgd", 0): {"epochs": ep}, ("ill", "sgd", 1): {"epochs": ep},
+            ("ill", "adam", 0): {"epochs": ep}}
+    monkeypatch.setattr(fig3_time, "selected_runs", lambda p, root: fake)
+    p = {"settings": {"precision": "bf16"}}
+    runs = fig3_time.timed_runs(p, tmp_path, timing)
+    assert set(runs) == {("ill", "sgd", 0), ("ill", "sgd", 1)}
+    times = [e["time_train"] for e in runs[("ill", "sgd", 1)]["epochs"]]
+    assert times == pytest.approx([1.232, 2.464])
+    assert ep[0]["time_train"] == 99.0  # the records themselves are not touched
+    monkeypatch.setattr(fig3_time, "alone_runs", lambda p, root: {"alone": 1})
+    assert fig3_time.time_runs(p, tmp_path) == ({"alone": 1}, {"kind": "alone"})
+    (tmp_path / "timing").mkdir()
+    (tmp_path / "timing" / "trainer_timing.json").write_text(json.dumps(timing))
+    runs, source = fig3_time.time_runs(p, tmp_path)
+    assert source["kind"] == "trainer-timing" and source["methods"] == ["kfac", "sgd"]
+    assert len(runs) == 2

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kwng.experiments.cifar import fig3
+from kwng.experiments.cifar.fig3_time import seconds_to_accuracy
 from kwng.experiments.cifar.methods import CLAIM_ALL, METHODS
 from kwng.experiments.cifar.plans import queue_left
 from kwng.experiments.cifar.records import (
@@ -27,7 +28,6 @@ from kwng.experiments.cifar.verdicts import (
     authors100_verdict,
     claim_verdict,
     fig3_verdicts,
-    seconds_to_accuracy,
     seed_summary,
 )
 from kwng.experiments.synthetic_setup import load_flow, load_rows, summarise
@@ -98,8 +98,8 @@ def time_verdict(tta: dict, fig3_ver: dict, target: float = 0.85) -> dict:
     reaches it is slower), ``"fails"`` if the baseline gets there first, and
     ``"pending"`` while the baseline's Fig. 3 verdict (``fig3_ver``, from
     :func:`kwng.experiments.cifar.verdicts.fig3_verdicts`) is. ``tta`` comes from
-    :func:`kwng.experiments.cifar.verdicts.seconds_to_accuracy` (runs alone on one
-    GPU). ``verdict``: :func:`mixed_verdict` once no baseline is pending;
+    :func:`kwng.experiments.cifar.fig3_time.seconds_to_accuracy` (the time
+    figure's clock). ``verdict``: :func:`mixed_verdict` once no baseline is pending;
     ``seconds``: each method's mean seconds to ``target`` in IC (None: never)."""
     if not 0 < target < 1:
         raise ValueError(f"target must lie in (0, 1), got {target}")

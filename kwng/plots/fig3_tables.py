@@ -1,7 +1,7 @@
 """The Fig. 3 protocol's time-to-accuracy table, as the chapter shows and quotes it.
 
-:func:`tta_table` turns :func:`kwng.experiments.cifar.verdicts.seconds_to_accuracy` into
-a Markdown table, :func:`tta_values` into the named numbers the prose glues.
+:func:`tta_table` turns :func:`kwng.experiments.cifar.fig3_time.seconds_to_accuracy`
+into a Markdown table, :func:`tta_values` into the named numbers the prose glues.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
   :func:`authors100_verdict`), both read in the book chapter :ref:`experiments-cifar`.
 * The Fig. 3 protocol's records (book chapter :ref:`cifar-fig3`): the selection table,
   the runs at each selected step, the verdict per baseline by the protocol's rule
-  (:func:`fig3_verdicts`) and the time to reach a test accuracy (the queue left:
+  (:func:`fig3_verdicts`) and the runs that had a GPU alone (the clocks of the time
+  figure: :mod:`kwng.experiments.cifar.fig3_time`; the queue left:
   :func:`kwng.experiments.cifar.plans.queue_left`). Plots take these as arguments
   (:func:`kwng.plots.cifar.fig_accuracy_per_epoch`).
 """
@@ -36,7 +37,7 @@ from kwng.experiments.provenance import read_json
 
 __all__ = ["SMALL_U", "claim_verdict", "authors100_verdict", "selection_rows",
            "selected_runs", "seed_summary", "fig3_verdicts", "alone_runs",
-           "seconds_to_accuracy", "ablation_runs", "ablation_rows",
+           "ablation_runs", "ablation_rows",
            "captured_epoch_seconds"]
 
 #: Threshold of the claim suite's decision rule (its small-scaling classes have U_k at
@@ -296,10 +297,6 @@ def fig3_verdicts(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
     return out
 
 
-def _seconds_to(rows: list[dict], target: float) -> float | None:
-    return next((r["time_train"] for r in rows if r["test_acc"] >= target), None)
-
-
 def alone_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
     """The part of :func:`selected_runs` whose run had its GPU alone (its provenance
     names a round of :func:`~kwng.experiments.cifar.fig3.rounds` with ``alone`` true);
@@ -316,37 +313,6 @@ def alone_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
             out[(cond, m, s)] = rec
     captured = {k[:2] for k, r in out.items() if r.get("capture")}
     return {k: r for k, r in out.items() if r.get("capture") or k[:2] not in captured}
-
-
-def seconds_to_accuracy(p: dict, root: str | os.PathLike = FIG3,
-                     targets: tuple[float, ...] = (0.80, 0.85)) -> dict[str, dict]:
-    """Per ``"<conditioning>/<method>"`` at its selected step, from
-    :func:`alone_runs`: ``lr``, ``final`` (whether that selection is final), ``runs``,
-    ``s_per_epoch`` (median training seconds an
-    epoch, the first excluded), ``to`` (``{target: mean training seconds to the first
-    epoch at or above that test accuracy, or None when a run never reached it}``) and
-    ``epoch_to`` (the same in epochs). Training time only: the per-epoch evaluations
-    are not counted."""
-    state, out = grid_state(p, root), {}
-    for (cond, m, _), rec in sorted(alone_runs(p, root).items()):
-        rows = rec["epochs"]
-        st = state[f"{cond}/{m}"]
-        e = out.setdefault(f"{cond}/{m}", {
-            "lr": st["selected"], "final": st["final"], "runs": 0, "epochs": [],
-            "to": {t: [] for t in targets}, "epoch_to": {t: [] for t in targets}})
-        e["runs"] += 1
-        e["epochs"] += [b["time_train"] - a["time_train"]
-                        for a, b in zip(rows, rows[1:])]
-        for t in targets:
-            e["to"][t].append(_seconds_to(rows, t))
-            e["epoch_to"][t].append(next((r["epoch"] for r in rows
-                                          if r["test_acc"] >= t), None))
-    for e in out.values():
-        e["s_per_epoch"] = statistics.median(e.pop("epochs"))
-        for k in ("to", "epoch_to"):
-            e[k] = {t: None if None in v else statistics.fmean(v)
-                    for t, v in e[k].items()}
-    return out
 
 
 def ablation_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:

@@ -1,0 +1,115 @@
+"""Training time in the Fig. 3 study (book chapter :ref:`cifar-fig3`): which clock the
+accuracy-against-time figure and the time-to-accuracy table read, and the seconds each
+method needs to reach a test accuracy.
+
+Two clocks, one per source of timings:
+
+* **one trainer timing** (preferred): ``cifar trainer-timing`` measures every method's
+  training step alone on one GPU in one call (``results/cifar/fig3/timing/
+  trainer_timing.json``, :data:`TIMING`); every run at a selected step, every seed, is
+  then put on that clock, epoch ``e`` ending at ``steps(e) × ms per step``
+  (:func:`timed_runs`). Methods are compared on one machine in one run;
+* **the queue's own runs** (until that record exists): the training seconds each run
+  recorded, from the runs that had a GPU to themselves
+  (:func:`kwng.experiments.cifar.verdicts.alone_runs`), on H100s of several rounds.
+
+:func:`time_runs` picks the clock, :func:`seconds_to_accuracy` reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+from kwng.experiments.cifar.fig3 import FIG3, grid_state
+from kwng.experiments.cifar.verdicts import alone_runs, selected_runs
+from kwng.experiments.provenance import read_json
+
+__all__ = ["TIMING", "step_ms", "timed_runs", "time_runs", "seconds_to_accuracy"]
+
+TIMING = FIG3 / "timing" / "trainer_timing.json"
+"""The Fig. 3 study's trainer timing (``cifar trainer-timing --out`` this path)."""
+
+
+def step_ms(timing: dict, precision: str = "bf16") -> dict[str, float]:
+    """Milliseconds per training step of each method in a trainer-timing record
+    (``steady_ms_per_step``, the last timed epoch), from its captured row where the
+    step was replayed from a CUDA graph, else from its eager row."""
+    rows = [r for r in timing.get("rows", []) if r.get("precision") == precision]
+    if not rows:
+        have = sorted({r.get("precision") for r in timing.get("rows", [])})
+        raise ValueError(f"precision must be one the timing measured {have}, "
+                         f"got {precision!r}")
+    out: dict[str, float] = {}
+    for r in rows:
+        if r["mode"] == "captured" or r["method"] not in out:
+            out[r["method"]] = float(r["steady_ms_per_step"])
+    return out
+
+
+def timed_runs(p: dict, root: str | os.PathLike, timing: dict) -> dict[tuple, dict]:
+    """Every finished run at a selected step (:func:`~kwng.experiments.cifar.verdicts.
+    selected_runs`) of a method the timing measured, as a copy whose epochs'
+    ``time_train`` is the cumulative step count times that method's step time
+    (:func:`step_ms` in the protocol's precision); other methods are left out."""
+    ms = step_ms(timing, p["settings"].get("precision") or "bf16")
+    return {k: {**r, "epochs": [{**e, "time_train": e["steps"] * ms[k[1]] / 1e3}
+                                for e in r["epochs"]]}
+            for k, r in selected_runs(p, root).items() if k[1] in ms}
+
+
+def time_runs(p: dict, root: str | os.PathLike = FIG3,
+              timing_path: str | os.PathLike | None = None) -> tuple[dict, dict]:
+    """The runs the time figure and table read, and their clock: ``(runs, source)``
+    with ``source["kind"]`` ``"trainer-timing"`` (and ``device``, ``path``, ``methods``)
+    when the trainer-timing record exists (``timing_path``, default ``root /
+    "timing" / "trainer_timing.json"``), else ``"alone"`` (the runs' own seconds)."""
+    root = Path(root)
+    path = Path(timing_path) if timing_path is not None else (
+        root / "timing" / "trainer_timing.json")
+    if not path.exists():
+        return alone_runs(p, root), {"kind": "alone"}
+    timing = read_json(path)
+    return timed_runs(p, root, timing), {
+        "kind": "trainer-timing", "device": timing.get("device", "unknown"),
+        "path": str(path), "methods": sorted(timing["config"]["methods"])}
+
+
+def _seconds_to(rows: list[dict], target: float) -> float | None:
+    return next((r["time_train"] for r in rows if r["test_acc"] >= target), None)
+
+
+def seconds_to_accuracy(p: dict, root: str | os.PathLike = FIG3,
+                        targets: tuple[float, ...] = (0.80, 0.85),
+                        runs: dict | None = None) -> dict[str, dict]:
+    """Per ``"<conditioning>/<method>"`` at its selected step, from ``runs`` (default
+    the clock of :func:`time_runs`): ``lr``, ``final`` (whether that selection is
+    final), ``runs``, ``s_per_epoch`` (median training seconds an epoch, the first
+    excluded), ``to`` (``{target: mean training seconds to the first epoch at or above
+    that test accuracy, or None when a run never reached it}``) and ``epoch_to`` (the
+    same in epochs). Training time only: the per-epoch evaluations are not counted."""
+    bad = [t for t in targets if not 0 < t < 1]
+    if bad:
+        raise ValueError(f"targets must be accuracies in (0, 1), got {bad}")
+    runs = time_runs(p, root)[0] if runs is None else runs
+    state, out = grid_state(p, root), {}
+    for (cond, m, _), rec in sorted(runs.items()):
+        rows = rec["epochs"]
+        st = state[f"{cond}/{m}"]
+        e = out.setdefault(f"{cond}/{m}", {
+            "lr": st["selected"], "final": st["final"], "runs": 0, "epochs": [],
+            "to": {t: [] for t in targets}, "epoch_to": {t: [] for t in targets}})
+        e["runs"] += 1
+        e["epochs"] += [b["time_train"] - a["time_train"]
+                        for a, b in zip(rows, rows[1:])]
+        for t in targets:
+            e["to"][t].append(_seconds_to(rows, t))
+            e["epoch_to"][t].append(next((r["epoch"] for r in rows
+                                          if r["test_acc"] >= t), None))
+    for e in out.values():
+        e["s_per_epoch"] = statistics.median(e.pop("epochs"))
+        for k in ("to", "epoch_to"):
+            e[k] = {t: None if None in v else statistics.fmean(v)
+                    for t, v in e[k].items()}
+    return out
