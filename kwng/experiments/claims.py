@@ -314,7 +314,7 @@ def fig3_sentence(root: str | os.PathLike = RESULTS) -> str:
     the verdict glues it, and the README carries it word for word (a test compares
     them), so no page can say otherwise."""
     q = cifar_fig3_verdict(root)
-    claim = ("the paper's CIFAR-10 claim (with an ill-conditioned output layer the "
+    claim = ("its CIFAR-10 claim (with an ill-conditioned output layer the "
              "Euclidean methods drop drastically, KWNG keeps its accuracy) "
              f"{q['by_baseline']}")
     if q["settled"]:
