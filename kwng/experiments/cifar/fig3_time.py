@@ -49,10 +49,11 @@ def step_ms(timing: dict, precision: str = "bf16") -> dict[str, float]:
 
 
 def timed_runs(p: dict, root: str | os.PathLike, timing: dict) -> dict[tuple, dict]:
-    """Every finished run at a selected step (:func:`~kwng.experiments.cifar.verdicts.
-    selected_runs`) of a method the timing measured, as a copy whose epochs'
-    ``time_train`` is the cumulative step count times that method's step time
-    (:func:`step_ms` in the protocol's precision); other methods are left out."""
+    """Every finished run at a selected step
+    (:func:`~kwng.experiments.cifar.verdicts.selected_runs`) of a method the timing
+    measured, as a copy whose epochs' ``time_train`` is the cumulative step count times
+    that method's step time (:func:`step_ms` in the protocol's precision); other
+    methods are left out."""
     ms = step_ms(timing, p["settings"].get("precision") or "bf16")
     return {k: {**r, "epochs": [{**e, "time_train": e["steps"] * ms[k[1]] / 1e3}
                                 for e in r["epochs"]]}
