@@ -22,7 +22,8 @@
 # run must end: a run whose estimated duration, from the finished runs of its method,
 # ends later is not started), LIMIT (seconds this call may take, 560),
 # DATA (.data/cifar10_jpeg.npz), TAG (the queue's name, for its log and pid),
-# TIMING_METHODS (the methods MODE=timing times, the protocol's), TIMING_ARGS (more
+# TIMING_METHODS (the methods MODE=timing times: the protocol's eight and the amortized
+# study's four), TIMING_ARGS (more
 # arguments of `cifar trainer-timing`, e.g. "--model tiny --train-subset 256" for a CPU
 # check of the script).
 # KWNG_PROTOCOL_COMMIT and KWNG_GIT_COMMIT must be set (the copied tree has no .git).
@@ -52,7 +53,7 @@ say() { echo "[${SECONDS}s] $*"; }
 [ -f "$DATA" ] || { echo "missing $DATA (copy ../shared/data/cifar10_jpeg.npz there)"; exit 2; }
 case "$MODE" in throughput|start|wait|timing) ;;
   *) echo "MODE must be throughput, start, wait or timing"; exit 2;; esac
-TIMING_METHODS=${TIMING_METHODS:-sgd,sgd_momentum,sgd_momentum_wd,adam,kfac,ekfac_s10,kwng,kwng_mom}
+TIMING_METHODS=${TIMING_METHODS:-sgd,sgd_momentum,sgd_momentum_wd,adam,kfac,ekfac_s10,kwng,kwng_mom,kwng_k5,kwng_k20,kwng_k100,diag_k20}
 . "$ROOT/scripts/nngeometry_site.sh" && nngeometry_site "$ROOT"
 mkdir -p "$OUT" "$LOGS" "$WORK/results/cifar"
 DATA=$(readlink -f "$DATA")
