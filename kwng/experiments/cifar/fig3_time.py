@@ -29,7 +29,11 @@ from kwng.experiments.provenance import read_json
 __all__ = ["TIMING", "step_ms", "timed_runs", "time_runs", "seconds_to_accuracy"]
 
 TIMING = FIG3 / "timing" / "trainer_timing.json"
-"""The Fig. 3 study's trainer timing (``cifar trainer-timing --out`` this path)."""
+"""The Fig. 3 study's trainer timing: ``trainer_timing.json`` in the folder
+``results/cifar/fig3/timing/`` (``cifar trainer-timing --out`` this path).
+
+:meta hide-value:
+"""
 
 
 def step_ms(timing: dict, precision: str = "bf16") -> dict[str, float]:
