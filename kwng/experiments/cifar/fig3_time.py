@@ -29,8 +29,8 @@ from kwng.experiments.provenance import read_json
 __all__ = ["TIMING", "step_ms", "timed_runs", "time_runs", "seconds_to_accuracy"]
 
 TIMING = FIG3 / "timing" / "trainer_timing.json"
-"""The Fig. 3 study's trainer timing: ``trainer_timing.json`` in the folder
-``results/cifar/fig3/timing/`` (``cifar trainer-timing --out`` this path).
+"""Where the Fig. 3 study's trainer timing is written (``cifar trainer-timing --out``),
+the file ``trainer_timing.json`` in the folder ``results/cifar/fig3/timing/``.
 
 :meta hide-value:
 """
