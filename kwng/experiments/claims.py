@@ -270,7 +270,7 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     """The Fig. 3 protocol's verdicts so far
     (:func:`kwng.experiments.cifar.verdicts.fig3_verdicts`): ``per_baseline``, the
     counts by verdict, the queue left, ``verdict``: ``"pending"`` while any
-    baseline is pending, else the per-baseline verdicts in one phrase, and
+    baseline is pending, else ``by_baseline``, and
     ``by_baseline``: every baseline's verdict so far in one phrase ("holds against
     SGD and Adam; pending against EKFAC"), ``so_far``: the mean final test
     accuracy (%) at each selected step so far (``"<cond>_<method>"``) and of each
@@ -287,10 +287,8 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     counts: dict[str, int] = {}
     for v in ver.values():
         counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
-    by = {w: [METHODS[m].label for m, v in ver.items() if v["verdict"] == w]
-          for w in sorted(counts)}
-    word = "pending" if "pending" in counts else "; ".join(
-        f"{w} for {', '.join(ms)}" for w, ms in by.items())
+    by_baseline = _phrase({m: v["verdict"] for m, v in ver.items()})
+    word = "pending" if "pending" in counts else by_baseline
     timed, clock = time_runs(p, base)
     tv = time_verdict(seconds_to_accuracy(p, base, runs=timed), ver)
     queue = queue_left(p, base)
@@ -304,7 +302,7 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     return {"per_baseline": ver, "counts": counts, "verdict": word, "queue": queue,
             "so_far": so_far, "kfac_drop": kfac_drop,
             "ablation_verdict": ablation_verdict(ablation_rows(p, base))["verdict"],
-            "by_baseline": _phrase({m: v["verdict"] for m, v in ver.items()}),
+            "by_baseline": by_baseline,
             "momentum": momentum_verdict(summ), "time": tv["verdict"],
             "time_by_baseline": tv["by_baseline"],
             "time_clock": f"one trainer-timing call on {clock['device']}"

@@ -23,6 +23,7 @@ import statistics
 from pathlib import Path
 
 from kwng.experiments.cifar.fig3 import FIG3, grid_state
+from kwng.experiments.cifar.records import epoch_seconds
 from kwng.experiments.cifar.verdicts import alone_runs, selected_runs
 from kwng.experiments.provenance import read_json
 
@@ -39,17 +40,9 @@ the file ``trainer_timing.json`` in the folder ``results/cifar/fig3/timing/``.
 def step_ms(timing: dict, precision: str = "bf16") -> dict[str, float]:
     """Milliseconds per training step of each method in a trainer-timing record
     (``steady_ms_per_step``, the last timed epoch), from its captured row where the
-    step was replayed from a CUDA graph, else from its eager row."""
-    rows = [r for r in timing.get("rows", []) if r.get("precision") == precision]
-    if not rows:
-        have = sorted({r.get("precision") for r in timing.get("rows", [])})
-        raise ValueError(f"precision must be one the timing measured {have}, "
-                         f"got {precision!r}")
-    out: dict[str, float] = {}
-    for r in rows:
-        if r["mode"] == "captured" or r["method"] not in out:
-            out[r["method"]] = float(r["steady_ms_per_step"])
-    return out
+    step was replayed from a CUDA graph, else from its eager row
+    (:func:`kwng.experiments.cifar.records.epoch_seconds` reads the same rows)."""
+    return epoch_seconds(timing, precision, field="steady_ms_per_step")
 
 
 def timed_runs(p: dict, root: str | os.PathLike, timing: dict) -> dict[tuple, dict]:

@@ -282,16 +282,21 @@ def run_label(key: tuple) -> str:
     return f"{method} {step}{extra}" + (f" s{seed}" if seed else "")
 
 
-def epoch_seconds(timing: dict, precision: str = "bf16") -> dict[str, float]:
+def epoch_seconds(timing: dict, precision: str = "bf16",
+                  field: str = "steady_epoch_s") -> dict[str, float]:
     """Seconds per epoch (training and evaluation) of each method alone on one GPU, from
     the trainer timing (``cifar trainer-timing``): the captured row where the method
-    captures, else the eager one."""
-    out = {}
-    for r in timing["rows"]:
-        if r["precision"] != precision:
-            continue
+    captures, else the eager one. ``field`` reads another of the rows' steady-state
+    numbers (``steady_ms_per_step``: milliseconds per training step)."""
+    rows = [r for r in timing.get("rows", []) if r.get("precision") == precision]
+    if not rows:
+        have = sorted({r.get("precision") for r in timing.get("rows", [])})
+        raise ValueError(f"precision must be one the timing measured {have}, "
+                         f"got {precision!r}")
+    out: dict[str, float] = {}
+    for r in rows:
         if r["mode"] == "captured" or r["method"] not in out:
-            out[r["method"]] = float(r["steady_epoch_s"])
+            out[r["method"]] = float(r[field])
     return out
 
 
