@@ -455,3 +455,17 @@ def test_one_trainer_timing_puts_every_seed_on_one_clock(monkeypatch, tmp_path):
     runs, source = fig3_time.time_runs(p, tmp_path)
     assert source["kind"] == "trainer-timing" and source["methods"] == ["kfac", "sgd"]
     assert len(runs) == 2
+
+
+def test_queue_phrase_counts_and_rejects():
+    """The queue in words: empty, one part, several parts; a malformed count refused."""
+    assert plans.queue_phrase({"grid": 0, "seeds": 0, "ablation": 0}) == (
+        "Every run the protocol asks for is in.")
+    assert plans.queue_phrase({"grid": 0, "seeds": 1, "ablation": 0}) == (
+        "Still to run: 1 seed run.")
+    assert plans.queue_phrase({"grid": 2, "seeds": 1, "ablation": 3}) == (
+        "Still to run: 2 grid runs, 1 seed run and 3 ablation runs.")
+    for bad in ({"grid": -1, "seeds": 0, "ablation": 0}, {"grid": 1},
+                {"grid": True, "seeds": 0, "ablation": 0}):
+        with pytest.raises(ValueError, match="left must map"):
+            plans.queue_phrase(bad)

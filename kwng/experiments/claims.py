@@ -15,7 +15,7 @@ import numpy as np
 from kwng.experiments.cifar import fig3
 from kwng.experiments.cifar.fig3_time import seconds_to_accuracy, time_runs
 from kwng.experiments.cifar.methods import CLAIM_ALL, METHODS
-from kwng.experiments.cifar.plans import queue_left
+from kwng.experiments.cifar.plans import queue_left, queue_phrase
 from kwng.experiments.cifar.records import (
     at_epoch,
     epoch_seconds,
@@ -272,7 +272,8 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     counts by verdict, the queue left, ``verdict``: ``"pending"`` while any
     baseline is pending, else ``by_baseline``, and
     ``by_baseline``: every baseline's verdict so far in one phrase ("holds against
-    SGD and Adam; pending against EKFAC"), ``so_far``: the mean final test
+    SGD and Adam; pending against EKFAC"), ``queue_phrase`` (the queue in words,
+    :func:`kwng.experiments.cifar.plans.queue_phrase`), ``so_far``: the mean final test
     accuracy (%) at each selected step so far (``"<cond>_<method>"``) and of each
     ablation that has run (``"ab_<method>"``), ``kfac_drop``: whether KFAC drops from
     WC to IC by more than its seed spread (§4.2), ``ablation_verdict``
@@ -300,6 +301,7 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     kfac_drop = "pending" if kf["verdict"] == "pending" else (
         "holds" if kf["drop"] > kf["spread"] else "fails")
     return {"per_baseline": ver, "counts": counts, "verdict": word, "queue": queue,
+            "queue_phrase": queue_phrase(queue),
             "so_far": so_far, "kfac_drop": kfac_drop,
             "ablation_verdict": ablation_verdict(ablation_rows(p, base))["verdict"],
             "by_baseline": by_baseline,

@@ -265,6 +265,23 @@ def queue_left(p: dict, root: str | os.PathLike = FIG3) -> dict[str, int]:
     return out
 
 
+def queue_phrase(left: dict[str, int]) -> str:
+    """The runs :func:`queue_left` counts, as a sentence: "Every run the protocol asks
+    for is in." when none is left, else "Still to run: 2 grid runs and 1 seed run."."""
+    parts = {"grid": "grid", "seeds": "seed", "ablation": "ablation"}
+    if not isinstance(left, dict) or set(left) != set(parts) or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 0
+            for n in left.values()):
+        raise ValueError("left must map 'grid', 'seeds' and 'ablation' to counts >= 0 "
+                         f"(queue_left's result), got {left!r}")
+    words = [f"{left[k]} {w} run{'s' * (left[k] != 1)}" for k, w in parts.items()
+             if left[k]]
+    if not words:
+        return "Every run the protocol asks for is in."
+    return "Still to run: " + " and ".join(
+        [", ".join(words[:-1]), words[-1]] if len(words) > 1 else words) + "."
+
+
 #: the amortized-step study's records, ``results/cifar/amortized`` of the checkout
 #:
 #: :meta hide-value:
