@@ -14,7 +14,7 @@ from torch import nn
 
 from kwng import solve
 from kwng.engine.amortized import SystemCache
-from kwng.engine.capture import amortized_replay
+from kwng.engine.capture import amortized_replay, warmup_kind
 from kwng.engine.config import KWNGConfig
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.experiments.nets import mlp, tiny_cnn
@@ -238,3 +238,38 @@ def test_the_replay_picks_the_refresh_graph_every_k_steps_on_the_host():
     assert log == ["cached", "refresh", "cached", "cached", "refresh", "cached",
                    "cached"]
     assert cache.steps == 9
+
+
+def _warm_up(cache: SystemCache, n: int) -> list[bool]:
+    """The kinds of ``n`` warm-up steps of a captured loop
+    (:func:`kwng.engine.capture.warmup_kind`), each step storing a system when it
+    refreshes and counting itself, as the preconditioner's step does."""
+    kinds = []
+    for i in range(n):
+        with warmup_kind(cache, i):
+            kinds.append(cache.due)
+            if cache.due:
+                cache.store(torch.zeros(2, 5), torch.eye(2), torch.eye(2), 8,
+                            torch.tensor(1.0))
+        cache.advance()
+    return kinds
+
+
+@pytest.mark.parametrize("k", [2, 3, 5, 100])
+def test_a_captured_warm_up_from_step_0_takes_the_eager_loops_kinds(k):
+    """From step 0 the warm-up of a captured loop refreshes exactly where the eager
+    loop does (so that the two loops take the same steps), and still runs both kinds
+    before their recording."""
+    eager = [s % k == 0 for s in range(5)]
+    assert _warm_up(SystemCache(k), 5) == eager
+    assert {True, False} <= set(_warm_up(SystemCache(k), 2))
+
+
+def test_a_captured_warm_up_resumed_between_refreshes_forces_one_refresh():
+    """Resumed at step 7 of k = 5 with a cached system: the first warm-up step is
+    forced to refresh (its graph must run before it is recorded), the rest follow the
+    schedule (a refresh at step 10)."""
+    cache = SystemCache(5)
+    cache.store(torch.zeros(2, 5), torch.eye(2), torch.eye(2), 8, torch.tensor(1.0))
+    cache.steps = 7
+    assert _warm_up(cache, 4) == [True, False, False, True]

@@ -73,10 +73,10 @@ def capture_step(step: Callable[[], None], warmup: int = 3,
     own: at least :func:`warmup_steps` warm-up steps are taken, the steps between
     refreshes are recorded and each replay runs the kind that the cache's host-side
     counter names (:func:`amortized_replay`). A refresh step that can be captured (KWNG)
-    is recorded too, the warm-up alternating the kinds; one that cannot ((E)KFAC) runs
-    ``step`` eagerly and the warm-up follows the schedule (EKFAC with ``diag_freq > 1``
-    records two programs between refreshes: a step that re-estimates the scalings and
-    one that does not).
+    is recorded too, the warm-up running each kind first (:func:`warmup_kind`); one
+    that cannot ((E)KFAC) runs ``step`` eagerly and the warm-up follows the schedule
+    (EKFAC with ``diag_freq > 1`` records two programs between refreshes: a step that
+    re-estimates the scalings and one that does not).
     """
     if not callable(step):
         raise ValueError(
@@ -111,15 +111,21 @@ def warmup_steps(cache: Any) -> int:
 
 def warmup_kind(cache: Any, i: int) -> contextlib.AbstractContextManager:
     """The kind of the ``i``-th warm-up step of a captured loop with the refresh
-    ``cache`` (``None``: a single program): the recorded kinds in turn (KWNG: refresh,
-    then not) when the cache's refresh step is recorded too, so that every program runs
-    before its recording; else the kind the schedule names (a refresh first, as no
-    factors exist yet), so that a captured loop takes the eager loop's steps."""
+    ``cache`` (``None``: a single program). Every program must run before it is
+    recorded: when the cache's refresh step is recorded too (KWNG), the first warm-up
+    steps take the recorded kinds in turn (a refresh, then a step between refreshes),
+    forced only where the schedule names the other kind, and the later ones follow the
+    schedule. A loop from step 0 is thus the eager loop's; a loop resumed between
+    refreshes takes one refresh more, at its first step. A cache whose refresh step
+    is not recorded ((E)KFAC) follows the schedule throughout (a refresh first, as no
+    factors exist yet)."""
     i = check_int(i, "i", 0)
     if cache is None or not cache.refresh_capturable:
         return contextlib.nullcontext()
     kinds = tuple(cache.kinds)
-    return cache.forced(kinds[i % len(kinds)])
+    if i >= len(kinds) or cache.kind == kinds[i]:
+        return contextlib.nullcontext()
+    return cache.forced(kinds[i])
 
 
 def amortized_replay(cache: Any, record: Callable[[], Any],

@@ -313,10 +313,10 @@ class StepRunner:
     shape has its own graph. With an amortized ``cache`` (every ``k > 1`` steps), each
     step takes the kind the cache's host-side counter names
     (:func:`kwng.engine.capture.amortized_replay`): KWNG's two programs are both
-    recorded (the warm-up alternates them); (E)KFAC's refresh step
-    (``cache.refresh_capturable`` false) runs eagerly on the static inputs, outside any
-    graph, and counts as eager, its other steps are replayed (EKFAC with
-    ``diag_freq > 1``: from two graphs, with and without the scalings' re-estimate)."""
+    recorded (each warmed up first, :func:`~kwng.engine.capture.warmup_kind`); (E)KFAC's
+    refresh step (``cache.refresh_capturable`` false) runs eagerly on the static
+    inputs, outside any graph, and counts as eager, its other steps are replayed (EKFAC
+    with ``diag_freq > 1``: two graphs, with and without the scalings' re-estimate)."""
 
     def __init__(self, step_fn: Callable[[torch.Tensor, torch.Tensor], None],
                  device: torch.device, capture: bool, lr_fn: Callable[[], float],
