@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.cifar import amortized, fig3, verdicts
+from kwng.experiments.cifar import amortized, fig3, fig3_time, verdicts
 from kwng.experiments.cifar.methods import AMORTIZED_METHODS, METHODS
 from kwng.experiments.provenance import ResultFileError
 
@@ -38,16 +38,26 @@ def test_every_record_keeps_the_protocol_at_kwngs_selected_step_from_one_round()
         assert rec["complete"] == (len(rec["epochs"]) == P["settings"]["epochs"])
 
 
-def test_time_rows_agree_with_the_records_they_read():
-    runs, rows = amortized.amortized_runs(P, AM), amortized.time_rows(P, FIG3, AM)
+@pytest.mark.parametrize("clock", ["auto", "own"])
+def test_time_rows_agree_with_the_records_they_read(clock):
+    """On the runs' own clock a row's seconds are the records' ``time_train``; on the
+    trainer timing's (committed, so ``"auto"`` picks it) they are the steps taken
+    times the method's step time in that record."""
+    runs = amortized.amortized_runs(P, AM)
+    rows = amortized.time_rows(P, FIG3, AM, clock=clock)
+    assert {r["clock"] for r in rows} == {
+        "auto": {"trainer-timing"}, "own": {"alone"}}[clock]
+    ms = fig3_time.step_ms(json.loads(fig3_time.TIMING.read_text()))
     by = {(r["cond"], r["method"]): r for r in rows}
     for (cond, m, _), rec in runs.items():
         r, e = by[(cond, m)], rec["epochs"]
         assert r["k"] == METHODS[m].settings["refresh_every"]
         assert r["epochs"] == len(e) and r["complete"] == rec["complete"]
         hit = next((x for x in e if x["test_acc"] >= 0.85), None)
-        assert r["s_to_85"] == (None if hit is None else hit["time_train"])
-        if hit is not None:
+        want = None if hit is None else (
+            hit["time_train"] if clock == "own" else hit["steps"] * ms[m] / 1e3)
+        assert r["s_to_85"] == pytest.approx(want)
+        if hit is not None and clock == "own":
             assert r["steady_s_to_85"] == pytest.approx(
                 hit["time_train"] - e[0]["time_train"] + r["s_per_epoch"])
         assert (r["final"] is None) == (not rec["complete"])
@@ -82,6 +92,8 @@ def test_the_goal_needs_both_halves():
 
 
 def test_the_goal_refuses_an_unknown_conditioning_and_rows_without_adam():
+    with pytest.raises(ValueError, match="clock must be"):
+        amortized.time_rows(P, FIG3, AM, clock="wall")
     rows = amortized.time_rows(P, FIG3, AM)
     with pytest.raises(ValueError, match="cond must be"):
         amortized.amortized_goal(P, rows, FIG3, cond="bad")

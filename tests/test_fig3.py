@@ -469,3 +469,36 @@ def test_queue_phrase_counts_and_rejects():
                 {"grid": True, "seeds": 0, "ablation": 0}):
         with pytest.raises(ValueError, match="left must map"):
             plans.queue_phrase(bad)
+
+
+def test_committed_trainer_timing_covers_every_method_captured():
+    """The study's clock (round 9): every method of the protocol and of the amortized
+    study timed eagerly and captured in bf16 on one GPU, with provenance; the exact
+    methods' captured losses equal the eager ones over the traced steps."""
+    d = json.loads((FIG3 / "timing" / "trainer_timing.json").read_text())
+    rows = {(r["method"], r["asked_capture"]): r for r in d["rows"]}
+    methods = set(d["config"]["methods"])
+    assert {"sgd", "adam", "kfac", "ekfac_s10", "kwng", "kwng_mom",
+            "kwng_k100"} <= methods
+    for m in methods:
+        assert rows[(m, False)]["mode"] == "eager"
+        cap = rows[(m, True)]
+        assert cap["mode"] == "captured" and cap["captures"] >= 1
+        assert cap["steady_ms_per_step"] > 0
+    exact = {t["method"]: t for t in d["loss_match"] if "_k" not in t["method"]}
+    assert {"sgd", "adam", "kwng"} <= set(exact)
+    assert all(t["max_rel_diff_captured_vs_eager"] == 0 for t in exact.values())
+    assert d["provenance"]["git_commit"] and d["device"].startswith("NVIDIA")
+
+
+def test_committed_warm_up_loss_match_of_the_amortized_step():
+    """After the warm-up fix (capture.warmup_kind) the captured amortized loops take
+    the eager loop's steps: equal losses over 24 steps for k = 5 and k = 100."""
+    path = ROOT / "results" / "benchmarks" / "warmup_loss_match"
+    d = json.loads((path / "h100_bf16_kwng_k5_k100.json").read_text())
+    got = {t["method"]: t for t in d["loss_match"]}
+    assert set(got) == {"kwng_k5", "kwng_k100"}
+    for t in got.values():
+        assert t["steps"] >= 24 and len(t["loss_captured"]) == t["steps"]
+        assert t["max_rel_diff_captured_vs_eager"] == 0
+    assert d["provenance"]["git_commit"].startswith("054ba6f")

@@ -3,9 +3,11 @@
 KWNG with its kernel system rebuilt every ``k`` steps (``refresh_every``,
 :mod:`kwng.engine.amortized`) ran at KWNG's selected steps of the Fig. 3 protocol
 (:func:`kwng.experiments.cifar.plans.amortized_plan`, records under
-``results/cifar/amortized``). Its runs are set here beside the protocol's runs that
-had a GPU to themselves (exact KWNG is ``k = 1``; Adam and the SGD variants at their
-selected steps), as seconds and epochs to a test accuracy, and the study's goal is
+``results/cifar/amortized``). Its runs are set here beside the protocol's runs at
+their selected steps (exact KWNG is ``k = 1``), as seconds and epochs to a test
+accuracy, on one clock: the Fig. 3 study's trainer timing where it exists
+(:func:`kwng.experiments.cifar.fig3_time.time_runs`), else each run's own training
+seconds, from the runs that had a GPU to themselves. The study's goal is then
 checked: some ``k`` reaches 85 % test accuracy in the ill-conditioned case in fewer
 training seconds than the best-tuned Adam while its final test accuracy stays within
 exact KWNG's seed spread.
@@ -18,14 +20,15 @@ import statistics
 from pathlib import Path
 
 from kwng.experiments.cifar.fig3 import FIG3, grid_state, record_problem
+from kwng.experiments.cifar.fig3_time import retime, step_ms, time_runs
 from kwng.experiments.cifar.methods import AMORTIZED_METHODS, METHODS
 from kwng.experiments.cifar.plans import AMORTIZED
 from kwng.experiments.cifar.verdicts import alone_runs, seed_summary
 from kwng.experiments.provenance import ResultFileError, read_json
 
-__all__ = ["TARGETS", "TIME_HEADER", "amortized_runs", "time_rows", "time_table",
-           "time_values", "amortized_goal", "GOAL_HEADER",
-           "goal_table", "goal_values"]
+__all__ = ["TARGETS", "TIME_HEADER", "amortized_runs", "clock_runs", "time_rows",
+           "time_table", "time_values", "amortized_goal", "GOAL_HEADER", "goal_table",
+           "goal_values"]
 
 #: the test accuracies a row reports the time to
 TARGETS = (0.80, 0.85)
@@ -83,16 +86,36 @@ def _row(cond: str, method: str, recs: list[dict], epochs: int) -> dict:
     return row
 
 
+def clock_runs(p: dict, fig3_root: str | os.PathLike = FIG3,
+               root: str | os.PathLike = AMORTIZED,
+               clock: str = "auto") -> tuple[dict, dict, str]:
+    """``(protocol_runs, amortized_runs, kind)`` on one clock, both keyed
+    ``(conditioning, method, seed)``. ``clock`` ``"auto"``: the Fig. 3 study's
+    trainer timing when its record exists (``kind`` ``"trainer-timing"``: every seed of
+    a selected step, and each amortized run, put on its step times,
+    :func:`kwng.experiments.cifar.fig3_time.time_runs`), else as ``"own"`` (``kind``
+    ``"alone"``): each run's own training seconds, from the protocol's runs that had a
+    GPU to themselves (:func:`kwng.experiments.cifar.verdicts.alone_runs`)."""
+    if clock not in ("auto", "own"):
+        raise ValueError(f"clock must be 'auto' or 'own', got {clock!r}")
+    am = amortized_runs(p, root)
+    base, source = (time_runs(p, fig3_root) if clock == "auto"
+                    else (alone_runs(p, fig3_root), {"kind": "alone"}))
+    if source["kind"] == "trainer-timing":
+        am = retime(am, step_ms(read_json(source["path"]),
+                                p["settings"].get("precision") or "bf16"))
+    return base, am, source["kind"]
+
+
 def time_rows(p: dict, fig3_root: str | os.PathLike = FIG3,
-              root: str | os.PathLike = AMORTIZED) -> list[dict]:
-    """Per conditioning, the protocol's runs that had a GPU to themselves
-    (:func:`kwng.experiments.cifar.verdicts.alone_runs`: exact KWNG and the first-order
-    baselines at their selected steps, once the selection is final) and then the
-    amortized methods, in the order of
-    :data:`~kwng.experiments.cifar.methods.AMORTIZED_METHODS`; one row each
-    (:func:`_row`)."""
+              root: str | os.PathLike = AMORTIZED, clock: str = "auto") -> list[dict]:
+    """Per conditioning, the protocol's methods at their selected steps (once the
+    selection is final) and then the amortized methods, in the order of
+    :data:`~kwng.experiments.cifar.methods.AMORTIZED_METHODS`, on the clock of
+    :func:`clock_runs`; one row each (:func:`_row`, with ``clock``, that clock's
+    kind)."""
     epochs = int(p["settings"]["epochs"])
-    alone, am = alone_runs(p, fig3_root), amortized_runs(p, root)
+    alone, am, kind = clock_runs(p, fig3_root, root, clock)
     state, rows = grid_state(p, fig3_root), []
     for cond in ("ill", "well"):
         base = [m for m in p["order"] if state.get(f"{cond}/{m}", {}).get("final")
@@ -104,7 +127,7 @@ def time_rows(p: dict, fig3_root: str | os.PathLike = FIG3,
             recs = [r for k, r in sorted(am.items()) if k[:2] == (cond, m)]
             if recs:
                 rows.append(_row(cond, m, recs, epochs))
-    return rows
+    return [{**r, "clock": kind} for r in rows]
 
 
 def amortized_goal(p: dict, rows: list[dict], fig3_root: str | os.PathLike = FIG3,
@@ -148,9 +171,8 @@ def _acc(r: dict) -> str:
 
 
 #: the columns of :func:`time_table`
-TIME_HEADER = ("cond.", "method", "step", "runs", "s / epoch", "first epoch s",
-               "s to 80 %", "s to 85 %", "steady s to 85 %", "epochs to 85 %",
-               "final test %")
+TIME_HEADER = ("cond.", "method", "step", "runs", "s / epoch", "s to 80 %", "s to 85 %",
+               "epochs to 85 %", "final test %")
 
 
 def time_table(rows: list[dict]) -> list[tuple]:
@@ -158,8 +180,7 @@ def time_table(rows: list[dict]) -> list[tuple]:
     for a target a run did not reach; a cut run's final accuracy as its last one, in
     brackets, with its epoch."""
     return [(r["cond"], r["label"], f"{r['lr']:g}", r["runs"],
-             f"{r['s_per_epoch']:.2f}", f"{r['first_epoch_s']:.1f}",
-             _sec(r["s_to_80"]), _sec(r["s_to_85"]), _sec(r["steady_s_to_85"]),
+             f"{r['s_per_epoch']:.2f}", _sec(r["s_to_80"]), _sec(r["s_to_85"]),
              "never" if r["epochs_to_85"] is None else f"{r['epochs_to_85']:.1f}",
              _acc(r))
             for r in rows]

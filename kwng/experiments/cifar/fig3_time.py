@@ -27,7 +27,8 @@ from kwng.experiments.cifar.records import epoch_seconds
 from kwng.experiments.cifar.verdicts import alone_runs, selected_runs
 from kwng.experiments.provenance import read_json
 
-__all__ = ["TIMING", "step_ms", "timed_runs", "time_runs", "seconds_to_accuracy"]
+__all__ = ["TIMING", "step_ms", "timed_runs", "retime", "time_runs",
+           "seconds_to_accuracy"]
 
 TIMING = FIG3 / "timing" / "trainer_timing.json"
 """Where the Fig. 3 study's trainer timing is written (``cifar trainer-timing --out``),
@@ -51,10 +52,18 @@ def timed_runs(p: dict, root: str | os.PathLike, timing: dict) -> dict[tuple, di
     measured, as a copy whose epochs' ``time_train`` is the cumulative step count times
     that method's step time (:func:`step_ms` in the protocol's precision); other
     methods are left out."""
-    ms = step_ms(timing, p["settings"].get("precision") or "bf16")
+    return retime(selected_runs(p, root),
+                  step_ms(timing, p["settings"].get("precision") or "bf16"))
+
+
+def retime(runs: dict[tuple, dict], ms: dict[str, float]) -> dict[tuple, dict]:
+    """``runs`` (keyed ``(conditioning, method, seed)``) as copies on the clock
+    ``ms`` (milliseconds per step by method, :func:`step_ms`): epoch ``e``'s
+    ``time_train`` becomes its cumulative step count times the method's step time;
+    runs of a method ``ms`` lacks are left out."""
     return {k: {**r, "epochs": [{**e, "time_train": e["steps"] * ms[k[1]] / 1e3}
                                 for e in r["epochs"]]}
-            for k, r in selected_runs(p, root).items() if k[1] in ms}
+            for k, r in runs.items() if k[1] in ms}
 
 
 def time_runs(p: dict, root: str | os.PathLike = FIG3,
