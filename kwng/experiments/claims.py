@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kwng.experiments.cifar import fig3
+from kwng.experiments.cifar.amortized import time_rows
 from kwng.experiments.cifar.fig3_time import seconds_to_accuracy, time_runs
 from kwng.experiments.cifar.methods import CLAIM_ALL, METHODS
 from kwng.experiments.cifar.plans import queue_left, queue_phrase
@@ -281,7 +282,8 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     ``time_by_baseline`` (:func:`time_verdict` at 85 %), ``time_clock`` (where its
     seconds come from, :func:`kwng.experiments.cifar.fig3_time.time_runs`) and
     ``time_s85``: the mean training seconds to 85 % test accuracy in IC of each
-    method that gets there."""
+    method that gets there, the amortized study's (``k > 1``, one seed each,
+    :func:`kwng.experiments.cifar.amortized.time_rows`, same clock) included."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
     ver = fig3_verdicts(p, base)
@@ -310,7 +312,10 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
             "time_clock": f"one trainer-timing call on {clock['device']}"
             if clock["kind"] == "trainer-timing"
             else "the runs that had a GPU alone, H100s of several rounds",
-            "time_s85": {m: s for m, s in tv["seconds"].items() if s is not None},
+            "time_s85": {m: s for m, s in tv["seconds"].items() if s is not None} | {
+                r["method"]: r["s_to_85"] for r in time_rows(
+                    p, base, base.parent / "amortized") if r["cond"] == "ill"
+                and r["k"] > 1 and r["s_to_85"] is not None},
             "settled": word != "pending" and not any(queue.values())}
 
 
