@@ -102,3 +102,18 @@ def test_the_readme_states_the_books_cifar_verdict_word_for_word():
     sentence = claims.fig3_sentence()
     assert sentence.startswith(("So far, by", "By the paper's own protocol"))
     assert " ".join(sentence.split()) in readme
+
+
+def test_the_settled_sentence_names_the_smallest_baseline_drop(monkeypatch):
+    """Once settled, the sentence adds the baseline whose drop is smallest, with
+    KWNG's drop beside it (a negative one called a gain); before, the runs left."""
+    per = {"sgd": {"verdict": "holds", "drop": 0.28, "drop_kwng": -0.001},
+           "adam": {"verdict": "holds", "drop": 0.015, "drop_kwng": -0.001}}
+    q = {"per_baseline": per, "by_baseline": "holds against SGD and Adam",
+         "settled": True, "queue": {"grid": 0, "seeds": 0, "ablation": 0}}
+    monkeypatch.setattr(claims, "cifar_fig3_verdict", lambda root: q)
+    s = claims.fig3_sentence()
+    assert s.endswith("is Adam's, 1.5 points; KWNG's is -0.1 (a gain).")
+    monkeypatch.setattr(claims, "cifar_fig3_verdict", lambda root: {
+        **q, "settled": False, "queue": {"grid": 0, "seeds": 2, "ablation": 0}})
+    assert claims.fig3_sentence().endswith("waits for the last 2 runs.")

@@ -320,16 +320,20 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
 
 
 def fig3_sentence(root: str | os.PathLike = RESULTS) -> str:
-    """The book's answer to the paper's CIFAR-10 headline claim in one sentence, from
-    the Fig. 3 study's records (:func:`cifar_fig3_verdict`): every page that states
-    the verdict glues it, and the README carries it word for word (a test compares
-    them), so no page can say otherwise."""
+    """The book's answer to the paper's CIFAR-10 headline claim (per baseline; once
+    settled, the smallest baseline drop beside KWNG's) from the Fig. 3 records
+    (:func:`cifar_fig3_verdict`); pages glue it, the README quotes it (tested)."""
     q = cifar_fig3_verdict(root)
     claim = ("its CIFAR-10 claim (with an ill-conditioned output layer the "
              "Euclidean methods drop drastically, KWNG keeps its accuracy) "
              f"{q['by_baseline']}")
     if q["settled"]:
-        return f"By the paper's own protocol (the Fig. 3 study), {claim}."
+        m, v = min(q["per_baseline"].items(), key=lambda kv: kv[1]["drop"])
+        kw = 100 * v["drop_kwng"]
+        return (f"By the paper's own protocol (the Fig. 3 study), {claim}. The "
+                f"smallest drop from well- to ill-conditioned is {METHODS[m].label}'s, "
+                f"{100 * v['drop']:.1f} points; KWNG's is {kw:.1f}"
+                f"{' (a gain)' if kw < 0 else ''}.")
     left = sum(q["queue"].values())
     return (f"So far, by the paper's own protocol (the Fig. 3 study), {claim}; the "
             f"overall verdict waits for the last {left} run{'s' * (left != 1)}.")
