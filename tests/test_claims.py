@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kwng.experiments import claims
+from kwng.experiments import claims, wording
 
 WORDS = {"holds", "fails", "partly"}
 
@@ -14,7 +14,7 @@ def test_mixed_verdict_and_flat():
     assert claims.mixed_verdict({"a": True, "b": True}) == "holds"
     assert claims.mixed_verdict({"a": False, "b": False}) == "fails"
     assert claims.mixed_verdict({"a": True, "b": False}) == "partly"
-    assert [claims.name_list(n) for n in ([], ["a"], ["a", "b"], ["a", "b", "c"])] == [
+    assert [wording.name_list(n) for n in ([], ["a"], ["a", "b"], ["a", "b", "c"])] == [
         "none", "a", "a and b", "a, b and c"]
     assert claims.flat({"x": {"y": 1, "z": [1]}, "w": 2}, "p") == {"p_x_y": 1,
                                                                   "p_w": 2}

@@ -32,11 +32,12 @@ from kwng.experiments.cifar.verdicts import (
     seed_summary,
 )
 from kwng.experiments.synthetic_setup import load_flow, load_rows, summarise
+from kwng.experiments.wording import name_list
 
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
            "mixed_verdict", "ablation_verdict", "ABLATION_WORSE", "momentum_verdict",
-           "time_verdict", "fig3_sentence", "name_list", "flat"]
+           "time_verdict", "fig3_sentence", "flat"]
 
 RESULTS = Path("results")
 """The committed results folder, relative to the repository root."""
@@ -319,11 +320,12 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
             "settled": word != "pending" and not any(queue.values())}
 
 
-def fig3_sentence(root: str | os.PathLike = RESULTS) -> str:
+def fig3_sentence(root: str | os.PathLike = RESULTS, q: dict | None = None) -> str:
     """The book's answer to the paper's CIFAR-10 headline claim (per baseline; once
     settled, the smallest baseline drop beside KWNG's) from the Fig. 3 records
-    (:func:`cifar_fig3_verdict`); pages glue it, the README quotes it (tested)."""
-    q = cifar_fig3_verdict(root)
+    (``q``, default :func:`cifar_fig3_verdict` of ``root``); pages glue it, the README
+    quotes it (tested)."""
+    q = cifar_fig3_verdict(root) if q is None else q
     claim = ("its CIFAR-10 claim (with an ill-conditioned output layer the "
              "Euclidean methods drop drastically, KWNG keeps its accuracy) "
              f"{q['by_baseline']}")
@@ -346,13 +348,6 @@ def _phrase(per: dict[str, str]) -> str:
     for m, w in per.items():
         by.setdefault(w, []).append(METHODS[m].label)
     return "; ".join(f"{w} against {name_list(by[w])}" for w in sorted(by))
-
-
-def name_list(names: list[str]) -> str:
-    """Names in running text: "A", "A and B", "A, B and C"; "none" for no names."""
-    if not names:
-        return "none"
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def flat(d: dict, prefix: str) -> dict[str, object]:

@@ -7,7 +7,7 @@ into a Markdown table, :func:`tta_values` into the named numbers the prose glues
 from __future__ import annotations
 
 from kwng.experiments.cifar.methods import METHODS
-from kwng.experiments.claims import name_list
+from kwng.experiments.wording import name_list
 from kwng.plots.tables import markdown_table
 
 __all__ = ["TTA_HEADER", "tta_table", "tta_values"]

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from kwng.experiments.cifar.fig3 import FIG3, grid_state, record_problem
-from kwng.experiments.cifar.fig3_time import retime, step_ms, time_runs
+from kwng.experiments.cifar.fig3_time import first_at, retime, step_ms, time_runs
 from kwng.experiments.cifar.methods import AMORTIZED_METHODS, METHODS
 from kwng.experiments.cifar.plans import AMORTIZED
 from kwng.experiments.cifar.verdicts import alone_runs, seed_summary
@@ -48,11 +48,6 @@ def amortized_runs(p: dict, root: str | os.PathLike = AMORTIZED) -> dict[tuple, 
     return out
 
 
-def _seconds_to(rows: list[dict], target: float) -> tuple[float | None, int | None]:
-    hit = next((r for r in rows if r["test_acc"] >= target), None)
-    return (None, None) if hit is None else (hit["time_train"], hit["epoch"])
-
-
 def _mean(values: list) -> float | None:
     return None if not values or None in values else statistics.fmean(values)
 
@@ -74,12 +69,12 @@ def _row(cond: str, method: str, recs: list[dict], epochs: int) -> dict:
     row["s_per_epoch"] = statistics.median(steps)
     row["first_epoch_s"] = statistics.fmean(r["epochs"][0]["time_train"] for r in recs)
     for t in TARGETS:
-        hits = [_seconds_to(r["epochs"], t) for r in recs]
-        s_to = _mean([h[0] for h in hits])
+        hits = [first_at(r["epochs"], t) or {} for r in recs]
+        s_to = _mean([h.get("time_train") for h in hits])
         row[f"s_to_{round(100 * t)}"] = s_to
         row[f"steady_s_to_{round(100 * t)}"] = (
             None if s_to is None else s_to - row["first_epoch_s"] + row["s_per_epoch"])
-        row[f"epochs_to_{round(100 * t)}"] = _mean([h[1] for h in hits])
+        row[f"epochs_to_{round(100 * t)}"] = _mean([h.get("epoch") for h in hits])
     finals = [r["epochs"][-1]["test_acc"] for r in recs]
     row["final"] = statistics.fmean(finals) if row["complete"] else None
     row["last"] = statistics.fmean(finals)

@@ -27,7 +27,7 @@ from kwng.experiments.cifar.records import epoch_seconds
 from kwng.experiments.cifar.verdicts import alone_runs, selected_runs
 from kwng.experiments.provenance import read_json
 
-__all__ = ["TIMING", "step_ms", "timed_runs", "retime", "time_runs",
+__all__ = ["TIMING", "step_ms", "timed_runs", "retime", "time_runs", "first_at",
            "seconds_to_accuracy"]
 
 TIMING = FIG3 / "timing" / "trainer_timing.json"
@@ -83,8 +83,15 @@ def time_runs(p: dict, root: str | os.PathLike = FIG3,
         "path": str(path), "methods": sorted(timing["config"]["methods"])}
 
 
+def first_at(rows: list[dict], target: float) -> dict | None:
+    """The first epoch row of ``rows`` whose test accuracy is at least ``target``;
+    ``None`` when the run never got there."""
+    return next((r for r in rows if r["test_acc"] >= target), None)
+
+
 def _seconds_to(rows: list[dict], target: float) -> float | None:
-    return next((r["time_train"] for r in rows if r["test_acc"] >= target), None)
+    hit = first_at(rows, target)
+    return None if hit is None else hit["time_train"]
 
 
 def seconds_to_accuracy(p: dict, root: str | os.PathLike = FIG3,
@@ -112,8 +119,8 @@ def seconds_to_accuracy(p: dict, root: str | os.PathLike = FIG3,
                         for a, b in zip(rows, rows[1:])]
         for t in targets:
             e["to"][t].append(_seconds_to(rows, t))
-            e["epoch_to"][t].append(next((r["epoch"] for r in rows
-                                          if r["test_acc"] >= t), None))
+            hit = first_at(rows, t)
+            e["epoch_to"][t].append(None if hit is None else hit["epoch"])
     for e in out.values():
         e["s_per_epoch"] = statistics.median(e.pop("epochs"))
         for k in ("to", "epoch_to"):

@@ -34,6 +34,7 @@ from kwng.experiments.cifar.methods import (
     RESULTS,
 )
 from kwng.experiments.provenance import read_json
+from kwng.experiments.wording import name_list
 
 log = logging.getLogger(__name__)
 
@@ -278,8 +279,7 @@ def queue_phrase(left: dict[str, int]) -> str:
              if left[k]]
     if not words:
         return "Every run the protocol asks for is in."
-    return "Still to run: " + " and ".join(
-        [", ".join(words[:-1]), words[-1]] if len(words) > 1 else words) + "."
+    return f"Still to run: {name_list(words)}."
 
 
 #: the amortized-step study's records, ``results/cifar/amortized`` of the checkout
