@@ -107,3 +107,38 @@ def test_a_record_in_the_wrong_step_folder_is_named(tmp_path):
     shutil.copytree(src, dst)
     with pytest.raises(ResultFileError, match="metrics.json: step 10"):
         amortized.amortized_runs(P, tmp_path)
+
+
+def test_the_seed_study_plan_runs_every_group_at_its_selected_step(tmp_path):
+    """The committed seed-study plan: each group's methods × seeds once, at the Fig. 3
+    step of its ``lr_of`` method in its conditioning, in the plan's order; a finished
+    record leaves the plan; a malformed group is refused by name."""
+    from kwng.experiments.cifar import fig3, plans
+
+    p = fig3.load_protocol(ROOT / "results" / "cifar" / "fig3" / "protocol.json")
+    fig3_root = ROOT / "results" / "cifar" / "fig3"
+    spec = json.loads((ROOT / "results" / "cifar" / "amortized_seeds" / "plan.json")
+                      .read_text())
+    state = fig3.grid_state(p, fig3_root)
+    jobs = plans.amortized_seeds_plan({}, p, fig3_root, out=tmp_path, spec=spec)
+    want = [(g["conditioning"], m, s) for g in plans.seed_study_groups(spec)
+            for s in g["seeds"] for m in g["methods"]]
+    assert [(j["conditioning"], j["method"], j["seed"]) for j in jobs] == want
+    lr_of = {(g["conditioning"], m): g["lr_of"] for g in spec["groups"]
+             for m in g["methods"]}
+    for j in jobs:
+        key = f"{j['conditioning']}/{lr_of[j['conditioning'], j['method']]}"
+        assert j["lr"] == state[key]["selected"]
+    first = jobs[0]
+    rdir = (tmp_path / f"lr{first['lr']:g}" / "cifar10" / first["conditioning"]
+            / first["method"] / f"seed{first['seed']}")
+    rdir.mkdir(parents=True)
+    (rdir / "metrics.json").write_text(json.dumps(
+        {"complete": True, "epochs": [{"epoch": e} for e in range(1, 101)]}))
+    again = plans.amortized_seeds_plan({}, p, fig3_root, out=tmp_path, spec=spec)
+    assert len(again) == len(jobs) - 1
+    bad = {"groups": [{**spec["groups"][0], "seeds": [0, 0]}]}
+    with pytest.raises(ValueError, match="seeds must be distinct"):
+        plans.seed_study_groups(bad)
+    with pytest.raises(ValueError, match="methods must be names"):
+        plans.seed_study_groups({"groups": [{**spec["groups"][0], "methods": ["x"]}]})

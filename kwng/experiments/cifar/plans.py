@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 #: the named plans of :func:`build_plan` (any other plan is a JSON file of run settings)
 PLAN_NAMES = ("claim_select", "claim", "authors100", "authors100_all", "fig3",
-              "amortized")
+              "amortized", "amortized_seeds")
 
 
 # --------------------------------------------------------- the cost of a run, GPU slots
@@ -309,6 +309,71 @@ def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike 
     return jobs
 
 
+#: the amortized step's seed study, ``results/cifar/amortized_seeds`` of the checkout:
+#: its committed plan (``plan.json``) and its records
+#:
+#: :meta hide-value:
+AMORTIZED_SEEDS = RESULTS / "amortized_seeds"
+
+
+def seed_study_groups(spec: dict) -> list[dict]:
+    """The groups of the seed study's plan ``spec`` (``plan.json``), its amendments
+    after them, each checked: ``conditioning`` ill or well, ``methods`` known names,
+    ``seeds`` distinct integers >= 0, ``lr_of`` the Fig. 3 method whose selected step
+    the group runs at."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("groups"), list):
+        raise ValueError("the seed study's plan must be a dict with a list 'groups', "
+                         f"got {spec!r:.200}")
+    groups = [*spec["groups"], *spec.get("amendments", [])]
+    for g in groups:
+        if not isinstance(g, dict) or g.get("conditioning") not in ("ill", "well"):
+            raise ValueError(f"each group needs conditioning 'ill' or 'well', got {g!r}")
+        unknown = sorted(set(g.get("methods", [])) - set(METHODS))
+        if unknown or not g.get("methods"):
+            raise ValueError(f"a group's methods must be names from {sorted(METHODS)}, "
+                             f"got {g.get('methods')!r}")
+        seeds = g.get("seeds")
+        if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
+                or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                       for s in seeds)):
+            raise ValueError(f"a group's seeds must be distinct integers >= 0, got "
+                             f"{seeds!r}")
+        if g.get("lr_of") not in METHODS:
+            raise ValueError(f"a group's lr_of must be a method name, got "
+                             f"{g.get('lr_of')!r}")
+    return groups
+
+
+def amortized_seeds_plan(common: dict, p: dict | None = None,
+                         root: str | os.PathLike = FIG3,
+                         out: str | os.PathLike = AMORTIZED_SEEDS,
+                         spec: dict | None = None) -> list[dict]:
+    """The seed study of the amortized step (``out/plan.json``): every group's methods
+    and seeds, at the step the Fig. 3 selection chose for its ``lr_of`` method in its
+    conditioning (a group whose selection is not final is left out), with the
+    protocol's settings, under ``out``, in the plan's order: the runs not finished yet.
+    The run-time estimate of a method reads the amortized studies' own records first."""
+    p = load_protocol() if p is None else p
+    out = Path(out)
+    spec = read_json(out / "plan.json") if spec is None else spec
+    state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
+    times, commit, jobs = run_seconds(root), protocol_commit(), []
+    for folder in (AMORTIZED, out):
+        for m, t in _wall_times(Path(folder)).items():
+            times[m] = min(times.get(m, math.inf), t * RUN_MARGIN + START_S)
+    for g in seed_study_groups(spec):
+        st = state.get(f"{g['conditioning']}/{g['lr_of']}")
+        if not (st and st["final"]):
+            continue
+        lr = st["selected"]
+        jobs += [_job(p, "", g["conditioning"], m, lr, s, out, commit, times,
+                      early_stop=None, **common)
+                 for s in g["seeds"] for m in g["methods"]
+                 if run_status(record_at(out, "", lr, g["conditioning"], m, s), epochs)
+                 in ("missing", "running")]
+    return jobs
+
+
 # ---------------------------------------------------------------------- the named plans
 def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
                select_subset: int | None = 10_000,
@@ -335,6 +400,7 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
       ``epochs`` is not used.
     * ``amortized``: the amortized-step study at KWNG's Fig. 3 steps
       (:func:`amortized_plan`).
+    * ``amortized_seeds``: its seed study (:func:`amortized_seeds_plan`).
     * a path to a JSON list of run settings.
     """
     if methods is not None:
@@ -373,6 +439,8 @@ def _named_plan(name: str, common: dict, epochs: int, select: dict,
         return fig3_plan(common)
     if name == "amortized":
         return amortized_plan(common)
+    if name == "amortized_seeds":
+        return amortized_seeds_plan(common)
     path = Path(name)
     if path.is_file():
         return list(read_json(path))
