@@ -327,7 +327,8 @@ def seed_study_groups(spec: dict) -> list[dict]:
     groups = [*spec["groups"], *spec.get("amendments", [])]
     for g in groups:
         if not isinstance(g, dict) or g.get("conditioning") not in ("ill", "well"):
-            raise ValueError(f"each group needs conditioning 'ill' or 'well', got {g!r}")
+            raise ValueError("each group needs conditioning 'ill' or 'well', got "
+                             f"{g!r}")
         unknown = sorted(set(g.get("methods", [])) - set(METHODS))
         if unknown or not g.get("methods"):
             raise ValueError(f"a group's methods must be names from {sorted(METHODS)}, "
