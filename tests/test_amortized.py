@@ -273,3 +273,153 @@ def test_a_captured_warm_up_resumed_between_refreshes_forces_one_refresh():
     cache.store(torch.zeros(2, 5), torch.eye(2), torch.eye(2), 8, torch.tensor(1.0))
     cache.steps = 7
     assert _warm_up(cache, 4) == [True, False, False, True]
+
+
+# ------------------------------------------------------------------------ the guard
+def _refresh_steps(pc, model, batches, opt=None, spoil_at=None, spoil=None):
+    """The indices of the refresh steps of a loop over ``batches`` (``spoil(pc)`` is
+    applied to the cache after step ``spoil_at``)."""
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05)
+    kinds = []
+    for i, (z, y) in enumerate(batches):
+        opt.zero_grad()
+        kinds.append(pc.cache.due)
+        X = model(z)
+        pc.step(nn.functional.cross_entropy(X, y), X)
+        opt.step()
+        if i == spoil_at:
+            spoil(pc)
+    return [i for i, r in enumerate(kinds) if r]
+
+
+@pytest.mark.parametrize("mode,diagonal_only", MODES)
+def test_a_guard_that_never_fires_takes_the_unguarded_steps_bit_for_bit(
+        mode, diagonal_only):
+    batches = _batches(9)
+    kw = {"mode": mode, "diagonal_only": diagonal_only, "refresh_every": 4}
+    want, _, _, _ = _run(_mlp(), batches, **kw)
+    got, _, _, pc = _run(_mlp(), batches, refresh_guard=1e300, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert pc.cache.guard_refreshes == 0
+
+
+def _info(c, fallback=False):
+    """A step's info with cosine ``c`` between ``g`` and its direction."""
+    t = torch.tensor
+    return {"dot": t(c, dtype=torch.float64), "grad_norm": t(1.0),
+            "direction_norm": t(1.0), "fallback": t(fallback)}
+
+
+def test_the_guard_flags_a_moved_cosine_or_a_fallback_and_refreshes_two_steps_later():
+    """The cache alone, steps of constructed infos: c₀ = 0.4 at the refresh step 0;
+    c = 0.3 and 0.2 stay within the factor 2.5, c = 0.1 (step 3) leaves it, so step 5
+    refreshes (the flag is read at the end of step 4); a fallback (step 7) makes step 9
+    refresh; the counter's own refresh (step 12) stays."""
+    cache = SystemCache(12, guard=2.5)
+    cache.store(torch.ones(2, 3), torch.eye(2), torch.eye(2), 4, torch.tensor(1.0))
+    cs = {0: 0.4, 1: 0.3, 2: 0.2, 3: 0.1, 4: 0.2, 5: 0.5, 6: 0.45, 7: 0.45,
+          8: 0.45, 9: 0.5, 10: 0.5, 11: 0.5, 12: 0.5, 13: 0.5}
+    refreshes = []
+    for s, c in cs.items():
+        refresh = cache.refresh_now(3, torch.device("cpu"))
+        if refresh:
+            refreshes.append(s)
+        cache.observe(refresh, _info(c, fallback=(s == 7)))
+        cache.advance()
+    assert refreshes == [0, 5, 9, 12]
+    assert cache.guard_refreshes == 2
+
+
+@pytest.mark.parametrize("diagonal_only", [False, True])
+def test_a_stale_system_makes_the_guard_refresh_two_steps_later(diagonal_only):
+    """After step 1 the cached ``T`` is spoiled (NaN: the direction fails and the
+    safeguard falls back to ``g``). Step 2 raises the flag, the host reads it at the
+    end of step 3, step 4 refreshes; without the guard the next refresh is the
+    counter's, step 10."""
+    def spoil(pc):
+        pc.cache.T.fill_(float("nan"))
+
+    batches = _batches(12)
+    for guard, want in ((None, [0, 10]), (1e300, [0, 4, 10])):
+        model = _mlp()
+        pc = KWNGPreconditioner(model, lr=0.05, num_basis=3, eps=1e-2,
+                                refresh_every=10, refresh_guard=guard,
+                                diagonal_only=diagonal_only,
+                                generator=torch.Generator().manual_seed(3))
+        got = _refresh_steps(pc, model, batches, spoil_at=1, spoil=spoil)
+        assert got == want, (guard, got)
+        assert pc.cache.guard_refreshes == (0 if guard is None else 1)
+
+
+def test_a_run_resumed_with_a_raised_flag_refreshes_where_the_uninterrupted_one_does():
+    """Saved at the end of step 2, whose flag is raised but not yet read: the resumed
+    run reads it at the end of step 3 and refreshes at step 4, as the uninterrupted
+    run; both take the same directions bit for bit."""
+    def spoil(pc):
+        pc.cache.T.fill_(float("nan"))
+
+    batches = _batches(8)
+    kw = {"refresh_every": 10, "refresh_guard": 1e300}
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    pc = KWNGPreconditioner(model, lr=0.05, num_basis=3, eps=1e-2,
+                            generator=torch.Generator().manual_seed(3), **kw)
+    _refresh_steps(pc, model, batches[:3], opt=opt, spoil_at=1, spoil=spoil)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "precond": pc.state_dict()}, buf)
+    assert pc.state_dict()["cache"]["guard"]["pending"] is True
+    want, _, _, _ = _run(model, batches[3:], opt=opt, pc=pc)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model2 = _mlp(seed=5)
+    model2.load_state_dict(saved["model"])
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
+    opt2.load_state_dict(saved["opt"])
+    pc2 = KWNGPreconditioner(model2, lr=0.05, num_basis=3, eps=1e-2,
+                             generator=torch.Generator(), **kw)
+    pc2.load_state_dict(saved["precond"])
+    assert not pc2.cache.due
+    got, _, _, _ = _run(model2, batches[3:4], opt=opt2, pc=pc2)
+    assert pc2.cache.due and pc2.cache.steps == 4  # the flag of step 2 was read
+    got += _run(model2, batches[4:], opt=opt2, pc=pc2)[0]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert pc2.cache.guard_refreshes == pc.cache.guard_refreshes == 1
+
+
+@pytest.mark.parametrize("bad,match", [
+    (1.0, "refresh_guard must be a number in \\(1, inf\\)"),
+    (True, "refresh_guard must be a number"),
+    (float("inf"), "refresh_guard must be a number"),
+    ("2", "refresh_guard must be a number"),
+])
+def test_bad_refresh_guard_is_refused_naming_the_argument_and_range(bad, match):
+    with pytest.raises(ValueError, match=match):
+        KWNGConfig(refresh_every=5, refresh_guard=bad)
+    with pytest.raises(ValueError, match="refresh_guard needs refresh_every > 1"):
+        KWNGConfig(refresh_guard=2.0)
+
+
+def test_a_replayed_loop_refreshes_where_the_guard_says():
+    """Captured (:func:`kwng.engine.capture.amortized_replay`): each recorded graph
+    runs the guard's device part of its kind (here a replay calls ``observe`` with the
+    cosine of that step); the host reads the flags between replays, so the refresh
+    graph runs two steps after a step whose cosine left the factor, as eagerly."""
+    cache = SystemCache(10, guard=2.0)
+    cache.store(torch.zeros(2, 5), torch.eye(2), torch.eye(2), 8, torch.tensor(1.0))
+    cos = iter([0.4, 0.35, 0.1, 0.3, 0.3, 0.4, 0.4, 0.4])
+    log = []
+
+    class Graph:
+        def __init__(self, refresh):
+            self.refresh = refresh
+
+        def replay(self):
+            log.append(self.refresh)
+            cache.observe(self.refresh, _info(next(cos)))
+
+    replay = amortized_replay(cache, lambda: Graph(cache.due))
+    for _ in range(8):
+        replay()
+    assert log == [True, False, False, False, True, False, False, False]
+    assert cache.guard_refreshes == 1

@@ -113,7 +113,7 @@ def test_the_seed_study_plan_runs_every_group_at_its_selected_step(tmp_path):
     """The committed seed-study plan: each group's methods × seeds once, at the Fig. 3
     step of its ``lr_of`` method in its conditioning, in the plan's order; a finished
     record leaves the plan; a malformed group is refused by name."""
-    from kwng.experiments.cifar import fig3, plans
+    from kwng.experiments.cifar import fig3, plans, seed_study
 
     p = fig3.load_protocol(ROOT / "results" / "cifar" / "fig3" / "protocol.json")
     fig3_root = ROOT / "results" / "cifar" / "fig3"
@@ -121,7 +121,7 @@ def test_the_seed_study_plan_runs_every_group_at_its_selected_step(tmp_path):
                       .read_text())
     state = fig3.grid_state(p, fig3_root)
     jobs = plans.amortized_seeds_plan({}, p, fig3_root, out=tmp_path, spec=spec)
-    want = [(g["conditioning"], m, s) for g in plans.seed_study_groups(spec)
+    want = [(g["conditioning"], m, s) for g in seed_study.seed_study_groups(spec)
             for s in g["seeds"] for m in g["methods"]]
     assert [(j["conditioning"], j["method"], j["seed"]) for j in jobs] == want
     lr_of = {(g["conditioning"], m): g["lr_of"] for g in spec["groups"]
@@ -139,6 +139,7 @@ def test_the_seed_study_plan_runs_every_group_at_its_selected_step(tmp_path):
     assert len(again) == len(jobs) - 1
     bad = {"groups": [{**spec["groups"][0], "seeds": [0, 0]}]}
     with pytest.raises(ValueError, match="seeds must be distinct"):
-        plans.seed_study_groups(bad)
+        seed_study.seed_study_groups(bad)
     with pytest.raises(ValueError, match="methods must be names"):
-        plans.seed_study_groups({"groups": [{**spec["groups"][0], "methods": ["x"]}]})
+        seed_study.seed_study_groups(
+            {"groups": [{**spec["groups"][0], "methods": ["x"]}]})

@@ -31,6 +31,20 @@ Why it stays a descent direction. By the Woodbury identity the operator above is
 stale ``T`` changes the metric, never the sign of ``⟨g, ĝ⟩`` (and the safeguard falls
 back to ``g`` if round-off does).
 
+The guard (``refresh_guard`` [``γ``] of :class:`kwng.KWNGConfig`). A cached system
+stops serving when the network has moved far enough that the metric it encodes no
+longer fits the fresh gradient. The step measures that cheaply on the device: the
+cosine ``c = ⟨g, ĝ⟩ / (‖g‖ ‖ĝ‖)`` between each step's gradient and its direction (both
+already reduced by the safeguard), kept as ``c₀`` on every refresh step. A step
+between refreshes raises the guard's flag when the safeguard fell back to ``g`` or when
+``c`` has moved by more than the factor ``γ`` from ``c₀`` (``|log(c / c₀)| > log γ``):
+with a fresh system KWNG turns ``g`` by about as much as at the refresh, a stale one
+turns it much more or much less. The host reads the flag of step ``s`` at the end of
+step ``s + 1`` (without stalling the device: by then step ``s`` has usually finished),
+so step ``s + 2`` refreshes; every step counts the refreshes the guard caused
+(:attr:`SystemCache.guard_refreshes`, logged). The same rule holds eagerly, captured
+and resumed from a checkpoint, so the three take the same steps.
+
 Where it runs.
 
 * ``mode="fast"``: the replicated forward is needed on refresh steps only. The cache
@@ -58,12 +72,16 @@ same directions as the uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 __all__ = ["SystemCache"]
+
+log = logging.getLogger(__name__)
 
 _TENSORS = ("T", "CCt", "K", "sigma")
 
@@ -74,7 +92,8 @@ class SystemCache:
 
     ``every`` is ``k`` (``refresh_every``); ``on_due`` is called with :attr:`due`
     whenever it may have changed (the preconditioner switches its replicated forward
-    with it)."""
+    with it); ``guard`` is ``γ`` (``refresh_guard``, ``None``: refresh on the counter
+    alone)."""
 
     #: a refresh step is a program of its own that a CUDA graph records
     refresh_capturable = True
@@ -83,8 +102,29 @@ class SystemCache:
     kinds = (True, False)
 
     def __init__(self, every: int,
-                 on_due: Callable[[bool], None] | None = None) -> None:
+                 on_due: Callable[[bool], None] | None = None,
+                 guard: float | None = None) -> None:
+        if guard is not None and (isinstance(guard, bool)
+                                  or not isinstance(guard, (int, float))
+                                  or not guard > 1 or not math.isfinite(guard)):
+            raise ValueError("refresh_guard must be a number in (1, inf) (the factor "
+                             "by which the cosine between g and the direction may "
+                             f"move from its refresh value) or None, got {guard!r}")
+        if guard is not None and every == 1:
+            raise ValueError("refresh_guard needs refresh_every > 1 (with 1 every "
+                             "step refreshes)")
         self.every = every
+        self.guard = None if guard is None else float(guard)
+        #: refreshes the guard caused (steps that the counter did not make refreshes)
+        self.guard_refreshes = 0
+        self._stale = False  # the guard asks the next step to refresh
+        self._last_refresh = -1  # the step index of the last refresh step
+        self._took: bool | None = None  # the kind of the step under way (eager)
+        self._cos_ref: torch.Tensor | None = None  # c₀ of the last refresh (device)
+        self._flag: torch.Tensor | None = None  # this step's flag (device)
+        self._host: torch.Tensor | None = None  # the last step's flag, on the host
+        self._event: Any = None  # when that copy has landed (CUDA)
+        self._pending = False  # whether _host holds a flag still to read
         self.steps = 0
         self.T: torch.Tensor | None = None
         self.CCt: torch.Tensor | None = None
@@ -99,7 +139,8 @@ class SystemCache:
         """Whether the next step refreshes the system (builds ``T``, ``C``, ``K``)."""
         if self._forced is not None:
             return self._forced
-        return self.every == 1 or self.T is None or self.steps % self.every == 0
+        return (self.every == 1 or self.T is None or self.steps % self.every == 0
+                or self._stale)
 
     @property
     def kind(self) -> bool:
@@ -115,14 +156,64 @@ class SystemCache:
                              "choosing its kind: use kwng.capture_step(step, "
                              "preconditioner=precond), which records both graphs")
         if self.due:
+            self._took = True
             return True
         if self.T is not None and self.T.shape[-1] == q and self.T.device == device:
+            self._took = False
             return False
         if self._forced is False:
             raise ValueError("a step between refreshes was forced, but no cached "
                              f"system fits these {q} parameters: run a refresh step "
                              "first")
+        self._took = True
         return True
+
+    def observe(self, refresh: bool, info: dict[str, torch.Tensor]) -> None:
+        """The guard's device-side part, inside the step (so a CUDA graph records it):
+        on a refresh step keep ``c₀``, else raise the flag when the safeguard fell
+        back or ``c`` moved by more than ``γ`` from ``c₀`` (module docstring).
+        ``info``: the step's ``dot``, ``grad_norm``, ``direction_norm`` and
+        ``fallback``. Nothing without a guard."""
+        if self.guard is None:
+            return
+        norms = (info["grad_norm"].double() * info["direction_norm"].double())
+        c = (info["dot"].double() / norms.clamp(min=1e-300)).clamp(min=1e-300)
+        if self._flag is None or self._flag.device != c.device:
+            self._flag = torch.zeros((), dtype=torch.bool, device=c.device)
+            self._cos_ref = torch.ones((), dtype=torch.float64, device=c.device)
+        if refresh:
+            self._cos_ref.copy_(c)
+            self._flag.zero_()
+        else:
+            moved = torch.log(c / self._cos_ref).abs() > math.log(self.guard)
+            self._flag.copy_(moved | info["fallback"].bool())
+
+    def _read_flag(self, refreshed: bool) -> None:
+        """The host's part of the guard at the end of a step: read the flag of the
+        step before (its copy has landed or is waited for), then start the copy of
+        this step's flag; a raised flag of a step after the last refresh makes the
+        next step refresh."""
+        if self._pending and self.steps - 1 > self._last_refresh:
+            if self._event is not None:
+                self._event.synchronize()
+            if bool(self._host) and not self._stale:
+                self._stale = True
+                self.guard_refreshes += 1
+                log.info("step %d: the cached system no longer serves (refresh "
+                         "guard %.3g); the next step refreshes", self.steps + 1,
+                         self.guard)
+        self._pending = False
+        if self._flag is None:
+            return
+        if self._host is None:
+            pin = self._flag.device.type == "cuda"
+            self._host = torch.zeros((), dtype=torch.bool, pin_memory=pin)
+        self._host.copy_(self._flag, non_blocking=True)
+        self._event = None
+        if self._flag.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._pending = not refreshed
 
     def store(self, T: torch.Tensor, CCt: torch.Tensor, K: torch.Tensor, N: int,
               sigma: torch.Tensor) -> None:
@@ -142,7 +233,15 @@ class SystemCache:
         self.N = int(N)
 
     def advance(self) -> None:
-        """Count a step taken (eagerly or by a graph replay)."""
+        """Count a step taken (eagerly or by a graph replay) and run the host's part
+        of the guard (not while a graph is recorded)."""
+        refreshed = self.due if self._took is None else self._took
+        self._took = None
+        if refreshed:
+            self._last_refresh = self.steps
+            self._stale = False
+        if self.guard is not None and self._forced is None:
+            self._read_flag(refreshed)
         self.steps += 1
         self.notify()
 
@@ -173,7 +272,33 @@ class SystemCache:
         nothing is cached."""
         if self.T is None:
             return None
-        return {**{k: getattr(self, k).clone() for k in _TENSORS}, "N": self.N}
+        out = {**{k: getattr(self, k).clone() for k in _TENSORS}, "N": self.N}
+        if self.guard is not None:
+            out["guard"] = self._guard_state()
+        return out
+
+    def _guard_state(self) -> dict[str, Any]:
+        """The guard's state (a host sync: the last step's flag is read now)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return {"stale": self._stale, "last_refresh": self._last_refresh,
+                "pending": bool(self._pending and bool(self._host)),
+                "cos_ref": None if self._cos_ref is None else float(self._cos_ref),
+                "guard_refreshes": self.guard_refreshes}
+
+    def _load_guard(self, state: dict[str, Any] | None, device: torch.device) -> None:
+        """Restore :meth:`_guard_state` (``None``: a fresh guard)."""
+        state = state or {}
+        self._stale = bool(state.get("stale", False))
+        self._last_refresh = int(state.get("last_refresh", -1))
+        self.guard_refreshes = int(state.get("guard_refreshes", 0))
+        self._took, self._event = None, None
+        self._flag = torch.zeros((), dtype=torch.bool, device=device)
+        self._cos_ref = torch.tensor(
+            1.0 if state.get("cos_ref") is None else float(state["cos_ref"]),
+            dtype=torch.float64, device=device)
+        self._host = torch.tensor(bool(state.get("pending", False)))
+        self._pending = bool(state.get("pending", False))
 
     def load_state_dict(self, state: dict[str, Any] | None, steps: int,
                         device: torch.device) -> None:
@@ -188,4 +313,6 @@ class SystemCache:
                                  f"{[*_TENSORS, 'N']}, got {state!r:.200}")
             T, CCt, K, sigma = (torch.as_tensor(state[k]).to(device) for k in _TENSORS)
             self.store(T, CCt, K, state["N"], sigma)
+        if self.guard is not None:
+            self._load_guard(None if state is None else state.get("guard"), device)
         self.notify()

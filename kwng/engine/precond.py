@@ -188,7 +188,8 @@ class KWNGPreconditioner(PreconditionerStep):
                                 "serial backward passes", reason)
         self._grads = GradWriter(self.adds_prefilled_grads)
         # refresh_every > 1: the system between refreshes
-        self.cache = SystemCache(cfg.refresh_every, self._follow_schedule)
+        self.cache = SystemCache(cfg.refresh_every, self._follow_schedule,
+                                 cfg.refresh_guard)
         self._counters = {k: torch.zeros((), dtype=torch.long, device=dev)
                           for k in COUNTERS}
 

@@ -33,6 +33,7 @@ from kwng.experiments.cifar.methods import (
     METHODS,
     RESULTS,
 )
+from kwng.experiments.cifar.seed_study import AMORTIZED_SEEDS, seed_study_groups
 from kwng.experiments.provenance import read_json
 from kwng.experiments.wording import name_list
 
@@ -290,88 +291,35 @@ AMORTIZED = RESULTS / "amortized"
 
 def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
                    out: str | os.PathLike = AMORTIZED) -> list[dict]:
-    """The amortized-step study
-    (:data:`~kwng.experiments.cifar.methods.AMORTIZED_METHODS`, seed 0) in each
-    conditioning where KWNG's Fig. 3 selection is final, at that step
-    and with the protocol's settings, under ``out``: the runs not finished yet."""
-    p = load_protocol() if p is None else p
-    state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
-    times, commit, jobs = run_seconds(root), protocol_commit(), []
-    for cond in ("ill", "well"):
-        st = state.get(f"{cond}/kwng")
-        if not (st and st["final"]):
-            continue
-        jobs += [_job(p, "", cond, m, st["selected"], 0, Path(out), commit, times,
-                      early_stop=None, **common)
-                 for m in AMORTIZED_METHODS
-                 if run_status(record_at(Path(out), "", st["selected"], cond, m, 0),
-                               epochs) in ("missing", "running")]
-    return jobs
-
-
-#: the amortized step's seed study, ``results/cifar/amortized_seeds`` of the checkout:
-#: its committed plan (``plan.json``) and its records
-#:
-#: :meta hide-value:
-AMORTIZED_SEEDS = RESULTS / "amortized_seeds"
-
-
-def seed_study_groups(spec: dict) -> list[dict]:
-    """The groups of the seed study's plan ``spec`` (``plan.json``), its amendments
-    after them, each checked: ``conditioning`` ill or well, ``methods`` known names,
-    ``seeds`` distinct integers >= 0, ``lr_of`` the Fig. 3 method whose selected step
-    the group runs at."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("groups"), list):
-        raise ValueError("the seed study's plan must be a dict with a list 'groups', "
-                         f"got {spec!r:.200}")
-    groups = [*spec["groups"], *spec.get("amendments", [])]
-    for g in groups:
-        if not isinstance(g, dict) or g.get("conditioning") not in ("ill", "well"):
-            raise ValueError("each group needs conditioning 'ill' or 'well', got "
-                             f"{g!r}")
-        unknown = sorted(set(g.get("methods", [])) - set(METHODS))
-        if unknown or not g.get("methods"):
-            raise ValueError(f"a group's methods must be names from {sorted(METHODS)}, "
-                             f"got {g.get('methods')!r}")
-        seeds = g.get("seeds")
-        if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
-                or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
-                       for s in seeds)):
-            raise ValueError(f"a group's seeds must be distinct integers >= 0, got "
-                             f"{seeds!r}")
-        if g.get("lr_of") not in METHODS:
-            raise ValueError(f"a group's lr_of must be a method name, got "
-                             f"{g.get('lr_of')!r}")
-    return groups
+    """The amortized-step study (:data:`AMORTIZED_METHODS`, seed 0) in each
+    conditioning at KWNG's final Fig. 3 step there, under ``out``: the runs not finished
+    yet (:func:`amortized_seeds_plan` with one group a conditioning)."""
+    spec = {"groups": [{"conditioning": c, "methods": list(AMORTIZED_METHODS),
+                        "seeds": [0], "lr_of": "kwng"} for c in ("ill", "well")]}
+    return amortized_seeds_plan(common, p, root, out, spec)
 
 
 def amortized_seeds_plan(common: dict, p: dict | None = None,
                          root: str | os.PathLike = FIG3,
                          out: str | os.PathLike = AMORTIZED_SEEDS,
                          spec: dict | None = None) -> list[dict]:
-    """The seed study of the amortized step (``out/plan.json``): every group's methods
-    and seeds, at the step the Fig. 3 selection chose for its ``lr_of`` method in its
-    conditioning (a group whose selection is not final is left out), with the
-    protocol's settings, under ``out``, in the plan's order: the runs not finished yet.
-    The run-time estimate of a method reads the amortized studies' own records first."""
-    p = load_protocol() if p is None else p
-    out = Path(out)
+    """The seed study's runs not finished yet (:mod:`kwng.experiments.cifar.seed_study`;
+    ``spec`` default ``out/plan.json``), in its order, each group at the Fig. 3 step of
+    its ``lr_of`` method (left out while not final); estimates read the amortized
+    studies' own records first."""
+    p, out = load_protocol() if p is None else p, Path(out)
     spec = read_json(out / "plan.json") if spec is None else spec
     state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
     times, commit, jobs = run_seconds(root), protocol_commit(), []
-    for folder in (AMORTIZED, out):
-        for m, t in _wall_times(Path(folder)).items():
-            times[m] = min(times.get(m, math.inf), t * RUN_MARGIN + START_S)
+    for m, t in {**_wall_times(AMORTIZED), **_wall_times(out)}.items():
+        times[m] = min(times.get(m, math.inf), t * RUN_MARGIN + START_S)
     for g in seed_study_groups(spec):
-        st = state.get(f"{g['conditioning']}/{g['lr_of']}")
-        if not (st and st["final"]):
-            continue
-        lr = st["selected"]
-        jobs += [_job(p, "", g["conditioning"], m, lr, s, out, commit, times,
+        st, cond = state.get(f"{g['conditioning']}/{g['lr_of']}"), g["conditioning"]
+        jobs += [_job(p, "", cond, m, st["selected"], s, out, commit, times,
                       early_stop=None, **common)
-                 for s in g["seeds"] for m in g["methods"]
-                 if run_status(record_at(out, "", lr, g["conditioning"], m, s), epochs)
-                 in ("missing", "running")]
+                 for s in g["seeds"] for m in g["methods"] if st and st["final"]
+                 and run_status(record_at(out, "", st["selected"], cond, m, s),
+                                epochs) in ("missing", "running")]
     return jobs
 
 

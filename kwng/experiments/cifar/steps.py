@@ -81,7 +81,8 @@ def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
                     num_basis=spec["num_basis"], eps=eps, kernel=spec["kernel"],
                     damping=spec["damping"], eps_schedule=schedule, clip_norm=CLIP_NORM,
                     diagonal_only=spec["diagonal_only"],
-                    refresh_every=spec.get("refresh_every", 1))
+                    refresh_every=spec.get("refresh_every", 1),
+                    refresh_guard=spec.get("refresh_guard"))
     if cfg.world_size == 1:
         return KWNGPreconditioner(net, **settings)
     from kwng.engine.distributed import DistributedKWNG
@@ -213,14 +214,12 @@ class KWNGStep(MethodStep):
         stats.add_info(info)
 
     def epoch_fields(self, rows: list[dict]) -> dict:
-        c = self.precond.counters()
-        return {
-            "eps": self.precond.eps,
-            "fallbacks": c["fallbacks"],
-            "clipped": c["clipped"],
-            "ill_conditioned": c["ill_conditioned"],
-            "damping_floored": c["damping_floored"],
-        }
+        c, cache = self.precond.counters(), self.precond.cache
+        guard = ({} if cache.guard is None
+                 else {"guard_refreshes": cache.guard_refreshes})
+        return {"eps": self.precond.eps, "fallbacks": c["fallbacks"],
+                "clipped": c["clipped"], "ill_conditioned": c["ill_conditioned"],
+                "damping_floored": c["damping_floored"], **guard}
 
 
 def make_step(
