@@ -124,8 +124,8 @@ def test_the_seed_study_plan_runs_every_group_at_its_selected_step(tmp_path):
     want = [(g["conditioning"], m, s) for g in seed_study.seed_study_groups(spec)
             for s in g["seeds"] for m in g["methods"]]
     assert [(j["conditioning"], j["method"], j["seed"]) for j in jobs] == want
-    lr_of = {(g["conditioning"], m): g["lr_of"] for g in spec["groups"]
-             for m in g["methods"]}
+    lr_of = {(g["conditioning"], m): g["lr_of"]
+             for g in seed_study.seed_study_groups(spec) for m in g["methods"]}
     for j in jobs:
         key = f"{j['conditioning']}/{lr_of[j['conditioning'], j['method']]}"
         assert j["lr"] == state[key]["selected"]
