@@ -143,3 +143,30 @@ def test_the_seed_study_plan_runs_every_group_at_its_selected_step(tmp_path):
     with pytest.raises(ValueError, match="methods must be names"):
         seed_study.seed_study_groups(
             {"groups": [{**spec["groups"][0], "methods": ["x"]}]})
+
+
+def _run_row(cond, method, seed, final, s85, clock="trainer-timing", complete=True):
+    return {"cond": cond, "method": method, "seed": seed, "final": final,
+            "complete": complete, "stalled": complete and final < 0.8,
+            "s_to_85": s85, "clock": clock}
+
+
+def test_the_recommendation_bar_needs_every_run_and_names_what_failed():
+    """``seed_bar``: 5 ill- and 3 well-conditioned runs with no stall, every
+    ill-conditioned run at 87.5 % or more and at 85 % before Adam's median (72 s
+    here); one stall, one slow run, one low final or one run on another clock fails
+    it; fewer runs leave it undecided."""
+    adam = [_run_row("ill", "adam", s, 0.875, t) for s, t in enumerate((70, 72, 75))]
+    good = ([_run_row("ill", "kwng_k20", s, 0.88, 50 + s) for s in range(5)]
+            + [_run_row("well", "kwng_k20", s, 0.88, 30) for s in range(3)])
+    bar = amortized.seed_bar(adam + good)["kwng_k20"]
+    assert bar["met"] is True and bar["adam_median_s"] == 72 and not bar["failed"]
+    assert amortized.seed_bar(adam + good[:4] + good[5:])["kwng_k20"]["met"] is None
+    for i, change, why in ((2, {"final": 0.3, "stalled": True}, "stalled"),
+                           (1, {"s_to_85": 72}, "after Adam's median"),
+                           (0, {"final": 0.874}, "below 87.5%"),
+                           (3, {"clock": "own"}, "another clock")):
+        runs = adam + [{**r, **change} if j == i else r for j, r in enumerate(good)]
+        bar = amortized.seed_bar(runs)["kwng_k20"]
+        assert bar["met"] is False and any(why in f for f in bar["failed"]), bar
+    assert "adam" not in amortized.seed_bar(adam + good)
