@@ -170,3 +170,42 @@ def test_the_recommendation_bar_needs_every_run_and_names_what_failed():
         bar = amortized.seed_bar(runs)["kwng_k20"]
         assert bar["met"] is False and any(why in f for f in bar["failed"]), bar
     assert "adam" not in amortized.seed_bar(adam + good)
+
+
+def test_a_traced_run_takes_the_untraced_runs_steps_and_traces_every_step(tmp_path,
+                                                                          monkeypatch):
+    """``stale_trace``: 2 epochs of the tiny CNN with k = 3; the traced run's epoch
+    rows equal an untraced run's bit for bit (the twin's forward passes, basis draws
+    and gradients leave the run alone); one row a step, the fresh-direction cosines
+    on the steps between refreshes only, every cosine in [-1, 1]; a second trace into
+    the same folder is refused."""
+    import csv
+    import math
+
+    from kwng.experiments.cifar import stale_trace, train
+
+    monkeypatch.chdir(tmp_path)
+    settings = {"source": "sample", "model": "tiny", "batch_size": 50, "epochs": 2,
+                "lr": 0.1, "device": "cpu", "method": "kwng_k5", "train_subset": 200,
+                "val_size": 50, "eval_test": True, "schedule": "authors", "seed": 1}
+    tr = stale_trace.trace_run(settings, tmp_path / "traced")
+    plain = train.run({**settings, "out": "plain", "checkpoint_dir": "ck"},
+                      progress=False)
+    timing = ("time_train", "time_eval", "time_unix")
+    traced = json.loads(next((tmp_path / "traced" / "run").glob(
+        "**/metrics.json")).read_text())
+    for a, b in zip(traced["epochs"], plain["epochs"], strict=True):
+        assert {k: v for k, v in a.items() if k not in timing} == {
+            k: v for k, v in b.items() if k not in timing}
+    rows = list(csv.DictReader((tmp_path / "traced" / "trace.csv").open()))
+    assert len(rows) == len(tr.rows) == plain["epochs"][-1]["steps"] == 8
+    assert [int(r["refresh"]) for r in rows] == [1, 0, 0, 0, 0, 1, 0, 0]
+    for r in rows:
+        fresh = [float(r[k]) for k in ("cos_fresh", "cos_g_fresh", "cos_fresh_pair")]
+        if r["refresh"] == "1":
+            assert all(math.isnan(v) for v in fresh)
+        else:
+            assert all(-1 - 1e-9 <= v <= 1 + 1e-9 for v in fresh)
+    assert (tmp_path / "traced" / "provenance.json").exists()
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        stale_trace.trace_run(settings, tmp_path / "traced")
