@@ -10,8 +10,8 @@ second forward pass feeds the twin; it moves copies of the BatchNorm running
 statistics, and the gradient buffers are emptied before the run's own step, so the
 traced run takes the steps of an untraced one (``tests/test_amortized_study.py``
 checks it bit for bit on the CPU). The fresh direction depends on its random basis
-too (``M`` points of the batch): a second fresh direction with another basis draw at the same step gives the cosine
-that basis noise alone leaves (``cos_fresh_pair``), the scale against which the
+too (``M`` points of the batch): a second fresh direction with another basis draw
+at the same step gives the cosine that basis noise alone leaves (``cos_fresh_pair``), the scale against which the
 stale direction's ``cos_fresh`` is read.
 
 Each step gives one row (:data:`FIELDS`): the kind of step, the loss, ``ε``, the
