@@ -11,8 +11,8 @@ statistics, and the gradient buffers are emptied before the run's own step, so t
 traced run takes the steps of an untraced one (``tests/test_amortized_study.py``
 checks it bit for bit on the CPU). The fresh direction depends on its random basis
 too (``M`` points of the batch): a second fresh direction with another basis draw
-at the same step gives the cosine that basis noise alone leaves (``cos_fresh_pair``), the scale against which the
-stale direction's ``cos_fresh`` is read.
+at the same step gives the cosine that basis noise alone leaves (``cos_fresh_pair``),
+the scale against which the stale direction's ``cos_fresh`` is read.
 
 Each step gives one row (:data:`FIELDS`): the kind of step, the loss, ``ε``, the
 reduction ratio ``r`` of the ε rule, the fallback and clipping of the safeguard, the
@@ -139,7 +139,8 @@ class StaleTrace:
                                 else self._fresh(batch))
         info = self._direction(loss, outputs, hidden, batch)
         self.rows.append({
-            "step": len(self.rows), "refresh": int(refresh), "loss": float(loss.detach()),
+            "step": len(self.rows), "refresh": int(refresh),
+            "loss": float(loss.detach()),
             "eps": float(info["eps"]), "ratio": float(info["reduction_ratio"]),
             "fallback": int(info["fallback"]), "clipped": int(info["clipped"]),
             "rank": int(info["rank"]), "cos_g": _info_cos(info),
