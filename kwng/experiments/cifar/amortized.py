@@ -31,7 +31,7 @@ __all__ = ["TARGETS", "TIME_HEADER", "amortized_runs", "clock_runs", "time_rows"
            "time_table", "time_values", "amortized_goal", "GOAL_HEADER", "goal_table",
            "goal_values", "seed_study_runs", "SEED_RUN_HEADER", "seed_run_table",
            "SEED_SUMMARY_HEADER", "seed_summary_rows", "seed_summary_table",
-           "seed_bar"]
+           "seed_bar", "bar_phrase"]
 
 #: the test accuracies a row reports the time to
 TARGETS = (0.80, 0.85)
@@ -256,7 +256,9 @@ def seed_study_runs(p: dict, fig3_root: str | os.PathLike = FIG3,
     ms = (step_ms(read_json(source["path"]), p["settings"].get("precision") or "bf16")
           if source["kind"] == "trainer-timing" else {})
     out = []
-    for (cond, m, seed), (rec, src) in sorted(runs.items()):
+    for (cond, m, seed), (rec, src) in sorted(
+            runs.items(), key=lambda kv: (kv[0][0] != "ill", METHODS[kv[0][1]].order,
+                                          kv[0][2])):
         rows = rec["epochs"]
         clocked = retime({(cond, m, seed): rec}, ms).get((cond, m, seed))
         row = {"cond": cond, "method": m, "seed": seed, "source": src,
@@ -383,3 +385,20 @@ def seed_bar(runs: list[dict]) -> dict[str, dict]:
                   "adam_median_s": adam_median, "failed": failed,
                   "met": False if failed else (None if missing else True)}
     return out
+
+
+def bar_phrase(bar: dict[str, dict]) -> str:
+    """:func:`seed_bar` in one sentence: the settings that meet the bar (with their run
+    counts), else why none does yet, per setting."""
+    met = [m for m, v in bar.items() if v["met"] is True]
+    if met:
+        return ("Settings that meet the bar: " + ", ".join(
+            f"{METHODS[m].label} ({bar[m]['ill_runs']} ill- and {bar[m]['well_runs']} "
+            "well-conditioned runs, none stalled)" for m in met) + ".")
+    parts = []
+    for m, v in bar.items():
+        runs = f"{v['ill_runs']} ill- and {v['well_runs']} well-conditioned runs"
+        why = ("; ".join(v["failed"]) if v["met"] is False
+               else f"{v['missing']} more runs needed")
+        parts.append(f"{METHODS[m].label}: {runs}, {why}")
+    return "No setting meets the bar: " + "; ".join(parts) + "."

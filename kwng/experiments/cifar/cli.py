@@ -61,8 +61,8 @@ Commands (``python -m kwng.experiments cifar ...``):
   (:mod:`~kwng.experiments.cifar.timing`).
 * ``cifar schedule --plan claim --budget-s B --gpus N`` — the number of epochs that fits
   a budget (:func:`~kwng.experiments.cifar.timing.schedule_command`).
-* ``cifar check [--suite claim|study6|authors100|fig3|amortized_seeds]`` — completeness of the results
-  (:func:`~kwng.experiments.cifar.results.check_command`).
+* ``cifar check [--suite claim|study6|authors100|fig3|amortized_seeds]`` — completeness
+  of the results (:func:`~kwng.experiments.cifar.results.check_command`).
 """
 
 from __future__ import annotations
