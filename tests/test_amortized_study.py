@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.cifar import amortized, fig3, fig3_time, verdicts
+from kwng.experiments.cifar import amortized, fig3, fig3_time, seed_study, verdicts
 from kwng.experiments.cifar.methods import AMORTIZED_METHODS, METHODS
 from kwng.experiments.provenance import ResultFileError
 
@@ -20,7 +20,7 @@ P = fig3.load_protocol(FIG3 / "protocol.json")
 
 
 def test_every_record_keeps_the_protocol_at_kwngs_selected_step_from_one_round():
-    runs = amortized.amortized_runs(P, AM)
+    runs = seed_study.amortized_runs(P, AM)
     assert runs, "no amortized record committed"
     state = fig3.grid_state(P, FIG3)
     rounds = fig3.rounds(FIG3)
@@ -43,7 +43,7 @@ def test_time_rows_agree_with_the_records_they_read(clock):
     """On the runs' own clock a row's seconds are the records' ``time_train``; on the
     trainer timing's (committed, so ``"auto"`` picks it) they are the steps taken
     times the method's step time in that record."""
-    runs = amortized.amortized_runs(P, AM)
+    runs = seed_study.amortized_runs(P, AM)
     rows = amortized.time_rows(P, FIG3, AM, clock=clock)
     assert {r["clock"] for r in rows} == {
         "auto": {"trainer-timing"}, "own": {"alone"}}[clock]
@@ -106,7 +106,7 @@ def test_a_record_in_the_wrong_step_folder_is_named(tmp_path):
     dst = tmp_path / "lr1" / "cifar10" / "ill" / src.parent.name / "seed0"
     shutil.copytree(src, dst)
     with pytest.raises(ResultFileError, match="metrics.json: step 10"):
-        amortized.amortized_runs(P, tmp_path)
+        seed_study.amortized_runs(P, tmp_path)
 
 
 def test_the_seed_study_plan_runs_every_group_at_its_selected_step(tmp_path):
@@ -159,17 +159,17 @@ def test_the_recommendation_bar_needs_every_run_and_names_what_failed():
     adam = [_run_row("ill", "adam", s, 0.875, t) for s, t in enumerate((70, 72, 75))]
     good = ([_run_row("ill", "kwng_k20", s, 0.88, 50 + s) for s in range(5)]
             + [_run_row("well", "kwng_k20", s, 0.88, 30) for s in range(3)])
-    bar = amortized.seed_bar(adam + good)["kwng_k20"]
+    bar = seed_study.seed_bar(adam + good)["kwng_k20"]
     assert bar["met"] is True and bar["adam_median_s"] == 72 and not bar["failed"]
-    assert amortized.seed_bar(adam + good[:4] + good[5:])["kwng_k20"]["met"] is None
+    assert seed_study.seed_bar(adam + good[:4] + good[5:])["kwng_k20"]["met"] is None
     for i, change, why in ((2, {"final": 0.3, "stalled": True}, "stalled"),
                            (1, {"s_to_85": 72}, "after Adam's median"),
                            (0, {"final": 0.874}, "below 87.5%"),
                            (3, {"clock": "own"}, "another clock")):
         runs = adam + [{**r, **change} if j == i else r for j, r in enumerate(good)]
-        bar = amortized.seed_bar(runs)["kwng_k20"]
+        bar = seed_study.seed_bar(runs)["kwng_k20"]
         assert bar["met"] is False and any(why in f for f in bar["failed"]), bar
-    assert "adam" not in amortized.seed_bar(adam + good)
+    assert "adam" not in seed_study.seed_bar(adam + good)
 
 
 def test_a_traced_run_takes_the_untraced_runs_steps_and_traces_every_step(tmp_path,
@@ -209,3 +209,33 @@ def test_a_traced_run_takes_the_untraced_runs_steps_and_traces_every_step(tmp_pa
     assert (tmp_path / "traced" / "provenance.json").exists()
     with pytest.raises(FileExistsError, match="never overwritten"):
         stale_trace.trace_run(settings, tmp_path / "traced")
+
+
+def test_the_committed_seed_study_records_follow_its_plan_and_name_their_round():
+    """``cifar check --suite amortized_seeds`` on the committed records: none bad or
+    unfinished; each names a round of ``rounds.json`` (its git commit), whose record
+    count matches; the plan was committed before the first record started."""
+    import subprocess
+    from datetime import datetime
+
+    root = ROOT / "results" / "cifar" / "amortized_seeds"
+    res = seed_study.check_seed_study(root)
+    assert not res["bad"] and not res["incomplete"] and res["ok"]
+    rounds = json.loads((root / "rounds.json").read_text())["rounds"]
+    provs = [json.loads(f.read_text())
+             for f in root.glob("lr*/cifar10/*/*/seed*/provenance.json")]
+    assert len(provs) == len(res["ok"]) == sum(r["records"] for r in rounds)
+    for r in rounds:
+        mine = [p for p in provs if p["git_commit"].startswith(r["git_commit"][:7])]
+        assert len(mine) == r["records"], r["round"]
+    try:
+        dates = subprocess.run(
+            ["git", "log", "--format=%cI", "--",
+             "results/cifar/amortized_seeds/plan.json"],
+            capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no git history")
+    if not dates:
+        pytest.skip("a shallow clone lacks the plan's commit")
+    first = datetime.fromisoformat(dates[-1])
+    assert all(datetime.fromisoformat(p["date"]) > first for p in provs)

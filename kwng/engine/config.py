@@ -103,10 +103,10 @@ class KWNGConfig:
       and apply the cached system to each step's fresh gradient in between
       (:mod:`kwng.engine.amortized`); ``1`` (the default) is the exact step of every
       step.
-    * ``refresh_guard`` [``γ``] > 1 or ``None`` (the default) — with ``refresh_every >
-      1``, also refresh when a step between refreshes falls back to ``g`` or the
-      cosine between ``g`` and its direction moves by more than the factor ``γ``
-      from its value at the last refresh (:mod:`kwng.engine.amortized`, "The guard").
+    * ``refresh_guard`` — with ``refresh_every > 1``, also refresh two steps after a
+      step whose system was rank deficient or whose direction fell back to ``g``
+      (:mod:`kwng.engine.amortized`, "The guard"); ``False`` (the default): the counter
+      alone.
     """
 
     num_basis: int = 5
@@ -122,7 +122,7 @@ class KWNGConfig:
     diagonal_only: bool = False
     rcond: float | None = None
     refresh_every: int = 1
-    refresh_guard: float | None = None
+    refresh_guard: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -164,17 +164,12 @@ class KWNGConfig:
             raise ValueError("refresh_every must be an integer in [1, inf) (steps "
                              "between refreshes of T, C, K; 1: the exact step), got "
                              f"{k!r}")
-        guard = self.refresh_guard
-        if guard is not None:
-            if (isinstance(guard, bool) or not isinstance(guard, (int, float))
-                    or not math.isfinite(guard) or not guard > 1):
-                raise ValueError("refresh_guard must be a number in (1, inf) or None, "
-                                 f"got {guard!r}")
-            if k == 1:
-                raise ValueError("refresh_guard needs refresh_every > 1 (with "
-                                 "refresh_every = 1 every step refreshes), got "
-                                 f"refresh_guard={guard!r} with refresh_every=1")
-            put("refresh_guard", float(guard))
+        if not isinstance(self.refresh_guard, bool):
+            raise ValueError("refresh_guard must be True or False, got "
+                             f"{self.refresh_guard!r}")
+        if self.refresh_guard and k == 1:
+            raise ValueError("refresh_guard=True needs refresh_every > 1 (with "
+                             "refresh_every = 1 every step refreshes)")
 
     def replace(self, **changes: Any) -> KWNGConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -194,7 +194,7 @@ class PreconditionerStep:
             loss, X, params, taken, scale)
         out = self._grads.views(g.numel(), params)
         f = self._direction(out, g, T, CCt, K, N, eps, scale)
-        self.cache.observe(refresh, f)
+        self.cache.observe(f)
         self.lm.record(*predicted_decrease(self.groups, params, g, out, f["dot"],
                                            self._current_lr))
         if scale is not None:

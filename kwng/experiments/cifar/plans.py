@@ -31,9 +31,12 @@ from kwng.experiments.cifar.methods import (
     CLAIM_TWO_SEEDS,
     LR_GRID,
     METHODS,
-    RESULTS,
 )
-from kwng.experiments.cifar.seed_study import AMORTIZED_SEEDS, seed_study_groups
+from kwng.experiments.cifar.seed_study import (
+    AMORTIZED,
+    AMORTIZED_SEEDS,
+    seed_study_groups,
+)
 from kwng.experiments.provenance import read_json
 from kwng.experiments.wording import name_list
 
@@ -283,10 +286,6 @@ def queue_phrase(left: dict[str, int]) -> str:
     return f"Still to run: {name_list(words)}."
 
 
-#: the amortized-step study's records, ``results/cifar/amortized`` of the checkout
-#:
-#: :meta hide-value:
-AMORTIZED = RESULTS / "amortized"
 
 
 def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,

@@ -8,14 +8,27 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
-from kwng.experiments.cifar.fig3 import load_protocol, record_problem, run_status
+from kwng.experiments.cifar.fig3 import FIG3, load_protocol, record_problem, run_status
+from kwng.experiments.cifar.fig3_time import first_at, retime, step_ms, time_runs
 from kwng.experiments.cifar.methods import METHODS, RESULTS
+from kwng.experiments.cifar.verdicts import selected_runs
 from kwng.experiments.provenance import ResultFileError, read_json
 
-__all__ = ["AMORTIZED_SEEDS", "check_seed_study", "seed_check", "seed_study_groups"]
+__all__ = ["AMORTIZED", "AMORTIZED_SEEDS", "BAR", "SEED_RUN_HEADER",
+           "SEED_SUMMARY_HEADER", "amortized_runs", "bar_phrase", "check_seed_study",
+           "seed_bar", "seed_check", "seed_run_table", "seed_study_groups",
+           "seed_study_runs", "seed_summary_rows", "seed_summary_table"]
 
+#: the test accuracies a run reports the time to
+TARGETS = (0.80, 0.85)
+
+#: the amortized-step study's records, ``results/cifar/amortized`` of the checkout
+#:
+#: :meta hide-value:
+AMORTIZED = RESULTS / "amortized"
 #: the amortized step's seed study, ``results/cifar/amortized_seeds`` of the checkout:
 #: its committed plan (``plan.json``) and its records
 #:
@@ -91,3 +104,192 @@ def seed_check(root: str | None) -> int:
     print(json.dumps({k: len(v) for k, v in res.items()}),
           "incomplete:", json.dumps(res["incomplete"]))
     return 1 if res["bad"] or res["incomplete"] else 0
+
+
+def amortized_runs(p: dict, root: str | os.PathLike = AMORTIZED) -> dict[tuple, dict]:
+    """``{(conditioning, method, seed): record}`` of every record under ``root``,
+    finished or cut, each checked against the protocol ``p`` as the Fig. 3 records are
+    (:func:`kwng.experiments.cifar.fig3.record_problem`). A record that breaks it raises
+    :class:`~kwng.experiments.provenance.ResultFileError` naming the file."""
+    out = {}
+    for mp in sorted(Path(root).glob(f"lr*/{p['dataset']}/*/*/seed*/metrics.json")):
+        problem = record_problem(p, mp, "")
+        if problem:
+            raise ResultFileError(f"{mp}: {problem}")
+        out[(mp.parts[-4], mp.parts[-3], int(mp.parts[-2][4:]))] = read_json(mp)
+    return out
+
+
+# ----------------------------------------------------------- the seed study read
+def seed_study_runs(p: dict, fig3_root: str | os.PathLike = FIG3,
+                    root: str | os.PathLike = AMORTIZED_SEEDS,
+                    timing_path: str | os.PathLike | None = None) -> list[dict]:
+    """Every run of the seed study under ``root`` (finished or not), with the Fig. 3
+    study's finished runs of Adam and exact KWNG at their selected steps beside them
+    (``source`` ``"fig3"``), one dict a run: ``cond``, ``method``, ``seed``,
+    ``source``, ``epochs`` run, ``final`` (test accuracy at the last epoch run),
+    ``complete``, ``stalled`` (a finished run below the plan's ``stall_below``),
+    ``epochs_to_80``/``_85`` and ``s_to_80``/``_85`` (``None``: never reached) on the
+    Fig. 3 trainer timing's clock (``clock`` ``"trainer-timing"``) where it timed the
+    method, else the run's own training seconds (``"own"``, the GPU it ran on,
+    ``device``)."""
+    epochs, root = int(p["settings"]["epochs"]), Path(root)
+    stall = float(read_json(root / "plan.json")["stall_below"])
+    runs = {**{(c, m, s): (r, "study") for (c, m, s), r in
+               amortized_runs(p, root).items()},
+            **{k: (r, "fig3") for k, r in selected_runs(p, fig3_root).items()
+               if k[1] in ("adam", "kwng")}}
+    base, source = time_runs(p, fig3_root, timing_path)
+    ms = (step_ms(read_json(source["path"]), p["settings"].get("precision") or "bf16")
+          if source["kind"] == "trainer-timing" else {})
+    out = []
+    for (cond, m, seed), (rec, src) in sorted(
+            runs.items(), key=lambda kv: (kv[0][0] != "ill", METHODS[kv[0][1]].order,
+                                          kv[0][2])):
+        rows = rec["epochs"]
+        clocked = retime({(cond, m, seed): rec}, ms).get((cond, m, seed))
+        row = {"cond": cond, "method": m, "seed": seed, "source": src,
+               "epochs": len(rows), "final": float(rows[-1]["test_acc"]),
+               "complete": bool(rec.get("complete")) and len(rows) == epochs,
+               "clock": "trainer-timing" if clocked else "own",
+               "device": _device(root if src == "study" else None, p, rec, cond, m,
+                                 seed)}
+        row["stalled"] = row["complete"] and row["final"] < stall
+        for t in TARGETS:
+            hit = first_at(rows, t) or {}
+            hit_c = first_at((clocked or rec)["epochs"], t) or {}
+            row[f"epochs_to_{round(100 * t)}"] = hit.get("epoch")
+            row[f"s_to_{round(100 * t)}"] = hit_c.get("time_train")
+        out.append(row)
+    return out
+
+
+def _device(root: Path | None, p: dict, rec: dict, cond: str, m: str,
+            seed: int) -> str:
+    """The GPU a run of the study under ``root`` trained on (its provenance);
+    ``"fig3"`` for a Fig. 3 run (``root`` ``None``)."""
+    if root is None:
+        return "fig3"
+    prov = (root / f"lr{float(rec['lr']):g}" / p["dataset"] / cond / m / f"seed{seed}"
+            / "provenance.json")
+    return str(read_json(prov).get("device", "unknown")) if prov.exists() else "unknown"
+
+
+#: the columns of :func:`seed_run_table`
+SEED_RUN_HEADER = ("cond.", "method", "seed", "from", "final test %", "stall",
+                   "epochs to 85 %", "s to 85 %", "clock")
+
+
+def seed_run_table(runs: list[dict]) -> list[tuple]:
+    """:func:`seed_study_runs` as text, every run, stalls marked."""
+    return [(r["cond"], METHODS[r["method"]].label, r["seed"], r["source"],
+             f"{100 * r['final']:.1f}" + ("" if r["complete"] else
+                                           f" (epoch {r['epochs']})"),
+             "STALL" if r["stalled"] else "", _num(r["epochs_to_85"], "{:d}"),
+             _sec(r["s_to_85"]), r["clock"]) for r in runs]
+
+
+def _num(v, fmt: str) -> str:
+    return "never" if v is None else fmt.format(v)
+
+
+def seed_summary_rows(runs: list[dict]) -> list[dict]:
+    """Per conditioning and method, over its finished runs: ``runs``, ``stalls``, the
+    final test accuracy's ``mean``, ``min`` and ``max``, and for 80 % and 85 % the
+    ``median`` and ``worst`` seconds (``None`` for the worst when a run never got
+    there), in the order the runs come."""
+    keys = list(dict.fromkeys((r["cond"], r["method"]) for r in runs))
+    out = []
+    for cond, m in keys:
+        rs = [r for r in runs
+              if (r["cond"], r["method"]) == (cond, m) and r["complete"]]
+        if not rs:
+            continue
+        finals = [r["final"] for r in rs]
+        row = {"cond": cond, "method": m, "runs": len(rs),
+               "stalls": sum(r["stalled"] for r in rs),
+               "mean": statistics.fmean(finals), "min": min(finals), "max": max(finals),
+               "clock": ", ".join(sorted({r["clock"] for r in rs}))}
+        for t in (80, 85):
+            got = [r[f"s_to_{t}"] for r in rs]
+            hit = [v for v in got if v is not None]
+            row[f"median_s_to_{t}"] = statistics.median(hit) if hit else None
+            row[f"worst_s_to_{t}"] = None if None in got else max(got)
+        out.append(row)
+    return out
+
+
+#: the columns of :func:`seed_summary_table`
+SEED_SUMMARY_HEADER = ("cond.", "method", "runs", "stalls", "final test % (mean)",
+                       "range", "s to 80 % (median / worst)",
+                       "s to 85 % (median / worst)")
+
+
+def seed_summary_table(rows: list[dict]) -> list[tuple]:
+    """:func:`seed_summary_rows` as text."""
+    return [(r["cond"], METHODS[r["method"]].label, r["runs"], r["stalls"],
+             f"{100 * r['mean']:.1f}", f"{100 * r['min']:.1f}–{100 * r['max']:.1f}",
+             f"{_sec(r['median_s_to_80'])} / {_sec(r['worst_s_to_80'])}",
+             f"{_sec(r['median_s_to_85'])} / {_sec(r['worst_s_to_85'])}")
+            for r in rows]
+
+
+#: the recommendation's bar: runs per conditioning, the final accuracy every
+#: ill-conditioned run must reach, and the target reached before Adam's median
+BAR = {"ill": 5, "well": 3, "final_ill": 0.875, "target": 85}
+
+
+def seed_bar(runs: list[dict]) -> dict[str, dict]:
+    """Per method of the study with ``k > 1`` (and the guarded ones): whether it meets
+    the recommendation's bar (:data:`BAR`): at least 5 ill- and 3 well-conditioned
+    finished runs, no stall among them, every ill-conditioned run at or above 87.5 %
+    final, and every ill-conditioned run at 85 % before the median of Adam's
+    ill-conditioned runs on the same clock. ``met`` is ``None`` while runs are missing
+    (``missing`` says how many), else ``True`` or ``False`` with the ``failed``
+    conditions named."""
+    done = [r for r in runs if r["complete"]]
+    adam = [r["s_to_85"] for r in done if r["method"] == "adam" and r["cond"] == "ill"
+            and r["clock"] == "trainer-timing" and r["s_to_85"] is not None]
+    adam_median = statistics.median(adam) if adam else None
+    out = {}
+    for m in dict.fromkeys(r["method"] for r in done):
+        if METHODS[m].settings.get("refresh_every", 1) == 1:
+            continue
+        ill = [r for r in done if r["method"] == m and r["cond"] == "ill"]
+        well = [r for r in done if r["method"] == m and r["cond"] == "well"]
+        failed = []
+        if any(r["stalled"] for r in ill + well):
+            failed.append("a run stalled")
+        if any(r["final"] < BAR["final_ill"] for r in ill):
+            failed.append(f"an ill-conditioned run ended below {BAR['final_ill']:.1%}")
+        if adam_median is None or any(
+                r["clock"] != "trainer-timing" or r["s_to_85"] is None
+                or r["s_to_85"] >= adam_median for r in ill):
+            failed.append("an ill-conditioned run reached 85 % after Adam's median "
+                          "(or never, or on another clock)")
+        missing = max(0, BAR["ill"] - len(ill)) + max(0, BAR["well"] - len(well))
+        out[m] = {"ill_runs": len(ill), "well_runs": len(well), "missing": missing,
+                  "adam_median_s": adam_median, "failed": failed,
+                  "met": False if failed else (None if missing else True)}
+    return out
+
+
+def bar_phrase(bar: dict[str, dict]) -> str:
+    """:func:`seed_bar` in one sentence: the settings that meet the bar (with their run
+    counts), else why none does yet, per setting."""
+    met = [m for m, v in bar.items() if v["met"] is True]
+    if met:
+        return ("Settings that meet the bar: " + ", ".join(
+            f"{METHODS[m].label} ({bar[m]['ill_runs']} ill- and {bar[m]['well_runs']} "
+            "well-conditioned runs, none stalled)" for m in met) + ".")
+    parts = []
+    for m, v in bar.items():
+        runs = f"{v['ill_runs']} ill- and {v['well_runs']} well-conditioned runs"
+        why = ("; ".join(v["failed"]) if v["met"] is False
+               else f"{v['missing']} more runs needed")
+        parts.append(f"{METHODS[m].label}: {runs}, {why}")
+    return "No setting meets the bar: " + "; ".join(parts) + "."
+
+
+def _sec(v: float | None) -> str:
+    return "never" if v is None else f"{v:.0f}"

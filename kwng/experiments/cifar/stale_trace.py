@@ -99,7 +99,7 @@ class StaleTrace:
         from kwng.engine.precond import KWNGPreconditioner
 
         self.run, self.pc, self.rows = run, pc, []
-        cfg = pc.config.replace(refresh_every=1, refresh_guard=None, eps_schedule=None,
+        cfg = pc.config.replace(refresh_every=1, refresh_guard=False, eps_schedule=None,
                                 mode="reference")
         self.twin = KWNGPreconditioner(pc.model, cfg)
         self._direction = run.method.direction

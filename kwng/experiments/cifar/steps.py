@@ -82,7 +82,7 @@ def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
                     damping=spec["damping"], eps_schedule=schedule, clip_norm=CLIP_NORM,
                     diagonal_only=spec["diagonal_only"],
                     refresh_every=spec.get("refresh_every", 1),
-                    refresh_guard=spec.get("refresh_guard"))
+                    refresh_guard=spec.get("refresh_guard", False))
     if cfg.world_size == 1:
         return KWNGPreconditioner(net, **settings)
     from kwng.engine.distributed import DistributedKWNG
@@ -215,8 +215,7 @@ class KWNGStep(MethodStep):
 
     def epoch_fields(self, rows: list[dict]) -> dict:
         c, cache = self.precond.counters(), self.precond.cache
-        guard = ({} if cache.guard is None
-                 else {"guard_refreshes": cache.guard_refreshes})
+        guard = {"guard_refreshes": cache.guard_refreshes} if cache.guard else {}
         return {"eps": self.precond.eps, "fallbacks": c["fallbacks"],
                 "clipped": c["clipped"], "ill_conditioned": c["ill_conditioned"],
                 "damping_floored": c["damping_floored"], **guard}
