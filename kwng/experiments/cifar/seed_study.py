@@ -20,7 +20,8 @@ from kwng.experiments.provenance import ResultFileError, read_json
 __all__ = ["AMORTIZED", "AMORTIZED_SEEDS", "BAR", "SEED_RUN_HEADER",
            "SEED_SUMMARY_HEADER", "amortized_runs", "bar_phrase", "check_seed_study",
            "seed_bar", "seed_check", "seed_run_table", "seed_study_groups",
-           "seed_study_runs", "seed_summary_rows", "seed_summary_table"]
+           "seed_study_runs", "seed_summary_rows", "seed_summary_table",
+           "failure_rows", "seconds_text"]
 
 #: the test accuracies a run reports the time to
 TARGETS = (0.80, 0.85)
@@ -186,7 +187,7 @@ def seed_run_table(runs: list[dict]) -> list[tuple]:
              f"{100 * r['final']:.1f}" + ("" if r["complete"] else
                                            f" (epoch {r['epochs']})"),
              "STALL" if r["stalled"] else "", _num(r["epochs_to_85"], "{:d}"),
-             _sec(r["s_to_85"]), r["clock"]) for r in runs]
+             seconds_text(r["s_to_85"]), r["clock"]) for r in runs]
 
 
 def _num(v, fmt: str) -> str:
@@ -229,8 +230,8 @@ def seed_summary_table(rows: list[dict]) -> list[tuple]:
     """:func:`seed_summary_rows` as text."""
     return [(r["cond"], METHODS[r["method"]].label, r["runs"], r["stalls"],
              f"{100 * r['mean']:.1f}", f"{100 * r['min']:.1f}–{100 * r['max']:.1f}",
-             f"{_sec(r['median_s_to_80'])} / {_sec(r['worst_s_to_80'])}",
-             f"{_sec(r['median_s_to_85'])} / {_sec(r['worst_s_to_85'])}")
+             " / ".join(map(seconds_text, (r["median_s_to_80"], r["worst_s_to_80"]))),
+             " / ".join(map(seconds_text, (r["median_s_to_85"], r["worst_s_to_85"]))))
             for r in rows]
 
 
@@ -291,5 +292,32 @@ def bar_phrase(bar: dict[str, dict]) -> str:
     return "No setting meets the bar: " + "; ".join(parts) + "."
 
 
-def _sec(v: float | None) -> str:
+def seconds_text(v: float | None) -> str:
+    """Seconds as text, to the second; ``"never"`` for ``None``."""
     return "never" if v is None else f"{v:.0f}"
+
+
+def failure_rows(runs: dict[tuple, dict], method: str, cond: str = "ill",
+                 stall_below: float = 0.8) -> list[dict]:
+    """Per run of ``method`` in ``cond`` (``runs``: :func:`amortized_runs`), what the
+    safeguard and the solve saw: ``final`` test accuracy, ``stalled``, the steps that
+    fell back to ``g`` and that met a rank-deficient ``C Cᵀ`` (totals, and after the
+    first 7 epochs), the first epoch with a fallback (``None``: none), and ``ε`` at the
+    end of epochs 7 and 40 (its median over the run's epochs ``eps_median``)."""
+    out = []
+    for (c, m, seed), rec in sorted(runs.items()):
+        if (c, m) != (cond, method):
+            continue
+        rows = rec["epochs"]
+        first = next((r["epoch"] for r in rows if r["fallbacks"]), None)
+        at = {r["epoch"]: r for r in rows}
+        out.append({"seed": seed, "final": rows[-1]["test_acc"],
+                    "stalled": rows[-1]["test_acc"] < stall_below,
+                    "fallbacks": rows[-1]["fallbacks"],
+                    "ill_conditioned": rows[-1]["ill_conditioned"],
+                    "fallbacks_7": at[7]["fallbacks"] if 7 in at else None,
+                    "ill_7": at[7]["ill_conditioned"] if 7 in at else None,
+                    "first_fallback": first,
+                    "eps_median": statistics.median(r["eps"] for r in rows),
+                    "steps": rows[-1]["steps"]})
+    return out
