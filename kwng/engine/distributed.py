@@ -294,6 +294,13 @@ class DistributedKWNG(KWNGPreconditioner):
             outputs = outputs.narrow(0, 0, 1).expand(M, -1)
         super()._check_inputs(loss, outputs)
 
+    def _degenerate(self, loss: torch.Tensor, X: torch.Tensor, refresh: bool,
+                    check_finite: bool) -> str | None:
+        """The finiteness check only: every rank takes the same kind of step, and
+        whether a kernel system can be built is a property of the global batch
+        (:meth:`_share` checks its size)."""
+        return super()._degenerate(loss, X, False, check_finite)
+
     def _shard_sizes(self, n: int, device: torch.device) -> list[int]:
         if self.batch_sizes is not None:
             r, want = self.rank, self.batch_sizes[self.rank]

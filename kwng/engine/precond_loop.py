@@ -34,6 +34,7 @@ from kwng._checks import check_positive
 
 __all__ = ["GradWriter", "backward_hint", "check_grad_scaler", "check_lr",
            "check_model", "check_not_loss_gradient", "check_step_inputs",
+           "euclidean_direction",
            "group_lrs_missing", "is_compiled", "overflowed_step", "predicted_decrease",
            "resolve_params", "scale_of"]
 
@@ -226,6 +227,22 @@ def overflowed_step(out: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tenso
             "dot": torch.full((), float("nan"), device=g.device),
             "fallback": ~zero.bool(), "clipped": zero.bool(), "grad_norm": norm,
             "direction_norm": norm}
+
+
+def euclidean_direction(out: torch.Tensor, g: torch.Tensor, clip_norm: float | None
+                        ) -> dict[str, torch.Tensor]:
+    """A step that takes the Euclidean gradient ``g`` (clipped to ``clip_norm``) into
+    ``out``: the info of :data:`kwng.engine.step_direction.INFO_KEYS`, counted as a
+    fallback."""
+    from kwng.solve import safeguard
+
+    safe = safeguard(g, g, clip_norm)
+    out.copy_(safe.direction)
+    zero = torch.zeros((), dtype=torch.long, device=g.device)
+    return {"rank": zero, "ill_conditioned": zero.bool(), "damping_floored": zero,
+            "floored_share": zero.double(), "loss_only": zero, "dot": safe.dot,
+            "fallback": ~zero.bool(), "clipped": safe.clipped,
+            "grad_norm": safe.grad_norm, "direction_norm": safe.direction_norm}
 
 
 def scale_of(grad_scaler: Any, loss: torch.Tensor) -> torch.Tensor | None:

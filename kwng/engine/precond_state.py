@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 #: The counters of a preconditioner (device tensors, summed over its steps).
 COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped",
-            "serial_steps", "loss_only")
+            "serial_steps", "loss_only", "euclidean_steps")
 
 # the hyperparameters of a state saved before eps_schedule: old key -> LMSchedule field
 _OLD_LM_KEYS = {"lm_interval": "interval", "lm_omega": "omega", "lm_low": "low",

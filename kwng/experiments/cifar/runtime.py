@@ -60,7 +60,10 @@ def resolve_lr(cfg: RunConfig) -> float:
     base = cfg.spec.get("lr_from", cfg.method)
     key = f"{cfg.dataset}/{cfg.conditioning}/{base}"
     if key not in table:
-        raise KeyError(f"no selected step size for {key} in {path}")
+        chosen = ", ".join(sorted(table)) or "none"
+        raise ValueError(f"lr='selected': {path} holds no step size for {key} "
+                         f"(it has {chosen}); pass --lr, or run `cifar select` on a "
+                         f"selection that includes {base!r}")
     return float(table[key]["lr"])
 
 
