@@ -39,12 +39,17 @@ AUTO_MODES = {"cpu": {"conv": "reference", "dense": "fast"},
 
 def resolve_mode(mode: str, device: torch.device, model: torch.nn.Module) -> str:
     """The path a preconditioner takes: ``mode`` itself, or for ``"auto"`` the entry of
-    :data:`AUTO_MODES` for ``device``'s type and ``model``'s kind."""
+    :data:`AUTO_MODES` for ``device``'s type and ``model``'s kind, except that a model
+    with a dropout layer (``p > 0``) takes ``"reference"``: the fast path's replicated
+    forward would draw one mask per copy of the batch and refuses it."""
     check_choice(mode, "mode", MODES)
     if mode != "auto":
         return mode
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+           for m in model.modules()):
+        return "reference"
     kind = "conv" if any(isinstance(m, torch.nn.Conv2d) for m in model.modules()) \
         else "dense"
     return AUTO_MODES.get(torch.device(device).type, {}).get(kind, "fast")
@@ -95,7 +100,8 @@ class KWNGConfig:
       default; ``eps`` must lie within its bounds) or ``None`` (``ε`` fixed).
     * ``clip_norm`` > 0 or ``None``; ``mode`` ``"fast"``, ``"reference"`` (both
       exact) or ``"auto"`` (the faster of the two for the model's kind on the
-      parameters' device at construction, :data:`AUTO_MODES`);
+      parameters' device at construction, :data:`AUTO_MODES`; ``"reference"`` for a
+      model with dropout, :func:`resolve_mode`);
       ``diagonal_only`` — ``D⁻¹ g`` only (needs ``damping`` ``"T"`` or
       ``"T_tilde"``); ``rcond`` > 0 — relative pivot threshold of the stable solve
       (``None``: ``M · float-eps``).

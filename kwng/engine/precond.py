@@ -115,13 +115,19 @@ __all__ = ["KWNGPreconditioner"]
 
 log = logging.getLogger(__name__)
 
+#: the settings fixed at construction (:attr:`KWNGPreconditioner.config`)
+_FIXED_FIELDS = ("mode", "eps", "eps_schedule")
+
 
 class KWNGPreconditioner(PreconditionerStep):
     """Replace the gradients of ``model``'s parameters by the KWNG direction (Prop. 6).
 
     Arguments: ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q``
-    numbers). A parameter frozen later (``requires_grad=False``) is left alone from then
-    on. In fast mode the replicated forward runs when ``model`` itself is called
+    numbers at a step: those that require a gradient then). A parameter frozen later
+    (``requires_grad=False``) is left alone from then on; one frozen at construction and
+    unfrozen later (gradual unfreezing) is trained from the step it requires a gradient,
+    as ``torch.optim`` trains it (in fast mode it must live in a Conv2d, Linear or
+    BatchNorm layer). In fast mode the replicated forward runs when ``model`` itself is called
     (``model(z)``); attach the preconditioner to the network that the training loop
     calls. ``config`` — a :class:`kwng.KWNGConfig` with the hyperparameters
     (``num_basis``, ``eps``, ``lam``, ``kernel``, ``bandwidth``, ``sigma0``,
@@ -158,7 +164,7 @@ class KWNGPreconditioner(PreconditionerStep):
                  lr: float | Callable[[], float] | None = None,
                  generator: torch.Generator | None = None, params: Any = None,
                  grad_scaler: Any = None, **hyperparameters: Any) -> None:
-        cfg = self.config = config_with(config, hyperparameters)
+        cfg = self._config = config_with(config, hyperparameters)
         check_model(model)
         self.model = model
         self.params, self.groups = resolve_params(model, params)
@@ -178,7 +184,8 @@ class KWNGPreconditioner(PreconditionerStep):
         self._engine: ReplicatedEngine | None = None
         self.mode = resolve_mode(cfg.mode, dev, model)  # "auto": by device, model kind
         if self.mode == "fast":
-            reason = unsupported_reason(model, self.params)
+            reason = unsupported_reason(
+                model, [p for p in self.params if p.requires_grad])
             if reason is not None and "already carries" in reason:
                 raise ValueError(f"model: {reason}")
             if reason is None:
@@ -193,6 +200,40 @@ class KWNGPreconditioner(PreconditionerStep):
                           for k in COUNTERS}
 
     # --- state ------------------------------------------------------------------------
+    @property
+    def config(self) -> KWNGConfig:
+        """The hyperparameters. Assigning a new :class:`kwng.KWNGConfig` (e.g.
+        ``precond.config = precond.config.replace(refresh_every=4)``) takes effect at
+        the next step, which builds the kernel system afresh; ``mode``, ``eps`` and
+        ``eps_schedule`` are fixed at construction (the path and the ε rule's state
+        depend on them), and changing them is refused."""
+        return self._config
+
+    @config.setter
+    def config(self, new: KWNGConfig) -> None:
+        if not isinstance(new, KWNGConfig):
+            raise ValueError("config must be a kwng.KWNGConfig (e.g. "
+                             f"precond.config.replace(...)), got {type(new).__name__}")
+        old = self._config
+        changed = [k for k in KWNGConfig.fields() if getattr(old, k) != getattr(new, k)]
+        fixed = [k for k in changed if k in _FIXED_FIELDS]
+        if fixed:
+            raise ValueError(
+                f"{', '.join(fixed)} cannot change on a live preconditioner (the path "
+                "and the ε rule's state depend on them): build a new "
+                "KWNGPreconditioner (load_state_dict carries the counters over)")
+        if not changed:
+            return
+        self._config = new
+        if "num_basis" in changed and self._engine is not None:
+            self._engine.remove()
+            self._engine = ReplicatedEngine(self.model, new.num_basis + 1)
+        # the next step builds the system afresh, with the new settings
+        self.cache.every = new.refresh_every
+        self.cache.load_state_dict(None, self.cache.steps, self.params[0].device)
+        log.info("KWNG: settings changed (%s), effective from the next step",
+                 ", ".join(f"{k}={getattr(new, k)!r}" for k in changed))
+
     @property
     def num_steps(self) -> int:
         """Steps taken (counted on the device, so CUDA-graph replays count; a host
@@ -254,7 +295,7 @@ class KWNGPreconditioner(PreconditionerStep):
 
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
-        q = sum(p.numel() for p in self.params)
+        q = sum(p.numel() for p in self.params if p.requires_grad)
         return f"KWNGPreconditioner(q={q}, {hp})"
 
     def remove_hooks(self) -> None:
@@ -288,6 +329,10 @@ class KWNGPreconditioner(PreconditionerStep):
         ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim tensors on the outputs'
         device in both modes (``"fast"`` never syncs with the host).
         """
+        if not any(p.requires_grad for p in self.params):
+            raise ValueError("every parameter the preconditioner covers is frozen "
+                             "(requires_grad=False): there is nothing to train; "
+                             "unfreeze some, or skip precond.step")
         self._check_inputs(loss, outputs)
         scale = scale_of(self.grad_scaler, loss)
         # the kernel algebra in at least float32

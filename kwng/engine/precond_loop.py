@@ -43,12 +43,17 @@ _SECOND_BACKWARD = "backward through the graph a second time"
 
 def resolve_params(model: nn.Module, params: Iterable[Any] | None
                    ) -> tuple[list[torch.Tensor], list[dict[str, Any]] | None]:
-    """The parameters the metric covers and, if ``params`` held groups (dicts with a
+    """The parameters the metric may cover and, if ``params`` held groups (dicts with a
     ``"params"`` entry, as ``optimizer.param_groups``), those groups themselves (read
-    again at every step, so a schedule that changes a group's ``"lr"`` is seen)."""
+    again at every step, so a schedule that changes a group's ``"lr"`` is seen).
+
+    Frozen parameters (``requires_grad=False``) are kept: each step covers the ones
+    that require a gradient at that step, so a parameter unfrozen later (gradual
+    unfreezing) is trained from then on, as ``torch.optim`` trains it. At least one
+    must require a gradient now."""
     if params is None:
-        chosen = [p for p in model.parameters() if p.requires_grad]
-        if not chosen:
+        chosen = list(model.parameters())
+        if not any(p.requires_grad for p in chosen):
             raise ValueError("model has no parameter with requires_grad=True")
         return chosen, None
     if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
@@ -70,10 +75,9 @@ def resolve_params(model: nn.Module, params: Iterable[Any] | None
         if id(p) in seen:
             raise ValueError("params lists a parameter twice")
         seen.add(id(p))
-    chosen = [p for p in items if p.requires_grad]
-    if not chosen:
+    if not any(p.requires_grad for p in items):
         raise ValueError("params holds no parameter with requires_grad=True")
-    return chosen, groups
+    return items, groups
 
 
 def _group_params(group: dict[str, Any]) -> list[Any]:

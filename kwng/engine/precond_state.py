@@ -105,9 +105,14 @@ def load_preconditioner_state(
     hp = state.get("hyperparameters")
     if hp is not None:
         hp = upgrade_hyperparameters(hp)
-        if hp != hyperparameters:
-            log.warning("load_state_dict: hyperparameters differ from the saved ones: "
-                        "%s", hp)
+        diffs = [f"{k}: saved {hp.get(k, '(absent)')!r}, "
+                 f"now {hyperparameters.get(k, '(absent)')!r}"
+                 for k in sorted({*hp, *hyperparameters})
+                 if hp.get(k) != hyperparameters.get(k)]
+        if diffs:
+            log.warning("load_state_dict: hyperparameters differ from the saved ones "
+                        "(the loaded state is used with this preconditioner's): %s",
+                        "; ".join(diffs))
     return steps, counters
 
 

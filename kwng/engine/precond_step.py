@@ -109,8 +109,9 @@ class PreconditionerStep:
                               self._warn_once, self._counters)
 
     def _active_params(self, device: torch.device) -> list[torch.Tensor]:
-        """The parameters that still require a gradient (frozen ones lose the buffer's
-        view), with the state moved to ``device``."""
+        """The parameters that require a gradient at this step (frozen ones lose the
+        buffer's view; ones unfrozen since construction join), with the state moved to
+        ``device``."""
         if device != self.lm.eps.device:
             self.lm.to(device)
             self._counters = {k: v.to(device) for k, v in self._counters.items()}
@@ -120,6 +121,15 @@ class PreconditionerStep:
         if not params:
             raise ValueError("every parameter of the model is frozen "
                              "(requires_grad=False): nothing to update")
+        if self._engine is not None:
+            owned = self._engine.owned()
+            stray = [p for p in params if id(p) not in owned]
+            if stray:
+                raise ValueError(
+                    f"a parameter of shape {tuple(stray[0].shape)} was unfrozen after "
+                    "the preconditioner was built and lives in a layer that "
+                    "mode='fast' does not batch (only Conv2d, Linear, BatchNorm): "
+                    "build the preconditioner with mode='reference'")
         return params
 
     def _share(self, Xk: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, ...]:

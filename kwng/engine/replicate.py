@@ -219,6 +219,11 @@ class ReplicatedEngine:
             st.handoff = {}  # layouts no convolution took (a gradient summed first)
         return st.grads
 
+    def owned(self) -> set[int]:
+        """``id`` of every parameter of a patched layer (the ones :meth:`backward`
+        returns gradients for)."""
+        return {id(p) for mod in self._patched for p in mod.parameters(recurse=False)}
+
     def remove(self) -> None:
         """Give the layers their own classes back and remove the hooks."""
         for mod in self._patched:
