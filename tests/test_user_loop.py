@@ -226,3 +226,54 @@ def test_the_load_warning_names_each_differing_key(caplog):
     assert "num_basis: saved 3, now 4" in caplog.text
     assert "clip_norm: saved 1.0, now 2.0" in caplog.text
     assert "'kernel'" not in caplog.text  # not the whole saved dict
+
+
+# ------------------------------------------------------------- models with many outputs
+class _TwoHeads(nn.Module):
+    """Returns ``(logits, aux)``, or a Hugging Face-style dict with ``as_dict``."""
+
+    def __init__(self, as_dict=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.ReLU())
+        self.head, self.aux = nn.Linear(8, 3), nn.Linear(8, 2)
+        self.as_dict = as_dict
+
+    def forward(self, z):
+        h = self.body(z)
+        logits, aux = self.head(h), self.aux(h)
+        return {"logits": logits, "hidden": h} if self.as_dict else (logits, aux)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_output_fn_picks_the_samples_of_a_model_with_several_outputs(as_dict):
+    """A tuple or dict output: with ``output_fn`` the fast step runs the replicated
+    pass (no serial fallback) and gives the reference direction; the other outputs
+    come back at the batch size."""
+    pick = (lambda out: out["logits"]) if as_dict else (lambda out: out[0])
+    z, y = _data()
+    dirs = []
+    for mode in MODES:
+        model = _TwoHeads(as_dict)
+        pc = KWNGPreconditioner(model, num_basis=3, mode=mode, eps_schedule=None,
+                                output_fn=pick,
+                                generator=torch.Generator().manual_seed(0))
+        out = model(z)
+        other = out["hidden"] if as_dict else out[1]
+        assert other.shape[0] == 16
+        X = pick(out)
+        pc.step(F.cross_entropy(X, y), X)
+        dirs.append(torch.cat([p.grad.reshape(-1) for p in (*model.body.parameters(),
+                                                             *model.head.parameters())]))
+        assert pc.counters()["serial_steps"] == 0
+    torch.testing.assert_close(dirs[0], dirs[1], rtol=1e-4, atol=1e-6)
+
+
+def test_a_tuple_output_without_output_fn_names_the_way_out():
+    model = _TwoHeads()
+    pc = KWNGPreconditioner(model, lr=0.1, num_basis=3, mode="fast")
+    with pytest.raises(ValueError, match="output_fn=.*out\\[0\\]"):
+        model(_data()[0])
+    with pytest.raises(ValueError, match="output_fn must be None or a callable"):
+        KWNGPreconditioner(nn.Linear(2, 2), lr=0.1, output_fn="logits")
+    del pc

@@ -151,7 +151,13 @@ class KWNGPreconditioner(PreconditionerStep):
     and the clip, then ``grad_scaler.step(optimizer)``. A gradient already in
     ``p.grad`` (another loss term's ``backward()``) is added to the direction; two
     steps without an optimizer step between them (gradient accumulation) are refused,
-    as is a ``DistributedDataParallel`` model (use :class:`kwng.DistributedKWNG`). The
+    as is a ``DistributedDataParallel`` model (use :class:`kwng.DistributedKWNG`).
+    ``output_fn`` — for a model that returns several outputs (a tuple such as
+    ``(logits, aux)``, a dict such as a Hugging Face ``ModelOutput``): the function
+    that picks the ``(N, d)`` samples from it (``lambda out: out[0]``, ``lambda out:
+    out["logits"]``); pass :meth:`step` the same tensor (``X = output_fn(model(z))``).
+    The fast mode needs it to know which output carries the samples; the other
+    outputs are returned for the batch as usual. The
     fast mode patches the model's layers: a pickled model (``torch.save(model)``)
     carries neither the patch nor the preconditioner, and :meth:`remove_hooks` detaches
     it.
@@ -163,7 +169,9 @@ class KWNGPreconditioner(PreconditionerStep):
     def __init__(self, model: nn.Module, config: KWNGConfig | None = None, *,
                  lr: float | Callable[[], float] | None = None,
                  generator: torch.Generator | None = None, params: Any = None,
-                 grad_scaler: Any = None, **hyperparameters: Any) -> None:
+                 grad_scaler: Any = None,
+                 output_fn: Callable[[Any], torch.Tensor] | None = None,
+                 **hyperparameters: Any) -> None:
         cfg = self._config = config_with(config, hyperparameters)
         check_model(model)
         self.model = model
@@ -175,6 +183,11 @@ class KWNGPreconditioner(PreconditionerStep):
             raise ValueError("generator must be a torch.Generator or None, got "
                              f"{type(generator).__name__}")
         self.generator = generator
+        if output_fn is not None and not callable(output_fn):
+            raise ValueError("output_fn must be None or a callable that picks the "
+                             "(batch, d) samples from the model's output, got "
+                             f"{type(output_fn).__name__}")
+        self.output_fn = output_fn
         dev = self.params[0].device
         # a fixed ε is a schedule whose bounds cannot move it (and it is never updated)
         fixed = LMSchedule(eps_min=cfg.eps, eps_max=cfg.eps)
@@ -189,7 +202,7 @@ class KWNGPreconditioner(PreconditionerStep):
             if reason is not None and "already carries" in reason:
                 raise ValueError(f"model: {reason}")
             if reason is None:
-                self._engine = ReplicatedEngine(model, cfg.num_basis + 1)
+                self._engine = ReplicatedEngine(model, cfg.num_basis + 1, output_fn)
             else:
                 self._warn_once("unsupported", "KWNG fast mode: %s; this model uses "
                                 "serial backward passes", reason)
@@ -227,7 +240,8 @@ class KWNGPreconditioner(PreconditionerStep):
         self._config = new
         if "num_basis" in changed and self._engine is not None:
             self._engine.remove()
-            self._engine = ReplicatedEngine(self.model, new.num_basis + 1)
+            self._engine = ReplicatedEngine(self.model, new.num_basis + 1,
+                                            self.output_fn)
         # the next step builds the system afresh, with the new settings
         self.cache.every = new.refresh_every
         self.cache.load_state_dict(None, self.cache.steps, self.params[0].device)
