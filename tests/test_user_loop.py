@@ -277,3 +277,40 @@ def test_a_tuple_output_without_output_fn_names_the_way_out():
     with pytest.raises(ValueError, match="output_fn must be None or a callable"):
         KWNGPreconditioner(nn.Linear(2, 2), lr=0.1, output_fn="logits")
     del pc
+
+
+# ------------------------------------------------------------------ gradient accumulation
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulation_steps_give_the_direction_of_the_whole_batch(mode, k):
+    """Three micro-batches of 8 with ``accumulation_steps=3`` give, step after step,
+    the direction of one batch of 24 (float64), and leave ``p.grad`` alone until the
+    third."""
+    batches = [_data(N=24, seed=s) for s in range(4)]
+    grads = {}
+    for n in (1, 3):
+        model = _mlp().double()
+        pc = KWNGPreconditioner(model, lr=0.1, num_basis=4, mode=mode, refresh_every=k,
+                                accumulation_steps=n,
+                                generator=torch.Generator().manual_seed(0))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads[n] = []
+        for z, y in batches:
+            optimizer.zero_grad()
+            for i, (zi, yi) in enumerate(zip(z.double().chunk(n), y.chunk(n))):
+                X = model(zi)
+                info = pc.step(F.cross_entropy(X, yi) / n, X)
+                if i < n - 1:
+                    assert int(info["micro_batches"]) == i + 1
+                    assert all(p.grad is None for p in model.parameters())
+            optimizer.step()
+            grads[n].append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        assert pc.num_steps == len(batches)
+    for a, b in zip(grads[1], grads[3]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_accumulation_steps_are_validated():
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="accumulation_steps"):
+            KWNGPreconditioner(_mlp(), lr=0.1, accumulation_steps=bad)

@@ -263,6 +263,9 @@ class DistributedKWNG(KWNGPreconditioner):
             raise ValueError("broadcast must be a bool, got "
                              f"{type(broadcast).__name__}")
         self.batch_sizes = _check_batch_sizes(batch_sizes, self.world_size)
+        if hyperparameters.get("accumulation_steps", 1) != 1:
+            raise ValueError("accumulation_steps must be 1 for DistributedKWNG: split "
+                             "the batch over more processes instead")
         super().__init__(model, config, lr=lr, generator=generator, **hyperparameters)
         check_agreement(fingerprint(self, {"batch_sizes": self.batch_sizes,
                                            "broadcast": broadcast}),

@@ -89,6 +89,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kwng._checks import check_int
 from kwng.engine.amortized import SystemCache
 from kwng.engine.config import KWNGConfig, config_with, resolve_mode
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
@@ -150,8 +151,18 @@ class KWNGPreconditioner(PreconditionerStep):
     ``grad_scaler.scale(loss)`` to :meth:`step`, which unscales ``g`` before the solve
     and the clip, then ``grad_scaler.step(optimizer)``. A gradient already in
     ``p.grad`` (another loss term's ``backward()``) is added to the direction; two
-    steps without an optimizer step between them (gradient accumulation) are refused,
-    as is a ``DistributedDataParallel`` model (use :class:`kwng.DistributedKWNG`).
+    steps without an optimizer step between them are refused (for gradient
+    accumulation pass ``accumulation_steps``), as is a ``DistributedDataParallel`` model (use :class:`kwng.DistributedKWNG`).
+    ``accumulation_steps`` — ``n ≥ 1`` micro-batches per optimizer step (gradient
+    accumulation): call :meth:`step` on each micro-batch with its share of the loss
+    (``loss_fn(X_i, y_i) / n``, as in a plain accumulation loop, but without
+    ``backward()``) and ``optimizer.step()`` after every ``n``-th; the direction is the
+    one of the batch of all ``n`` micro-batches with loss ``Σ loss_i``, exactly (basis,
+    bandwidth and ``C`` are drawn over the whole batch). The price: the graphs of the
+    ``n`` micro-batches are kept until the ``n``-th, so the memory is that of the whole
+    batch (unlike kfac-pytorch's accumulation, which keeps only running factors); in fast
+    mode ``T`` then comes from serial backward passes. A checkpoint taken between
+    micro-batches does not hold them.
     ``output_fn`` — for a model that returns several outputs (a tuple such as
     ``(logits, aux)``, a dict such as a Hugging Face ``ModelOutput``): the function
     that picks the ``(N, d)`` samples from it (``lambda out: out[0]``, ``lambda out:
@@ -171,7 +182,7 @@ class KWNGPreconditioner(PreconditionerStep):
                  generator: torch.Generator | None = None, params: Any = None,
                  grad_scaler: Any = None,
                  output_fn: Callable[[Any], torch.Tensor] | None = None,
-                 **hyperparameters: Any) -> None:
+                 accumulation_steps: int = 1, **hyperparameters: Any) -> None:
         cfg = self._config = config_with(config, hyperparameters)
         check_model(model)
         self.model = model
@@ -188,6 +199,8 @@ class KWNGPreconditioner(PreconditionerStep):
                              "(batch, d) samples from the model's output, got "
                              f"{type(output_fn).__name__}")
         self.output_fn = output_fn
+        self.accumulation_steps = check_int(accumulation_steps, "accumulation_steps", 1)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         dev = self.params[0].device
         # a fixed ε is a schedule whose bounds cannot move it (and it is never updated)
         fixed = LMSchedule(eps_min=cfg.eps, eps_max=cfg.eps)
@@ -196,7 +209,12 @@ class KWNGPreconditioner(PreconditionerStep):
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
         self.mode = resolve_mode(cfg.mode, dev, model)  # "auto": by device, model kind
-        if self.mode == "fast":
+        if self.mode == "fast" and self.accumulation_steps > 1:
+            self._warned.add("serial")
+            log.info("KWNG fast mode with accumulation_steps = %d: the whole batch's "
+                     "T comes from serial backward passes (the replicated forward "
+                     "covers one micro-batch)", self.accumulation_steps)
+        elif self.mode == "fast":
             reason = unsupported_reason(
                 model, [p for p in self.params if p.requires_grad])
             if reason is not None and "already carries" in reason:
@@ -342,6 +360,11 @@ class KWNGPreconditioner(PreconditionerStep):
         on, :func:`kwng.solve.loss_only_columns`), ``dot`` (``⟨g, ĝ⟩`` after clipping),
         ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim tensors on the outputs'
         device in both modes (``"fast"`` never syncs with the host).
+
+        With ``accumulation_steps = n > 1`` the first ``n − 1`` calls of an optimizer
+        step only keep their micro-batch (returning ``{"micro_batches": i}``; ``p.grad``
+        is left alone) and the ``n``-th computes the direction of the whole batch from
+        ``Σ loss_i`` and the stacked outputs.
         """
         if not any(p.requires_grad for p in self.params):
             raise ValueError("every parameter the preconditioner covers is frozen "
@@ -349,6 +372,14 @@ class KWNGPreconditioner(PreconditionerStep):
                              "unfreeze some, or skip precond.step")
         self._check_inputs(loss, outputs)
         scale = scale_of(self.grad_scaler, loss)
+        if self.accumulation_steps > 1:
+            self._pending.append((loss, outputs))
+            if len(self._pending) < self.accumulation_steps:
+                return {"micro_batches": torch.tensor(len(self._pending),
+                                                      device=outputs.device)}
+            losses, parts = zip(*self._pending)
+            self._pending = []
+            loss, outputs = torch.stack(losses).sum(), torch.cat(parts)
         # the kernel algebra in at least float32
         with torch.autocast(outputs.device.type, enabled=False):
             return self._step(loss, outputs, scale)

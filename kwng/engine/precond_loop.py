@@ -9,9 +9,10 @@ preconditioner and what the step leaves in ``p.grad``.
 * **What is already in** ``p.grad`` (:class:`GradWriter`): a gradient the loop put
   there before the step (an auxiliary loss's ``backward()``) is added to the KWNG
   direction, never dropped; the direction the previous step wrote is replaced. Two
-  steps without an optimizer step between them (gradient accumulation) are refused:
-  the estimator needs the whole batch at once (the basis, the bandwidth and ``C`` are
-  batch-wide).
+  steps without an optimizer step between them are refused: the estimator needs the
+  whole batch at once (the basis, the bandwidth and ``C`` are batch-wide); gradient
+  accumulation is the preconditioner's ``accumulation_steps``, which keeps the
+  micro-batches until the last one.
 * **The tensors in** ``p.grad`` are views of one flat buffer (one copy per step). A
   view the loop keeps after ``optimizer.zero_grad()`` is never overwritten: the next
   step writes into a new buffer.
@@ -151,10 +152,10 @@ class GradWriter:
             raise ValueError(
                 "step() was called again before the optimizer used the direction of "
                 "the previous step (p.grad still holds it and no parameter moved): "
-                "gradient accumulation over micro-batches is not supported, since the "
-                "estimator needs the whole batch at once (basis, bandwidth and C are "
-                "batch-wide). Call step once per optimizer step on the whole batch, or "
-                "split the batch over processes with kwng.DistributedKWNG")
+                "the estimator needs the whole batch at once (basis, bandwidth and C "
+                "are batch-wide). For gradient accumulation over n micro-batches build "
+                "the preconditioner with accumulation_steps=n; else call step once per "
+                "optimizer step")
         taken = {}
         for p in params:
             if p.grad is None or any(p is q for q in stale):
