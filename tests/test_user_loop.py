@@ -152,7 +152,7 @@ def test_a_non_finite_batch_is_refused_in_every_mode(mode):
     assert pc.num_steps == 0
 
 
-# -------------------------------------------------------------------- degenerate batches
+# ------------------------------------------------------------------ degenerate batches
 def test_auto_mode_never_picks_fast_for_a_model_with_dropout():
     """A dense model with dropout on the CPU: ``auto`` used to pick fast, whose first
     step raised; it takes reference and trains."""
@@ -279,7 +279,7 @@ def test_a_tuple_output_without_output_fn_names_the_way_out():
     del pc
 
 
-# ------------------------------------------------------------------ gradient accumulation
+# --------------------------------------------------------------- gradient accumulation
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
 def test_accumulation_steps_give_the_direction_of_the_whole_batch(mode, k):

@@ -128,9 +128,9 @@ class KWNGPreconditioner(PreconditionerStep):
     (``requires_grad=False``) is left alone from then on; one frozen at construction and
     unfrozen later (gradual unfreezing) is trained from the step it requires a gradient,
     as ``torch.optim`` trains it (in fast mode it must live in a Conv2d, Linear or
-    BatchNorm layer). In fast mode the replicated forward runs when ``model`` itself is called
-    (``model(z)``); attach the preconditioner to the network that the training loop
-    calls. ``config`` — a :class:`kwng.KWNGConfig` with the hyperparameters
+    BatchNorm layer). In fast mode the replicated forward runs when ``model`` itself is
+    called (``model(z)``); attach the preconditioner to the network that the training
+    loop calls. ``config`` — a :class:`kwng.KWNGConfig` with the hyperparameters
     (``num_basis``, ``eps``, ``lam``, ``kernel``, ``bandwidth``, ``sigma0``,
     ``damping``, ``eps_schedule``, ``clip_norm``, ``mode``, ``diagonal_only``,
     ``rcond``, ``refresh_every``; see there); keyword arguments of the same names build
@@ -152,7 +152,8 @@ class KWNGPreconditioner(PreconditionerStep):
     and the clip, then ``grad_scaler.step(optimizer)``. A gradient already in
     ``p.grad`` (another loss term's ``backward()``) is added to the direction; two
     steps without an optimizer step between them are refused (for gradient
-    accumulation pass ``accumulation_steps``), as is a ``DistributedDataParallel`` model (use :class:`kwng.DistributedKWNG`).
+    accumulation pass ``accumulation_steps``), as is a ``DistributedDataParallel``
+    model (use :class:`kwng.DistributedKWNG`).
     ``accumulation_steps`` — ``n ≥ 1`` micro-batches per optimizer step (gradient
     accumulation): call :meth:`step` on each micro-batch with its share of the loss
     (``loss_fn(X_i, y_i) / n``, as in a plain accumulation loop, but without
@@ -160,7 +161,7 @@ class KWNGPreconditioner(PreconditionerStep):
     one of the batch of all ``n`` micro-batches with loss ``Σ loss_i``, exactly (basis,
     bandwidth and ``C`` are drawn over the whole batch). The price: the graphs of the
     ``n`` micro-batches are kept until the ``n``-th, so the memory is that of the whole
-    batch (unlike kfac-pytorch's accumulation, which keeps only running factors); in fast
+    batch (unlike kfac-pytorch's accumulation, which keeps running factors); in fast
     mode ``T`` then comes from serial backward passes. A checkpoint taken between
     micro-batches does not hold them.
     ``output_fn`` — for a model that returns several outputs (a tuple such as

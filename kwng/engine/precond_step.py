@@ -262,8 +262,8 @@ class PreconditionerStep:
         else:
             g, T, CCt, K, N, sigma, eps = (self._refresh if refresh else self._cached)(
                 loss, X, params, taken, scale)
-        if scale is None and not (g.is_cuda and torch.cuda.is_current_stream_capturing()) \
-                and not bool(torch.isfinite(g).all()):
+        capturing = g.is_cuda and torch.cuda.is_current_stream_capturing()
+        if scale is None and not capturing and not bool(torch.isfinite(g).all()):
             raise ValueError("the gradient g of this step holds NaN or inf values: the "
                              "step is refused (check the loss and the parameters)")
         out = self._grads.views(g.numel(), params)

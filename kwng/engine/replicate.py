@@ -187,7 +187,8 @@ class ReplicatedEngine:
                 "picks the samples from the model's output (e.g. lambda out: out[0] "
                 "for (logits, aux), lambda out: out['logits'] for a dict)")
         full = output if self.output_fn is None else self.output_fn(output)
-        if not isinstance(full, torch.Tensor) or full.dim() < 1 or full.shape[0] != rows:
+        if not isinstance(full, torch.Tensor) or full.dim() < 1 \
+                or full.shape[0] != rows:
             raise ValueError(
                 "output_fn must return the model's (batch, d) samples as a tensor, "
                 f"got {type(full).__name__}")
