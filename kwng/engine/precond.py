@@ -49,7 +49,9 @@ Two ways to get ``g`` and ``T`` (``mode``):
   :func:`kwng.engine.step_direction.step_direction` (Prop. 6 through
   :func:`kwng.solve.kwng_direction`, then :func:`kwng.solve.safeguard`, compiled on
   CUDA) and all bookkeeping (ε, r, counters, fallbacks, clipping) stays in device
-  tensors: no host synchronisation in a step. The replicated pass runs in the model's
+  tensors; the one host synchronisation of a step is the check that the outputs,
+  the loss and ``g`` are finite (skipped while a CUDA graph is recorded). The
+  replicated pass runs in the model's
   memory format: on a GPU, make a convolutional model channels_last
   (``model.to(memory_format=torch.channels_last)`` and inputs
   ``z.contiguous(memory_format=torch.channels_last)``), which cuDNN runs without
@@ -76,8 +78,19 @@ the paper's damping ``T_tilde`` the two regularisers agree when ``ε = √N · �
 Counters (:meth:`KWNGPreconditioner.counters`): ``fallbacks`` (steps where the natural
 direction was replaced by ``g``), ``ill_conditioned`` (``CCᵀ`` regularised),
 ``rank_sum`` (sum over steps of the rank kept by the stable solve),
-``damping_floored``, ``clipped``, ``eps_up``/``eps_down``. In fast mode fallbacks are
-counted on the device and logged by :meth:`counters` (a host sync).
+``damping_floored``, ``clipped``, ``eps_up``/``eps_down``, ``euclidean_steps``. In
+fast mode fallbacks are counted on the device and logged by :meth:`counters` (a host
+sync).
+
+Batches the estimator cannot use (:mod:`kwng.engine.precond_step`): non-finite
+outputs or loss are refused in every mode before the step changes any state, a
+non-finite ``g`` before anything is written into ``p.grad`` (a ``GradScaler``'s
+overflow excepted: the scaler skips that step). On a refresh step, a
+batch with fewer samples than ``num_basis`` (a short last batch) or whose samples all
+coincide (a zero-initialised output layer: bandwidth 0) takes the Euclidean gradient,
+clipped, logged once and counted in ``euclidean_steps`` (and ``fallbacks``); nothing is
+cached, so the next step refreshes. A step between refreshes applies the cached system
+to any batch.
 """
 
 from __future__ import annotations
@@ -360,7 +373,8 @@ class KWNGPreconditioner(PreconditionerStep):
         of ``‖ĝ‖²``), ``loss_only`` (components of parameters the samples do not depend
         on, :func:`kwng.solve.loss_only_columns`), ``dot`` (``⟨g, ĝ⟩`` after clipping),
         ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim tensors on the outputs'
-        device in both modes (``"fast"`` never syncs with the host).
+        device in both modes (``"fast"`` syncs with the host once, for the finiteness
+        check).
 
         With ``accumulation_steps = n > 1`` the first ``n − 1`` calls of an optimizer
         step only keep their micro-batch (returning ``{"micro_batches": i}``; ``p.grad``

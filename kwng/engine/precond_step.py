@@ -98,7 +98,7 @@ class PreconditionerStep:
                     "last batch)")
         if refresh and not ok[1]:
             return ("the samples X all coincide (a zero-initialised output layer?): "
-                    "the kernel bandwidth is 0")
+                    "they carry no metric to estimate")
         return None
 
     def _gradients(self, loss: torch.Tensor, X: torch.Tensor, C: torch.Tensor,
@@ -258,7 +258,7 @@ class PreconditionerStep:
         self._step_count += 1
         if reason is not None:
             g, eps = self._euclidean(loss, X, params, taken, scale)
-            sigma = torch.zeros((), device=X.device)
+            sigma = torch.full((), float("nan"), device=X.device)  # no kernel built
         else:
             g, T, CCt, K, N, sigma, eps = (self._refresh if refresh else self._cached)(
                 loss, X, params, taken, scale)

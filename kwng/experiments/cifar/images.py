@@ -138,6 +138,42 @@ def _write_decode_cache(
             log.info("cannot cache decoded images in %s (%s)", c, exc)
 
 
+def _read_decode_cache(path: Path, split: str, key: dict, n: int,
+                       candidates: list[Path]) -> np.ndarray | None:
+    """The decoded images of ``path``'s ``split`` (``n`` of them) from the first folder
+    of ``candidates`` whose cache matches ``key``; ``None`` if none does."""
+    x = None
+    for c in candidates:
+        f = c / f"{path.stem}_{split}_x.npy"
+        kf = c / f"{path.stem}_{split}_x.key.json"
+        if f.is_file():
+            try:
+                stored = (
+                    json.loads(kf.read_text(encoding="utf-8")) if kf.is_file() else None
+                )
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                stored = None
+            if stored != key:
+                log.warning(
+                    "decode cache %s does not match %s (source changed or key "
+                    "missing): rebuilding",
+                    f,
+                    path,
+                )
+                continue
+            try:
+                x = np.load(f)
+            except (OSError, ValueError, EOFError) as exc:
+                log.warning("decode cache %s unreadable (%s): rebuilding", f, exc)
+                continue
+            if x.shape != (n, 32, 32, 3):
+                log.warning("ignoring cache %s with shape %s", f, x.shape)
+                x = None
+            else:
+                break
+    return x
+
+
 def load_jpeg_npz(path: str | os.PathLike, split: str,
                   cache_dir: str | os.PathLike | None = None,
                   official_order: bool = True,
@@ -166,35 +202,7 @@ def load_jpeg_npz(path: str | os.PathLike, split: str,
     perm = (np.asarray(z["train_official_perm"])
             if split == "train" and official_order and "train_official_perm" in z.files
             else None)
-    x = None
-    for c in candidates:
-        f = c / f"{path.stem}_{split}_x.npy"
-        kf = c / f"{path.stem}_{split}_x.key.json"
-        if f.is_file():
-            try:
-                stored = (
-                    json.loads(kf.read_text(encoding="utf-8")) if kf.is_file() else None
-                )
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                stored = None
-            if stored != key:
-                log.warning(
-                    "decode cache %s does not match %s (source changed or key "
-                    "missing): rebuilding",
-                    f,
-                    path,
-                )
-                continue
-            try:
-                x = np.load(f)
-            except (OSError, ValueError, EOFError) as exc:
-                log.warning("decode cache %s unreadable (%s): rebuilding", f, exc)
-                continue
-            if x.shape != (len(y), 32, 32, 3):
-                log.warning("ignoring cache %s with shape %s", f, x.shape)
-                x = None
-            else:
-                break
+    x = _read_decode_cache(path, split, key, len(y), candidates)
     keep = None if rows is None else np.asarray(rows(len(y)), dtype=np.int64)
     if x is None and keep is not None:  # decode the kept images only
         stored = keep if perm is None else perm[keep]
