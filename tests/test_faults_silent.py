@@ -1,7 +1,7 @@
 """Inputs that must not pass silently: samples that all sit at one point under a fixed
 bandwidth (the step, in either mode, takes the Euclidean gradient, logs why and counts
-it; the reference matrices warn), a bandwidth <= 0 given to the sync-free kernel matrices, and
-a directory's provenance must keep the time of interrupted calls."""
+it; the reference matrices warn), a bandwidth <= 0 given to the sync-free kernel
+matrices, and a directory's provenance must keep the time of interrupted calls."""
 
 from __future__ import annotations
 

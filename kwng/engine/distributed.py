@@ -299,10 +299,11 @@ class DistributedKWNG(KWNGPreconditioner):
 
     def _degenerate(self, loss: torch.Tensor, X: torch.Tensor, refresh: bool,
                     check_finite: bool) -> str | None:
-        """The finiteness check only: every rank takes the same kind of step, and
-        whether a kernel system can be built is a property of the global batch
-        (:meth:`_share` checks its size)."""
-        return super()._degenerate(loss, X, False, check_finite)
+        """No local check: every rank must take the same kind of step, so a
+        non-finite batch is refused through the reduced ``g`` (the same on every rank,
+        checked after the all-reduce), and whether a kernel system can be built is a
+        property of the global batch (:meth:`_share` checks its size)."""
+        return None
 
     def _shard_sizes(self, n: int, device: torch.device) -> list[int]:
         if self.batch_sizes is not None:
