@@ -314,3 +314,25 @@ def test_accumulation_steps_are_validated():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="accumulation_steps"):
             KWNGPreconditioner(_mlp(), lr=0.1, accumulation_steps=bad)
+
+
+def test_a_parameter_group_added_to_the_optimizer_later_is_trained():
+    """The optimizer held the trainable parameters only; after unfreezing, the loop
+    adds the first layer with ``optimizer.add_param_group``: the preconditioner built
+    on ``optimizer.param_groups`` covers it from then on."""
+    model = _mlp()
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                lr=0.1)
+    pc = KWNGPreconditioner(model, params=optimizer.param_groups, num_basis=3)
+    w0 = model[0].weight.detach().clone()
+
+    def unfreeze(i):
+        if i == 1:
+            model[0].requires_grad_(True)
+            optimizer.add_param_group({"params": list(model[0].parameters()),
+                                       "lr": 0.05})
+
+    _train(model, pc, [_data(seed=s) for s in range(3)], optimizer, before=unfreeze)
+    assert (model[0].weight - w0).norm() > 1e-3
+    assert len(pc.params) == 4

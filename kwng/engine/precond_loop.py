@@ -35,9 +35,8 @@ from kwng._checks import check_positive
 
 __all__ = ["GradWriter", "backward_hint", "check_grad_scaler", "check_lr",
            "check_model", "check_not_loss_gradient", "check_step_inputs",
-           "euclidean_direction",
-           "group_lrs_missing", "is_compiled", "overflowed_step", "predicted_decrease",
-           "resolve_params", "scale_of"]
+           "euclidean_direction", "group_lrs_missing", "group_params", "is_compiled",
+           "overflowed_step", "predicted_decrease", "resolve_params", "scale_of"]
 
 _SECOND_BACKWARD = "backward through the graph a second time"
 
@@ -46,7 +45,8 @@ def resolve_params(model: nn.Module, params: Iterable[Any] | None
                    ) -> tuple[list[torch.Tensor], list[dict[str, Any]] | None]:
     """The parameters the metric may cover and, if ``params`` held groups (dicts with a
     ``"params"`` entry, as ``optimizer.param_groups``), those groups themselves (read
-    again at every step, so a schedule that changes a group's ``"lr"`` is seen).
+    again at every step, so a schedule that changes a group's ``"lr"`` is seen, and
+    the parameters of a group added by ``optimizer.add_param_group`` join).
 
     Frozen parameters (``requires_grad=False``) are kept: each step covers the ones
     that require a gradient at that step, so a parameter unfrozen later (gradual
@@ -64,8 +64,8 @@ def resolve_params(model: nn.Module, params: Iterable[Any] | None
     items = list(params)
     groups = None
     if items and all(isinstance(x, dict) for x in items):
-        groups = items
-        items = [p for grp in groups for p in _group_params(grp)]
+        groups = params if isinstance(params, list) else items  # add_param_group seen
+        items = [p for grp in groups for p in group_params(grp)]
     owned = {id(p) for p in model.parameters()}
     seen: set[int] = set()
     for p in items:
@@ -81,7 +81,8 @@ def resolve_params(model: nn.Module, params: Iterable[Any] | None
     return items, groups
 
 
-def _group_params(group: dict[str, Any]) -> list[Any]:
+def group_params(group: dict[str, Any]) -> list[Any]:
+    """The parameters of one parameter group (its ``"params"`` entry as a list)."""
     if "params" not in group:
         raise ValueError("a parameter group of params must have a 'params' entry, got "
                          f"keys {sorted(group)}")
@@ -106,7 +107,7 @@ def predicted_decrease(groups: list[dict[str, Any]] | None, params: list[torch.T
     steps = [float(grp["lr"]) if "lr" in grp else lr() for grp in groups]
     if len(set(steps)) == 1:
         return steps[0], dot
-    step_of = {id(p): s for grp, s in zip(groups, steps) for p in _group_params(grp)}
+    step_of = {id(p): s for grp, s in zip(groups, steps) for p in group_params(grp)}
     total, offset = torch.zeros((), dtype=dot.dtype, device=dot.device), 0
     for p in params:
         n = p.numel()

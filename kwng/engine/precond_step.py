@@ -31,9 +31,11 @@ from kwng.engine.precond_loop import (
     check_not_loss_gradient,
     check_step_inputs,
     euclidean_direction,
+    group_params,
     is_compiled,
     overflowed_step,
     predicted_decrease,
+    resolve_params,
 )
 from kwng.engine.precond_state import count_step
 from kwng.engine.step_direction import reference_direction_into, step_direction
@@ -116,6 +118,10 @@ class PreconditionerStep:
             self.lm.to(device)
             self._counters = {k: v.to(device) for k, v in self._counters.items()}
             self._step_count = self._step_count.to(device)
+        if self.groups is not None and sum(
+                len(group_params(grp)) for grp in self.groups) != len(self.params):
+            # a group added since (optimizer.add_param_group): its parameters join
+            self.params, _ = resolve_params(self.model, self.groups)
         self._grads.release(p for p in self.params if not p.requires_grad)
         params = [p for p in self.params if p.requires_grad]
         if not params:
