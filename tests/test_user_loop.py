@@ -153,12 +153,14 @@ def test_a_non_finite_batch_is_refused_in_every_mode(mode):
 
 
 # ------------------------------------------------------------------ degenerate batches
-def test_auto_mode_never_picks_fast_for_a_model_with_dropout():
+def test_auto_mode_never_picks_fast_for_a_model_with_dropout(caplog):
     """A dense model with dropout on the CPU: ``auto`` used to pick fast, whose first
     step raised; it takes reference and trains."""
     model = _mlp(dropout=0.2)
-    pc = KWNGPreconditioner(model, lr=0.1, num_basis=3, mode="auto")
+    with caplog.at_level(logging.INFO, logger="kwng.engine.precond"):
+        pc = KWNGPreconditioner(model, lr=0.1, num_basis=3, mode="auto")
     assert pc.mode == "reference"
+    assert "mode='auto': reference, the model has Dropout" in caplog.text
     _train(model, pc, [_data(seed=s) for s in range(2)])
     assert pc.num_steps == 2
     assert KWNGPreconditioner(_mlp(), lr=0.1, mode="auto").mode == "fast"

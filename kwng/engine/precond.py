@@ -104,7 +104,13 @@ from torch import nn
 
 from kwng._checks import check_int
 from kwng.engine.amortized import SystemCache
-from kwng.engine.config import KWNGConfig, config_with, resolve_mode
+from kwng.engine.config import (
+    KWNGConfig,
+    auto_mode,
+    config_with,
+    live_changes,
+    resolve_mode,
+)
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.engine.precond_loop import (
     GradWriter,
@@ -128,9 +134,6 @@ from kwng.engine.replicate import ReplicatedEngine, unsupported_reason
 __all__ = ["KWNGPreconditioner"]
 
 log = logging.getLogger(__name__)
-
-#: the settings fixed at construction (:attr:`KWNGPreconditioner.config`)
-_FIXED_FIELDS = ("mode", "eps", "eps_schedule")
 
 
 class KWNGPreconditioner(PreconditionerStep):
@@ -223,6 +226,8 @@ class KWNGPreconditioner(PreconditionerStep):
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
         self.mode = resolve_mode(cfg.mode, dev, model)  # "auto": by device, model kind
+        if cfg.mode == "auto":
+            log.info("KWNG mode='auto': %s, %s", *auto_mode(dev, model))
         if self.mode == "fast" and self.accumulation_steps > 1:
             self._warned.add("serial")
             log.info("KWNG fast mode with accumulation_steps = %d: the whole batch's "
@@ -256,17 +261,7 @@ class KWNGPreconditioner(PreconditionerStep):
 
     @config.setter
     def config(self, new: KWNGConfig) -> None:
-        if not isinstance(new, KWNGConfig):
-            raise ValueError("config must be a kwng.KWNGConfig (e.g. "
-                             f"precond.config.replace(...)), got {type(new).__name__}")
-        old = self._config
-        changed = [k for k in KWNGConfig.fields() if getattr(old, k) != getattr(new, k)]
-        fixed = [k for k in changed if k in _FIXED_FIELDS]
-        if fixed:
-            raise ValueError(
-                f"{', '.join(fixed)} cannot change on a live preconditioner (the path "
-                "and the ε rule's state depend on them): build a new "
-                "KWNGPreconditioner (load_state_dict carries the counters over)")
+        changed = live_changes(self._config, new)
         if not changed:
             return
         self._config = new
