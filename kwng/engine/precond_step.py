@@ -1,7 +1,10 @@
 """How one step of :class:`kwng.KWNGPreconditioner` is computed: its base class
 :class:`PreconditionerStep`.
 
-A step takes the parameters that still require a gradient, builds the step's system
+A step takes the parameters that require a gradient at that step, checks the batch
+(``_degenerate``: non-finite outputs or loss are refused; a refresh step whose batch is
+shorter than ``num_basis`` or whose samples coincide takes the Euclidean gradient,
+logged and counted in ``euclidean_steps``), builds the step's system
 ``(g, T, CCᵀ, K, N, σ, ε)`` — afresh on a refresh step (basis draw, kernel matrices,
 the backward pass(es) of :func:`kwng.engine.grads.step_gradients`), else ``g`` from one
 plain backward pass with the cached rest (:mod:`kwng.engine.amortized`) — and writes the
@@ -10,10 +13,12 @@ reference mode :func:`kwng.engine.step_direction.reference_direction_into`. The 
 then records the step's predicted decrease and the counters its outcome
 (:func:`kwng.engine.precond_state.count_step`).
 
-Five hooks see this process's share of the batch alone: ``_share`` (samples, basis and
-loss), ``_gradients`` (``g`` and ``T``), ``_reduce`` (both as the solve sees them),
-``_plain_gradient`` and ``_reduce_gradient`` (a step between refreshes).
-:class:`kwng.DistributedKWNG` overrides them to gather and sum every rank's share.
+Six hooks see this process's share of the batch alone: ``_degenerate`` (the checks
+above), ``_share`` (samples, basis and loss), ``_gradients`` (``g`` and ``T``),
+``_reduce`` (both as the solve sees them), ``_plain_gradient`` and
+``_reduce_gradient`` (a step between refreshes, or a Euclidean one).
+:class:`kwng.DistributedKWNG` overrides them to gather and sum every rank's share (and
+to take the same kind of step on every rank).
 """
 
 from __future__ import annotations
