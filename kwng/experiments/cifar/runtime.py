@@ -60,10 +60,12 @@ def resolve_lr(cfg: RunConfig) -> float:
     base = cfg.spec.get("lr_from", cfg.method)
     key = f"{cfg.dataset}/{cfg.conditioning}/{base}"
     if key not in table:
-        chosen = ", ".join(sorted(table)) or "none"
+        prefix = f"{cfg.dataset}/{cfg.conditioning}/"
+        chosen = ", ".join(k[len(prefix):] for k in sorted(table)
+                           if k.startswith(prefix)) or "none"
         raise ValueError(f"lr='selected': {path} holds no step size for {key} "
-                         f"(it has {chosen}); pass --lr, or run `cifar select` on a "
-                         f"selection that includes {base!r}")
+                         f"(for {prefix} it has {chosen}); pass --lr, or run `cifar "
+                         f"select` on a selection that includes {base!r}")
     return float(table[key]["lr"])
 
 

@@ -130,7 +130,7 @@ def is_complete(job: dict, force: bool = False) -> bool:
         identity = run_identity_of(cfg, resolve_lr(cfg))
         return guard.check_existing_run(rdir, checkpoint_path_for(cfg), identity,
                                         force) is not None
-    except (FileNotFoundError, KeyError, ResultFileError) as err:
+    except (FileNotFoundError, KeyError, ValueError, ResultFileError) as err:
         log.warning("%s: not skipped (%s); its worker reports it", rdir, err)
         return False
 
