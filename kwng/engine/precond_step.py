@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -71,9 +72,9 @@ class PreconditionerStep:
         if not callable(self._lr):
             return self._lr
         value = self._lr()
-        number = float(value) if isinstance(value, (int, float, torch.Tensor)) \
-            and not isinstance(value, bool) and torch.as_tensor(value).numel() == 1 \
-            else None
+        scalar = (isinstance(value, numbers.Real) and not isinstance(value, bool)) or (
+            isinstance(value, torch.Tensor) and value.numel() == 1)
+        number = float(value) if scalar else None
         if number is None or not math.isfinite(number) or number <= 0:
             raise ValueError(f"lr() returned {value!r}: the step size must be a number "
                              "in (0, inf) (it enters the reduction ratio of the ε "
