@@ -313,8 +313,10 @@ def test_accumulation_steps_give_the_direction_of_the_whole_batch(mode, k):
 
 
 def test_accumulation_steps_are_validated():
+    assert KWNGPreconditioner(_mlp(), lr=0.1, accumulation_steps=2).accumulation_steps \
+        == 2
     for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match="accumulation_steps"):
+        with pytest.raises(ValueError, match=r"accumulation_steps must be .*\[1, inf"):
             KWNGPreconditioner(_mlp(), lr=0.1, accumulation_steps=bad)
 
 
