@@ -316,7 +316,7 @@ def test_accumulation_steps_are_validated():
     assert KWNGPreconditioner(_mlp(), lr=0.1, accumulation_steps=2).accumulation_steps \
         == 2
     for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match=r"accumulation_steps must be .*\[1, inf"):
+        with pytest.raises(ValueError, match="accumulation_steps must be an integer"):
             KWNGPreconditioner(_mlp(), lr=0.1, accumulation_steps=bad)
 
 
