@@ -1,6 +1,7 @@
 """Train your own CNN with SGD preconditioned by KWNG: the loop of a first script.
 
     python examples/cnn_sgd_kwng.py                  # CIFAR-shaped synthetic data
+    python examples/cnn_sgd_kwng.py --method sgd     # the same loop without KWNG
     python examples/cnn_sgd_kwng.py --steps 3 --batch 16 --image-size 8   # seconds
 
 The preconditioner goes between the forward pass and ``optimizer.step()``:
@@ -35,43 +36,58 @@ class SmallCNN(nn.Module):
 
 
 def synthetic_batches(steps: int, batch: int, size: int, seed: int):
-    """Images whose class is the best-matching of 10 fixed patterns (learnable, no
-    download)."""
+    """Noisy images of 10 textures: class ``k`` tiles a fixed random 4 × 4 colour
+    patch, shifted at random, under noise of standard deviation 1.5 (no download). A
+    convolution followed by pooling recognises a texture wherever it sits, so the
+    network above learns the task: the loss falls well below chance (ln 10 ≈ 2.30)
+    within the default 100 steps, with KWNG and with plain SGD."""
     g = torch.Generator().manual_seed(seed)
-    patterns = torch.randn(10, 3, size, size, generator=g)
+    patches = torch.randn(10, 3, 4, 4, generator=g)
+    reps = -(-size // 4)
+    textures = patches.repeat(1, 1, reps, reps)[:, :, :size, :size]
     for _ in range(steps):
-        z = torch.randn(batch, 3, size, size, generator=g)
-        y = torch.einsum("nchw,kchw->nk", z, patterns).argmax(1)
-        yield z, y
+        y = torch.randint(0, 10, (batch,), generator=g)
+        dx, dy = torch.randint(0, 4, (2,), generator=g).tolist()
+        z = torch.roll(textures[y], (dx, dy), (2, 3))
+        yield z + 1.5 * torch.randn(z.shape, generator=g), y
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--image-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--method", choices=("kwng", "sgd"), default="kwng",
+                   help="kwng: SGD preconditioned by KWNG; sgd: plain SGD")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     model = SmallCNN()
     loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    precond = KWNGPreconditioner(model, lr=args.lr, num_basis=5, eps=1e-5,
-                                 mode="auto",
-                                 generator=torch.Generator().manual_seed(args.seed))
+    precond = None
+    if args.method == "kwng":
+        precond = KWNGPreconditioner(model, lr=args.lr, num_basis=5, eps=1e-5,
+                                     mode="auto",
+                                     generator=torch.Generator().manual_seed(args.seed))
     losses = []
     for step, (z, y) in enumerate(
             synthetic_batches(args.steps, args.batch, args.image_size, args.seed)):
         optimizer.zero_grad()
         X = model(z)                 # (batch, 10): the samples of the implicit model
         loss = loss_fn(X, y)
-        precond.step(loss, X)        # backward pass(es) + KWNG direction into p.grad
+        if precond is None:
+            loss.backward()
+        else:
+            precond.step(loss, X)    # backward pass(es) + KWNG direction into p.grad
         optimizer.step()
         losses.append(loss.item())
         if step % 10 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {loss.item():.4f}  eps {precond.eps:.2e}")
-    print(f"mode {precond.mode}, counters {precond.counters()}")
+            eps = "" if precond is None else f"  eps {precond.eps:.2e}"
+            print(f"step {step:4d}  loss {loss.item():.4f}{eps}")
+    if precond is not None:
+        print(f"mode {precond.mode}, counters {precond.counters()}")
     return losses
 
 

@@ -20,6 +20,18 @@ ENV_VAR = "KWNG_SCALE"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+#: the environment variable of the folder for caches (decoded images), default
+#: ``~/.cache/kwng``
+CACHE_VAR = "KWNG_CACHE"
+
+
+def cache_dir() -> Path:
+    """The folder for caches that can be rebuilt (e.g. decoded CIFAR images):
+    ``$KWNG_CACHE``, else ``~/.cache/kwng``; never beside a user's data."""
+    value = os.environ.get(CACHE_VAR, "").strip()
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "kwng"
+
+
 def scale() -> str:
     """Return the active scale, ``"small"`` or ``"full"``, from ``$KWNG_SCALE``."""
     value = os.environ.get(ENV_VAR, "small").strip().lower()

@@ -416,3 +416,18 @@ def test_a_replayed_loop_refreshes_where_the_guard_says():
         replay()
     assert log == [True, False, False, False, True, False, False, False]
     assert cache.guard_refreshes == 1
+
+
+def test_the_guard_switched_on_a_live_preconditioner_takes_effect():
+    """``precond.config = precond.config.replace(refresh_guard=True)`` between steps:
+    the next steps are guarded (a failed cached system refreshes two steps later) and
+    the checkpoint records the guard."""
+    batches = _batches(8)
+    model = _mlp()
+    pc = KWNGPreconditioner(model, lr=0.05, num_basis=3, eps=1e-2, refresh_every=10,
+                            generator=torch.Generator().manual_seed(3))
+    _refresh_steps(pc, model, batches[:1])
+    pc.config = pc.config.replace(refresh_guard=True)
+    assert pc.cache.guard and pc.state_dict()["hyperparameters"]["refresh_guard"]
+    got = _refresh_steps(pc, model, batches[1:], spoil_at=1, spoil=_spoil)
+    assert got == [0, 4] and pc.cache.guard_refreshes == 1

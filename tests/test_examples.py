@@ -4,6 +4,8 @@ repository root)."""
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -44,6 +46,19 @@ def test_example_runs_at_tiny_size(script):
     out = _run([sys.executable, f"examples/{script}", *TINY[script]])
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
     assert losses and all(v == v and v < 10 for v in losses), out
+
+
+@pytest.mark.parametrize("method", ["kwng", "sgd"])
+def test_the_cnn_example_learns_in_its_default_steps(method):
+    """The CNN example's task is learnable: in its default 100 steps the loss of the
+    last ten batches falls well below chance (ln 10), with KWNG and with plain SGD."""
+    spec = importlib.util.spec_from_file_location("cnn_sgd_kwng",
+                                                  ROOT / "examples" / "cnn_sgd_kwng.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.main(["--method", method])
+    assert len(losses) == 100
+    assert sum(losses[-10:]) / 10 < 0.25 * math.log(10), losses[-10:]
 
 
 def test_torchrun_example_keeps_two_gloo_ranks_identical():

@@ -1,7 +1,7 @@
 """Inputs that must not pass silently: samples that all sit at one point under a fixed
-bandwidth (the fast step falls back to the Euclidean gradient and counts it, the
-reference matrices warn), a bandwidth <= 0 given to the sync-free kernel matrices, and
-a directory's provenance must keep the time of interrupted calls."""
+bandwidth (the step, in either mode, takes the Euclidean gradient, logs why and counts
+it; the reference matrices warn), a bandwidth <= 0 given to the sync-free kernel
+matrices, and a directory's provenance must keep the time of interrupted calls."""
 
 from __future__ import annotations
 
@@ -28,16 +28,22 @@ def _one_point_step(mode: str) -> tuple[dict, dict]:
     return {k: float(v) for k, v in info.items()}, pc.counters()
 
 
-def test_one_point_samples_fall_back_in_the_fast_step_and_are_counted():
-    info, counters = _one_point_step("fast")
+@pytest.mark.parametrize("mode", ["fast", "reference"])
+def test_one_point_samples_take_the_euclidean_gradient_and_are_counted(mode, caplog):
+    with caplog.at_level("WARNING"):
+        info, counters = _one_point_step(mode)
     assert info["fallback"] == 1.0 and counters["fallbacks"] == 1
+    assert counters["euclidean_steps"] == 1
     assert info["direction_norm"] == pytest.approx(info["grad_norm"])  # ∇L itself
-    assert math.isnan(info["bandwidth"])
+    assert math.isnan(info["bandwidth"])  # no kernel was built
+    assert "coincide" in caplog.text
 
 
-def test_one_point_samples_warn_in_the_reference_step():
+def test_one_point_samples_warn_in_the_reference_matrices():
+    X = torch.ones(8, 2, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="all 8 samples X sit at one point"):
-        _one_point_step("reference")
+        kwng.kernel_matrices(X, torch.arange(3), torch.tensor([0, 1, 0]),
+                             kwng.GaussianKernel(1.0))
 
 
 def _matrices(X, **kw):

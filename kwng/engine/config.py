@@ -18,8 +18,9 @@ from kwng.engine.lm import LMSchedule
 from kwng.kernels import BANDWIDTH_RULES, Kernel, make_kernel
 from kwng.solve import DAMPINGS
 
-__all__ = ["AUTO_MODES", "KWNGConfig", "MODES", "authors_eps_factor", "config_with",
-           "eps_from_authors", "resolve_mode"]
+__all__ = ["AUTO_MODES", "FIXED_FIELDS", "KWNGConfig", "MODES", "auto_mode",
+           "authors_eps_factor", "config_with", "eps_from_authors", "live_changes",
+           "resolve_mode"]
 
 MODES = ("fast", "reference", "auto")
 
@@ -38,16 +39,29 @@ AUTO_MODES = {"cpu": {"conv": "reference", "dense": "fast"},
 
 
 def resolve_mode(mode: str, device: torch.device, model: torch.nn.Module) -> str:
-    """The path a preconditioner takes: ``mode`` itself, or for ``"auto"`` the entry of
-    :data:`AUTO_MODES` for ``device``'s type and ``model``'s kind."""
+    """The path a preconditioner takes: ``mode`` itself, or for ``"auto"`` the choice
+    of :func:`auto_mode`."""
     check_choice(mode, "mode", MODES)
-    if mode != "auto":
-        return mode
+    return mode if mode != "auto" else auto_mode(device, model)[0]
+
+
+def auto_mode(device: torch.device, model: torch.nn.Module) -> tuple[str, str]:
+    """``mode="auto"``'s path for ``model`` on ``device`` and why: the entry of
+    :data:`AUTO_MODES` for the device type and the model's kind, except that a model
+    with a dropout layer (``p > 0``) takes ``"reference"``: the fast path's replicated
+    forward would draw one mask per copy of the batch and refuses it."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    dropout = [type(m).__name__ for m in model.modules()
+               if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    if dropout:
+        return "reference", (f"the model has {dropout[0]}, which the fast path's "
+                             "replicated forward cannot run")
     kind = "conv" if any(isinstance(m, torch.nn.Conv2d) for m in model.modules()) \
         else "dense"
-    return AUTO_MODES.get(torch.device(device).type, {}).get(kind, "fast")
+    dev = torch.device(device).type
+    return (AUTO_MODES.get(dev, {}).get(kind, "fast"),
+            f"the faster path for a {kind} model on {dev} (AUTO_MODES)")
 
 
 def authors_eps_factor(batch_size: int) -> float:
@@ -95,7 +109,8 @@ class KWNGConfig:
       default; ``eps`` must lie within its bounds) or ``None`` (``ε`` fixed).
     * ``clip_norm`` > 0 or ``None``; ``mode`` ``"fast"``, ``"reference"`` (both
       exact) or ``"auto"`` (the faster of the two for the model's kind on the
-      parameters' device at construction, :data:`AUTO_MODES`);
+      parameters' device at construction, :data:`AUTO_MODES`; ``"reference"`` for a
+      model with dropout, :func:`resolve_mode`);
       ``diagonal_only`` — ``D⁻¹ g`` only (needs ``damping`` ``"T"`` or
       ``"T_tilde"``); ``rcond`` > 0 — relative pivot threshold of the stable solve
       (``None``: ``M · float-eps``).
@@ -179,6 +194,28 @@ class KWNGConfig:
     def fields(cls) -> tuple[str, ...]:
         """The names of the hyperparameters."""
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+#: the settings fixed when a preconditioner is built (:func:`live_changes`)
+FIXED_FIELDS = ("mode", "eps", "eps_schedule")
+
+
+def live_changes(old: KWNGConfig, new: Any) -> list[str]:
+    """The fields in which ``new`` differs from ``old``, the configuration of a live
+    preconditioner; refuses a ``new`` that is not a :class:`KWNGConfig` or that
+    changes one of :data:`FIXED_FIELDS` (the path and the ε rule's state depend on
+    them)."""
+    if not isinstance(new, KWNGConfig):
+        raise ValueError("config must be a kwng.KWNGConfig (e.g. "
+                         f"precond.config.replace(...)), got {type(new).__name__}")
+    changed = [k for k in KWNGConfig.fields() if getattr(old, k) != getattr(new, k)]
+    fixed = [k for k in changed if k in FIXED_FIELDS]
+    if fixed:
+        raise ValueError(
+            f"{', '.join(fixed)} cannot change on a live preconditioner (the path and "
+            "the ε rule's state depend on them): build a new KWNGPreconditioner "
+            "(load_state_dict carries the counters over)")
+    return changed
 
 
 def config_with(config: KWNGConfig | None,

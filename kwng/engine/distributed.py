@@ -263,6 +263,9 @@ class DistributedKWNG(KWNGPreconditioner):
             raise ValueError("broadcast must be a bool, got "
                              f"{type(broadcast).__name__}")
         self.batch_sizes = _check_batch_sizes(batch_sizes, self.world_size)
+        if hyperparameters.get("accumulation_steps", 1) != 1:
+            raise ValueError("accumulation_steps must be 1 for DistributedKWNG: split "
+                             "the batch over more processes instead")
         super().__init__(model, config, lr=lr, generator=generator, **hyperparameters)
         check_agreement(fingerprint(self, {"batch_sizes": self.batch_sizes,
                                            "broadcast": broadcast}),
@@ -293,6 +296,14 @@ class DistributedKWNG(KWNGPreconditioner):
         if 0 < n < M and outputs.dim() == 2:  # a view with M rows for the base checks
             outputs = outputs.narrow(0, 0, 1).expand(M, -1)
         super()._check_inputs(loss, outputs)
+
+    def _degenerate(self, loss: torch.Tensor, X: torch.Tensor, refresh: bool,
+                    check_finite: bool) -> str | None:
+        """No local check: every rank must take the same kind of step, so a
+        non-finite batch is refused through the reduced ``g`` (the same on every rank,
+        checked after the all-reduce), and whether a kernel system can be built is a
+        property of the global batch (:meth:`_share` checks its size)."""
+        return None
 
     def _shard_sizes(self, n: int, device: torch.device) -> list[int]:
         if self.batch_sizes is not None:

@@ -49,7 +49,9 @@ Two ways to get ``g`` and ``T`` (``mode``):
   :func:`kwng.engine.step_direction.step_direction` (Prop. 6 through
   :func:`kwng.solve.kwng_direction`, then :func:`kwng.solve.safeguard`, compiled on
   CUDA) and all bookkeeping (ε, r, counters, fallbacks, clipping) stays in device
-  tensors: no host synchronisation in a step. The replicated pass runs in the model's
+  tensors; the one host synchronisation of a step is the check that the outputs,
+  the loss and ``g`` are finite (skipped while a CUDA graph is recorded). The
+  replicated pass runs in the model's
   memory format: on a GPU, make a convolutional model channels_last
   (``model.to(memory_format=torch.channels_last)`` and inputs
   ``z.contiguous(memory_format=torch.channels_last)``), which cuDNN runs without
@@ -76,8 +78,19 @@ the paper's damping ``T_tilde`` the two regularisers agree when ``ε = √N · �
 Counters (:meth:`KWNGPreconditioner.counters`): ``fallbacks`` (steps where the natural
 direction was replaced by ``g``), ``ill_conditioned`` (``CCᵀ`` regularised),
 ``rank_sum`` (sum over steps of the rank kept by the stable solve),
-``damping_floored``, ``clipped``, ``eps_up``/``eps_down``. In fast mode fallbacks are
-counted on the device and logged by :meth:`counters` (a host sync).
+``damping_floored``, ``clipped``, ``eps_up``/``eps_down``, ``euclidean_steps``. In
+fast mode fallbacks are counted on the device and logged by :meth:`counters` (a host
+sync).
+
+Batches the estimator cannot use (:mod:`kwng.engine.precond_step`): non-finite
+outputs or loss are refused in every mode before the step changes any state, a
+non-finite ``g`` before anything is written into ``p.grad`` (a ``GradScaler``'s
+overflow excepted: the scaler skips that step). On a refresh step, a
+batch with fewer samples than ``num_basis`` (a short last batch) or whose samples all
+coincide (a zero-initialised output layer: bandwidth 0) takes the Euclidean gradient,
+clipped, logged once and counted in ``euclidean_steps`` (and ``fallbacks``); nothing is
+cached, so the next step refreshes. A step between refreshes applies the cached system
+to any batch.
 """
 
 from __future__ import annotations
@@ -89,8 +102,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from kwng._checks import check_int
 from kwng.engine.amortized import SystemCache
-from kwng.engine.config import KWNGConfig, config_with, resolve_mode
+from kwng.engine.config import (
+    KWNGConfig,
+    auto_mode,
+    config_with,
+    live_changes,
+    resolve_mode,
+)
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.engine.precond_loop import (
     GradWriter,
@@ -120,10 +140,13 @@ class KWNGPreconditioner(PreconditionerStep):
     """Replace the gradients of ``model``'s parameters by the KWNG direction (Prop. 6).
 
     Arguments: ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q``
-    numbers). A parameter frozen later (``requires_grad=False``) is left alone from then
-    on. In fast mode the replicated forward runs when ``model`` itself is called
-    (``model(z)``); attach the preconditioner to the network that the training loop
-    calls. ``config`` — a :class:`kwng.KWNGConfig` with the hyperparameters
+    numbers at a step: those that require a gradient then). A parameter frozen later
+    (``requires_grad=False``) is left alone from then on; one frozen at construction and
+    unfrozen later (gradual unfreezing) is trained from the step it requires a gradient,
+    as ``torch.optim`` trains it (in fast mode it must live in a Conv2d, Linear or
+    BatchNorm layer). In fast mode the replicated forward runs when ``model`` itself is
+    called (``model(z)``); attach the preconditioner to the network that the training
+    loop calls. ``config`` — a :class:`kwng.KWNGConfig` with the hyperparameters
     (``num_basis``, ``eps``, ``lam``, ``kernel``, ``bandwidth``, ``sigma0``,
     ``damping``, ``eps_schedule``, ``clip_norm``, ``mode``, ``diagonal_only``,
     ``rcond``, ``refresh_every``; see there); keyword arguments of the same names build
@@ -144,8 +167,25 @@ class KWNGPreconditioner(PreconditionerStep):
     ``grad_scaler.scale(loss)`` to :meth:`step`, which unscales ``g`` before the solve
     and the clip, then ``grad_scaler.step(optimizer)``. A gradient already in
     ``p.grad`` (another loss term's ``backward()``) is added to the direction; two
-    steps without an optimizer step between them (gradient accumulation) are refused,
-    as is a ``DistributedDataParallel`` model (use :class:`kwng.DistributedKWNG`). The
+    steps without an optimizer step between them are refused (for gradient
+    accumulation pass ``accumulation_steps``), as is a ``DistributedDataParallel``
+    model (use :class:`kwng.DistributedKWNG`).
+    ``accumulation_steps`` — ``n ≥ 1`` micro-batches per optimizer step (gradient
+    accumulation): call :meth:`step` on each micro-batch with its share of the loss
+    (``loss_fn(X_i, y_i) / n``, as in a plain accumulation loop, but without
+    ``backward()``) and ``optimizer.step()`` after every ``n``-th; the direction is the
+    one of the batch of all ``n`` micro-batches with loss ``Σ loss_i``, exactly (basis,
+    bandwidth and ``C`` are drawn over the whole batch). The price: the graphs of the
+    ``n`` micro-batches are kept until the ``n``-th, so the memory is that of the whole
+    batch (unlike kfac-pytorch's accumulation, which keeps running factors); in fast
+    mode ``T`` then comes from serial backward passes. A checkpoint taken between
+    micro-batches does not hold them.
+    ``output_fn`` — for a model that returns several outputs (a tuple such as
+    ``(logits, aux)``, a dict such as a Hugging Face ``ModelOutput``): the function
+    that picks the ``(N, d)`` samples from it (``lambda out: out[0]``, ``lambda out:
+    out["logits"]``); pass :meth:`step` the same tensor (``X = output_fn(model(z))``).
+    The fast mode needs it to know which output carries the samples; the other
+    outputs are returned for the batch as usual. The
     fast mode patches the model's layers: a pickled model (``torch.save(model)``)
     carries neither the patch nor the preconditioner, and :meth:`remove_hooks` detaches
     it.
@@ -157,8 +197,10 @@ class KWNGPreconditioner(PreconditionerStep):
     def __init__(self, model: nn.Module, config: KWNGConfig | None = None, *,
                  lr: float | Callable[[], float] | None = None,
                  generator: torch.Generator | None = None, params: Any = None,
-                 grad_scaler: Any = None, **hyperparameters: Any) -> None:
-        cfg = self.config = config_with(config, hyperparameters)
+                 grad_scaler: Any = None,
+                 output_fn: Callable[[Any], torch.Tensor] | None = None,
+                 accumulation_steps: int = 1, **hyperparameters: Any) -> None:
+        cfg = self._config = config_with(config, hyperparameters)
         check_model(model)
         self.model = model
         self.params, self.groups = resolve_params(model, params)
@@ -169,6 +211,13 @@ class KWNGPreconditioner(PreconditionerStep):
             raise ValueError("generator must be a torch.Generator or None, got "
                              f"{type(generator).__name__}")
         self.generator = generator
+        if output_fn is not None and not callable(output_fn):
+            raise ValueError("output_fn must be None or a callable that picks the "
+                             "(batch, d) samples from the model's output, got "
+                             f"{type(output_fn).__name__}")
+        self.output_fn = output_fn
+        self.accumulation_steps = check_int(accumulation_steps, "accumulation_steps", 1)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         dev = self.params[0].device
         # a fixed ε is a schedule whose bounds cannot move it (and it is never updated)
         fixed = LMSchedule(eps_min=cfg.eps, eps_max=cfg.eps)
@@ -177,12 +226,20 @@ class KWNGPreconditioner(PreconditionerStep):
         self._warned: set[str] = set()
         self._engine: ReplicatedEngine | None = None
         self.mode = resolve_mode(cfg.mode, dev, model)  # "auto": by device, model kind
-        if self.mode == "fast":
-            reason = unsupported_reason(model, self.params)
+        if cfg.mode == "auto":
+            log.info("KWNG mode='auto': %s, %s", *auto_mode(dev, model))
+        if self.mode == "fast" and self.accumulation_steps > 1:
+            self._warned.add("serial")
+            log.info("KWNG fast mode with accumulation_steps = %d: the whole batch's "
+                     "T comes from serial backward passes (the replicated forward "
+                     "covers one micro-batch)", self.accumulation_steps)
+        elif self.mode == "fast":
+            reason = unsupported_reason(
+                model, [p for p in self.params if p.requires_grad])
             if reason is not None and "already carries" in reason:
                 raise ValueError(f"model: {reason}")
             if reason is None:
-                self._engine = ReplicatedEngine(model, cfg.num_basis + 1)
+                self._engine = ReplicatedEngine(model, cfg.num_basis + 1, output_fn)
             else:
                 self._warn_once("unsupported", "KWNG fast mode: %s; this model uses "
                                 "serial backward passes", reason)
@@ -194,6 +251,31 @@ class KWNGPreconditioner(PreconditionerStep):
                           for k in COUNTERS}
 
     # --- state ------------------------------------------------------------------------
+    @property
+    def config(self) -> KWNGConfig:
+        """The hyperparameters. Assigning a new :class:`kwng.KWNGConfig` (e.g.
+        ``precond.config = precond.config.replace(refresh_every=4)``) takes effect at
+        the next step, which builds the kernel system afresh; ``mode``, ``eps`` and
+        ``eps_schedule`` are fixed at construction (the path and the ε rule's state
+        depend on them), and changing them is refused."""
+        return self._config
+
+    @config.setter
+    def config(self, new: KWNGConfig) -> None:
+        changed = live_changes(self._config, new)
+        if not changed:
+            return
+        self._config = new
+        if "num_basis" in changed and self._engine is not None:
+            self._engine.remove()
+            self._engine = ReplicatedEngine(self.model, new.num_basis + 1,
+                                            self.output_fn)
+        # the next step builds the system afresh, with the new settings
+        self.cache.every, self.cache.guard = new.refresh_every, new.refresh_guard
+        self.cache.load_state_dict(None, self.cache.steps, self.params[0].device)
+        log.info("KWNG: settings changed (%s), effective from the next step",
+                 ", ".join(f"{k}={getattr(new, k)!r}" for k in changed))
+
     @property
     def num_steps(self) -> int:
         """Steps taken (counted on the device, so CUDA-graph replays count; a host
@@ -255,7 +337,7 @@ class KWNGPreconditioner(PreconditionerStep):
 
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
-        q = sum(p.numel() for p in self.params)
+        q = sum(p.numel() for p in self.params if p.requires_grad)
         return f"KWNGPreconditioner(q={q}, {hp})"
 
     def remove_hooks(self) -> None:
@@ -287,10 +369,28 @@ class KWNGPreconditioner(PreconditionerStep):
         of ``‖ĝ‖²``), ``loss_only`` (components of parameters the samples do not depend
         on, :func:`kwng.solve.loss_only_columns`), ``dot`` (``⟨g, ĝ⟩`` after clipping),
         ``grad_norm``, ``direction_norm``, ``bandwidth`` — 0-dim tensors on the outputs'
-        device in both modes (``"fast"`` never syncs with the host).
+        device in both modes (``"fast"`` syncs with the host once, for the finiteness
+        check).
+
+        With ``accumulation_steps = n > 1`` the first ``n − 1`` calls of an optimizer
+        step only keep their micro-batch (returning ``{"micro_batches": i}``; ``p.grad``
+        is left alone) and the ``n``-th computes the direction of the whole batch from
+        ``Σ loss_i`` and the stacked outputs.
         """
+        if not any(p.requires_grad for p in self.params):
+            raise ValueError("every parameter the preconditioner covers is frozen "
+                             "(requires_grad=False): there is nothing to train; "
+                             "unfreeze some, or skip precond.step")
         self._check_inputs(loss, outputs)
         scale = scale_of(self.grad_scaler, loss)
+        if self.accumulation_steps > 1:
+            self._pending.append((loss, outputs))
+            if len(self._pending) < self.accumulation_steps:
+                return {"micro_batches": torch.tensor(len(self._pending),
+                                                      device=outputs.device)}
+            losses, parts = zip(*self._pending)
+            self._pending = []
+            loss, outputs = torch.stack(losses).sum(), torch.cat(parts)
         # the kernel algebra in at least float32
         with torch.autocast(outputs.device.type, enabled=False):
             return self._step(loss, outputs, scale)

@@ -9,9 +9,10 @@ preconditioner and what the step leaves in ``p.grad``.
 * **What is already in** ``p.grad`` (:class:`GradWriter`): a gradient the loop put
   there before the step (an auxiliary loss's ``backward()``) is added to the KWNG
   direction, never dropped; the direction the previous step wrote is replaced. Two
-  steps without an optimizer step between them (gradient accumulation) are refused:
-  the estimator needs the whole batch at once (the basis, the bandwidth and ``C`` are
-  batch-wide).
+  steps without an optimizer step between them are refused: the estimator needs the
+  whole batch at once (the basis, the bandwidth and ``C`` are batch-wide); gradient
+  accumulation is the preconditioner's ``accumulation_steps``, which keeps the
+  micro-batches until the last one.
 * **The tensors in** ``p.grad`` are views of one flat buffer (one copy per step). A
   view the loop keeps after ``optimizer.zero_grad()`` is never overwritten: the next
   step writes into a new buffer.
@@ -34,20 +35,26 @@ from kwng._checks import check_positive
 
 __all__ = ["GradWriter", "backward_hint", "check_grad_scaler", "check_lr",
            "check_model", "check_not_loss_gradient", "check_step_inputs",
-           "group_lrs_missing", "is_compiled", "overflowed_step", "predicted_decrease",
-           "resolve_params", "scale_of"]
+           "euclidean_direction", "group_lrs_missing", "group_params", "is_compiled",
+           "overflowed_step", "predicted_decrease", "resolve_params", "scale_of"]
 
 _SECOND_BACKWARD = "backward through the graph a second time"
 
 
 def resolve_params(model: nn.Module, params: Iterable[Any] | None
                    ) -> tuple[list[torch.Tensor], list[dict[str, Any]] | None]:
-    """The parameters the metric covers and, if ``params`` held groups (dicts with a
+    """The parameters the metric may cover and, if ``params`` held groups (dicts with a
     ``"params"`` entry, as ``optimizer.param_groups``), those groups themselves (read
-    again at every step, so a schedule that changes a group's ``"lr"`` is seen)."""
+    again at every step, so a schedule that changes a group's ``"lr"`` is seen, and
+    the parameters of a group added by ``optimizer.add_param_group`` join).
+
+    Frozen parameters (``requires_grad=False``) are kept: each step covers the ones
+    that require a gradient at that step, so a parameter unfrozen later (gradual
+    unfreezing) is trained from then on, as ``torch.optim`` trains it. At least one
+    must require a gradient now."""
     if params is None:
-        chosen = [p for p in model.parameters() if p.requires_grad]
-        if not chosen:
+        chosen = list(model.parameters())
+        if not any(p.requires_grad for p in chosen):
             raise ValueError("model has no parameter with requires_grad=True")
         return chosen, None
     if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
@@ -57,8 +64,8 @@ def resolve_params(model: nn.Module, params: Iterable[Any] | None
     items = list(params)
     groups = None
     if items and all(isinstance(x, dict) for x in items):
-        groups = items
-        items = [p for grp in groups for p in _group_params(grp)]
+        groups = params if isinstance(params, list) else items  # add_param_group seen
+        items = [p for grp in groups for p in group_params(grp)]
     owned = {id(p) for p in model.parameters()}
     seen: set[int] = set()
     for p in items:
@@ -69,13 +76,13 @@ def resolve_params(model: nn.Module, params: Iterable[Any] | None
         if id(p) in seen:
             raise ValueError("params lists a parameter twice")
         seen.add(id(p))
-    chosen = [p for p in items if p.requires_grad]
-    if not chosen:
+    if not any(p.requires_grad for p in items):
         raise ValueError("params holds no parameter with requires_grad=True")
-    return chosen, groups
+    return items, groups
 
 
-def _group_params(group: dict[str, Any]) -> list[Any]:
+def group_params(group: dict[str, Any]) -> list[Any]:
+    """The parameters of one parameter group (its ``"params"`` entry as a list)."""
     if "params" not in group:
         raise ValueError("a parameter group of params must have a 'params' entry, got "
                          f"keys {sorted(group)}")
@@ -100,7 +107,7 @@ def predicted_decrease(groups: list[dict[str, Any]] | None, params: list[torch.T
     steps = [float(grp["lr"]) if "lr" in grp else lr() for grp in groups]
     if len(set(steps)) == 1:
         return steps[0], dot
-    step_of = {id(p): s for grp, s in zip(groups, steps) for p in _group_params(grp)}
+    step_of = {id(p): s for grp, s in zip(groups, steps) for p in group_params(grp)}
     total, offset = torch.zeros((), dtype=dot.dtype, device=dot.device), 0
     for p in params:
         n = p.numel()
@@ -146,10 +153,10 @@ class GradWriter:
             raise ValueError(
                 "step() was called again before the optimizer used the direction of "
                 "the previous step (p.grad still holds it and no parameter moved): "
-                "gradient accumulation over micro-batches is not supported, since the "
-                "estimator needs the whole batch at once (basis, bandwidth and C are "
-                "batch-wide). Call step once per optimizer step on the whole batch, or "
-                "split the batch over processes with kwng.DistributedKWNG")
+                "the estimator needs the whole batch at once (basis, bandwidth and C "
+                "are batch-wide). For gradient accumulation over n micro-batches build "
+                "the preconditioner with accumulation_steps=n; else call step once per "
+                "optimizer step")
         taken = {}
         for p in params:
             if p.grad is None or any(p is q for q in stale):
@@ -226,6 +233,22 @@ def overflowed_step(out: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tenso
             "dot": torch.full((), float("nan"), device=g.device),
             "fallback": ~zero.bool(), "clipped": zero.bool(), "grad_norm": norm,
             "direction_norm": norm}
+
+
+def euclidean_direction(out: torch.Tensor, g: torch.Tensor, clip_norm: float | None
+                        ) -> dict[str, torch.Tensor]:
+    """A step that takes the Euclidean gradient ``g`` (clipped to ``clip_norm``) into
+    ``out``: the info of :data:`kwng.engine.step_direction.INFO_KEYS`, counted as a
+    fallback."""
+    from kwng.solve import safeguard
+
+    safe = safeguard(g, g, clip_norm)
+    out.copy_(safe.direction)
+    zero = torch.zeros((), dtype=torch.long, device=g.device)
+    return {"rank": zero, "ill_conditioned": zero.bool(), "damping_floored": zero,
+            "floored_share": zero.double(), "loss_only": zero, "dot": safe.dot,
+            "fallback": ~zero.bool(), "clipped": safe.clipped,
+            "grad_norm": safe.grad_norm, "direction_norm": safe.direction_norm}
 
 
 def scale_of(grad_scaler: Any, loss: torch.Tensor) -> torch.Tensor | None:

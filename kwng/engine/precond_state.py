@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 #: The counters of a preconditioner (device tensors, summed over its steps).
 COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped",
-            "serial_steps", "loss_only")
+            "serial_steps", "loss_only", "euclidean_steps")
 
 # the hyperparameters of a state saved before eps_schedule: old key -> LMSchedule field
 _OLD_LM_KEYS = {"lm_interval": "interval", "lm_omega": "omega", "lm_low": "low",
@@ -105,9 +105,14 @@ def load_preconditioner_state(
     hp = state.get("hyperparameters")
     if hp is not None:
         hp = upgrade_hyperparameters(hp)
-        if hp != hyperparameters:
-            log.warning("load_state_dict: hyperparameters differ from the saved ones: "
-                        "%s", hp)
+        diffs = [f"{k}: saved {hp.get(k, '(absent)')!r}, "
+                 f"now {hyperparameters.get(k, '(absent)')!r}"
+                 for k in sorted({*hp, *hyperparameters})
+                 if hp.get(k) != hyperparameters.get(k)]
+        if diffs:
+            log.warning("load_state_dict: hyperparameters differ from the saved ones "
+                        "(the loaded state is used with this preconditioner's): %s",
+                        "; ".join(diffs))
     return steps, counters
 
 

@@ -56,6 +56,7 @@ then falls back to serial passes.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,8 +119,10 @@ class ReplicatedEngine:
     docstring).
     """
 
-    def __init__(self, model: nn.Module, copies: int) -> None:
+    def __init__(self, model: nn.Module, copies: int,
+                 output_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
         self.model = model
+        self.output_fn = output_fn
         self.state = _State(copies=copies)
         self.outputs: torch.Tensor | None = None
         self.first: torch.Tensor | None = None
@@ -176,17 +179,23 @@ class ReplicatedEngine:
         if not st.active:
             return None
         st.active = False
-        if (
-            not isinstance(output, torch.Tensor)
-            or output.shape[0] != st.copies * st.batch
-        ):
+        rows = st.copies * st.batch
+        if not isinstance(output, torch.Tensor) and self.output_fn is None:
             raise ValueError(
-                "the replicated KWNG forward needs a model that returns one "
-                "(batch, d) tensor"
-            )
-        self.outputs = output
-        self.first = output[: st.batch]
-        return self.first
+                f"the model returned a {type(output).__name__}, not one (batch, d) "
+                "tensor: pass output_fn= to the preconditioner, the function that "
+                "picks the samples from the model's output (e.g. lambda out: out[0] "
+                "for (logits, aux), lambda out: out['logits'] for a dict)")
+        full = output if self.output_fn is None else self.output_fn(output)
+        if not isinstance(full, torch.Tensor) or full.dim() < 1 \
+                or full.shape[0] != rows:
+            raise ValueError(
+                "output_fn must return the model's (batch, d) samples as a tensor, "
+                f"got {type(full).__name__}")
+        first = _first_copy(output, rows, st.batch)
+        self.outputs = full
+        self.first = first if self.output_fn is None else self.output_fn(first)
+        return first
 
     def __deepcopy__(self, memo: dict) -> ReplicatedEngine:
         """A deep copy of the model (hooks included) gets a disabled engine: its hooks
@@ -219,6 +228,11 @@ class ReplicatedEngine:
             st.handoff = {}  # layouts no convolution took (a gradient summed first)
         return st.grads
 
+    def owned(self) -> set[int]:
+        """``id`` of every parameter of a patched layer (the ones :meth:`backward`
+        returns gradients for)."""
+        return {id(p) for mod in self._patched for p in mod.parameters(recurse=False)}
+
     def remove(self) -> None:
         """Give the layers their own classes back and remove the hooks."""
         for mod in self._patched:
@@ -229,11 +243,31 @@ class ReplicatedEngine:
         self._post.remove()
 
 
+def _first_copy(output: Any, rows: int, batch: int) -> Any:
+    """``output`` with every tensor of ``rows`` rows cut to its first ``batch`` (the
+    first copy), through tuples, lists and dicts (a dict keeps its class, e.g. a
+    Hugging Face ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        return output[:batch] if output.dim() > 0 and output.shape[0] == rows \
+            else output
+    if isinstance(output, dict):
+        out = copy.copy(output)
+        for k in output:
+            out[k] = _first_copy(output[k], rows, batch)
+        return out
+    if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
+        return type(output)(*(_first_copy(v, rows, batch) for v in output))
+    if isinstance(output, (tuple, list)):
+        return type(output)(_first_copy(v, rows, batch) for v in output)
+    return output
+
+
 def disabled_engine() -> ReplicatedEngine:
     """An engine whose hooks do nothing (what a copied or pickled model carries)."""
     new = object.__new__(ReplicatedEngine)
     new.model, new.state, new.outputs, new.first = None, _State(), None, None
     new.enabled, new._patched, new._pre, new._post = False, [], None, None
+    new.output_fn = None
     new._dropouts = []
     return new
 

@@ -15,3 +15,13 @@ EXPERIMENTS: dict[str, str] = {
     "cifar": "kwng.experiments.cifar.cli",
     "fisher": "kwng.experiments.fisher",
 }
+
+#: name -> what the experiment is for (the help of ``python -m kwng.experiments``)
+PURPOSES: dict[str, str] = {
+    "relerr": "relative error of KWNG against the exact WNG (Fig. 1, Fig. 5)",
+    "bandwidth": "relative error against a fixed Gaussian bandwidth (Fig. 6)",
+    "flow": "W2 flow of the normal model: exact WNG, KWNG, Euclidean (Fig. 2)",
+    "cifar": "CIFAR-10/100 classification: one run, sweeps, selection, timing "
+             "(§4.2, Fig. 3; `cifar --help` lists its commands)",
+    "fisher": "Fisher-Rao beside Wasserstein with the same kernel estimator",
+}

@@ -6,16 +6,22 @@ from __future__ import annotations
 import importlib
 import sys
 
-from kwng.experiments import EXPERIMENTS
+from kwng.experiments import EXPERIMENTS, PURPOSES
+
+
+def usage() -> str:
+    """The help text: each experiment with what it is for."""
+    width = max(map(len, EXPERIMENTS))
+    rows = [f"  {name:<{width}}  {PURPOSES[name]}" for name in EXPERIMENTS]
+    return ("usage: python -m kwng.experiments <name> [options]   "
+            "(python -m kwng.experiments <name> --help: its options)\n\n"
+            "experiments:\n" + "\n".join(rows))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: python -m kwng.experiments <name> [options]\n\nexperiments: "
-            + ", ".join(EXPERIMENTS)
-        )
+        print(usage())
         return 0
     name = argv[0]
     if name not in EXPERIMENTS:

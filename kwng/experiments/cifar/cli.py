@@ -99,7 +99,7 @@ from kwng.experiments.cli_checks import (
 )
 from kwng.experiments.provenance import ResultFileError
 
-__all__ = ["main", "run_config_from_args", "ddp_main", "COMMANDS"]
+__all__ = ["main", "run_config_from_args", "ddp_main", "COMMANDS", "PURPOSES"]
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,18 @@ COMMANDS = {
     "trainer-timing": trainer_timing_command,
 }
 
+#: what each command of :data:`COMMANDS` is for (its ``--help`` description)
+PURPOSES = {
+    "sweep": "run a plan of runs in worker processes (finished runs skipped, "
+             "interrupted ones resumed)",
+    "worker": "one worker process of a sweep (started by `cifar sweep`)",
+    "select": "apply the step-size selection rule to the selection runs",
+    "timing": "seconds per step of every method, one at a time on an idle device",
+    "schedule": "the number of epochs of a plan that fits a time budget",
+    "check": "check that the results of a suite are complete",
+    "trainer-timing": "the trainer's epochs, eager against captured",
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kwng.experiments cifar [command] ...`` (module docstring)."""
@@ -302,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         argparse.ArgumentParser(prog="python -m kwng.experiments cifar").error(
             f"unknown cifar subcommand {sub!r}; use {', '.join(COMMANDS)}, ddp (under "
             "torchrun) (or options only: one run)")
-    p = argparse.ArgumentParser(prog=f"python -m kwng.experiments cifar {sub}")
+    p = argparse.ArgumentParser(prog=f"python -m kwng.experiments cifar {sub}",
+                                description=PURPOSES[sub])
     if sub not in ("sweep", "worker"):  # a sweep has its own --force, a worker none
         p.add_argument("--force", action="store_true", help="replace a different "
                        "existing output file (select, timing, schedule), moving it to "

@@ -124,6 +124,11 @@ class RunConfig:
         if self.early_stop is not None and not self.val_size:
             raise ValueError("early_stop needs val_size > 0: the rule reads the "
                              "validation accuracy, never the test set's")
+        if self.source == "sample" and self.data_root is not None:
+            raise ValueError("source='sample' trains on the committed 500-image "
+                             "sample and would not read "
+                             f"data_root={self.data_root!r}: drop --data-root, or "
+                             "pass --source auto (or jpeg, official) to train on it")
         if self.eval_test is True and not self.val_size:
             raise ValueError("eval_test=True needs val_size > 0 (without a validation "
                              "split the evaluation set is already the test set)")

@@ -10,7 +10,8 @@ labels:
 * the **offline JPEG copy** of CIFAR-10 (``cifar10_jpeg.npz``: the original JPEG bytes
   of every image, quality 75), decoded once with Pillow by
   :func:`~kwng.experiments.cifar.images.load_jpeg_npz` and cached as ``.npy`` arrays
-  keyed by the npz's content hash
+  in the user's cache folder (``$KWNG_CACHE``, default ``~/.cache/kwng``) keyed by the
+  npz's content hash
   (:func:`~kwng.experiments.cifar.images.file_fingerprint`), so a replaced npz is
   decoded again;
 * the **committed sample** (``kwng/experiments/cifar/data_sample/cifar10_sample.npz``:
@@ -30,6 +31,7 @@ import hashlib
 import logging
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -281,14 +283,17 @@ def find_source(
 
 
 def load_cifar(dataset: str, split: str, data_root: str | os.PathLike | None = None,
-               source: str = "auto", download: bool = False
+               source: str = "auto", download: bool = False,
+               rows: Callable[[int], np.ndarray] | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
     """Load ``(x, y)`` for ``dataset`` in {cifar10, cifar100} and ``split`` in {train,
     test}.
 
     ``source``: ``"auto"`` (:func:`find_source`, downloading through torchvision into
     ``data_root`` if nothing is found and ``download``), ``"official"``, ``"jpeg"`` or
-    ``"sample"`` (CIFAR-10 only).
+    ``"sample"`` (CIFAR-10 only). ``rows``: a function of the split's size that returns
+    the indices of the images to keep (a subset); a JPEG npz then decodes only those
+    (:func:`~kwng.experiments.cifar.images.load_jpeg_npz`).
     """
     check_choice(dataset, "dataset", DATASETS)
     check_choice(split, "split", ("train", "test"))
@@ -299,7 +304,7 @@ def load_cifar(dataset: str, split: str, data_root: str | os.PathLike | None = N
                 "source='sample' exists for dataset='cifar10' only, got "
                 f"dataset={dataset!r}"
             )
-        return load_sample(split)
+        return _keep(*load_sample(split), rows)
     try:
         kind, where = find_source(dataset, data_root)
     except FileNotFoundError:
@@ -316,5 +321,14 @@ def load_cifar(dataset: str, split: str, data_root: str | os.PathLike | None = N
             f"asked for source={source!r} but found {kind} data at {where}"
         )
     if kind == "official":
-        return read_official_cifar(where, dataset, split)
-    return load_jpeg_npz(where, split)
+        return _keep(*read_official_cifar(where, dataset, split), rows)
+    return load_jpeg_npz(where, split, rows=rows)
+
+
+def _keep(x: np.ndarray, y: np.ndarray, rows: Callable[[int], np.ndarray] | None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)`` at the indices ``rows(len(y))`` (all of them without ``rows``)."""
+    if rows is None:
+        return x, y
+    keep = np.asarray(rows(len(y)), dtype=np.int64)
+    return x[keep], y[keep]

@@ -20,12 +20,13 @@ import json
 import logging
 import os
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kwng import config
 from kwng._checks import check_choice, check_int
 
 __all__ = ["CIFAR_MEAN", "CIFAR_STD", "file_fingerprint", "load_jpeg_npz", "normalize",
@@ -74,20 +75,21 @@ def _npz_split(path: Path, split: str) -> tuple[object, np.ndarray, np.ndarray]:
     return z, y, off
 
 
-def _decode_jpegs(buf: np.ndarray, offsets: np.ndarray, path: Path | str = "npz"
-                  ) -> np.ndarray:
+def _decode_jpegs(buf: np.ndarray, offsets: np.ndarray, path: Path | str = "npz",
+                  rows: np.ndarray | None = None) -> np.ndarray:
     """The ``uint8 (N, 32, 32, 3)`` images of the JPEG bytes ``buf`` cut at
-    ``offsets``."""
+    ``offsets`` (``rows``: only these images, in this order)."""
     from PIL import Image, UnidentifiedImageError
 
     if int(offsets[-1]) != buf.size:
         raise ValueError(f"{path}: the offsets end at byte {int(offsets[-1])}, the "
                          f"JPEG buffer holds {buf.size}")
-    out = np.empty((len(offsets) - 1, 32, 32, 3), dtype=np.uint8)
-    for i in range(len(offsets) - 1):
+    order = range(len(offsets) - 1) if rows is None else rows
+    out = np.empty((len(order), 32, 32, 3), dtype=np.uint8)
+    for j, i in enumerate(order):
         raw = buf[offsets[i]:offsets[i + 1]].tobytes()
         try:
-            out[i] = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
+            out[j] = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
         except (OSError, ValueError, UnidentifiedImageError) as exc:
             raise ValueError(f"{path}: image {i} is not a 32x32 JPEG "
                              f"({type(exc).__name__}: {exc})") from exc
@@ -136,29 +138,10 @@ def _write_decode_cache(
             log.info("cannot cache decoded images in %s (%s)", c, exc)
 
 
-def load_jpeg_npz(path: str | os.PathLike, split: str,
-                  cache_dir: str | os.PathLike | None = None,
-                  official_order: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Decode one split of a JPEG npz (``{split}_jpeg``, ``{split}_offsets``,
-    ``y_{split}``).
-
-    The decoded ``uint8`` array is cached as ``<stem>_<split>_x.npy`` in ``cache_dir``
-    (default: next to the npz, or ``~/.cache/kwng`` if that folder is read-only) so that
-    the decode (a few seconds) happens once. The cache is used only if its key file
-    ``<stem>_<split>_x.key.json`` holds the npz's current :func:`file_fingerprint`;
-    otherwise (npz replaced, key missing, shape wrong) it is rebuilt. With
-    ``official_order`` and a ``train_official_perm`` key, training rows are put in the
-    order of the official ``data_batch`` files.
-    """
-    check_choice(split, "split", ("train", "test"))
-    path = Path(path)
-    z, y, off = _npz_split(path, split)
-    key = {"source_fingerprint": file_fingerprint(path), "split": split}
-    candidates = (
-        [Path(cache_dir)]
-        if cache_dir is not None
-        else [path.parent, Path.home() / ".cache" / "kwng"]
-    )
+def _read_decode_cache(path: Path, split: str, key: dict, n: int,
+                       candidates: list[Path]) -> np.ndarray | None:
+    """The decoded images of ``path``'s ``split`` (``n`` of them) from the first folder
+    of ``candidates`` whose cache matches ``key``; ``None`` if none does."""
     x = None
     for c in candidates:
         f = c / f"{path.stem}_{split}_x.npy"
@@ -183,19 +166,56 @@ def load_jpeg_npz(path: str | os.PathLike, split: str,
             except (OSError, ValueError, EOFError) as exc:
                 log.warning("decode cache %s unreadable (%s): rebuilding", f, exc)
                 continue
-            if x.shape != (len(y), 32, 32, 3):
+            if x.shape != (n, 32, 32, 3):
                 log.warning("ignoring cache %s with shape %s", f, x.shape)
                 x = None
             else:
                 break
+    return x
+
+
+def load_jpeg_npz(path: str | os.PathLike, split: str,
+                  cache_dir: str | os.PathLike | None = None,
+                  official_order: bool = True,
+                  rows: Callable[[int], np.ndarray] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Decode one split of a JPEG npz (``{split}_jpeg``, ``{split}_offsets``,
+    ``y_{split}``).
+
+    The decoded ``uint8`` array is cached as ``<stem>_<split>_x.npy`` in ``cache_dir``
+    (default: :func:`kwng.config.cache_dir`, ``$KWNG_CACHE`` or ``~/.cache/kwng``;
+    never beside the npz) so that the decode (a few seconds) happens once. The cache is
+    used only if its key file ``<stem>_<split>_x.key.json`` holds the npz's current
+    :func:`file_fingerprint`; otherwise (npz replaced, key missing, shape wrong) it is
+    rebuilt. With ``official_order`` and a ``train_official_perm`` key, training rows
+    are put in the order of the official ``data_batch`` files.
+
+    ``rows`` — a function of the split's size ``n`` that returns the indices (into the
+    returned order) to keep: only those images are returned, and without a complete
+    cache only those are decoded (and nothing is cached).
+    """
+    check_choice(split, "split", ("train", "test"))
+    path = Path(path)
+    z, y, off = _npz_split(path, split)
+    key = {"source_fingerprint": file_fingerprint(path), "split": split}
+    candidates = [Path(cache_dir) if cache_dir is not None else config.cache_dir()]
+    perm = (np.asarray(z["train_official_perm"])
+            if split == "train" and official_order and "train_official_perm" in z.files
+            else None)
+    x = _read_decode_cache(path, split, key, len(y), candidates)
+    keep = None if rows is None else np.asarray(rows(len(y)), dtype=np.int64)
+    if x is None and keep is not None:  # decode the kept images only
+        stored = keep if perm is None else perm[keep]
+        log.info("decoding %d of %d %s JPEGs from %s", len(stored), len(y), split,
+                 path)
+        return _decode_jpegs(z[f"{split}_jpeg"], off, path, stored), y[stored]
     if x is None:
         log.info("decoding %d %s JPEGs from %s", len(y), split, path)
         x = _decode_jpegs(z[f"{split}_jpeg"], off, path)
         _write_decode_cache(x, key, path, split, candidates)
-    if split == "train" and official_order and "train_official_perm" in z.files:
-        perm = np.asarray(z["train_official_perm"])
+    if perm is not None:
         x, y = x[perm], y[perm]
-    return x, y
+    return (x, y) if keep is None else (x[keep], y[keep])
 
 
 # ---------------------------------------------------------------------- augmentation

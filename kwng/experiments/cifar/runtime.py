@@ -60,31 +60,43 @@ def resolve_lr(cfg: RunConfig) -> float:
     base = cfg.spec.get("lr_from", cfg.method)
     key = f"{cfg.dataset}/{cfg.conditioning}/{base}"
     if key not in table:
-        raise KeyError(f"no selected step size for {key} in {path}")
+        prefix = f"{cfg.dataset}/{cfg.conditioning}/"
+        chosen = ", ".join(k[len(prefix):] for k in sorted(table)
+                           if k.startswith(prefix)) or "none"
+        raise ValueError(f"lr='selected': {path} holds no step size for {key} "
+                         f"(for {prefix} it has {chosen}); pass --lr, or run `cifar "
+                         f"select` on a selection that includes {base!r}")
     return float(table[key]["lr"])
 
 
 def split_data(cfg: RunConfig):
     """Training / evaluation arrays. With ``val_size`` > 0 (step-size selection) the
     evaluation set is held out of the training set (the test set is not looked at);
-    ``train_subset`` keeps that many."""
+    ``train_subset`` keeps that many (only those images are decoded from a JPEG npz)."""
+    held = {}
+
+    def rows(n: int) -> np.ndarray:
+        """The training rows to load: the subset, then the held-out split."""
+        if cfg.val_size and cfg.val_size >= n:
+            raise ValueError(
+                f"val_size must be smaller than the training set ({n} "
+                f"images), got {cfg.val_size}: nothing left to train on"
+            )
+        perm = np.random.default_rng(12345).permutation(n)
+        if cfg.val_size:
+            val, rest = perm[: cfg.val_size], perm[cfg.val_size :]
+            rest = rest[: cfg.train_subset] if cfg.train_subset else rest
+            held["train"] = len(rest)
+            return np.concatenate([rest, val])
+        return np.sort(perm[: cfg.train_subset])
+
     x, y = load_cifar(
-        cfg.dataset, "train", cfg.data_root, cfg.source, cfg.download
+        cfg.dataset, "train", cfg.data_root, cfg.source, cfg.download,
+        rows=rows if cfg.val_size or cfg.train_subset else None,
     )
-    if cfg.val_size and cfg.val_size >= len(x):
-        raise ValueError(
-            f"val_size must be smaller than the training set ({len(x)} "
-            f"images), got {cfg.val_size}: nothing left to train on"
-        )
     if cfg.val_size:
-        perm = np.random.default_rng(12345).permutation(len(x))
-        val, rest = perm[: cfg.val_size], perm[cfg.val_size :]
-        if cfg.train_subset:
-            rest = rest[: cfg.train_subset]
-        return x[rest], y[rest], x[val], y[val]
-    if cfg.train_subset:
-        keep = np.random.default_rng(12345).permutation(len(x))[: cfg.train_subset]
-        x, y = x[np.sort(keep)], y[np.sort(keep)]
+        k = held["train"]
+        return x[:k], y[:k], x[k:], y[k:]
     xt, yt = load_cifar(
         cfg.dataset, "test", cfg.data_root, cfg.source, cfg.download
     )

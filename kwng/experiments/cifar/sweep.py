@@ -115,6 +115,17 @@ def worker(jobs: Iterable[dict], session: str, deadline: float | None,
     return failures
 
 
+def _selected_lr(cfg: RunConfig) -> float | None:
+    """The run's step size, or ``None`` (logged) where ``lr='selected'`` has none yet:
+    such a job is not skipped, its worker reports it."""
+    try:
+        return resolve_lr(cfg)
+    except ValueError as err:  # no selected step size for this method
+        log.warning("%s: not skipped (%s); its worker reports it", run_dir_for(cfg),
+                    err)
+        return None
+
+
 def is_complete(job: dict, force: bool = False) -> bool:
     """Whether the sweep may skip ``job``: complete *and* of the identity it asks for
     (:func:`kwng.experiments.guard.check_existing_run`: another identity raises unless
@@ -127,7 +138,10 @@ def is_complete(job: dict, force: bool = False) -> bool:
         rec = read_json(mp) if mp.is_file() else None
         if not (isinstance(rec, dict) and rec.get("complete")):
             return False  # nothing to skip: its worker starts, resumes or refuses it
-        identity = run_identity_of(cfg, resolve_lr(cfg))
+        lr = _selected_lr(cfg)
+        if lr is None:
+            return False
+        identity = run_identity_of(cfg, lr)
         return guard.check_existing_run(rdir, checkpoint_path_for(cfg), identity,
                                         force) is not None
     except (FileNotFoundError, KeyError, ResultFileError) as err:
