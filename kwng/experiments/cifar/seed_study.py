@@ -21,7 +21,7 @@ __all__ = ["AMORTIZED", "AMORTIZED_SEEDS", "BAR", "SEED_RUN_HEADER",
            "SEED_SUMMARY_HEADER", "amortized_runs", "bar_phrase", "check_seed_study",
            "seed_bar", "seed_check", "seed_run_table", "seed_study_groups",
            "seed_study_runs", "seed_summary_rows", "seed_summary_table",
-           "failure_rows", "seconds_text"]
+           "failure_rows", "seconds_text", "summary_values", "failure_values"]
 
 #: the test accuracies a run reports the time to
 TARGETS = (0.80, 0.85)
@@ -321,3 +321,41 @@ def failure_rows(runs: dict[tuple, dict], method: str, cond: str = "ill",
                     "eps_median": statistics.median(r["eps"] for r in rows),
                     "steps": rows[-1]["steps"]})
     return out
+
+
+def summary_values(rows: list[dict], runs: list[dict]) -> dict[str, str]:
+    """The numbers a page quotes from :func:`seed_summary_rows` ``rows``, as text named
+    ``<cond>_<method>_<field>`` (``runs``, ``stalls``, ``range`` of the final test
+    accuracy in %, ``s85`` median / worst seconds to 85 %), and ``k100_ok_s85``, the
+    seconds to 85 % of each ill-conditioned ``kwng_k100`` run of :func:`seed_study_runs`
+    ``runs`` that did not stall."""
+    out = {}
+    for r in rows:
+        key = f"{r['cond']}_{r['method']}"
+        out[f"{key}_runs"], out[f"{key}_stalls"] = str(r["runs"]), str(r["stalls"])
+        out[f"{key}_range"] = f"{100 * r['min']:.1f}–{100 * r['max']:.1f}"
+        out[f"{key}_s85"] = " / ".join(map(seconds_text, (r["median_s_to_85"],
+                                                          r["worst_s_to_85"])))
+    out["k100_ok_s85"] = " and ".join(
+        seconds_text(r["s_to_85"]) for r in runs if r["method"] == "kwng_k100"
+        and r["cond"] == "ill" and r["complete"] and not r["stalled"])
+    return out
+
+
+def failure_values(fail: dict[str, list[dict]], every: int = 100) -> dict[str, str]:
+    """The numbers a page quotes from :func:`failure_rows` of ``kwng_k100`` (a system
+    reused ``every`` steps) and ``kwng_k20`` (``fail``: method -> rows): for the stalled
+    runs the epoch of the first fallback, the fallbacks by epoch 7, the rank-deficient
+    steps and systems and the steps run; for the healthy ones the sum of both counts;
+    for k = 20 its rank-deficient steps per seed and its fallbacks."""
+    bad = [r for r in fail["kwng_k100"] if r["stalled"]]
+    good = [r for r in fail["kwng_k100"] if not r["stalled"]]
+    return {
+        "first": " and ".join(str(r["first_fallback"]) for r in bad),
+        "fall7": " and ".join(str(r["fallbacks_7"]) for r in bad),
+        "ill": " and ".join(f"{r['ill_conditioned']:,}" for r in bad),
+        "systems": " and ".join(str(r["ill_conditioned"] // every) for r in bad),
+        "steps": f"{bad[0]['steps']:,}" if bad else "–",
+        "good": str(sum(r["fallbacks"] + r["ill_conditioned"] for r in good)),
+        "k20_ill": ", ".join(str(r["ill_conditioned"]) for r in fail["kwng_k20"]),
+        "k20_fall": str(sum(r["fallbacks"] for r in fail["kwng_k20"]))}
