@@ -148,7 +148,7 @@ def fig_logit_scale(records: dict, keys: Sequence[tuple] | None = None,
 def fig_accuracy(records: dict, seconds: dict[str, float] | None = None,
                  keys: Sequence[tuple] | None = None):
     """Test accuracy per epoch (Fig. 3 of the paper), or, with ``seconds`` (per method,
-    :func:`epoch_seconds`), per second of one GPU (Fig. 7): IC and WC panels."""
+    :func:`epoch_seconds`), per second of one GPU (Fig. 6): IC and WC panels."""
     if keys is None:
         keys = [k for k in sorted(records) if not k[0].startswith("fp32")]
     fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 3.4), sharey=True)

@@ -9,9 +9,9 @@ style of its record (:class:`kwng.experiments.cifar.methods.Method`):
 
 * :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per
   epoch, ill- and well-conditioned side by side, mean over seeds with the min–max band);
-* :func:`fig_accuracy_vs_time` — Fig. 7 (accuracy against training time: the wall clock
+* :func:`fig_accuracy_vs_time` — Fig. 6 (accuracy against training time: the wall clock
   recorded by each run, or the step time of each method measured alone);
-* :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ
+* :func:`fig_ablation` — Fig. 7 (damping choices, diagonal conditioning alone, RQ
   kernel, scaled logits);
 * :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each
   epoch;
@@ -154,7 +154,7 @@ def fig_accuracy_vs_time(
     title: str = "",
     looks: dict | None = None,
 ):
-    """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``:
+    """Fig. 6: accuracy against training time (evaluation excluded). Without ``timing``:
     the cumulative training wall clock recorded by each run (mean over seeds), which
     includes the slow-down from other runs sharing the GPU. With ``timing`` (the record
     of ``cifar timing``): ``epoch × steps per epoch × seconds per step measured alone``
@@ -202,7 +202,7 @@ def fig_accuracy_vs_time(
 def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = None,
                  title: str = "Ill-conditioned CIFAR-10: damping, diagonal "
                  "conditioning,\nkernel, estimator input"):
-    """Fig. 8: ill-conditioned case, KWNG against its variants (training and test
+    """Fig. 7: ill-conditioned case, KWNG against its variants (training and test
     accuracy per epoch)."""
     fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.6), squeeze=False)
     for j, (key, name) in enumerate(

@@ -22,7 +22,7 @@ __all__ = ["relerr_headline", "bandwidth_range", "divergence_step", "step_cost_r
 
 def relerr_headline(rows: Sequence[dict]) -> dict[str, float]:
     """At the largest dimension and sample size of an error-against-``N`` sweep (panel
-    (b) of Figs. 1 and 5): ``{"d", "N", "median", "mean", "slope"}``, the slope being
+    (b) of Figs. 1 and 4): ``{"d", "N", "median", "mean", "slope"}``, the slope being
     that of ``log(mean error)`` against ``log N``."""
     by_n = summarise(rows, "N", "N")
     if not by_n:
@@ -35,7 +35,7 @@ def relerr_headline(rows: Sequence[dict]) -> dict[str, float]:
 
 
 def bandwidth_range(rows: Sequence[dict], factor: float = 2.0) -> tuple[float, float]:
-    """The smallest and largest bandwidth of a Fig. 6 sweep whose mean error, at the
+    """The smallest and largest bandwidth of a Fig. 5 sweep whose mean error, at the
     largest dimension, is within ``factor`` of the best one."""
     by_sigma = summarise(rows, "sigma", "bandwidth_spec")
     if not by_sigma:

@@ -1,4 +1,4 @@
-"""Figures of the synthetic experiments (Figs. 1, 2, 5, 6 of Arbel et al., 2020).
+"""Figures of the synthetic experiments (Figs. 1, 2, 4, 5 of Arbel et al., 2020).
 
 Every function takes result rows as produced by :mod:`kwng.experiments.synthetic`
 (:func:`~kwng.experiments.synthetic_setup.load_rows`,
@@ -42,7 +42,7 @@ def dim_colors(dims: Sequence[int]) -> dict[int, tuple]:
 def plot_relerr(
     rows: Sequence[dict], title: str = "", N_box: int | None = None, stat: str = "mean"
 ):
-    """Fig. 1 / Fig. 5 for one model: (a) box-plots over ``d`` at ``N = N_box``
+    """Fig. 1 / Fig. 4 for one model: (a) box-plots over ``d`` at ``N = N_box``
     (default: the largest ``N``) with ``M = ⌊d√N⌋``, (b) error vs ``N``, (c) error vs
     ``M`` at fixed ``N``. ``stat`` is the curve drawn in (b), (c): ``"mean"`` (the
     paper's average) or ``"median"``."""
@@ -92,7 +92,7 @@ def plot_relerr(
 
 @book_figure
 def plot_bandwidth(rows_by_model: dict[str, Sequence[dict]], stat: str = "mean"):
-    """Fig. 6: relative error against the fixed bandwidth ``σ``, one panel per model."""
+    """Fig. 5: relative error against the fixed bandwidth ``σ``, one panel per model."""
     import matplotlib.pyplot as plt
 
     if not rows_by_model:
