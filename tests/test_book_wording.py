@@ -39,7 +39,8 @@ PAPER_FIGURES = {
     3: ("fig:cifar10_classification", ("per epoch", "cifar-100")),
     4: ("fig:relative_error_log_normal", ("log-normal",)),
     5: ("fig:sensitivity", ("sensitivity to the bandwidth", "bandwidth sensitivity",
-                            "fixed bandwidth", "bandwidth study", "range of bandwidths")),
+                            "fixed bandwidth", "bandwidth study",
+                            "range of bandwidths")),
     6: ("fig:cifar10_timing", ("against time", "wall-clock", "against training time",
                                "time cost", "against the time")),
     7: ("fig:cifar10_ablation", ("ablation", "diagonal conditioning", "damping",
@@ -55,10 +56,12 @@ APPENDIX_TOPICS = {
 }
 #: "Fig. 3" followed by one of these names the study, not the figure
 STUDY_NAMES = re.compile(
-    r"Fig\. 3(?:'s)? (?:protocol|study|queue|plan|step|steps|answer|page|chapter|"
+    r"Fig\. 3(?:'s)?\s+(?:protocol|study|queue|plan|step|steps|answer|page|chapter|"
     r"records|runs|rounds|settings|selection|verdict|sweep|ablations|horizon|layout)"
 )
-FIG = re.compile(r"\b(?:Fig(?:ure)?s?\.?)\s*~?(\d+(?:(?:,\s*|,?\s+and\s+|\s*[-–]\s*)\d+)*)")
+FIG = re.compile(
+    r"\b(?:Fig(?:ure)?s?\.?)\s*~?(\d+(?:(?:,\s*|,?\s+and\s+|\s*[-–]\s*)\d+)*)"
+)
 APP = re.compile(r"\bApp(?:endix|\.)\s*([A-Z])\.(\d+)")
 
 #: phrases that tell the project's progress instead of its result
@@ -210,7 +213,8 @@ def process_problems(name: str, text: str) -> list[str]:
 
 
 def test_figure_numbers_are_the_papers():
-    problems = [p for name, text in SOURCES.items() for p in figure_problems(name, text)]
+    problems = [p for name, text in SOURCES.items()
+                for p in figure_problems(name, text)]
     assert not problems, "\n".join(problems)
 
 
@@ -244,7 +248,7 @@ def test_figure_check_passes_the_papers_numbering():
 
 
 def test_appendix_check_fails_on_the_wrong_section():
-    assert appendix_problems("p", "accuracy against wall-clock time as well (App. D.2).")
+    assert appendix_problems("p", "accuracy against wall-clock time (App. D.2).")
     assert appendix_problems("p", "see App. D.4")
     assert not appendix_problems("p", "accuracy against wall-clock time (App. D.3).")
 
