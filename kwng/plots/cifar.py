@@ -323,14 +323,14 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
                     label=_label(results, cond, m))
     if mark is not None:
         ax.axvline(mark, color="k", lw=0.8, ls=":")
-    ax.set_xlabel("$U_k$ of the class (log scale)")
+    ax.set_xlabel("U of the class (log scale)")
     ax.set_ylabel("test accuracy of the class (%)")
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, loc="lower right")
     ax.set_title(
         f"{cond}-conditioned: per-class test accuracy\nafter the last epoch against "
-        "$U_k$"
+        "the class's U"
     )
     fig.tight_layout()
     return fig

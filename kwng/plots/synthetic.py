@@ -173,7 +173,7 @@ def _frame_finite_runs(ax_p, box: list) -> None:
 def _label_flow_axes(ax_l, ax_p) -> None:
     """Axis labels, titles and legends of :func:`plot_flow`."""
     ax_l.set_xlabel("iteration")
-    ax_l.set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
+    ax_l.set_ylabel("squared W2 distance to the target")
     ax_l.set_title("(a) loss")
     ax_l.legend()
     ax_p.set_xlabel("PC 1 of the WNG trajectory")
@@ -282,7 +282,7 @@ def plot_flow_study(
                 ax.plot(last, y[-1], "x", color=color, ms=9, mew=2)
     ax.axhline(floor, color="0.6", ls=(0, (1, 2)), lw=1)
     ax.set_xlabel("iteration")
-    ax.set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
+    ax.set_ylabel("squared W2 distance to the target")
     fig.legend(loc="lower center", ncol=2, frameon=False)
     fig.tight_layout(rect=(0, 0.3, 1, 1))
     return fig
