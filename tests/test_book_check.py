@@ -301,7 +301,8 @@ def _answer_table(col: int) -> str:
     return (f'<table class="table cue kwng-answer kwng-answer-col-{col}" '
             'style="display: block; overflow-x: auto; max-width: 100%">'
             f"<thead><tr>{head}</tr></thead><tbody><tr>"
-            + "".join(f"<td>{i}.00</td>" for i in range(1, 11)) + "</tr></tbody></table>")
+            + "".join(f"<td>{i}.00</td>" for i in range(1, 11))
+            + "</tr></tbody></table>")
 
 
 def test_phone_fails_a_table_whose_answer_column_scrolls_out_of_view(tmp_path):
@@ -410,7 +411,8 @@ def test_figure_superscript_below_seven_px_on_a_phone_fails(tmp_path):
     facts_root = tmp_path / "f"
     facts_root.mkdir()
     _log_svg(facts_root, "sci.svg", plain=False)
-    sizes = check_book.svg_figure_facts(facts_root / "_images" / "sci.svg")["text_sizes"]
+    facts = check_book.svg_figure_facts(facts_root / "_images" / "sci.svg")
+    sizes = facts["text_sizes"]
     assert min(sizes) == pytest.approx(0.7 * 9.5)
     root = _book(tmp_path, "")
     body = _log_svg(root, "sci.svg", plain=False)

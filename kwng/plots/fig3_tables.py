@@ -14,8 +14,8 @@ __all__ = ["TTA_HEADER", "TTA_ANSWER", "tta_table", "tta_values"]
 
 #: the columns of :func:`tta_table`, the answers (:data:`TTA_ANSWER`) first after the
 #: row's name, so that a phone shows them without scrolling the table
-TTA_HEADER = ("cond.", "method", "s to 85 %", "epochs to 85 %", "s to 80 %", "s / epoch",
-              "step", "runs")
+TTA_HEADER = ("cond.", "method", "s to 85 %", "epochs to 85 %", "s to 80 %",
+              "s / epoch", "step", "runs")
 #: the columns of :data:`TTA_HEADER` that answer the time question
 TTA_ANSWER = ("s to 85 %", "epochs to 85 %")
 
