@@ -27,8 +27,8 @@ from kwng.experiments.cifar.verdicts import alone_runs, seed_summary
 from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["TARGETS", "TIME_HEADER", "TIME_ANSWER", "amortized_runs", "clock_runs",
-           "time_rows", "time_table", "time_values", "amortized_goal", "GOAL_HEADER", "goal_table",
-           "goal_values"]
+           "time_rows", "time_table", "time_values", "amortized_goal", "GOAL_HEADER",
+           "goal_table", "goal_values"]
 
 #: the test accuracies a row reports the time to
 TARGETS = (0.80, 0.85)
