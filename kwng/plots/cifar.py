@@ -266,13 +266,12 @@ def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = Non
                       cond="ill", lw=1.0, ms=0, z=3)
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)
-            if i == 0:
-                ax.set_title(f"{name.split()[0]} accuracy")
+            ax.set_title(f"{m}: {name.split()[0]}")
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
     n = _legend_below(fig, axes, seen)
     fig.suptitle(title, wrap=True)
-    fig.tight_layout(rect=(0, _below(fig, n), 1, 0.92))
+    fig.tight_layout(rect=(0, _below(fig, n), 1, 1 - 0.6 / fig.get_figheight()))
     return fig
 
 

@@ -69,9 +69,9 @@ def plot_relerr(
     axes[0].set_yscale("log")
     axes[0].set_xlabel("dimension $d$")
     axes[0].set_ylabel("relative error")
-    axes[0].set_title(f"(a) $N={N_box}$, $M=\\lfloor d\\sqrt{{N}}\\rfloor$")
+    axes[0].set_title(f"(a) N = {N_box}, M = ⌊d√N⌋")
     for ax, summ, lab, ttl in (
-        (axes[1], byN, "sample size $N$", "(b) $M=\\lfloor d\\sqrt{N}\\rfloor$"),
+        (axes[1], byN, "sample size $N$", "(b) M = ⌊d√N⌋"),
         (axes[2], byM, "basis points $M$", "(c) fixed $N$"),
     ):
         for d, s in summ.items():
