@@ -10,6 +10,7 @@ plain numbers.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -17,7 +18,8 @@ import numpy as np
 from kwng.experiments.synthetic_setup import summarise
 from kwng.plots.bench import step_rows
 
-__all__ = ["relerr_headline", "bandwidth_range", "divergence_step", "step_cost_ratio"]
+__all__ = ["relerr_headline", "bandwidth_range", "divergence_step", "step_cost_ratio",
+           "STEP_COST_RECORD"]
 
 
 def relerr_headline(rows: Sequence[dict]) -> dict[str, float]:
@@ -52,10 +54,16 @@ def divergence_step(loss: Sequence[float]) -> int | None:
     return None if finite.all() else int(np.flatnonzero(finite)[-1]) + 1
 
 
+#: the step-cost record every page quotes a KWNG step's cost in SGD steps from (under
+#: ``results/``): the table of the GPU appendix, measured with the book's code
+STEP_COST_RECORD = Path("benchmarks") / "recheck" / "step_cost_after.json"
+
+
 def step_cost_ratio(record: dict, precision: str = "bf16_autocast",
                     layout: str = "channels_last", num_basis: int = 5) -> float:
     """The KWNG step (fast path, replayed from a CUDA graph) in SGD steps replayed the
-    same way, from the step-cost record (:mod:`kwng.experiments.bench.step_cost`)."""
+    same way, from the step-cost record (:mod:`kwng.experiments.bench.step_cost`;
+    the pages read :data:`STEP_COST_RECORD`)."""
     rows = step_rows(record)
     kwng = rows[(precision, layout, "kwng_fast_graph", num_basis)]["median_ms"]
     sgd = rows[(precision, layout, "sgd_graph", None)]["median_ms"]
