@@ -6,7 +6,8 @@
 #                      1280 and 390 px, fail on raw TeX, broken images/links, pipe tables,
 #                      console errors, equations or tables wider than their box, wide
 #                      pages, long code cells, missing figures, figure text below 7 px,
-#                      empty axes, shifted screenshots; count what scrolls on a phone
+#                      empty axes, shifted screenshots, a table's named answer columns
+#                      off screen; count what scrolls on a phone
 #   make notebooks  -> the chapters as paired .ipynb notebooks in notebooks/ (ignored by git)
 #   make lab        -> JupyterLab in which the book/*.md chapters open as notebooks
 PYTHON ?= python3

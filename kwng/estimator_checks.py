@@ -133,7 +133,7 @@ def report_degenerate(diagnostics: dict, direction: torch.Tensor, grad: torch.Te
 
 def relative_error(estimate, exact) -> float:
     """``‖estimate - exact‖ / ‖exact‖`` (the error measure of the paper's Figs. 1,
-    5, 6)."""
+    4, 5)."""
     e = torch.as_tensor(estimate, dtype=torch.float64).cpu()
     x = torch.as_tensor(exact, dtype=torch.float64).cpu()
     if e.shape != x.shape:

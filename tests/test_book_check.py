@@ -294,6 +294,42 @@ def test_phone_takes_a_cued_scrolling_table_but_not_a_bare_one(tmp_path):
     assert {d.kind for d in defects} == {"wide-table"}, defects
 
 
+def _answer_table(col: int) -> str:
+    """A cued scrolling table of 10 columns whose answer is column ``col`` (1-based), as
+    ``kwng.plots.tables.markdown_table(..., answer=...)`` marks it."""
+    head = "".join(f"<th>column {i}</th>" for i in range(1, 11))
+    return (f'<table class="table cue kwng-answer kwng-answer-col-{col}" '
+            'style="display: block; overflow-x: auto; max-width: 100%">'
+            f"<thead><tr>{head}</tr></thead><tbody><tr>"
+            + "".join(f"<td>{i}.00</td>" for i in range(1, 11))
+            + "</tr></tbody></table>")
+
+
+def test_phone_fails_a_table_whose_answer_column_scrolls_out_of_view(tmp_path):
+    defects = _kinds(_answer_table(9), tmp_path / "a", width=390)
+    assert {d.kind for d in defects} == {"hidden-answer"}, defects
+    assert 'column "column 9"' in defects[0].detail
+    # the same table with its answer in view passes (and is counted as scrolling)
+    scrolls: dict = {}
+    assert _kinds(_answer_table(2), tmp_path / "b", width=390, scrolls=scrolls) == []
+    assert scrolls["index.html"]["tables"] == 1, scrolls
+    # a named column the table does not have is a defect too
+    defects = _kinds(_answer_table(2).replace("col-2", "col-12"), tmp_path / "c",
+                     width=390)
+    assert {d.kind for d in defects} == {"hidden-answer"}, defects
+
+
+def test_markdown_table_names_its_answer_columns():
+    from kwng.plots.tables import markdown_table
+
+    text = markdown_table(("method", "step", "mean (%)"), [("sgd", "0.1", "90.0")],
+                          answer=("mean (%)",))
+    assert text.startswith("```{table}\n:class: kwng-answer kwng-answer-col-3\n")
+    assert text.endswith("| sgd | 0.1 | 90.0 |\n```")
+    with pytest.raises(ValueError, match="not in the header"):
+        markdown_table(("a", "b"), [("1", "2")], answer=("c",))
+
+
 def test_phone_counts_scrolling_code(tmp_path):
     scrolls: dict = {}
     assert _kinds(SEEDED["wide-code"], tmp_path, width=390, scrolls=scrolls) == []
@@ -344,6 +380,48 @@ def test_figure_text_below_seven_px_at_display_size_fails(tmp_path):
     body = _svg(root, "fits.svg", width_in=5.0, fontsize=7.0)
     (root / "index.html").write_text(HEAD + CLEAN + body + TAIL)
     assert check_book.check_pages(root, [root / "index.html"], None, width=1280) == []
+
+
+def _log_svg(root: Path, name: str, plain: bool) -> str:
+    """A figure whose log axis is labelled 10 with a superscript exponent (matplotlib's
+    default, the exponent at 0.7 of the label's size), or plainly
+    (:func:`kwng.plots.style.plain_log_ticks`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kwng.plots.style import plain_log_ticks
+
+    fig, ax = plt.subplots(figsize=(6.2, 2.5))
+    ax.loglog([1e-6, 1e2], [1e-3, 1.0])
+    ax.tick_params(labelsize=9.5)
+    if plain:
+        plain_log_ticks(fig)
+    (root / "_images").mkdir(exist_ok=True)
+    fig.savefig(root / "_images" / name, format="svg")
+    plt.close(fig)
+    return (f'<div class="cell_output"><img src="_images/{name}" alt="figure" '
+            'style="max-width: 100%"></div>')
+
+
+def test_figure_superscript_below_seven_px_on_a_phone_fails(tmp_path):
+    """9.5 pt labels pass on a phone (7.3 px), their superscript exponents (6.65 pt,
+    5.1 px) do not; the book's plain labels pass."""
+    facts_root = tmp_path / "f"
+    facts_root.mkdir()
+    _log_svg(facts_root, "sci.svg", plain=False)
+    facts = check_book.svg_figure_facts(facts_root / "_images" / "sci.svg")
+    sizes = facts["text_sizes"]
+    assert min(sizes) == pytest.approx(0.7 * 9.5)
+    root = _book(tmp_path, "")
+    body = _log_svg(root, "sci.svg", plain=False)
+    (root / "index.html").write_text(HEAD + CLEAN + body + TAIL)
+    defects = check_book.check_pages(root, [root / "index.html"], None, width=390)
+    assert {d.kind for d in defects} == {"figure-text"}, defects
+    body = _log_svg(root, "plain.svg", plain=True)
+    (root / "index.html").write_text(HEAD + CLEAN + body + TAIL)
+    assert check_book.check_pages(root, [root / "index.html"], None, width=390) == []
 
 
 def test_raster_figure_cannot_be_measured(tmp_path):

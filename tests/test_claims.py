@@ -66,6 +66,14 @@ def test_momentum_verdict_compares_the_gap_with_the_larger_seed_range():
     assert claims.momentum_verdict({"well/kwng": kw}) == {"verdict": "pending"}
 
 
+def test_momentum_gap_is_quoted_from_the_means_as_printed():
+    """90.15 and 88.19 print as 90.1 and 88.2: the quoted gap is 1.9, not the 2.0 of
+    the unrounded means."""
+    v = claims.momentum_verdict({"well/kwng_mom": _summ(0.9014999999999999, 0.004),
+                                 "well/kwng": _summ(0.8819, 0.002)})
+    assert f"{v['gap']:.1f}" == "2.0" and f"{v['gap_shown']:.1f}" == "1.9"
+
+
 def _tta(**seconds) -> dict:
     return {f"ill/{m}": {"to": {0.85: s}} for m, s in seconds.items()}
 

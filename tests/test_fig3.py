@@ -410,8 +410,8 @@ def test_the_time_table_marks_unfinished_selections_and_never_reached_targets():
            "well/adam": {"lr": 0.01, "final": True, "runs": 1, "s_per_epoch": 1.43,
                          "to": {0.8: 14.2, 0.85: 33.4}, "epoch_to": {0.85: 23.0}}}
     table = fig3_tables.tta_table(tta)
-    assert "| ill | sgd | 1 (not final) | 2 | 1.20 | never | never | never |" in table
-    assert "| well | adam | 0.01 | 1 | 1.43 | 14 | 33 | 23.0 |" in table
+    assert "| ill | sgd | never | never | never | 1.20 | 1 (not final) | 2 |" in table
+    assert "| well | adam | 33 | 23.0 | 14 | 1.43 | 0.01 | 1 |" in table
     v = fig3_tables.tta_values(tta)
     assert v["tta_well_adam_85"] == "33" and v["tta_ill_sgd_80"] == "never"
     assert v["tta_ep_well_adam"] == "23.0" and v["tta_spe_ill_sgd"] == "1.20"

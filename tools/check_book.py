@@ -29,6 +29,11 @@ typesetting, the page fails on
   edge that hides more formula); those are counted per page, not failed;
 * ``wide-table``: a table wider than its box, by the same rule (cut or scrolling at a
   laptop's width; at a phone's width allowed, and counted, in a cued scroll box);
+* ``hidden-answer``: a table that names the columns holding its answer (classes
+  ``kwng-answer-col-<i>``, from ``kwng.plots.tables.markdown_table(..., answer=...)``)
+  with one of them outside the window or outside the box the table scrolls in, as the
+  page opens: at a phone's width the reader must not scroll a table to find its
+  answer (reorder, stack or split it instead);
 * ``wide-code``: a code cell or a printed output wider than its block (it scrolls
   sideways); at a phone's width, where an 80-column line cannot fit, counted instead;
 * ``wide-page``: a page wider than the window (the reader must scroll the whole page);
@@ -41,8 +46,9 @@ typesetting, the page fails on
   make figure calls (helpers the page defines itself, e.g. one that draws on a given
   axis, are not counted);
 * ``figure-text``: a figure whose smallest text is below :data:`MIN_TEXT_PX` px at the
-  width it is shown, computed from the figure file (its size and the size of each text
-  in it) and the displayed width; a raster figure cannot be measured and is reported;
+  width it is shown, computed from the figure file (its size and the size of each
+  glyph in it, a sub- or superscript at its own size) and the displayed width; a raster
+  figure cannot be measured and is reported;
 * ``empty-axes``: a figure with a framed axes that shows nothing;
 * ``screenshot-offset``: the full-page screenshot draws a heading away from where the
   page has it (compared with a screenshot of the heading alone), after four tries, the
@@ -105,6 +111,7 @@ KINDS = (
     "wide-table",
     "long-cell",
     "figure-text",
+    "hidden-answer",
     "empty-axes",
     "screenshot-offset",
 )
@@ -207,15 +214,36 @@ _DATA_ID = re.compile(
 )
 
 
+_GLYPH_SCALE = re.compile(r"scale\(\s*([0-9.eE+-]+)\s*\)")  # one factor: a script
+
+
+def _glyph_sizes(el, size: float) -> list[float]:
+    """The size of each glyph drawn under ``el`` (a text group of font ``size``): a
+    sub- or superscript of mathtext (``10⁻⁴`` on a log axis, ``U_k``) is a glyph
+    under a further ``scale(0.7)`` (``0.49`` for a script of a script)."""
+    out = []
+    for child in el:
+        if child.tag == _SVG + "defs":
+            continue
+        m = _GLYPH_SCALE.search(child.get("transform", ""))
+        here = size * float(m[1]) if m else size
+        if child.tag in (_SVG + "use", _SVG + "path"):
+            out.append(here)
+        out.extend(_glyph_sizes(child, here))
+    return out
+
+
 def svg_figure_facts(path: Path) -> dict:
     """What a matplotlib SVG figure shows: its width in its own units, the size of each
     text in those units and the number of empty axes (a framed axes that shows no
     line, collection, image, legend or text other than its tick labels and title).
 
     The returned ``{"width", "text_sizes", "empty_axes"}`` are read from the file:
-    text is drawn as glyphs under ``scale(s, -s)`` with ``s`` = font size / 100, and
-    each axes is a group ``axes_N``; the axis titles are ``text_N`` children only
-    when set, so an axes with nothing but a title counts as empty.
+    text is drawn as glyphs under ``scale(s, -s)`` with ``s`` = font size / 100, a
+    mathtext sub- or superscript under a further ``scale(k)`` (:func:`_glyph_sizes`:
+    its size is ``k`` times the text's), and each axes is a group ``axes_N``; the axis
+    titles are ``text_N`` children only when set, so an axes with nothing but a title
+    counts as empty.
     """
     import xml.etree.ElementTree as ET
 
@@ -229,7 +257,8 @@ def svg_figure_facts(path: Path) -> dict:
     for g in root.iter(_SVG + "g"):
         m = _TEXT_SCALE.search(g.get("transform", ""))
         if m and abs(float(m[1]) - float(m[2])) < 1e-12:
-            sizes.append(100.0 * float(m[1]))
+            size = 100.0 * float(m[1])
+            sizes.extend(_glyph_sizes(g, size) or [size])
     empty = 0
     for g in root.iter(_SVG + "g"):
         if not re.fullmatch(r"axes_\d+", g.get("id", "")):

@@ -87,6 +87,34 @@
     add('wide-table', Math.round(w) + 'px > its box ' + Math.round(r) + 'px: '
         + head.join(' | ').slice(0, 120));
   }
+  // A table that names the columns holding its answer (classes kwng-answer-col-<i>,
+  // written by kwng.plots.tables.markdown_table) shows them on screen as the page
+  // opens: inside the window and inside the box the table scrolls in, not scrolled to.
+  for (const t of main.querySelectorAll('table.kwng-answer')) {
+    const cols = [...t.classList].map(c => /^kwng-answer-col-(\d+)$/.exec(c))
+      .filter(Boolean).map(m => +m[1]);
+    const head = [...t.querySelectorAll('tr:first-child > th, thead th')]
+      .map(h => h.textContent.trim());
+    let right = window.innerWidth, left = 0;
+    for (let b = t; b && b !== main.parentElement; b = b.parentElement) {
+      const st = getComputedStyle(b);
+      if (!scrolls(st) || !b.clientWidth) continue;
+      const r = b.getBoundingClientRect();
+      left = Math.max(left, r.left + b.clientLeft);
+      right = Math.min(right, r.left + b.clientLeft + b.clientWidth);
+    }
+    for (const n of cols) {
+      const cells = [...t.querySelectorAll(`tr > :nth-child(${n})`)];
+      if (!cells.length) { add('hidden-answer', 'no column ' + n + ' in the table: '
+                               + head.join(' | ').slice(0, 100)); continue; }
+      const rs = cells.map(c => c.getBoundingClientRect());
+      const hi = Math.max(...rs.map(r => r.right)), lo = Math.min(...rs.map(r => r.left));
+      if (hi > right + 1 || lo < left - 1)
+        add('hidden-answer', `column "${head[n - 1] || n}" spans ${Math.round(lo)}–`
+            + `${Math.round(hi)}px, the screen shows ${Math.round(left)}–`
+            + `${Math.round(right)}px: ` + head.join(' | ').slice(0, 100));
+    }
+  }
   for (const pre of main.querySelectorAll('pre')) {
     if (pre.scrollWidth <= pre.clientWidth + 1 || !pre.getClientRects().length) continue;
     if (narrow) { counts.code++; continue; }  // an 80-column line cannot fit a phone

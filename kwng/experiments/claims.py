@@ -82,14 +82,16 @@ def momentum_verdict(summ: dict) -> dict:
     test accuracy minus KWNG's (points), ``tol`` the larger of their seed ranges; the
     verdict is ``"holds"`` if ``gap > tol``, ``"fails"`` if ``gap < -tol``, else
     ``"within spread"``, and ``"pending"`` until both selections are final with all
-    their seeds."""
+    their seeds. ``gap_shown`` is the gap of the two means as pages print them (to 0.1
+    point), the number a page quotes beside them."""
     a, b = summ.get("well/kwng_mom"), summ.get("well/kwng")
     if not a or not b or not all(v["final"] and v["seeds"] >= v["wanted"]
                                  for v in (a, b)):
         return {"verdict": "pending"}
     gap, tol = 100 * (a["mean"] - b["mean"]), 100 * max(a["range"], b["range"])
     word = "holds" if gap > tol else "fails" if gap < -tol else "within spread"
-    return {"verdict": word, "gap": gap, "tol": tol}
+    shown = float(f"{100 * a['mean']:.1f}") - float(f"{100 * b['mean']:.1f}")
+    return {"verdict": word, "gap": gap, "tol": tol, "gap_shown": shown}
 
 
 def time_verdict(tta: dict, fig3_ver: dict, target: float = 0.85) -> dict:

@@ -4,10 +4,10 @@ flow.
 Three commands (``python -m kwng.experiments <name> --scale small|full ...``):
 
 * ``relerr``    – relative error of KWNG against the exact WNG (Fig. 1 for the
-  hyper-sphere, Fig. 5 for the normal and log-normal models): panel ``N`` (error vs
+  hyper-sphere, Fig. 4 for the normal and log-normal models): panel ``N`` (error vs
   ``N`` with ``M = ⌊d√N⌋``; its ``N = 5000`` column is the box-plot of panel (a)) and
   panel ``M`` (error vs ``M`` at fixed ``N``);
-* ``bandwidth`` – relative error against a fixed Gaussian bandwidth ``σ`` (Fig. 6);
+* ``bandwidth`` – relative error against a fixed Gaussian bandwidth ``σ`` (Fig. 5);
 * ``flow``      – W2² flow of the normal model towards a target normal with exact WNG,
   KWNG and the Euclidean gradient (Fig. 2).
 

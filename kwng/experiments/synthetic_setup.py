@@ -43,7 +43,7 @@ __all__ = [
 
 #: The models of the sweeps (names of :data:`kwng.models.MODELS`) in the order of the
 #: paper's figures: the sphere (Fig. 1), then the normal and log-normal models
-#: (Fig. 5). The committed configurations record this order: changing it makes the
+#: (Fig. 4). The committed configurations record this order: changing it makes the
 #: guards refuse them.
 FIGURE_MODELS = model_names(("sphere", "normal", "lognormal"))
 SWEEP_COLUMNS = (
@@ -77,7 +77,7 @@ RELERR_BANDWIDTH: dict[str, float | str] = {
 # Configurations
 # --------------------------------------------------------------------------------------
 def relerr_config(scale: str | None = None) -> dict:
-    """Grid of the relative-error study (Figs. 1, 5). ``full``: the paper's 100 runs per
+    """Grid of the relative-error study (Figs. 1, 4). ``full``: the paper's 100 runs per
     point."""
     full = _config.resolve(scale) == "full"
     return {
@@ -94,7 +94,7 @@ def relerr_config(scale: str | None = None) -> dict:
 
 
 def bandwidth_config(scale: str | None = None) -> dict:
-    """Grid of the bandwidth study (Fig. 6): fixed σ, ``λ = ε = 1e-10``, ``M =
+    """Grid of the bandwidth study (Fig. 5): fixed σ, ``λ = ε = 1e-10``, ``M =
     ⌊d√N⌋``."""
     full = _config.resolve(scale) == "full"
     return {

@@ -135,11 +135,11 @@ def fig_logit_scale(records: dict, keys: Sequence[tuple] | None = None,
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
-        ax.set_ylabel(r"$U_k\,\|W_k\|\,\|\varphi\|$")
+        ax.set_ylabel("class logit scale U‖W‖‖φ‖")
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(-6, 1))
-    fig.colorbar(sm, ax=axes, label=r"$\log_{10} U_k$", shrink=0.8,
+    fig.colorbar(sm, ax=axes, label="log10 of the class's U", shrink=0.8,
                  location="bottom", aspect=40)
     return fig
 
@@ -148,7 +148,7 @@ def fig_logit_scale(records: dict, keys: Sequence[tuple] | None = None,
 def fig_accuracy(records: dict, seconds: dict[str, float] | None = None,
                  keys: Sequence[tuple] | None = None):
     """Test accuracy per epoch (Fig. 3 of the paper), or, with ``seconds`` (per method,
-    :func:`epoch_seconds`), per second of one GPU (Fig. 7): IC and WC panels."""
+    :func:`epoch_seconds`), per second of one GPU (Fig. 6): IC and WC panels."""
     if keys is None:
         keys = [k for k in sorted(records) if not k[0].startswith("fp32")]
     fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 3.4), sharey=True)

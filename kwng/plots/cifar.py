@@ -4,21 +4,16 @@
 Each function takes the dictionary of
 :func:`kwng.experiments.cifar.results.load_results` (``{(conditioning, method, seed):
 record}``) and returns a matplotlib figure; the numbers behind them are the tables of
-:mod:`kwng.experiments.cifar.records`, and every method is drawn in the colour and line
-style of its record (:class:`kwng.experiments.cifar.methods.Method`):
+:mod:`kwng.experiments.cifar.records`, every method is drawn in the colour and line
+style of its record (:class:`kwng.experiments.cifar.methods.Method`), and a legend
+counts the seeds each curve averages (:func:`seed_label`):
 
-* :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (test and training accuracy per
-  epoch, ill- and well-conditioned side by side, mean over seeds with the min–max band);
-* :func:`fig_accuracy_vs_time` — Fig. 7 (accuracy against training time: the wall clock
-  recorded by each run, or the step time of each method measured alone);
-* :func:`fig_ablation` — Fig. 8 (damping choices, diagonal conditioning alone, RQ
-  kernel, scaled logits);
-* :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run at the end of each
-  epoch;
-* :func:`fig_per_class_vs_U` — per-class test accuracy against the class's scaling
-  ``U_k`` (IC);
-* :func:`fig_kwng_diagnostics` — ε (authors' units), reduction ratio and clipped
-  fraction per epoch.
+* :func:`fig_accuracy_per_epoch` — the paper's Fig. 3 (accuracy per epoch, IC and WC);
+* :func:`fig_accuracy_vs_time` — Fig. 6 (accuracy against training seconds);
+* :func:`fig_ablation` — Fig. 7 (KWNG against each of its variants, one row each);
+* :func:`fig_eps` — the Levenberg–Marquardt ε of every KWNG run per epoch;
+* :func:`fig_per_class_vs_U` — per-class test accuracy against ``U_k`` (IC);
+* :func:`fig_kwng_diagnostics` — ε, reduction ratio and clipped fraction per epoch.
 """
 
 from __future__ import annotations
@@ -38,7 +33,7 @@ from kwng.experiments.cifar.records import (
 from kwng.plots.style import FIG_WIDTH_IN, book_figure
 
 __all__ = ["fig_accuracy_per_epoch", "fig_accuracy_vs_time", "fig_ablation", "fig_eps",
-           "fig_per_class_vs_U", "fig_kwng_diagnostics"]
+           "fig_per_class_vs_U", "fig_kwng_diagnostics", "seed_label"]
 
 
 def _look(method: str, looks: dict | None = None) -> dict:
@@ -58,30 +53,69 @@ def _look(method: str, looks: dict | None = None) -> dict:
     return {"color": m.color, "ls": m.style}
 
 
-def _band(ax, x, vals, label, color, ls):
+def _band(ax, x, vals, label, color, ls, seen: dict | None = None, cond: str = "",
+          lw: float = 1.5, ms: float = 2.5, z: float = 2.0):
+    """The mean of ``vals`` (seeds × epochs) against ``x`` with its min–max band; the
+    number of seeds averaged goes to ``seen[label][cond]`` (the legend counts them)."""
     if vals.size == 0:
         return
+    if seen is not None:
+        seen.setdefault(label, {})[cond] = vals.shape[0]
     mean = vals.mean(0)
-    ax.plot(x, 100 * mean, color=color, label=label, lw=1.5, ls=ls, marker="o", ms=2.5)
+    ax.plot(x, 100 * mean, color=color, label=label, lw=lw, ls=ls, marker="o", ms=ms,
+            zorder=z)
     if vals.shape[0] > 1:
-        ax.fill_between(
-            x, 100 * vals.min(0), 100 * vals.max(0), color=color, alpha=0.2, lw=0
-        )
+        ax.fill_between(x, 100 * vals.min(0), 100 * vals.max(0), color=color, alpha=0.2,
+                        lw=0, zorder=z - 0.5)
 
 
-def _legend_below(fig, axes):
-    """One legend under the figure, in two columns, from the panel with the most
-    labelled lines."""
-    ax = max(axes.flat, key=lambda a: len(a.get_legend_handles_labels()[1]))
-    handles, labels = ax.get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
+_SHORT = {"ill": "IC", "well": "WC"}
 
 
-def _below(axes) -> float:
-    """The share of the figure's height that :func:`_legend_below` needs."""
-    fig = axes.flat[0].figure
-    n = max(len(a.get_legend_handles_labels()[1]) for a in axes.flat)
+def seed_label(method: str, counts: dict[str, int]) -> str:
+    """``method`` with the number of seeds its curves average, ``counts`` =
+    ``{conditioning: seeds}`` as plotted: ``"kwng (n=3)"``, or per conditioning where
+    they differ, ``"kwng (n=3 IC, 2 WC)"``; a single run is not marked."""
+    ns = set(counts.values())
+    if ns <= {1}:
+        return method
+    if len(ns) == 1:
+        return f"{method} (n={ns.pop()})"
+    parts = [f"{n} {_SHORT.get(c, c)}" for c, n in counts.items()]
+    return f"{method} (n={', '.join(parts)})"
+
+
+def _legend_below(fig, axes, seen: dict | None = None, extra=()):
+    """One legend under the figure, in two columns: every labelled line of every panel
+    once, named with the seeds it averages in each panel (``seen``, filled by
+    :func:`_band`), then the ``extra`` ``(handle, label)`` pairs."""
+    handles: dict[str, object] = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    items = [(h, seed_label(lab, seen[lab]) if seen and lab in seen else lab)
+             for lab, h in handles.items()] + list(extra)
+    if items:
+        fig.legend(*zip(*items), loc="lower center", ncol=2, frameon=False)
+    return len(items)
+
+
+def _target_line(axes, target: float | None) -> list:
+    """A dotted line at the test accuracy ``target`` (a fraction) on each of ``axes``;
+    its legend entry (none without a target)."""
+    if target is None:
+        return []
+    from matplotlib.lines import Line2D
+
+    for ax in axes:
+        ax.axhline(100 * target, color="k", lw=0.9, ls=":", zorder=1)
+    return [(Line2D([], [], color="k", lw=0.9, ls=":"),
+             f"{100 * target:g} % test accuracy")]
+
+
+def _below(fig, n: int) -> float:
+    """The share of the figure's height that a legend of ``n`` entries in two columns
+    under it needs."""
     return min(0.45, (0.25 + 0.19 * -(-n // 2)) / fig.get_figheight())
 
 
@@ -96,20 +130,14 @@ def _conditions(results: dict) -> tuple[str, ...]:
 
 
 def _label(results: dict, cond: str, method: str) -> str:
-    """``method`` with ``n=k`` seeds, and the epochs reached where a run stopped
-    early."""
-    runs = [
-        r
-        for (c, m, _), r in results.items()
-        if c == cond and m == method and r["epochs"]
-    ]
-    lab = method + (f" (n={len(runs)})" if len(runs) > 1 else "")
-    if runs and not all(r.get("complete") for r in runs):
-        lab += (
-            f" [{min(len(r['epochs']) for r in runs)}/{runs[0]['config']['epochs']} "
-            "ep.]"
-        )
-    return lab
+    """``method``, with the epochs reached where a run of it in ``cond`` stopped
+    early (the seeds are counted by :func:`seed_label`)."""
+    runs = [r for (c, m, _), r in results.items()
+            if c == cond and m == method and r["epochs"]]
+    if not runs or all(r.get("complete") for r in runs):
+        return method
+    return (f"{method} [{min(len(r['epochs']) for r in runs)}/"
+            f"{runs[0]['config']['epochs']} ep.]")
 
 
 @book_figure
@@ -122,6 +150,7 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "
     conds = _conditions(results)
     fig, axes = plt.subplots(2, len(conds), figsize=(FIG_WIDTH_IN, 6.2), sharex=True,
                              squeeze=False)
+    seen: dict = {}
     for j, cond in enumerate(conds):
         for i, (key, name) in enumerate(
             (("test_acc", "test accuracy (%)"), ("train_acc", "training accuracy (%)"))
@@ -129,19 +158,20 @@ def fig_accuracy_per_epoch(results: dict, methods: Sequence[str], title: str = "
             ax = axes[i, j]
             for m in methods:
                 x, v = curves(results, cond, m, key)
-                _band(ax, x, v, _label(results, cond, m), **_look(m, looks))
+                _band(ax, x, v, _label(results, cond, m), **_look(m, looks),
+                      seen=seen, cond=cond)
             ax.set_ylabel(name)
             ax.set_title(f"{cond}-conditioned")
             ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("epoch")
-    _legend_below(fig, axes)
+    n = _legend_below(fig, axes, seen)
     fig.suptitle(
         title
         or "CIFAR-10, ResNet-18: accuracy per epoch (mean over seeds, band = min–max)",
         wrap=True,
     )
-    fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
+    fig.tight_layout(rect=(0, _below(fig, n), 1, 0.93))
     return fig
 
 
@@ -153,16 +183,21 @@ def fig_accuracy_vs_time(
     train_size: int = 50_000,
     title: str = "",
     looks: dict | None = None,
+    target: float | None = None,
+    xmax: float | None = None,
 ):
-    """Fig. 7: accuracy against training time (evaluation excluded). Without ``timing``:
-    the cumulative training wall clock recorded by each run (mean over seeds), which
-    includes the slow-down from other runs sharing the GPU. With ``timing`` (the record
-    of ``cifar timing``): ``epoch × steps per epoch × seconds per step measured alone``
-    (methods missing from ``timing`` are left out)."""
+    """Fig. 6: accuracy against training seconds (evaluation excluded). Without
+    ``timing``: the cumulative training wall clock recorded by each run (mean over
+    seeds), which includes the slow-down from other runs sharing the GPU. With
+    ``timing`` (the record of ``cifar timing``): ``epoch × steps per epoch × seconds per
+    step measured alone`` (methods missing from ``timing`` are left out). ``target``
+    (a fraction, e.g. 0.85) draws the test accuracy the text times as a dotted line;
+    ``xmax`` cuts the time axis (seconds)."""
     conds = _conditions(results)
     fig, axes = plt.subplots(
         len(conds), 2, figsize=(FIG_WIDTH_IN, 3.1 * len(conds) + 1.4), squeeze=False
     )
+    seen: dict = {}
     for i, cond in enumerate(conds):
         for j, (key, name) in enumerate(
             (("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))
@@ -180,12 +215,16 @@ def fig_accuracy_vs_time(
                 else:
                     _, tt = curves(results, cond, m, "time_train")
                     tx = tt.mean(0)
-                _band(ax, tx / 60, v, _label(results, cond, m), **_look(m, looks))
+                _band(ax, tx, v, _label(results, cond, m), **_look(m, looks),
+                      seen=seen, cond=cond)
+            if xmax is not None:
+                ax.set_xlim(0, xmax)
             ax.set_title(f"{cond}-conditioned")
             ax.set_ylabel(name)
-            ax.set_xlabel("training time (min)")
+            ax.set_xlabel("training time (s)")
             ax.grid(alpha=0.3)
-    _legend_below(fig, axes)
+    extra = _target_line(axes[:, 1], target)
+    n = _legend_below(fig, axes, seen, extra)
     fig.suptitle(
         title
         or "CIFAR-10: accuracy against training time\n"
@@ -194,7 +233,7 @@ def fig_accuracy_vs_time(
         ),
         wrap=True,
     )
-    fig.tight_layout(rect=(0, _below(axes), 1, 0.93))
+    fig.tight_layout(rect=(0, _below(fig, n), 1, 0.93))
     return fig
 
 
@@ -202,22 +241,37 @@ def fig_accuracy_vs_time(
 def fig_ablation(results: dict, methods: Sequence[str], looks: dict | None = None,
                  title: str = "Ill-conditioned CIFAR-10: damping, diagonal "
                  "conditioning,\nkernel, estimator input"):
-    """Fig. 8: ill-conditioned case, KWNG against its variants (training and test
-    accuracy per epoch)."""
-    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.6), squeeze=False)
-    for j, (key, name) in enumerate(
-        (("train_acc", "training accuracy (%)"), ("test_acc", "test accuracy (%)"))
-    ):
-        ax = axes[0, j]
-        for m in methods:
+    """Fig. 7: ill-conditioned case, KWNG (``methods[0]``) against each of its variants
+    (``methods[1:]``): one row per variant, training and test accuracy per epoch, the
+    variant solid and KWNG thin and dashed on top, so that a variant that ends where
+    KWNG does hides neither curve."""
+    ref, variants = methods[0], [m for m in methods[1:]
+                                 if curves(results, "ill", m, "test_acc")[1].size]
+    rows = max(1, len(variants))
+    fig, axes = plt.subplots(rows, 2, figsize=(FIG_WIDTH_IN, 1.75 * rows + 1.6),
+                             sharex=True, sharey="col", squeeze=False)
+    seen: dict = {}
+    for i, m in enumerate(variants or [ref]):
+        for j, (key, name) in enumerate(
+            (("train_acc", "training (%)"), ("test_acc", "test (%)"))
+        ):
+            ax = axes[i, j]
             x, v = curves(results, "ill", m, key)
-            _band(ax, x, v, _label(results, "ill", m), **_look(m, looks))
+            _band(ax, x, v, _label(results, "ill", m), **_look(m, looks), seen=seen,
+                  cond="ill")
+            if m != ref:
+                x, v = curves(results, "ill", ref, key)
+                look = {**_look(ref, looks), "ls": (0, (3, 2))}
+                _band(ax, x, v, _label(results, "ill", ref), **look, seen=seen,
+                      cond="ill", lw=1.0, ms=0, z=3)
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+            ax.set_title(f"{m}: {name.split()[0]}")
+    for ax in axes[-1]:
         ax.set_xlabel("epoch")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    _legend_below(fig, axes)
+    n = _legend_below(fig, axes, seen)
     fig.suptitle(title, wrap=True)
-    fig.tight_layout(rect=(0, _below(axes), 1, 0.9))
+    fig.tight_layout(rect=(0, _below(fig, n), 1, 1 - 0.6 / fig.get_figheight()))
     return fig
 
 
@@ -241,11 +295,11 @@ def fig_eps(results: dict, floor: float = 1e-10, looks: dict | None = None):
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("ε at the end of the epoch")
-    _legend_below(fig, axes)
+    n = _legend_below(fig, axes)
     fig.suptitle(
         "Levenberg–Marquardt ε of the KWNG runs (dotted: the floor ε_min)", wrap=True
     )
-    fig.tight_layout(rect=(0, _below(axes), 1, 0.9))
+    fig.tight_layout(rect=(0, _below(fig, n), 1, 0.9))
     return fig
 
 
@@ -268,14 +322,14 @@ def fig_per_class_vs_U(results: dict, methods: Sequence[str], cond: str = "ill",
                     label=_label(results, cond, m))
     if mark is not None:
         ax.axvline(mark, color="k", lw=0.8, ls=":")
-    ax.set_xlabel("$U_k$ of the class (log scale)")
+    ax.set_xlabel("U of the class (log scale)")
     ax.set_ylabel("test accuracy of the class (%)")
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, loc="lower right")
     ax.set_title(
         f"{cond}-conditioned: per-class test accuracy\nafter the last epoch against "
-        "$U_k$"
+        "the class's U"
     )
     fig.tight_layout()
     return fig
@@ -334,8 +388,8 @@ def fig_kwng_diagnostics(
         "(Levenberg–Marquardt ε, reduction ratio, clipping)",
         wrap=True,
     )
-    _legend_below(fig, axes)
-    fig.tight_layout(rect=(0, _below(axes), 1, 0.94))
+    n = _legend_below(fig, axes)
+    fig.tight_layout(rect=(0, _below(fig, n), 1, 0.94))
     return fig
 
 

@@ -10,6 +10,7 @@ plain numbers.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -17,12 +18,13 @@ import numpy as np
 from kwng.experiments.synthetic_setup import summarise
 from kwng.plots.bench import step_rows
 
-__all__ = ["relerr_headline", "bandwidth_range", "divergence_step", "step_cost_ratio"]
+__all__ = ["relerr_headline", "bandwidth_range", "divergence_step", "step_cost_ratio",
+           "STEP_COST_RECORD"]
 
 
 def relerr_headline(rows: Sequence[dict]) -> dict[str, float]:
     """At the largest dimension and sample size of an error-against-``N`` sweep (panel
-    (b) of Figs. 1 and 5): ``{"d", "N", "median", "mean", "slope"}``, the slope being
+    (b) of Figs. 1 and 4): ``{"d", "N", "median", "mean", "slope"}``, the slope being
     that of ``log(mean error)`` against ``log N``."""
     by_n = summarise(rows, "N", "N")
     if not by_n:
@@ -35,7 +37,7 @@ def relerr_headline(rows: Sequence[dict]) -> dict[str, float]:
 
 
 def bandwidth_range(rows: Sequence[dict], factor: float = 2.0) -> tuple[float, float]:
-    """The smallest and largest bandwidth of a Fig. 6 sweep whose mean error, at the
+    """The smallest and largest bandwidth of a Fig. 5 sweep whose mean error, at the
     largest dimension, is within ``factor`` of the best one."""
     by_sigma = summarise(rows, "sigma", "bandwidth_spec")
     if not by_sigma:
@@ -52,10 +54,16 @@ def divergence_step(loss: Sequence[float]) -> int | None:
     return None if finite.all() else int(np.flatnonzero(finite)[-1]) + 1
 
 
+#: the step-cost record every page quotes a KWNG step's cost in SGD steps from (under
+#: ``results/``): the table of the GPU appendix, measured with the book's code
+STEP_COST_RECORD = Path("benchmarks") / "recheck" / "step_cost_after.json"
+
+
 def step_cost_ratio(record: dict, precision: str = "bf16_autocast",
                     layout: str = "channels_last", num_basis: int = 5) -> float:
     """The KWNG step (fast path, replayed from a CUDA graph) in SGD steps replayed the
-    same way, from the step-cost record (:mod:`kwng.experiments.bench.step_cost`)."""
+    same way, from the step-cost record (:mod:`kwng.experiments.bench.step_cost`;
+    the pages read :data:`STEP_COST_RECORD`)."""
     rows = step_rows(record)
     kwng = rows[(precision, layout, "kwng_fast_graph", num_basis)]["median_ms"]
     sgd = rows[(precision, layout, "sgd_graph", None)]["median_ms"]

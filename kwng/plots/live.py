@@ -40,7 +40,7 @@ def plot_error_vs_n(sizes: Sequence[int], errors: np.ndarray,
     ax.plot(n, errors, ".", color="0.7")
     ax.plot(n, median, "o-", label="median")
     ax.plot(n, median[0] * (n / n[0]) ** reference_slope, "k--",
-            label=f"$N^{{{reference_slope:g}}}$")
+            label=f"slope {reference_slope:g}")
     _n_axis(ax, sizes)
     ax.set_ylabel("relative error")
     ax.legend()
@@ -65,7 +65,7 @@ def plot_rates(Ns: Sequence[int], measured: dict, models: Sequence[str],
         for key, label in curves.items():
             ax.plot(n, measured[name, key], "o-", label=label)
         ref = measured[name, first][0] * (n / n[0]) ** reference_slope
-        ax.plot(n, ref, "k--", lw=1, label=f"$N^{{{reference_slope:.2g}}}$")
+        ax.plot(n, ref, "k--", lw=1, label=f"slope {reference_slope:.2g}")
         ax.set_title(name)
         _n_axis(ax, Ns, "$N$")
     axes[0, 0].set_ylabel("relative error")

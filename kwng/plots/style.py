@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 
 __all__ = ["BOOK_STYLE", "FIG_WIDTH_IN", "METHOD_COLORS", "method_color", "book_figure",
-           "grid_ticks"]
+           "grid_ticks", "plain_log_ticks"]
 
 FIG_WIDTH_IN = 6.2
 BOOK_STYLE = {
@@ -95,6 +95,40 @@ def _show_as_svg() -> None:
     _SVG_SET = True
 
 
+def _decade(x: float, _pos=None) -> str:
+    """A log axis' tick label as plain text at the label's own size: ``0.01``, ``1``,
+    ``1000`` from 0.001 to 10⁴, else ``1e-10``, ``2e5``."""
+    if x <= 0:
+        return ""
+    if 1e-3 <= x <= 1e4:
+        return f"{x:g}"
+    mant, exp = f"{x:.0e}".split("e")
+    return f"{mant}e{int(exp)}"
+
+
+def plain_log_ticks(fig) -> None:
+    """Give every log axis of ``fig`` whose labels are matplotlib's default
+    (``10`` with a superscript exponent, drawn at 0.7 of the label's size, about 5 px on
+    a phone) the plain labels of :func:`_decade`, major and minor alike, by the same
+    rule of which ticks to label; an axis with labels of its own keeps them."""
+    from matplotlib import ticker
+
+    class PlainLog(ticker.LogFormatter):
+        def _num_to_string(self, x, vmin, vmax):
+            return _decade(x)
+
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() != "log":
+                continue
+            for get, put in ((axis.get_major_formatter, axis.set_major_formatter),
+                             (axis.get_minor_formatter, axis.set_minor_formatter)):
+                fmt = get()
+                if isinstance(fmt, ticker.LogFormatterSciNotation):
+                    put(PlainLog(base=fmt._base, labelOnlyBase=fmt.labelOnlyBase,
+                                 minor_thresholds=fmt.minor_thresholds))
+
+
 def book_figure(func):
     """Draw ``func``'s figure with :data:`BOOK_STYLE` and leave no global state behind.
 
@@ -112,7 +146,11 @@ def book_figure(func):
         saved = {k: matplotlib.rcParams[k] for k in BOOK_STYLE}
         matplotlib.rcParams.update(BOOK_STYLE)
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            for fig in out if isinstance(out, tuple) else (out,):
+                if isinstance(fig, matplotlib.figure.Figure):
+                    plain_log_ticks(fig)
+            return out
         finally:
             matplotlib.rcParams.update(saved)
 

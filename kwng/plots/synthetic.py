@@ -1,4 +1,4 @@
-"""Figures of the synthetic experiments (Figs. 1, 2, 5, 6 of Arbel et al., 2020).
+"""Figures of the synthetic experiments (Figs. 1, 2, 4, 5 of Arbel et al., 2020).
 
 Every function takes result rows as produced by :mod:`kwng.experiments.synthetic`
 (:func:`~kwng.experiments.synthetic_setup.load_rows`,
@@ -42,7 +42,7 @@ def dim_colors(dims: Sequence[int]) -> dict[int, tuple]:
 def plot_relerr(
     rows: Sequence[dict], title: str = "", N_box: int | None = None, stat: str = "mean"
 ):
-    """Fig. 1 / Fig. 5 for one model: (a) box-plots over ``d`` at ``N = N_box``
+    """Fig. 1 / Fig. 4 for one model: (a) box-plots over ``d`` at ``N = N_box``
     (default: the largest ``N``) with ``M = ⌊d√N⌋``, (b) error vs ``N``, (c) error vs
     ``M`` at fixed ``N``. ``stat`` is the curve drawn in (b), (c): ``"mean"`` (the
     paper's average) or ``"median"``."""
@@ -69,9 +69,9 @@ def plot_relerr(
     axes[0].set_yscale("log")
     axes[0].set_xlabel("dimension $d$")
     axes[0].set_ylabel("relative error")
-    axes[0].set_title(f"(a) $N={N_box}$, $M=\\lfloor d\\sqrt{{N}}\\rfloor$")
+    axes[0].set_title(f"(a) N = {N_box}, M = ⌊d√N⌋")
     for ax, summ, lab, ttl in (
-        (axes[1], byN, "sample size $N$", "(b) $M=\\lfloor d\\sqrt{N}\\rfloor$"),
+        (axes[1], byN, "sample size $N$", "(b) M = ⌊d√N⌋"),
         (axes[2], byM, "basis points $M$", "(c) fixed $N$"),
     ):
         for d, s in summ.items():
@@ -92,7 +92,7 @@ def plot_relerr(
 
 @book_figure
 def plot_bandwidth(rows_by_model: dict[str, Sequence[dict]], stat: str = "mean"):
-    """Fig. 6: relative error against the fixed bandwidth ``σ``, one panel per model."""
+    """Fig. 5: relative error against the fixed bandwidth ``σ``, one panel per model."""
     import matplotlib.pyplot as plt
 
     if not rows_by_model:
@@ -173,7 +173,7 @@ def _frame_finite_runs(ax_p, box: list) -> None:
 def _label_flow_axes(ax_l, ax_p) -> None:
     """Axis labels, titles and legends of :func:`plot_flow`."""
     ax_l.set_xlabel("iteration")
-    ax_l.set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
+    ax_l.set_ylabel("squared W2 distance to the target")
     ax_l.set_title("(a) loss")
     ax_l.legend()
     ax_p.set_xlabel("PC 1 of the WNG trajectory")
@@ -282,7 +282,7 @@ def plot_flow_study(
                 ax.plot(last, y[-1], "x", color=color, ms=9, mew=2)
     ax.axhline(floor, color="0.6", ls=(0, (1, 2)), lw=1)
     ax.set_xlabel("iteration")
-    ax.set_ylabel(r"$W_2^2(\rho_\theta, \rho_{\theta^*})$")
+    ax.set_ylabel("squared W2 distance to the target")
     fig.legend(loc="lower center", ncol=2, frameon=False)
     fig.tight_layout(rect=(0, 0.3, 1, 1))
     return fig

@@ -9,7 +9,7 @@ model's name to its rows (:func:`~kwng.experiments.synthetic_setup.load_rows`):
 * :func:`relerr_table` and :func:`relerr_values` — the error against ``N`` at the
   largest dimension and sample size (Figs. 1 and 5, panel (b));
 * :func:`bandwidth_table` and :func:`bandwidth_values` — the best bandwidth and the
-  bandwidths within a factor 2 of it (Fig. 6);
+  bandwidths within a factor 2 of it (Fig. 5);
 * :func:`flow_study_table` and :func:`flow_study_values` — the variants of the
   parametrisation study (``flow_study.json`` of :mod:`kwng.experiments.flow_study`).
 """

@@ -18,12 +18,20 @@ def _cell(value) -> str:
 
 
 def markdown_table(
-    header: Sequence[str], rows: Sequence[Sequence], align: str | None = None
+    header: Sequence[str], rows: Sequence[Sequence], align: str | None = None,
+    answer: Sequence[str] = (),
 ) -> str:
     """A Markdown table with the given header and rows (cells are ``str``-ed, pipes
     escaped). ``align`` holds one character per column, ``l``, ``r`` or ``c``
-    (default: the first column left, the others right)."""
+    (default: the first column left, the others right). ``answer`` names the columns
+    that hold the table's answer (header names): the table is then wrapped in a MyST
+    ``table`` directive whose classes ``kwng-answer-col-<i>`` (1-based) mark them, and
+    ``tools/check_book.py`` checks that they are on screen at every width, a phone's
+    included, without scrolling the table."""
     header = list(header)
+    missing = [a for a in answer if a not in header]
+    if missing:
+        raise ValueError(f"answer columns {missing} are not in the header {header}")
     if not header:
         raise ValueError("header must name at least one column")
     align = align or "l" + "r" * (len(header) - 1)
@@ -44,7 +52,10 @@ def markdown_table(
                 f"every row needs {len(header)} cells, got {len(row)}: {row}"
             )
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
-    return "\n".join(lines)
+    if not answer:
+        return "\n".join(lines)
+    marks = " ".join(f"kwng-answer-col-{header.index(a) + 1}" for a in answer)
+    return "\n".join(["```{table}", f":class: kwng-answer {marks}", "", *lines, "```"])
 
 
 def kwng_criteria_rows(v: dict, within: str, above: str) -> list[tuple]:

@@ -117,14 +117,14 @@ METHODS: dict[str, Method] = {
     "kwng_kernel_rq": _m("sgd", {**_KWNG, "kernel": "rq", **_T}, "#e6ab02", "-",
                          "KWNG, RQ kernel", 23, 5.4, 0.1),
     # the amortized step: the kernel system rebuilt every k steps
-    "kwng_k5": _m("sgd", {**_KWNG, "refresh_every": 5}, "#fb6a4a", "--",
+    "kwng_k5": _m("sgd", {**_KWNG, "refresh_every": 5}, "#b8860b", "--",
                   "KWNG, k = 5", 24, 2.8, 10.0),
-    "kwng_k20": _m("sgd", {**_KWNG, "refresh_every": 20}, "#cb181d", "-.",
+    "kwng_k20": _m("sgd", {**_KWNG, "refresh_every": 20}, "#8c564b", "-.",
                    "KWNG, k = 20", 25, 2.3, 10.0),
-    "kwng_k100": _m("sgd", {**_KWNG, "refresh_every": 100}, "#67000d", ":",
+    "kwng_k100": _m("sgd", {**_KWNG, "refresh_every": 100}, "#e7298a", "-",
                     "KWNG, k = 100", 26, 2.1, 10.0),
     "diag_k20": _m("sgd", {**_KWNG, "diagonal_only": True, "refresh_every": 20},
-                   "#807dba", "-.", "diagonal, k = 20", 27, 2.3, 10.0),
+                   "#807dba", ":", "diagonal, k = 20", 27, 2.3, 10.0),
     # k = 100 with the refresh guard: also a refresh two steps after a rank-deficient
     # system or a fallback to g
     "kwng_k100_guard": _m("sgd", {**_KWNG, "refresh_every": 100, "refresh_guard": True},
