@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kwng.experiments import claims, wording
+from kwng.experiments import answer, claims, wording
 
 WORDS = {"holds", "fails", "partly"}
 
@@ -107,21 +107,28 @@ def test_the_readme_states_the_books_cifar_verdict_word_for_word():
     from pathlib import Path
 
     readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
-    sentence = claims.fig3_sentence()
-    assert sentence.startswith(("So far, by", "By the paper's own protocol"))
+    sentence = answer.fig3_sentence()
+    assert sentence.startswith("By the paper's own protocol")
     assert " ".join(sentence.split()) in readme
+    assert " ".join(answer.fig3_negatives().split()) in readme
 
 
-def test_the_settled_sentence_names_the_smallest_baseline_drop(monkeypatch):
-    """Once settled, the sentence adds the baseline whose drop is smallest, with
-    KWNG's drop beside it (a negative one called a gain); before, the runs left."""
+def test_the_sentence_sizes_each_baseline_drop_and_the_negatives_name_results():
+    """Once settled, the sentence gives each baseline's drop, drastic (10 points or
+    more) or small, and KWNG's beside them (a negative one called a gain); before, how
+    many runs are left. The negatives sentence names a faster baseline, an ablation
+    above KWNG, KWNG's rank in WC and the grid-edge selections from the records."""
     per = {"sgd": {"verdict": "holds", "drop": 0.28, "drop_kwng": -0.001},
            "adam": {"verdict": "holds", "drop": 0.015, "drop_kwng": -0.001}}
     q = {"per_baseline": per, "by_baseline": "holds against SGD and Adam",
          "settled": True, "queue": {"grid": 0, "seeds": 0, "ablation": 0}}
-    monkeypatch.setattr(claims, "cifar_fig3_verdict", lambda root: q)
-    s = claims.fig3_sentence()
-    assert s.endswith("is Adam's, 1.5 points; KWNG's is -0.1 (a gain).")
-    monkeypatch.setattr(claims, "cifar_fig3_verdict", lambda root: {
-        **q, "settled": False, "queue": {"grid": 0, "seeds": 2, "ablation": 0}})
-    assert claims.fig3_sentence().endswith("waits for the last 2 runs.")
+    s = answer.fig3_sentence(q=q)
+    assert "methods based on the Euclidean gradient" in s
+    assert s.endswith("is drastic for SGD 28.0 points; small for Adam 1.5 points; "
+                      "KWNG's is -0.1 (a gain).")
+    assert answer.fig3_sentence(q={**q, "settled": False, "queue": {
+        "grid": 0, "seeds": 2, "ablation": 0}}).endswith("needs 2 more runs.")
+    neg = answer.fig3_negatives()
+    for part in ("Adam reaches 85 %", "ends above full KWNG", "lowest of the 8",
+                 "top of the paper's grid"):
+        assert part in neg, part

@@ -37,7 +37,7 @@ from kwng.experiments.wording import name_list
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
            "mixed_verdict", "ablation_verdict", "ABLATION_WORSE", "momentum_verdict",
-           "time_verdict", "fig3_sentence", "flat"]
+           "time_verdict", "flat"]
 
 RESULTS = Path("results")
 """The committed results folder, relative to the repository root."""
@@ -320,27 +320,6 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
                     p, base, base.parent / "amortized") if r["cond"] == "ill"
                 and r["k"] > 1 and r["s_to_85"] is not None},
             "settled": word != "pending" and not any(queue.values())}
-
-
-def fig3_sentence(root: str | os.PathLike = RESULTS, q: dict | None = None) -> str:
-    """The book's answer to the paper's CIFAR-10 headline claim (per baseline; once
-    settled, the smallest baseline drop beside KWNG's) from the Fig. 3 records
-    (``q``, default :func:`cifar_fig3_verdict` of ``root``); pages glue it, the README
-    quotes it (tested)."""
-    q = cifar_fig3_verdict(root) if q is None else q
-    claim = ("its CIFAR-10 claim (with an ill-conditioned output layer the "
-             "Euclidean methods drop drastically, KWNG keeps its accuracy) "
-             f"{q['by_baseline']}")
-    if q["settled"]:
-        m, v = min(q["per_baseline"].items(), key=lambda kv: kv[1]["drop"])
-        kw = 100 * v["drop_kwng"]
-        return (f"By the paper's own protocol (the Fig. 3 study), {claim}. The "
-                f"smallest drop from well- to ill-conditioned is {METHODS[m].label}'s, "
-                f"{100 * v['drop']:.1f} points; KWNG's is {kw:.1f}"
-                f"{' (a gain)' if kw < 0 else ''}.")
-    left = sum(q["queue"].values())
-    return (f"So far, by the paper's own protocol (the Fig. 3 study), {claim}; the "
-            f"overall verdict waits for the last {left} run{'s' * (left != 1)}.")
 
 
 def _phrase(per: dict[str, str]) -> str:
