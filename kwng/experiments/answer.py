@@ -14,7 +14,7 @@ from kwng.experiments.cifar.methods import LR_GRID, METHODS
 from kwng.experiments.claims import RESULTS, cifar_fig3_verdict
 from kwng.experiments.wording import name_list
 
-__all__ = ["DRASTIC", "fig3_negatives", "fig3_sentence"]
+__all__ = ["DRASTIC", "fig3_drops", "fig3_negatives", "fig3_sentence"]
 
 
 #: a baseline's drop from well- to ill-conditioned that the verdict sentence calls
@@ -100,3 +100,16 @@ def fig3_negatives(root: str | os.PathLike = RESULTS, q: dict | None = None) -> 
     if not out:
         return "No Fig. 3 result goes against KWNG."
     return "Against KWNG: " + "; ".join(out) + "."
+
+
+def fig3_drops(q: dict) -> str:
+    """Each baseline's drop from well- to ill-conditioned in points, ± its spread (the
+    verdict rule's), then KWNG's: the numbers that decide the Fig. 3 verdict (``q``:
+    :func:`cifar_fig3_verdict`)."""
+    per = q["per_baseline"]
+    if not per:
+        return "no baseline has its runs"
+    kw = next(iter(per.values()))
+    return ", ".join(f"{METHODS[m].label} {100 * v['drop']:.1f} ± "
+                     f"{100 * v['spread']:.1f}" for m, v in per.items()) + (
+        f"; KWNG {100 * kw['drop_kwng']:.1f} ± {100 * kw['spread_kwng']:.1f}")
