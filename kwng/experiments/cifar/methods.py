@@ -151,9 +151,13 @@ SCHEDULES = ("claim", "constant", "authors")
 #: (schedule ``authors``).
 AUTHORS_MILESTONES = (50, 100, 200, 300)
 #: The precisions of the network's forward and backward, ``fp32`` (TF32 matrix
-#: products on CUDA) or ``bf16`` (autocast). The KWNG algebra runs in float32 or
-#: float64 in every case.
-PRECISIONS = ("fp32", "bf16")
+#: products on CUDA), ``bf16`` (autocast) or ``fp64`` (parameters and images in
+#: float64: a reference whose numbers agree across CPUs to round-off, as the
+#: reproduction fixture of ``tests/repro_tiny.py`` needs). The KWNG algebra runs in
+#: float32 or float64 in every case.
+PRECISIONS = ("fp32", "bf16", "fp64")
+#: the dtype of the parameters and of the normalised images under each precision
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
 #: the diagnostics read from the KWNG step's ``info`` (when present), recorded as
 #: epoch mean and last value
 INFO_KEYS = ("eps", "reduction_ratio", "clipped", "fallback", "floored_columns",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +33,9 @@ from kwng.experiments.cifar.methods import (
     EPS_AUTHORS,
     EPS_BOUNDS_AUTHORS,
     OPTIMIZERS,
+    PARAM_DTYPES,
 )
-from kwng.experiments.cifar.metrics import UpdateShare
+from kwng.experiments.cifar.metrics import UpdateShare, full_precision
 from kwng.experiments.nets import (
     NETWORKS,
     ConditionedNetwork,
@@ -44,11 +45,29 @@ from kwng.experiments.nets import (
 log = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.get_default_dtype()`` is ``dtype`` inside the block (new parameters are
+    drawn in it)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def build_model(cfg: RunConfig) -> nn.Module:
     """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.nets.ConditionedNetwork`):
-    ``U`` inside the network (the identity for ``well``)."""
+    ``U`` inside the network (the identity for ``well``), its parameters drawn in the
+    dtype of ``cfg.precision`` (:data:`~kwng.experiments.cifar.methods.PARAM_DTYPES`:
+    a float32 draw differs in its last bit between CPU code paths, a float64 draw by
+    round-off of float64 only)."""
     k = NUM_CLASSES[cfg.dataset]
-    body = NETWORKS[cfg.model](k)
+    with default_dtype(PARAM_DTYPES[cfg.precision]):
+        body = NETWORKS[cfg.model](k)
     cond = (None if cfg.conditioning == "well"
             else DiagonalConditioning(k, CONDITION_NUMBER))
     return ConditionedNetwork(body, cond)
@@ -280,7 +299,7 @@ def train_step(
     method.optimizer.zero_grad(set_to_none=True)
     with autocast_for(z.device, precision):
         h, outputs = model.forward_both(z)
-        loss = F.cross_entropy(outputs.float(), yb)
+        loss = F.cross_entropy(full_precision(outputs), yb)
     if share is not None:
         share.before()
     info = method.step(loss, outputs, hidden=h, batch=(z, yb))
