@@ -11,9 +11,10 @@ fields computed from counts (accuracies) must match exactly.
 
 Commands (from the repository root)::
 
-    PYTHONPATH=. python tests/repro_tiny.py             # regenerate the fixture
+    PYTHONPATH=. python tests/repro_tiny.py             # compare with the fixture
     PYTHONPATH=. python tests/repro_tiny.py --spread    # measure the cross-CPU spread
     PYTHONPATH=. python tests/repro_tiny.py --mutations # every mutation must fail
+    PYTHONPATH=. python tests/repro_tiny.py --write     # regenerate the fixture
 
 Regenerate only when a change of the numbers is intended, and say why in the commit.
 ``--spread`` reruns every case under ``ATEN_CPU_CAPABILITY`` ∈ :data:`CAPABILITIES` ×
@@ -340,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="check that every mutation fails the comparison")
     group.add_argument("--rows", action="store_true",
                        help="print every case's rows as one JSON line (--spread's)")
+    group.add_argument("--write", action="store_true",
+                       help="regenerate the fixture (a committed file)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", default="fp64", choices=("fp64", "fp32"))
     args = ap.parse_args(argv)
@@ -355,6 +358,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
                           "rows": out}))
         return 0
+    if not args.write:
+        want, bad = json.loads(FIXTURE.read_text()), 0
+        for case in CASES:
+            diff = differences(out[key(case)], want[key(case)])
+            bad += bool(diff)
+            print(key(case), f"{len(diff)} values differ: {diff[:5]}" if diff
+                  else "as the fixture")
+        return 1 if bad else 0
     if args.precision != "fp64" or args.threads != 1:
         raise SystemExit("the fixture is written in fp64 on 1 thread")
     FIXTURE.parent.mkdir(exist_ok=True)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
+import torch
 
 from tests.repro_tiny import (
     CASES,
@@ -78,3 +80,13 @@ def test_a_mutation_fails_the_comparison(name, tmp_path):
     assert trained, f"{name} on {key(case)} moves no trained number: {diff[:10]}"
     with pytest.raises(ValueError, match="unknown mutation"):
         mutated_rows("no such change", case, str(tmp_path))
+
+
+def test_the_cpu_code_path_asked_for_is_the_one_in_effect():
+    """``make test-portable`` sets ``ATEN_CPU_CAPABILITY``; PyTorch falls back to its
+    widest path for a name it does not know or a CPU that lacks it, and the second run
+    would repeat the first."""
+    asked = os.environ.get("ATEN_CPU_CAPABILITY")
+    if asked is None:
+        pytest.skip("ATEN_CPU_CAPABILITY is not set (make test-portable sets it)")
+    assert torch.backends.cpu.get_cpu_capability().lower() == asked.lower()
