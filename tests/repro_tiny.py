@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -207,13 +208,23 @@ def _patched(obj, name: str, value) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _optimizers(wrap: Callable) -> Iterator[None]:
+    """Every optimizer of the method table built through ``wrap(build, model, lr,
+    spec)`` (``build`` the original entry)."""
+    from kwng.experiments.cifar.methods import OPTIMIZERS
+
+    orig = dict(OPTIMIZERS)
+    OPTIMIZERS.update({k: functools.partial(wrap, f) for k, f in orig.items()})
+    try:
+        yield
+    finally:
+        OPTIMIZERS.update(orig)
+
+
+@contextlib.contextmanager
 def step_size_x101() -> Iterator[None]:
     """The optimizer's step size 1 % larger."""
-    from kwng.experiments.cifar import train
-
-    orig = train.build_optimizer
-    with _patched(train, "build_optimizer",
-                  lambda cfg, model, lr: orig(cfg, model, lr * 1.01)):
+    with _optimizers(lambda build, model, lr, spec: build(model, lr * 1.01, spec)):
         yield
 
 
@@ -272,18 +283,16 @@ def another_augmentation_seed() -> Iterator[None]:
 def momentum_not_reset() -> Iterator[None]:
     """The optimizer starts from the state (momentum buffers, Adam's moments) that a
     first run of the same case left: the case is trained twice."""
-    from kwng.experiments.cifar import train
+    made = []
 
-    orig, made = train.build_optimizer, []
-
-    def build(cfg, model, lr):
-        opt = orig(cfg, model, lr)
+    def carried(build, model, lr, spec):
+        opt = build(model, lr, spec)
         if made:
             opt.load_state_dict(made[-1].state_dict())
         made.append(opt)
         return opt
 
-    with _patched(train, "build_optimizer", build):
+    with _optimizers(carried):
         yield
 
 

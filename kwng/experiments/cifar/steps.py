@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from kwng.experiments.cifar.methods import (
     EPS_AUTHORS,
     EPS_BOUNDS_AUTHORS,
     OPTIMIZERS,
-    PARAM_DTYPES,
+    drawn_in,
 )
 from kwng.experiments.cifar.metrics import UpdateShare, full_precision
 from kwng.experiments.nets import (
@@ -45,28 +45,12 @@ from kwng.experiments.nets import (
 log = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """``torch.get_default_dtype()`` is ``dtype`` inside the block (new parameters are
-    drawn in it)."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def build_model(cfg: RunConfig) -> nn.Module:
-    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.nets.ConditionedNetwork`):
-    ``U`` inside the network (the identity for ``well``), its parameters drawn in the
-    dtype of ``cfg.precision`` (:data:`~kwng.experiments.cifar.methods.PARAM_DTYPES`:
-    a float32 draw differs in its last bit between CPU code paths, a float64 draw by
-    round-off of float64 only)."""
+    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.nets.ConditionedNetwork`): ``U``
+    inside the network (the identity for ``well``), the parameters drawn in
+    ``cfg.precision`` (:func:`~kwng.experiments.cifar.methods.drawn_in`)."""
     k = NUM_CLASSES[cfg.dataset]
-    with default_dtype(PARAM_DTYPES[cfg.precision]):
+    with drawn_in(cfg.precision):
         body = NETWORKS[cfg.model](k)
     cond = (None if cfg.conditioning == "well"
             else DiagonalConditioning(k, CONDITION_NUMBER))
@@ -258,16 +242,9 @@ def make_step(
 
         # U is inside the model (ConditionedNetwork): the Fisher's predictive logits are
         # the outputs
-        pc = KFACPreconditioner(
-            model,
-            kind=kind,
-            damping=1e-3,
-            update_freq=100,
-            diag_freq=cfg.spec.get("diag_freq", 1),
-            output_fn=None,
-            clip_norm=CLIP_NORM,
-            device=device,
-        )
+        pc = KFACPreconditioner(model, kind=kind, damping=1e-3, update_freq=100,
+                                diag_freq=cfg.spec.get("diag_freq", 1), output_fn=None,
+                                clip_norm=CLIP_NORM, device=device)
         return KFACStep(model, optimizer, pc)
     pc = _kwng_preconditioner(cfg, model, optimizer)
     return KWNGStep(model, optimizer, pc, cfg.spec["estimator_input"])
