@@ -111,6 +111,41 @@ def test_gpu_data_determinism_and_normalisation():
         images.GPUAugmentedData(x.astype(np.float32), y)
 
 
+def test_gpu_data_in_float64_is_the_float32_data_to_float32_round_off():
+    x, y = kdata.load_sample("test")
+    d32 = images.GPUAugmentedData(x, y)
+    d64 = images.GPUAugmentedData(x, y, dtype=torch.float64)
+    z32 = next(d32.batches(64, torch.Generator().manual_seed(3)))[0]
+    z64 = next(d64.batches(64, torch.Generator().manual_seed(3)))[0]
+    assert z32.dtype == torch.float32 and z64.dtype == torch.float64
+    err = float((z64 - z32.double()).abs().max())
+    assert 0 < err < 4 * torch.finfo(torch.float32).eps * float(z64.abs().max())
+    with pytest.raises(ValueError, match="floating torch dtype"):
+        images.GPUAugmentedData(x, y, dtype=torch.int64)
+
+
+def test_fp64_draws_the_network_in_float64_and_keeps_its_outputs_in_it():
+    from kwng.experiments.cifar.config import RunConfig
+    from kwng.experiments.cifar.methods import drawn_in
+    from kwng.experiments.cifar.metrics import full_precision
+    from kwng.experiments.cifar.steps import build_model
+
+    before = torch.get_default_dtype()
+    model = build_model(RunConfig(model="tiny", precision="fp64"))
+    assert torch.get_default_dtype() == before
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert {p.dtype for p in build_model(RunConfig(model="tiny")).parameters()} == {
+        torch.float32}
+    t64, t16 = torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.bfloat16)
+    assert full_precision(t64) is t64 and full_precision(t16).dtype == torch.float32
+    with pytest.raises(ValueError, match="floating tensor"):
+        full_precision(torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="precision must be one of"), drawn_in("fp16"):
+        pass
+    with pytest.raises(ValueError, match="precision must be one of"):
+        RunConfig(precision="fp16")
+
+
 def _run_cfg(tmp_path, **kw):
     base = {
         "source": "sample",

@@ -102,7 +102,8 @@ class RunConfig:
         "replay the training step from a CUDA graph (CUDA only; KFAC/EKFAC run "
         "eagerly)"))
     precision: str = field(default="fp32", metadata=_opt(
-        "the network's forward/backward: fp32 (TF32 on CUDA) or bf16 autocast",
+        "the network's forward/backward: fp32 (TF32 on CUDA), bf16 autocast or fp64 "
+        "(a reference that agrees across CPUs to round-off)",
         choices=PRECISIONS))
     channels_last: bool = field(default=False, metadata=_flag(
         "the network in channels_last"))

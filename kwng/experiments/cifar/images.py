@@ -220,8 +220,10 @@ def load_jpeg_npz(path: str | os.PathLike, split: str,
 
 # ---------------------------------------------------------------------- augmentation
 def normalize(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """``uint8 (B, 3, H, W)`` → float, ``(x / 255 - mean) / std`` per channel."""
-    return (x.float().div_(255.0) - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+    """``uint8 (B, 3, H, W)`` → ``(x / 255 - mean) / std`` per channel, in the dtype of
+    ``mean``."""
+    mean, std = mean.view(1, -1, 1, 1), std.view(1, -1, 1, 1)
+    return (x.to(mean.dtype).div_(255.0) - mean) / std
 
 
 def draw_augmentation(b: int, generator: torch.Generator, pad: int = 4
@@ -273,15 +275,18 @@ class GPUAugmentedData:
     on-device augmentation.
 
     ``x`` is ``uint8 (N, 32, 32, 3)`` (numpy or tensor), ``y`` integer labels.
-    :meth:`batches` yields normalised float batches (augmented when ``augment``) in an
-    order drawn from the CPU ``generator``; :meth:`eval_batches` yields the data in
-    order without augmentation.
+    :meth:`batches` yields normalised batches of floating ``dtype`` (augmented when
+    ``augment``) in an order drawn from the CPU ``generator``; :meth:`eval_batches`
+    yields the data in order without augmentation.
     """
 
     def __init__(
-        self, x, y, dataset: str = "cifar10", device: str | torch.device = "cpu"
+        self, x, y, dataset: str = "cifar10", device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         check_choice(dataset, "dataset", tuple(CIFAR_MEAN))
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
         x = torch.as_tensor(np.asarray(x))
         if x.dtype != torch.uint8 or x.dim() != 4 or x.shape[-1] != 3:
             raise ValueError(
@@ -293,8 +298,8 @@ class GPUAugmentedData:
         self.device = torch.device(device)
         self.x = x.permute(0, 3, 1, 2).contiguous().to(self.device)
         self.y = y.to(self.device)
-        self.mean = torch.tensor(CIFAR_MEAN[dataset], device=self.device)
-        self.std = torch.tensor(CIFAR_STD[dataset], device=self.device)
+        self.mean = torch.tensor(CIFAR_MEAN[dataset], device=self.device, dtype=dtype)
+        self.std = torch.tensor(CIFAR_STD[dataset], device=self.device, dtype=dtype)
 
     def __len__(self) -> int:
         return int(self.x.shape[0])

@@ -9,7 +9,9 @@ method's model, optimizer and step are built by :mod:`kwng.experiments.cifar.ste
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,9 +157,31 @@ SCHEDULES = ("claim", "constant", "authors")
 #: (schedule ``authors``).
 AUTHORS_MILESTONES = (50, 100, 200, 300)
 #: The precisions of the network's forward and backward, ``fp32`` (TF32 matrix
-#: products on CUDA) or ``bf16`` (autocast). The KWNG algebra runs in float32 or
-#: float64 in every case.
-PRECISIONS = ("fp32", "bf16")
+#: products on CUDA), ``bf16`` (autocast) or ``fp64`` (parameters and images in
+#: float64: a reference whose numbers agree across CPUs to round-off, as the
+#: reproduction fixture of ``tests/repro_tiny.py`` needs). The KWNG algebra runs in
+#: float32 or float64 in every case.
+PRECISIONS = ("fp32", "bf16", "fp64")
+#: the dtype of the parameters and of the normalised images under each precision
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
+#: the precisions the timing studies compare (fp64 is a CPU reference, never timed)
+TIMED_PRECISIONS = ("fp32", "bf16")
+
+
+@contextlib.contextmanager
+def drawn_in(precision: str) -> Iterator[None]:
+    """Inside the block, new parameters are drawn in ``precision``'s dtype
+    (:data:`PARAM_DTYPES`, through ``torch.set_default_dtype``): a float32 draw differs
+    in its last bit between CPU code paths, a float64 draw by float64 round-off only."""
+    if precision not in PARAM_DTYPES:
+        raise ValueError(f"precision must be one of {tuple(PARAM_DTYPES)}, "
+                         f"got {precision!r}")
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(PARAM_DTYPES[precision])
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 #: the diagnostics read from the KWNG step's ``info`` (when present), recorded as
 #: epoch mean and last value
 INFO_KEYS = ("eps", "reduction_ratio", "clipped", "fallback", "floored_columns",

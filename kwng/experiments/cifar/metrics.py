@@ -14,6 +14,15 @@ from kwng.experiments.cifar.images import GPUAugmentedData
 from kwng.experiments.cifar.methods import INFO_KEYS
 
 
+def full_precision(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 when it is in a lower precision (bf16 autocast outputs), else
+    ``t`` itself (float32, or float64 under the ``fp64`` precision)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise ValueError(f"t must be a floating tensor, got {type(t).__name__}"
+                         f"{' ' + str(t.dtype) if isinstance(t, torch.Tensor) else ''}")
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 @torch.no_grad()
 def evaluate_full(model: nn.Module, data: GPUAugmentedData, batch_size: int = 1000,
                   num_classes: int | None = None) -> dict[str, Any]:
@@ -46,12 +55,13 @@ def evaluate_full(model: nn.Module, data: GPUAugmentedData, batch_size: int = 10
 
     def hook(_mod, inputs, _out):
         nonlocal feat_sum
-        feat_sum += torch.linalg.vector_norm(inputs[0].float().flatten(1), dim=1).sum()
+        feat = full_precision(inputs[0]).flatten(1)
+        feat_sum += torch.linalg.vector_norm(feat, dim=1).sum()
 
     handle = last_linear(model).register_forward_hook(hook)
     try:
         for z, y in data.eval_batches(batch_size):
-            out = model(z).float()
+            out = full_precision(model(z))
             if confusion is None:
                 k = k or out.shape[1]
                 confusion = torch.zeros(k * k, device=dev, dtype=torch.long)

@@ -33,8 +33,9 @@ from kwng.experiments.cifar.methods import (
     EPS_AUTHORS,
     EPS_BOUNDS_AUTHORS,
     OPTIMIZERS,
+    drawn_in,
 )
-from kwng.experiments.cifar.metrics import UpdateShare
+from kwng.experiments.cifar.metrics import UpdateShare, full_precision
 from kwng.experiments.nets import (
     NETWORKS,
     ConditionedNetwork,
@@ -45,10 +46,12 @@ log = logging.getLogger(__name__)
 
 
 def build_model(cfg: RunConfig) -> nn.Module:
-    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.nets.ConditionedNetwork`):
-    ``U`` inside the network (the identity for ``well``)."""
+    """``z ↦ U h_θ(z)`` (:class:`kwng.experiments.nets.ConditionedNetwork`): ``U``
+    inside the network (the identity for ``well``), the parameters drawn in
+    ``cfg.precision`` (:func:`~kwng.experiments.cifar.methods.drawn_in`)."""
     k = NUM_CLASSES[cfg.dataset]
-    body = NETWORKS[cfg.model](k)
+    with drawn_in(cfg.precision):
+        body = NETWORKS[cfg.model](k)
     cond = (None if cfg.conditioning == "well"
             else DiagonalConditioning(k, CONDITION_NUMBER))
     return ConditionedNetwork(body, cond)
@@ -237,16 +240,9 @@ def make_step(
 
         # U is inside the model (ConditionedNetwork): the Fisher's predictive logits are
         # the outputs
-        pc = KFACPreconditioner(
-            model,
-            kind=kind,
-            damping=1e-3,
-            update_freq=100,
-            diag_freq=cfg.spec.get("diag_freq", 1),
-            output_fn=None,
-            clip_norm=CLIP_NORM,
-            device=device,
-        )
+        pc = KFACPreconditioner(model, kind=kind, damping=1e-3, update_freq=100,
+                                diag_freq=cfg.spec.get("diag_freq", 1), output_fn=None,
+                                clip_norm=CLIP_NORM, device=device)
         return KFACStep(model, optimizer, pc)
     pc = _kwng_preconditioner(cfg, model, optimizer)
     return KWNGStep(model, optimizer, pc, cfg.spec["estimator_input"])
@@ -278,7 +274,7 @@ def train_step(
     method.optimizer.zero_grad(set_to_none=True)
     with autocast_for(z.device, precision):
         h, outputs = model.forward_both(z)
-        loss = F.cross_entropy(outputs.float(), yb)
+        loss = F.cross_entropy(full_precision(outputs), yb)
     if share is not None:
         share.before()
     info = method.step(loss, outputs, hidden=h, batch=(z, yb))

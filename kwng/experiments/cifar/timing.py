@@ -40,8 +40,8 @@ from kwng.experiments.cifar.methods import (
     CLAIM_METHODS,
     CONDITIONINGS,
     METHODS,
-    PRECISIONS,
     RESULTS,
+    TIMED_PRECISIONS,
     device_for,
     milestones_for,
 )
@@ -324,7 +324,7 @@ def trainer_timing_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     add = p.add_argument
     add("--methods", default="sgd,adam,kfac,kwng", type=names_arg(list(METHODS)))
     add("--conditioning", default="ill", choices=CONDITIONINGS)
-    add("--precisions", default="bf16", type=names_arg(PRECISIONS),
+    add("--precisions", default="bf16", type=names_arg(TIMED_PRECISIONS),
         help="comma list of fp32, bf16")
     add("--epochs", type=int_arg(1), default=2)
     add("--trace-steps", type=int_arg(1), default=256)

@@ -34,6 +34,7 @@ from kwng.experiments.cifar.images import GPUAugmentedData
 from kwng.experiments.cifar.methods import (
     CLIP_NORM,
     METHODS,
+    PARAM_DTYPES,
     device_for,
     milestones_for,
 )
@@ -79,13 +80,14 @@ class Run:
         random.seed(cfg.seed)
         fast_cuda(device)
         x, y, xt, yt = split_data(cfg)
-        self.train = GPUAugmentedData(x, y, cfg.dataset, device)
-        self.test = GPUAugmentedData(xt, yt, cfg.dataset, device)
+        dtype = PARAM_DTYPES[cfg.precision]
+        self.train = GPUAugmentedData(x, y, cfg.dataset, device, dtype)
+        self.test = GPUAugmentedData(xt, yt, cfg.dataset, device, dtype)
         # with eval_test, ``test`` above is the validation split and ``test_set`` the
         # test set, both evaluated after every epoch
-        self.test_set = (GPUAugmentedData(*test_arrays(cfg), cfg.dataset, device)
+        self.test_set = (GPUAugmentedData(*test_arrays(cfg), cfg.dataset, device, dtype)
                          if cfg.eval_test else None)
-        self.model = build_model(cfg).to(device)
+        self.model = build_model(cfg).to(device, dtype)
         # KFAC and EKFAC reshape the gradients themselves (kfac_factors, ekfac_factors):
         # any memory format
         self.channels_last = cfg.channels_last
