@@ -14,7 +14,8 @@ from kwng.experiments.cifar.methods import LR_GRID, METHODS
 from kwng.experiments.claims import RESULTS, cifar_fig3_verdict
 from kwng.experiments.wording import name_list
 
-__all__ = ["DRASTIC", "fig3_drops", "fig3_negatives", "fig3_sentence"]
+__all__ = ["DRASTIC", "DROP_HEADER", "drop_table", "fig3_drops", "fig3_negatives",
+           "fig3_sentence"]
 
 
 #: a baseline's drop from well- to ill-conditioned that the verdict sentence calls
@@ -113,3 +114,15 @@ def fig3_drops(q: dict) -> str:
     return ", ".join(f"{METHODS[m].label} {100 * v['drop']:.1f} ± "
                      f"{100 * v['spread']:.1f}" for m, v in per.items()) + (
         f"; KWNG {100 * kw['drop_kwng']:.1f} ± {100 * kw['spread_kwng']:.1f}")
+
+
+#: the columns of :func:`drop_table`
+DROP_HEADER = ("baseline", "drop WC → IC (points)", "KWNG's drop", "verdict")
+
+
+def drop_table(q: dict) -> list[tuple]:
+    """One row per baseline of :func:`cifar_fig3_verdict` ``q``: its drop from well- to
+    ill-conditioned ± spread, KWNG's beside it, and the verdict of the rule."""
+    return [(METHODS[m].label, f"{100 * v['drop']:.1f} ± {100 * v['spread']:.1f}",
+             f"{100 * v['drop_kwng']:.1f} ± {100 * v['spread_kwng']:.1f}", v["verdict"])
+            for m, v in q["per_baseline"].items()]
