@@ -26,9 +26,15 @@ the test set plays no part):
   another step of the grid reached at least :data:`GAP` (25 points) more validation
   accuracy at the same epoch ``e``.
 
-The third reason compares with the records that exist when the epoch ends: a run ahead
-of its siblings is compared at a later epoch, once they have reached it. A stopped run
-keeps its record with ``"early_stop": {"reason", "epoch", ...}`` and counts as finished.
+The third reason compares epochs, never wall-clock: a sibling that runs slower does not
+hide its lead. After every epoch the run compares each of its epochs ``e ≥ 30`` with
+the siblings' rows at the same ``e`` that exist by then, so a run ahead of its
+siblings in wall-clock is stopped as soon as a sibling reaches an epoch at which it
+was 25 points behind (the stop names that epoch as ``compared_at``). A run that
+finishes before its siblings reach such an epoch cannot be stopped live;
+:func:`posthoc_stops` evaluates the rule over the finished records and names every run
+the rule condemns, stopped live or not. A stopped run keeps its record with
+``"early_stop": {"reason", "epoch", ...}`` and counts as finished.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["FIG3", "PROTOCOL_FILE", "AMENDMENTS_NAME", "CHANCE_MARGIN", "CHANCE_EPOCH",
            "GAP", "GAP_EPOCH", "RULE", "load_protocol", "window_for", "protocol_commit",
-           "sibling_rows", "stop_reason", "run_status", "record_at", "grid_state",
+           "sibling_rows", "stop_reason", "posthoc_stops", "run_status", "record_at", "grid_state",
            "record_problem", "check_fig3", "fig3_check", "rounds", "round_of",
            "round_epoch_seconds"]
 
@@ -174,10 +180,14 @@ def sibling_rows(rdir: str | Path) -> dict[str, list[dict]]:
 
 
 def stop_reason(row: dict, siblings: dict[str, list[dict]],
-                num_classes: int) -> dict | None:
+                num_classes: int, rows: list[dict] | None = None) -> dict | None:
     """Why the run whose latest epoch is ``row`` (with ``epoch``, ``train_loss`` and
     ``val_acc``) stops under the Fig. 3 rule, or ``None`` to go on. ``siblings`` maps
-    each other step's name to its rows (:func:`sibling_rows`)."""
+    each other step's name to its rows (:func:`sibling_rows`); ``rows`` are the run's
+    epochs so far (default ``[row]``): "behind" compares each of them from epoch
+    :data:`GAP_EPOCH` on with the siblings' row of the same epoch, where one exists,
+    and names the epoch compared as ``compared_at`` (``epoch`` is always the run's
+    last)."""
     if not isinstance(num_classes, int) or num_classes < 2:
         raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
     e, acc = int(row["epoch"]), float(row["val_acc"])
@@ -187,15 +197,39 @@ def stop_reason(row: dict, siblings: dict[str, list[dict]],
     if e >= CHANCE_EPOCH and acc < chance:
         return {"reason": "at chance", "epoch": e, "val_acc": acc,
                 "threshold": chance}
-    if e < GAP_EPOCH:
-        return None
-    for name, rows in sorted(siblings.items()):
-        same = [r for r in rows if r.get("epoch") == e]
-        other = float(same[0].get("val_acc", math.nan)) if same else math.nan
-        if math.isfinite(other) and other - acc >= GAP:
-            return {"reason": "behind", "epoch": e, "val_acc": acc, "sibling": name,
-                    "sibling_val_acc": other}
+    own = [r for r in (rows if rows is not None else [row])
+           if GAP_EPOCH <= int(r["epoch"]) <= e]
+    for r in sorted(own, key=lambda r: int(r["epoch"])):
+        at, mine = int(r["epoch"]), float(r["val_acc"])
+        for name, sib in sorted(siblings.items()):
+            same = [s for s in sib if s.get("epoch") == at]
+            other = float(same[0].get("val_acc", math.nan)) if same else math.nan
+            if math.isfinite(other) and other - mine >= GAP:
+                return {"reason": "behind", "epoch": e, "compared_at": at,
+                        "val_acc": mine, "sibling": name, "sibling_val_acc": other}
     return None
+
+
+def posthoc_stops(p: dict, root: str | os.PathLike = FIG3,
+                  num_classes: int = 10) -> dict[str, dict]:
+    """The early-stop rule evaluated over the finished grid records, every sibling's
+    rows known: per grid run ``"<conditioning>/<method>/lr<lr>"``, ``live`` (the stop
+    its record names, or ``None``) and ``posthoc`` (:func:`stop_reason` at the first
+    epoch the rule condemns it, comparing every sibling's row of that epoch, or
+    ``None``)."""
+    root, out = Path(root), {}
+    for cond in p["conditionings"]:
+        for m in _methods(p, cond):
+            recs = {lr: record_at(root, "grid", lr, cond, m, 0) for lr in LR_GRID}
+            recs = {lr: r for lr, r in recs.items() if r and r.get("epochs")}
+            for lr, rec in recs.items():
+                sibs = {f"lr{o:g}": r["epochs"] for o, r in recs.items() if o != lr}
+                hit = next((s for row in rec["epochs"]
+                            if (s := stop_reason(row, sibs, num_classes)) is not None),
+                           None)
+                out[f"{cond}/{m}/lr{lr:g}"] = {"live": rec.get("early_stop"),
+                                               "posthoc": hit}
+    return out
 
 
 def _methods(p: dict, cond: str) -> list[str]:

@@ -310,8 +310,10 @@ class Run:
         (:func:`~kwng.experiments.cifar.fig3.stop_reason`) to its latest epoch ``row``,
         on the validation accuracy; ``True`` records the reason and ends the run."""
         acc = row.get("val_acc", row["test_acc"])  # without eval_test: validation
+        rows = [{**r, "val_acc": r.get("val_acc", r["test_acc"])}
+                for r in self.record["epochs"]]
         stop = stop_reason({**row, "val_acc": acc}, sibling_rows(self.rdir),
-                           num_classes)
+                           num_classes, rows=rows)
         if stop is None:
             return False
         self.record["early_stop"] = {"rule": self.cfg.early_stop, **stop}
