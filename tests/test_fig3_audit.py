@@ -4,9 +4,15 @@ records."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import subprocess
 from pathlib import Path
 
-from kwng.experiments.cifar import fig3
+import pytest
+import torch
+
+from kwng.experiments.cifar import fig3, records, train
 
 ROOT = Path(__file__).resolve().parent.parent
 FIG3 = ROOT / "results" / "cifar" / "fig3"
@@ -59,3 +65,68 @@ def test_no_run_the_rule_condemns_is_a_selected_step():
         cond, m, lr = k.split("/")
         if v["posthoc"]:
             assert f"lr{state[f'{cond}/{m}']['selected']:g}" != lr, k
+
+
+# ------------------------------------------------------ identity against execution
+def test_a_refused_capture_is_named_and_reported(tmp_path):
+    """On a CPU a ``capture=True`` run executes eagerly: the record names the
+    difference under ``ran_differs``; without that name the checker calls the record
+    bad, with it the checker reports it."""
+    if torch.cuda.is_available():
+        pytest.skip("the case is about a machine without CUDA")
+    cfg = {"source": "sample", "model": "tiny", "batch_size": 100, "epochs": 1,
+           "lr": 0.1, "device": "cpu", "out": str(tmp_path / "res"),
+           "checkpoint_dir": str(tmp_path / "ck"), "train_subset": 200,
+           "method": "sgd", "capture": True}
+    rec = train.run(cfg, progress=False)
+    assert rec["capture"] is False and rec["identity"]["capture"] is True
+    assert rec["ran_differs"] == {"capture": {"asked": True, "ran": False}}
+    assert records.execution_differences(rec) == rec["ran_differs"]
+    problem, note = records.execution_problem(rec)
+    assert problem is None and note == "capture asked True ran False"
+    unnamed = {k: v for k, v in rec.items() if k != "ran_differs"}
+    problem, note = records.execution_problem(unnamed)
+    assert note is None and "unnamed: capture asked True ran False" in problem
+    same = train.run({**cfg, "capture": False, "out": str(tmp_path / "res2")},
+                     progress=False)
+    assert same["ran_differs"] == {} and records.execution_problem(same) == (None,
+                                                                              None)
+
+
+KFAC_CORRECTED = ("grid/lr10/cifar10/ill/kfac/seed0", "grid/lr1/cifar10/ill/kfac/seed0")
+
+
+def test_the_two_kfac_records_name_their_eager_nchw_run_and_keep_their_numbers():
+    res = fig3.check_fig3(FIG3, P)
+    assert res["bad"] == []
+    assert sorted(n for n, _ in res["differs"]) == ["grid/lr1/ill/kfac/seed0",
+                                                    "grid/lr10/ill/kfac/seed0"]
+    for run in KFAC_CORRECTED:
+        rec = json.loads((FIG3 / run / "metrics.json").read_text())
+        (fix,) = rec["corrections"]
+        assert fix["fields"] == ["ran_differs"] and fix["date"] and fix["reason"]
+        digest = hashlib.sha256(json.dumps(rec["epochs"], sort_keys=True).encode())
+        assert digest.hexdigest() == fix["epochs_sha256"]
+        assert rec["ran_differs"] == {k: {"asked": True, "ran": False}
+                                      for k in ("capture", "channels_last")}
+        assert rec["identity"]["capture"] is True and rec["capture"] is False
+
+
+def test_the_kfac_correction_changed_only_its_named_fields():
+    """Against the record as first committed: every field but ``ran_differs`` and
+    ``corrections`` is equal (the accuracy numbers among them)."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("no git history in this copy")
+    for run in KFAC_CORRECTED:
+        path = f"results/cifar/fig3/{run}/metrics.json"
+        first = subprocess.run(
+            ["git", "log", "--diff-filter=A", "--format=%H", "--", path], cwd=ROOT,
+            capture_output=True, text=True, check=True).stdout.split()
+        if not first:
+            pytest.skip("a shallow clone lacks the record's first commit")
+        old = json.loads(subprocess.run(
+            ["git", "show", f"{first[-1]}:{path}"], cwd=ROOT, capture_output=True,
+            text=True, check=True).stdout)
+        new = json.loads((ROOT / path).read_text())
+        assert {k: v for k, v in new.items()
+                if k not in ("ran_differs", "corrections")} == old

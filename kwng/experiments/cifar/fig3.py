@@ -47,7 +47,12 @@ import subprocess
 from pathlib import Path
 
 from kwng.experiments.cifar.methods import LR_GRID, METHODS, RESULTS, milestones_for
-from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
+from kwng.experiments.cifar.records import (
+    execution_problem,
+    provenance_problem,
+    read_record,
+    rows_problem,
+)
 from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["FIG3", "PROTOCOL_FILE", "AMENDMENTS_NAME", "CHANCE_MARGIN", "CHANCE_EPOCH",
@@ -322,18 +327,23 @@ def record_problem(p: dict, mp: Path, part: str) -> str | None:
     stop = rec.get("early_stop")
     if stop and (not stop.get("reason") or stop.get("epoch") != len(rec["epochs"])):
         return f"early stop {stop} does not name its reason and last epoch"
-    return rows_problem(rec, ("train_loss", "val_acc", "test_acc"))
+    return (execution_problem(rec)[0]
+            or rows_problem(rec, ("train_loss", "val_acc", "test_acc")))
 
 
 def check_fig3(root: str | os.PathLike = FIG3, p: dict | None = None) -> dict:
     """Every record of the study against the protocol: ``{"ok"`` (all epochs),
     ``"stopped"`` (by the early-stop rule, with reason and epoch), ``"incomplete"``
-    (epochs still to run), ``"bad": [(run, problem)]}``, run names
+    (epochs still to run), ``"bad": [(run, problem)]``, ``"differs": [(run, note)]}``
+    (a run whose execution differs from its identity and whose record names it:
+    :func:`~kwng.experiments.cifar.records.execution_problem`; it also counts under
+    its status), run names
     ``<part>/lr<lr>/<conditioning>/<method>/seed<k>``. A malformed file is reported
     under ``bad`` with its problem, never skipped."""
     p = load_protocol() if p is None else p
     root, epochs = Path(root), int(p["settings"]["epochs"])
-    res: dict[str, list] = {"ok": [], "stopped": [], "incomplete": [], "bad": []}
+    res: dict[str, list] = {"ok": [], "stopped": [], "incomplete": [], "bad": [],
+                            "differs": []}
     for part in _PARTS:
         for mp in sorted((root / part).glob(f"lr*/{p['dataset']}/*/*/seed*/"
                                             "metrics.json")):
@@ -345,7 +355,11 @@ def check_fig3(root: str | os.PathLike = FIG3, p: dict | None = None) -> dict:
             if problem:
                 res["bad"].append((name, f"{mp}: {problem}"))
                 continue
-            status = run_status(read_json(mp), epochs)
+            rec = read_json(mp)
+            note = execution_problem(rec)[1]
+            if note:
+                res["differs"].append((name, note))
+            status = run_status(rec, epochs)
             res[{"finished": "ok", "stopped": "stopped"}.get(status,
                                                              "incomplete")].append(name)
     return res
@@ -359,6 +373,8 @@ def fig3_check(root: str | None) -> int:
     res = check_fig3(root or FIG3, p)
     for name, problem in res["bad"]:
         print("bad:", name, "-", problem)
+    for name, note in res["differs"]:
+        print("ran otherwise than its identity says:", name, "-", note)
     print(json.dumps({k: len(v) for k, v in res.items()}),
           "incomplete:", json.dumps(res["incomplete"]))
     for key, st in grid_state(p, root or FIG3).items():

@@ -141,6 +141,9 @@ class Run:
                   else None),
             "precision": cfg.precision, "channels_last": self.channels_last,
             "capture": self.runner.capture,
+            "ran_differs": {k: {"asked": getattr(cfg, k), "ran": v} for k, v in (
+                ("capture", self.runner.capture),
+                ("channels_last", self.channels_last)) if getattr(cfg, k) != v},
             "lr_field": "the step size used during the epoch",
             "confusion": None}
         if self.world > 1:
