@@ -57,11 +57,12 @@ def _runs_of(*tails: str) -> tuple[str, ...]:
 #: rule's first wording in ``source``; ``records`` are git pathspecs of the records it
 #: decides. ``commit`` and ``set`` are the first commit holding ``marker`` and its
 #: date, ``first_record`` and ``last_record`` the dates of the first and the last
-#: commit adding one of ``records`` (UTC, to the minute): the rule was set before, during
-#: or after its runs (:func:`rule_when`). ``tests/test_claims_rules.py`` reads them
+#: commit adding one of ``records`` (UTC, to the minute): the rule was set before,
+#: during or after its runs (:func:`rule_when`). ``tests/test_claims_rules.py`` reads them
 #: again from ``git log``.
 RULES: dict[str, dict] = {
-    "fig1_N": {"source": "book/claims.md", "marker": "the mean error falls at every $d$",
+    "fig1_N": {"source": "book/claims.md",
+               "marker": "the mean error falls at every $d$",
                "records": ("results/relerr",), "commit": "0131930",
                "set": "2026-11-27 07:21", "first_record": "2026-11-26 01:48",
                "last_record": "2026-11-26 01:48"},
