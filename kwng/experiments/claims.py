@@ -58,8 +58,8 @@ def _runs_of(*tails: str) -> tuple[str, ...]:
 #: decides. ``commit`` and ``set`` are the first commit holding ``marker`` and its
 #: date, ``first_record`` and ``last_record`` the dates of the first and the last
 #: commit adding one of ``records`` (UTC, to the minute): the rule was set before,
-#: during or after its runs (:func:`rule_when`). ``tests/test_claims_rules.py`` reads them
-#: again from ``git log``.
+#: during or after its runs (:func:`rule_when`). ``tests/test_claims_rules.py`` reads
+#: them again from ``git log``.
 RULES: dict[str, dict] = {
     "fig1_N": {"source": "book/claims.md",
                "marker": "the mean error falls at every $d$",

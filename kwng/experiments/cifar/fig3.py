@@ -58,8 +58,8 @@ from kwng.experiments.provenance import ResultFileError, read_json
 __all__ = ["FIG3", "PROTOCOL_FILE", "AMENDMENTS_NAME", "CHANCE_MARGIN", "CHANCE_EPOCH",
            "GAP", "GAP_EPOCH", "RULE", "load_protocol", "window_for", "protocol_commit",
            "sibling_rows", "stop_reason", "posthoc_stops", "run_status", "record_at",
-           "grid_state", "record_problem", "check_fig3", "fig3_check", "rounds", "round_of",
-           "round_epoch_seconds"]
+           "grid_state", "record_problem", "check_fig3", "fig3_check", "rounds",
+           "round_of", "round_epoch_seconds"]
 
 log = logging.getLogger(__name__)
 
