@@ -14,7 +14,12 @@ import numpy as np
 
 from kwng.experiments.cifar import fig3
 from kwng.experiments.cifar.amortized import time_rows
-from kwng.experiments.cifar.fig3_time import seconds_to_accuracy, time_runs
+from kwng.experiments.cifar.fig3_time import (
+    seconds_to_accuracy,
+    threshold_winners,
+    time_runs,
+    time_to_thresholds,
+)
 from kwng.experiments.cifar.methods import CLAIM_ALL, METHODS
 from kwng.experiments.cifar.plans import queue_left, queue_phrase
 from kwng.experiments.cifar.records import (
@@ -37,7 +42,8 @@ from kwng.experiments.wording import name_list
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
            "mixed_verdict", "ablation_verdict", "ABLATION_WORSE", "momentum_verdict",
-           "time_verdict", "fig3_sentence", "flat", "RULES", "rule_when"]
+           "time_verdict", "fig3_sentence", "flat", "RULES", "rule_when",
+           "time_thresholds_phrase"]
 
 RESULTS = Path("results")
 """The committed results folder, relative to the repository root."""
@@ -212,6 +218,35 @@ def time_verdict(tta: dict, fig3_ver: dict, target: float = 0.85) -> dict:
             "by_baseline": _phrase(per)}
 
 
+def time_thresholds_phrase(curve: dict, method: str = "kwng") -> str:
+    """Which thresholds of the time-to-accuracy curve
+    (:func:`kwng.experiments.cifar.fig3_time.time_to_thresholds`) favour ``method``
+    and which each baseline, in one phrase: "Adam is faster at 70–87 %, only KWNG
+    reaches 88 %; ...; SGD and EKFAC never reach 70 %"."""
+    def rng(lo: int, hi: int) -> str:
+        return f"{lo} %" if lo == hi else f"{lo}–{hi} %"
+
+    lab, parts, never = METHODS[method].label, [], []
+    for b in curve["seconds"]:
+        if b == method:
+            continue
+        if all(v is None for v in curve["seconds"][b]):
+            never.append(METHODS[b].label)
+            continue
+        bits = []
+        for w, alone, lo, hi in threshold_winners(curve, method, b):
+            who = METHODS[w].label if w else None
+            bits.append(f"neither reaches {rng(lo, hi)}" if w is None
+                        else f"only {who} reaches {rng(lo, hi)}" if alone
+                        else f"{who} is faster at {rng(lo, hi)}")
+        parts.append(f"against {METHODS[b].label}, " + ", ".join(bits))
+    if never:
+        parts.append(f"{name_list(never)} never reach{'es' * (len(never) == 1)} "
+                     f"{curve['thresholds'][0]} % (so {lab} is faster at every "
+                     "threshold)")
+    return "; ".join(parts)
+
+
 def _slope(x: np.ndarray, y: np.ndarray) -> float:
     """Least-squares slope of ``log y`` against ``log x``."""
     return float(np.polyfit(np.log(x), np.log(y), 1)[0])
@@ -373,8 +408,10 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     ablation that has run (``"ab_<method>"``), ``kfac_drop``: whether KFAC drops from
     WC to IC by more than its seed spread (§4.2), ``ablation_verdict``
     (:func:`ablation_verdict`), ``momentum`` (:func:`momentum_verdict`), ``time`` and
-    ``time_by_baseline`` (:func:`time_verdict` at 85 %), ``time_clock`` (where its
-    seconds come from, :func:`kwng.experiments.cifar.fig3_time.time_runs`) and
+    ``time_by_baseline`` (:func:`time_verdict` at 85 %), ``time_thresholds`` (who is
+    faster at every threshold from 70 % to the best final accuracy in IC,
+    :func:`time_thresholds_phrase`) and ``time_best`` (that accuracy), ``time_clock``
+    (where its seconds come from, :func:`kwng.experiments.cifar.fig3_time.time_runs`) and
     ``time_s85``: the mean training seconds to 85 % test accuracy in IC of each
     method that gets there, the amortized study's (``k > 1``, one seed each,
     :func:`kwng.experiments.cifar.amortized.time_rows`, same clock) included."""
@@ -388,6 +425,7 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     word = "pending" if "pending" in counts else by_baseline
     timed, clock = time_runs(p, base)
     tv = time_verdict(seconds_to_accuracy(p, base, runs=timed), ver)
+    curve = time_to_thresholds(p, base, runs=timed)
     queue = queue_left(p, base)
     summ = seed_summary(p, base)
     so_far = {k.replace("/", "_"): 100 * v["mean"] for k, v in summ.items()}
@@ -403,6 +441,8 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
             "by_baseline": by_baseline,
             "momentum": momentum_verdict(summ), "time": tv["verdict"],
             "time_by_baseline": tv["by_baseline"],
+            "time_thresholds": time_thresholds_phrase(curve),
+            "time_best": curve["best"],
             "time_clock": f"one trainer-timing call on {clock['device']}"
             if clock["kind"] == "trainer-timing"
             else "the runs that had a GPU alone, H100s of several rounds",

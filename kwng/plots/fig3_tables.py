@@ -10,7 +10,7 @@ from kwng.experiments.cifar.methods import METHODS
 from kwng.experiments.wording import name_list
 from kwng.plots.tables import markdown_table
 
-__all__ = ["TTA_HEADER", "tta_table", "tta_values"]
+__all__ = ["TTA_HEADER", "tta_table", "tta_values", "threshold_table"]
 
 #: the columns of :func:`tta_table`
 TTA_HEADER = ("cond.", "method", "step", "runs", "s / epoch", "s to 80 %", "s to 85 %",
@@ -55,3 +55,19 @@ def tta_values(tta: dict[str, dict]) -> dict[str, str]:
         out[f"tta_spe_{name}"] = f"{v['s_per_epoch']:.2f}"
     out.update({f"tta_never80_{c}": name_list(ms) for c, ms in never.items()})
     return out
+
+
+def threshold_table(curve: dict) -> str:
+    """One row per threshold of ``curve``
+    (:func:`kwng.experiments.cifar.fig3_time.time_to_thresholds`): the seconds each
+    method that reaches the lowest one needs to get there ("never" when a run did not),
+    the fastest in bold."""
+    ms = [m for m, v in curve["seconds"].items() if any(x is not None for x in v)]
+    rows = []
+    for i, t in enumerate(curve["thresholds"]):
+        got = {m: curve["seconds"][m][i] for m in ms}
+        best = min((v for v in got.values() if v is not None), default=None)
+        rows.append((f"{t} %", *(f"**{_sec(v)}**" if v is not None and v == best
+                                 else _sec(v) for v in got.values())))
+    header = ("test acc. ≥", *(f"{METHODS[m].label} (s)" for m in ms))
+    return markdown_table(header, rows, align="r" * len(header))
