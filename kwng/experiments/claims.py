@@ -413,7 +413,8 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     :func:`time_thresholds_phrase`) and ``time_best`` (that accuracy), ``time_clock``
     (where its seconds come from,
     :func:`kwng.experiments.cifar.fig3_time.time_runs`) and ``time_s85``: the mean
-    training seconds to 85 % test accuracy in IC of each method that gets there, the amortized study's (``k > 1``, one seed each,
+    training seconds to 85 % test accuracy in IC of each method that gets there, the
+    amortized study's (``k > 1``, one seed each,
     :func:`kwng.experiments.cifar.amortized.time_rows`, same clock) included."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
