@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from kwng.experiments.cifar import fig3, fig3_time, records, train
+from kwng.experiments.cifar import fig3, fig3_time, records, train, verdicts
+from kwng.experiments.wording import fixed, pct
 
 ROOT = Path(__file__).resolve().parent.parent
 FIG3 = ROOT / "results" / "cifar" / "fig3"
@@ -154,3 +156,32 @@ def test_time_curve_from_70_to_the_best_final_accuracy_on_one_clock():
         ("adam", False, 70, 87), ("kwng", True, 88, 88)]
     assert fig3_time.threshold_winners(curve, "kwng", "kfac") == [
         ("kwng", False, 70, 70), ("kwng", True, 71, 88)]
+
+
+# ------------------------------------------------------------------ one rounding
+def test_fixed_rounds_half_to_even_on_the_stated_value():
+    assert [fixed(x) for x in (61.65, 61.75, 64.25, 64.35, -0.04)] == [
+        "61.6", "61.8", "64.2", "64.4", "0.0"]
+    assert fixed(2.675, 2) == "2.68" != f"{2.675:.2f}"  # the float lies below the tie
+    assert fixed(230.5, 0) == "230" and fixed(231.5, 0) == "232"
+    assert pct(0.6165) == "61.6" and pct(None) == "–" and pct(0.6165, 2) == "61.65"
+    with pytest.raises(ValueError, match="digits"):
+        fixed(1.0, -1)
+
+
+def test_the_audited_ties_print_by_the_rule():
+    summ = verdicts.seed_summary(P, FIG3)
+    assert pct(summ["ill/ekfac_s10"]["mean"]) == "61.6"
+    ab = {r["method"]: r for r in verdicts.ablation_rows(P, FIG3)}
+    assert pct(ab["kwng_D_T"]["test"]) == "64.2"
+    assert pct(summ["ill/ekfac_s10"]["mean"], 2) == "61.65"
+
+
+def test_the_two_chapters_print_record_numbers_through_one_helper():
+    """No format spec rounds a number of the Fig. 3 chapter's cells or of the
+    ledger's CIFAR section: they go through ``wording.fixed``."""
+    fig3_page = (ROOT / "book" / "cifar_fig3.md").read_text()
+    ledger = (ROOT / "book" / "claims.md").read_text()
+    cifar = ledger[ledger.index("## CIFAR-10"):]
+    assert not re.search(r":\.\d+f[}`]", fig3_page)
+    assert not re.search(r":[+]?\.\d+f`", cifar)

@@ -37,7 +37,7 @@ from kwng.experiments.cifar.verdicts import (
     seed_summary,
 )
 from kwng.experiments.synthetic_setup import load_flow, load_rows, summarise
-from kwng.experiments.wording import name_list
+from kwng.experiments.wording import fixed, name_list
 
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
@@ -468,7 +468,7 @@ def fig3_sentence(root: str | os.PathLike = RESULTS, q: dict | None = None) -> s
         kw = 100 * v["drop_kwng"]
         return (f"By the paper's own protocol (the Fig. 3 study), {claim}. The "
                 f"smallest drop from well- to ill-conditioned is {METHODS[m].label}'s, "
-                f"{100 * v['drop']:.1f} points; KWNG's is {kw:.1f}"
+                f"{fixed(100 * v['drop'])} points; KWNG's is {fixed(kw)}"
                 f"{' (a gain)' if kw < 0 else ''}.")
     left = sum(q["queue"].values())
     return (f"So far, by the paper's own protocol (the Fig. 3 study), {claim}; the "
@@ -484,14 +484,17 @@ def _phrase(per: dict[str, str]) -> str:
     return "; ".join(f"{w} against {name_list(by[w])}" for w in sorted(by))
 
 
-def flat(d: dict, prefix: str) -> dict[str, object]:
+def flat(d: dict, prefix: str, digits: int | None = None) -> dict[str, object]:
     """``d`` with nested dicts flattened into ``prefix_key_subkey`` names (the glue
-    names of the ledger); lists are left out."""
+    names of the ledger); lists are left out. With ``digits``, every float becomes its
+    text by :func:`kwng.experiments.wording.fixed` (the book's one rounding)."""
     out: dict[str, object] = {}
     for k, v in d.items():
         name = f"{prefix}_{k}".replace(" ", "_")
         if isinstance(v, dict):
-            out.update(flat(v, name))
+            out.update(flat(v, name, digits))
+        elif isinstance(v, float) and digits is not None:
+            out[name] = fixed(v, digits)
         elif not isinstance(v, list):
             out[name] = v
     return out

@@ -7,7 +7,7 @@ into a Markdown table, :func:`tta_values` into the named numbers the prose glues
 from __future__ import annotations
 
 from kwng.experiments.cifar.methods import METHODS
-from kwng.experiments.wording import name_list
+from kwng.experiments.wording import fixed, name_list
 from kwng.plots.tables import markdown_table
 
 __all__ = ["TTA_HEADER", "tta_table", "tta_values", "threshold_table"]
@@ -18,11 +18,11 @@ TTA_HEADER = ("cond.", "method", "step", "runs", "s / epoch", "s to 80 %", "s to
 
 
 def _sec(v: float | None) -> str:
-    return "never" if v is None else f"{v:.0f}"
+    return "never" if v is None else fixed(v, 0)
 
 
 def _epochs(v: float | None) -> str:
-    return "never" if v is None else f"{v:.1f}"
+    return "never" if v is None else fixed(v)
 
 
 def tta_table(tta: dict[str, dict]) -> str:
@@ -32,7 +32,7 @@ def tta_table(tta: dict[str, dict]) -> str:
     if not isinstance(tta, dict):
         raise TypeError(f"tta must be a dict of seconds_to_accuracy, got {type(tta)}")
     rows = [(*k.split("/"), f"{v['lr']:g}" + ("" if v["final"] else " (not final)"),
-             v["runs"], f"{v['s_per_epoch']:.2f}", _sec(v["to"][0.8]),
+             v["runs"], fixed(v["s_per_epoch"], 2), _sec(v["to"][0.8]),
              _sec(v["to"][0.85]), _epochs(v["epoch_to"][0.85]))
             for k, v in tta.items()]
     return markdown_table(TTA_HEADER, rows, align="llrrrrrr")
@@ -52,7 +52,7 @@ def tta_values(tta: dict[str, dict]) -> dict[str, str]:
         for t in (0.8, 0.85):
             out[f"tta_{name}_{round(100 * t)}"] = _sec(v["to"][t])
         out[f"tta_ep_{name}"] = _epochs(v["epoch_to"][0.85])
-        out[f"tta_spe_{name}"] = f"{v['s_per_epoch']:.2f}"
+        out[f"tta_spe_{name}"] = fixed(v["s_per_epoch"], 2)
     out.update({f"tta_never80_{c}": name_list(ms) for c, ms in never.items()})
     return out
 
