@@ -1,5 +1,6 @@
 """Each rule of the claims ledger says when it was set: the dates and commits of
-``kwng.experiments.claims.RULES`` against ``git log``, and the ledger quoting them."""
+``kwng.experiments.claim_rules.RULES`` against ``git log``, and the ledger quoting
+them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments import claims
+from kwng.experiments import claim_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,10 +35,10 @@ def history():
         pytest.skip("a shallow clone lacks the rules' first commits")
 
 
-@pytest.mark.parametrize("name", sorted(claims.RULES))
+@pytest.mark.parametrize("name", sorted(claim_rules.RULES))
 def test_a_rules_date_is_its_first_commit_and_its_records_dates_are_gits(history,
                                                                          name):
-    r = claims.RULES[name]
+    r = claim_rules.RULES[name]
     first = _git("log", f"-S{r['marker']}", "--reverse", "--format=%H %cI", "--",
                  r["source"])
     assert first, f"{name}: {r['marker']!r} never appears in {r['source']}"
@@ -50,7 +51,8 @@ def test_a_rules_date_is_its_first_commit_and_its_records_dates_are_gits(history
 
 
 def test_rule_when_places_the_rule_against_its_runs():
-    words = {k: claims.rule_when(k).split("), ")[1].split()[0] for k in claims.RULES}
+    words = {k: claim_rules.rule_when(k).split("), ")[1].split()[0]
+             for k in claim_rules.RULES}
     assert words["fig3"] == "before"  # the protocol's verdict rule
     assert words["time"] == "during"
     for k in ("kfac_drop", "momentum", "ablation", "fig1_N", "fig5", "fig2_kwng"):
@@ -59,7 +61,7 @@ def test_rule_when_places_the_rule_against_its_runs():
 
 def test_the_ledger_says_when_each_rule_was_set():
     text = (ROOT / "book" / "claims.md").read_text()
-    for name in claims.RULES:
+    for name in claim_rules.RULES:
         assert f"cl_rule_{name}`" in text, name
     rows = [ln for ln in text.splitlines() if ln.startswith("|") and "rule" in ln]
     for ln in rows:

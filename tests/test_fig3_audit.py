@@ -44,7 +44,7 @@ def test_live_rule_reads_a_slower_siblings_later_epochs():
 
 
 def test_posthoc_rule_condemns_the_three_runs_that_ran_on():
-    post = fig3.posthoc_stops(P, FIG3)
+    post = verdicts.posthoc_stops(P, FIG3)
     ran_on = {k: v["posthoc"] for k, v in post.items()
               if v["posthoc"] and not v["live"]}
     assert {k: (v["reason"], v["epoch"], v["sibling"]) for k, v in ran_on.items()} == {
@@ -63,7 +63,7 @@ def test_posthoc_rule_condemns_the_three_runs_that_ran_on():
 
 def test_no_run_the_rule_condemns_is_a_selected_step():
     state = fig3.grid_state(P, FIG3)
-    for k, v in fig3.posthoc_stops(P, FIG3).items():
+    for k, v in verdicts.posthoc_stops(P, FIG3).items():
         cond, m, lr = k.split("/")
         if v["posthoc"]:
             assert f"lr{state[f'{cond}/{m}']['selected']:g}" != lr, k

@@ -12,14 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kwng.experiments.cifar import fig3
+from kwng.experiments.cifar import fig3, fig3_time
 from kwng.experiments.cifar.amortized import time_rows
-from kwng.experiments.cifar.fig3_time import (
-    seconds_to_accuracy,
-    threshold_winners,
-    time_runs,
-    time_to_thresholds,
-)
 from kwng.experiments.cifar.methods import CLAIM_ALL, METHODS
 from kwng.experiments.cifar.plans import queue_left, queue_phrase
 from kwng.experiments.cifar.records import (
@@ -42,104 +36,10 @@ from kwng.experiments.wording import fixed, name_list
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
            "mixed_verdict", "ablation_verdict", "ABLATION_WORSE", "momentum_verdict",
-           "time_verdict", "fig3_sentence", "flat", "RULES", "rule_when",
-           "time_thresholds_phrase"]
+           "time_verdict", "fig3_sentence", "flat"]
 
 RESULTS = Path("results")
 """The committed results folder, relative to the repository root."""
-
-
-_FIG3 = "results/cifar/fig3"
-_SEEDED = (f"{_FIG3}/grid", f"{_FIG3}/seeds")
-
-
-def _runs_of(*tails: str) -> tuple[str, ...]:
-    """Git pathspecs of the Fig. 3 grid and seed records whose path ends in one of
-    ``tails`` (``"ill/kfac"``, ``"*/kfac"``)."""
-    return tuple(f":(glob){part}/*/cifar10/{t}/**" for part in _SEEDED for t in tails)
-
-
-#: Every rule the ledger applies, and when it was set. ``marker`` is a phrase of the
-#: rule's first wording in ``source``; ``records`` are git pathspecs of the records it
-#: decides. ``commit`` and ``set`` are the first commit holding ``marker`` and its
-#: date, ``first_record`` and ``last_record`` the dates of the first and the last
-#: commit adding one of ``records`` (UTC, to the minute): the rule was set before,
-#: during or after its runs (:func:`rule_when`). ``tests/test_claims_rules.py`` reads
-#: them again from ``git log``.
-RULES: dict[str, dict] = {
-    "fig1_N": {"source": "book/claims.md",
-               "marker": "the mean error falls at every $d$",
-               "records": ("results/relerr",), "commit": "0131930",
-               "set": "2026-11-27 07:21", "first_record": "2026-11-26 01:48",
-               "last_record": "2026-11-26 01:48"},
-    "fig1_d": {"source": "book/claims.md",
-               "marker": "the median error varies by at most 2×",
-               "records": ("results/relerr",), "commit": "0131930",
-               "set": "2026-11-27 07:21", "first_record": "2026-11-26 01:48",
-               "last_record": "2026-11-26 01:48"},
-    "fig1_M": {"source": "book/claims.md", "marker": "a threshold inside the grid at",
-               "records": ("results/relerr",), "commit": "0131930",
-               "set": "2026-11-27 07:21", "first_record": "2026-11-26 01:48",
-               "last_record": "2026-11-26 01:48"},
-    "fig4": {"source": "book/claims.md",
-             "marker": "the error falls with $N$ and its mean stays below 1",
-             "records": ("results/relerr",), "commit": "0131930",
-             "set": "2026-11-27 07:21", "first_record": "2026-11-26 01:48",
-             "last_record": "2026-11-26 01:48"},
-    "fig5": {"source": "book/claims.md",
-             "marker": "the mean error stays within 2× of its best",
-             "records": ("results/bandwidth",), "commit": "0131930",
-             "set": "2026-11-27 07:21", "first_record": "2026-11-26 01:48",
-             "last_record": "2026-11-26 01:48"},
-    "fig2_wng": {"source": "book/claims.md", "marker": "WNG ends below EG",
-                 "records": ("results/flow",), "commit": "0131930",
-                 "set": "2026-11-27 07:21", "first_record": "2026-11-26 01:48",
-                 "last_record": "2026-11-26 01:48"},
-    "fig2_kwng": {"source": "book/claims.md",
-                  "marker": "the KWNG runs that never diverge",
-                  "records": ("results/flow", "results/flow_study"),
-                  "commit": "0131930", "set": "2026-11-27 07:21",
-                  "first_record": "2026-11-26 01:48",
-                  "last_record": "2026-11-26 07:50"},
-    "fig3": {"source": f"{_FIG3}/protocol.json", "marker": "verdict_rule",
-             "records": _SEEDED, "commit": "2aff154", "set": "2026-11-27 06:36",
-             "first_record": "2026-11-27 07:10", "last_record": "2026-11-27 23:38"},
-    "kfac_drop": {"source": "book/claims.md",
-                  "marker": "its drop from WC to IC exceeds its seed spread",
-                  "records": _runs_of("*/kfac"), "commit": "2ba0ac9",
-                  "set": "2026-11-27 18:24", "first_record": "2026-11-27 13:02",
-                  "last_record": "2026-11-27 18:21"},
-    "momentum": {"source": "book/claims.md",
-                 "marker": "momentum's mean ends above KWNG's",
-                 "records": _runs_of("well/kwng_mom", "well/kwng"),
-                 "commit": "77626b7", "set": "2026-11-27 21:16",
-                 "first_record": "2026-11-27 10:05", "last_record": "2026-11-27 21:01"},
-    "time": {"source": "book/claims.md",
-             "marker": "reaches 85 % test accuracy in fewer training seconds",
-             "records": (f"{_FIG3}/timing", *_runs_of("ill/*")), "commit": "77626b7",
-             "set": "2026-11-27 21:16", "first_record": "2026-11-27 07:10",
-             "last_record": "2026-11-27 23:38"},
-    "ablation": {"source": "book/claims.md",
-                 "marker": "each variant's mean ends below KWNG's by more than",
-                 "records": (f"{_FIG3}/ablation", *_runs_of("ill/kwng")),
-                 "commit": "2ba0ac9", "set": "2026-11-27 18:24",
-                 "first_record": "2026-11-27 07:10", "last_record": "2026-11-27 18:12"},
-}
-
-
-def rule_when(name: str) -> str:
-    """When the ledger's rule ``name`` (:data:`RULES`) was set, in words: "set
-    2026-11-27 18:24 (2ba0ac9), after its runs (last record 2026-11-27 18:21)"; before
-    its first record, during its runs, or after its last one."""
-    r = RULES[name]
-    if r["set"] < r["first_record"]:
-        rel = f"before its runs (first record {r['first_record']})"
-    elif r["set"] > r["last_record"]:
-        rel = f"after its runs (last record {r['last_record']})"
-    else:
-        rel = (f"during its runs (records from {r['first_record']} to "
-               f"{r['last_record']})")
-    return f"set {r['set']} ({r['commit']}), {rel}"
 
 
 def mixed_verdict(oks: dict[str, bool]) -> str:
@@ -216,35 +116,6 @@ def time_verdict(tta: dict, fig3_ver: dict, target: float = 0.85) -> dict:
         {m: w == "holds" for m, w in per.items()})
     return {"per_baseline": per, "verdict": word, "seconds": sec,
             "by_baseline": _phrase(per)}
-
-
-def time_thresholds_phrase(curve: dict, method: str = "kwng") -> str:
-    """Which thresholds of the time-to-accuracy curve
-    (:func:`kwng.experiments.cifar.fig3_time.time_to_thresholds`) favour ``method``
-    and which each baseline, in one phrase: "Adam is faster at 70–87 %, only KWNG
-    reaches 88 %; ...; SGD and EKFAC never reach 70 %"."""
-    def rng(lo: int, hi: int) -> str:
-        return f"{lo} %" if lo == hi else f"{lo}–{hi} %"
-
-    lab, parts, never = METHODS[method].label, [], []
-    for b in curve["seconds"]:
-        if b == method:
-            continue
-        if all(v is None for v in curve["seconds"][b]):
-            never.append(METHODS[b].label)
-            continue
-        bits = []
-        for w, alone, lo, hi in threshold_winners(curve, method, b):
-            who = METHODS[w].label if w else None
-            bits.append(f"neither reaches {rng(lo, hi)}" if w is None
-                        else f"only {who} reaches {rng(lo, hi)}" if alone
-                        else f"{who} is faster at {rng(lo, hi)}")
-        parts.append(f"against {METHODS[b].label}, " + ", ".join(bits))
-    if never:
-        parts.append(f"{name_list(never)} never reach{'es' * (len(never) == 1)} "
-                     f"{curve['thresholds'][0]} % (so {lab} is faster at every "
-                     "threshold)")
-    return "; ".join(parts)
 
 
 def _slope(x: np.ndarray, y: np.ndarray) -> float:
@@ -409,13 +280,12 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     WC to IC by more than its seed spread (§4.2), ``ablation_verdict``
     (:func:`ablation_verdict`), ``momentum`` (:func:`momentum_verdict`), ``time`` and
     ``time_by_baseline`` (:func:`time_verdict` at 85 %), ``time_thresholds`` (who is
-    faster at every threshold from 70 % to the best final accuracy in IC,
-    :func:`time_thresholds_phrase`) and ``time_best`` (that accuracy), ``time_clock``
-    (where its seconds come from,
-    :func:`kwng.experiments.cifar.fig3_time.time_runs`) and ``time_s85``: the mean
-    training seconds to 85 % test accuracy in IC of each method that gets there, the
-    amortized study's (``k > 1``, one seed each,
-    :func:`kwng.experiments.cifar.amortized.time_rows`, same clock) included."""
+    faster at each threshold from 70 % to the best final accuracy in IC,
+    :func:`~kwng.experiments.cifar.fig3_time.thresholds_phrase`), ``time_clock``
+    (where its seconds come from, :func:`~kwng.experiments.cifar.fig3_time.time_runs`)
+    and ``time_s85``: the mean training seconds to 85 % test accuracy in IC of each
+    method that gets there, the amortized study's (``k > 1``, one seed each,
+    :func:`~kwng.experiments.cifar.amortized.time_rows`, same clock) included."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
     ver = fig3_verdicts(p, base)
@@ -424,9 +294,9 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
         counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
     by_baseline = _phrase({m: v["verdict"] for m, v in ver.items()})
     word = "pending" if "pending" in counts else by_baseline
-    timed, clock = time_runs(p, base)
-    tv = time_verdict(seconds_to_accuracy(p, base, runs=timed), ver)
-    curve = time_to_thresholds(p, base, runs=timed)
+    timed, clock = fig3_time.time_runs(p, base)
+    tv = time_verdict(fig3_time.seconds_to_accuracy(p, base, runs=timed), ver)
+    curve = fig3_time.time_to_thresholds(p, base, runs=timed)
     queue = queue_left(p, base)
     summ = seed_summary(p, base)
     so_far = {k.replace("/", "_"): 100 * v["mean"] for k, v in summ.items()}
@@ -442,8 +312,7 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
             "by_baseline": by_baseline,
             "momentum": momentum_verdict(summ), "time": tv["verdict"],
             "time_by_baseline": tv["by_baseline"],
-            "time_thresholds": time_thresholds_phrase(curve),
-            "time_best": curve["best"],
+            "time_thresholds": fig3_time.thresholds_phrase(curve),
             "time_clock": f"one trainer-timing call on {clock['device']}"
             if clock["kind"] == "trainer-timing"
             else "the runs that had a GPU alone, H100s of several rounds",
@@ -485,9 +354,8 @@ def _phrase(per: dict[str, str]) -> str:
 
 
 def flat(d: dict, prefix: str, digits: int | None = None) -> dict[str, object]:
-    """``d`` with nested dicts flattened into ``prefix_key_subkey`` names (the glue
-    names of the ledger); lists are left out. With ``digits``, every float becomes its
-    text by :func:`kwng.experiments.wording.fixed` (the book's one rounding)."""
+    """``d`` flattened into ``prefix_key_subkey`` names (the ledger's glue names), lists
+    left out; ``digits``: floats as :func:`~kwng.experiments.wording.fixed` text."""
     out: dict[str, object] = {}
     for k, v in d.items():
         name = f"{prefix}_{k}".replace(" ", "_")

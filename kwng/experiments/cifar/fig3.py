@@ -32,9 +32,10 @@ the siblings' rows at the same ``e`` that exist by then, so a run ahead of its
 siblings in wall-clock is stopped as soon as a sibling reaches an epoch at which it
 was 25 points behind (the stop names that epoch as ``compared_at``). A run that
 finishes before its siblings reach such an epoch cannot be stopped live;
-:func:`posthoc_stops` evaluates the rule over the finished records and names every run
-the rule condemns, stopped live or not. A stopped run keeps its record with
-``"early_stop": {"reason", "epoch", ...}`` and counts as finished.
+:func:`kwng.experiments.cifar.verdicts.posthoc_stops` evaluates the rule over the
+finished records and names every run the rule condemns, stopped live or not. A
+stopped run keeps its record with ``"early_stop": {"reason", "epoch", ...}`` and
+counts as finished.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["FIG3", "PROTOCOL_FILE", "AMENDMENTS_NAME", "CHANCE_MARGIN", "CHANCE_EPOCH",
            "GAP", "GAP_EPOCH", "RULE", "load_protocol", "window_for", "protocol_commit",
-           "sibling_rows", "stop_reason", "posthoc_stops", "run_status", "record_at",
+           "sibling_rows", "stop_reason", "run_status", "record_at",
            "grid_state", "record_problem", "check_fig3", "fig3_check", "rounds",
            "round_of", "round_epoch_seconds"]
 
@@ -213,28 +214,6 @@ def stop_reason(row: dict, siblings: dict[str, list[dict]],
                 return {"reason": "behind", "epoch": e, "compared_at": at,
                         "val_acc": mine, "sibling": name, "sibling_val_acc": other}
     return None
-
-
-def posthoc_stops(p: dict, root: str | os.PathLike = FIG3,
-                  num_classes: int = 10) -> dict[str, dict]:
-    """The early-stop rule evaluated over the finished grid records, every sibling's
-    rows known: per grid run ``"<conditioning>/<method>/lr<lr>"``, ``live`` (the stop
-    its record names, or ``None``) and ``posthoc`` (:func:`stop_reason` at the first
-    epoch the rule condemns it, comparing every sibling's row of that epoch, or
-    ``None``)."""
-    root, out = Path(root), {}
-    for cond in p["conditionings"]:
-        for m in _methods(p, cond):
-            recs = {lr: record_at(root, "grid", lr, cond, m, 0) for lr in LR_GRID}
-            recs = {lr: r for lr, r in recs.items() if r and r.get("epochs")}
-            for lr, rec in recs.items():
-                sibs = {f"lr{o:g}": r["epochs"] for o, r in recs.items() if o != lr}
-                hit = next((s for row in rec["epochs"]
-                            if (s := stop_reason(row, sibs, num_classes)) is not None),
-                           None)
-                out[f"{cond}/{m}/lr{lr:g}"] = {"live": rec.get("early_stop"),
-                                               "posthoc": hit}
-    return out
 
 
 def _methods(p: dict, cond: str) -> list[str]:

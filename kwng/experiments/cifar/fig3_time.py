@@ -24,12 +24,15 @@ import statistics
 from pathlib import Path
 
 from kwng.experiments.cifar.fig3 import FIG3, grid_state
+from kwng.experiments.cifar.methods import METHODS
 from kwng.experiments.cifar.records import epoch_seconds
 from kwng.experiments.cifar.verdicts import alone_runs, selected_runs
 from kwng.experiments.provenance import read_json
+from kwng.experiments.wording import name_list
 
 __all__ = ["TIMING", "step_ms", "timed_runs", "retime", "time_runs", "first_at",
-           "seconds_to_accuracy", "time_to_thresholds", "threshold_winners"]
+           "seconds_to_accuracy", "time_to_thresholds", "threshold_winners",
+           "thresholds_phrase"]
 
 TIMING = FIG3 / "timing" / "trainer_timing.json"
 """Where the Fig. 3 study's trainer timing is written (``cifar trainer-timing --out``),
@@ -168,3 +171,32 @@ def threshold_winners(curve: dict, method: str, baseline: str) -> list[tuple]:
         else:
             out.append([*key, t, t])
     return [tuple(o) for o in out]
+
+
+def thresholds_phrase(curve: dict, method: str = "kwng") -> str:
+    """Which thresholds of the time-to-accuracy curve
+    (:func:`kwng.experiments.cifar.fig3_time.time_to_thresholds`) favour ``method``
+    and which each baseline, in one phrase: "Adam is faster at 70–87 %, only KWNG
+    reaches 88 %; ...; SGD and EKFAC never reach 70 %"."""
+    def rng(lo: int, hi: int) -> str:
+        return f"{lo} %" if lo == hi else f"{lo}–{hi} %"
+
+    lab, parts, never = METHODS[method].label, [], []
+    for b in curve["seconds"]:
+        if b == method:
+            continue
+        if all(v is None for v in curve["seconds"][b]):
+            never.append(METHODS[b].label)
+            continue
+        bits = []
+        for w, alone, lo, hi in threshold_winners(curve, method, b):
+            who = METHODS[w].label if w else None
+            bits.append(f"neither reaches {rng(lo, hi)}" if w is None
+                        else f"only {who} reaches {rng(lo, hi)}" if alone
+                        else f"{who} is faster at {rng(lo, hi)}")
+        parts.append(f"against {METHODS[b].label}, " + ", ".join(bits))
+    if never:
+        parts.append(f"{name_list(never)} never reach{'es' * (len(never) == 1)} "
+                     f"{curve['thresholds'][0]} % (so {lab} is faster at every "
+                     "threshold)")
+    return "; ".join(parts)
