@@ -12,7 +12,7 @@ from kwng.experiments.cifar import verdicts
 from kwng.experiments.cifar.fig3 import grid_state, load_protocol
 from kwng.experiments.cifar.methods import LR_GRID, METHODS
 from kwng.experiments.claims import RESULTS, cifar_fig3_verdict
-from kwng.experiments.wording import name_list
+from kwng.experiments.wording import fixed, name_list, pct
 
 __all__ = ["DRASTIC", "DROP_HEADER", "drop_table", "fig3_drops", "fig3_negatives",
            "fig3_sentence"]
@@ -42,7 +42,7 @@ def fig3_sentence(root: str | os.PathLike = RESULTS, q: dict | None = None) -> s
     per = q["per_baseline"]
 
     def drops(ms: list[str]) -> str:
-        return name_list([f"{METHODS[m].label} {100 * per[m]['drop']:.1f}" for m in ms])
+        return name_list([f"{METHODS[m].label} {pct(per[m]['drop'])}" for m in ms])
 
     big = [m for m in per if per[m]["drop"] >= DRASTIC]
     small = [m for m in per if per[m]["drop"] < DRASTIC]
@@ -52,7 +52,7 @@ def fig3_sentence(root: str | os.PathLike = RESULTS, q: dict | None = None) -> s
     sizes = "; ".join(p for p in parts if p)
     return (f"By the paper's own protocol (the Fig. 3 study), {claim}. The drop from "
             f"well- to ill-conditioned is {sizes}; KWNG's is "
-            f"{kw:.1f}{' (a gain)' if kw < 0 else ''}.")
+            f"{fixed(kw)}{' (a gain)' if kw < 0 else ''}.")
 
 
 def fig3_negatives(root: str | os.PathLike = RESULTS, q: dict | None = None) -> str:
@@ -82,14 +82,14 @@ def fig3_negatives(root: str | os.PathLike = RESULTS, q: dict | None = None) -> 
                               f"{ab[m]['runs']} run{'s' * (ab[m]['runs'] != 1)})"
                               for m in above])
                    + f" end{'s' * (len(above) == 1)} above full KWNG "
-                   f"({100 * ab['kwng']['test']:.1f} %) in the Fig. 7 ablation")
+                   f"({pct(ab['kwng']['test'])} %) in the Fig. 7 ablation")
     seeds = verdicts.seed_summary(p, fig3)
     well = sorted((v["mean"], k.split("/")[1]) for k, v in seeds.items()
                   if k.startswith("well/"))
     rank = [m for _, m in well].index("kwng")
     if rank == 0:
         out.append(f"in the well-conditioned case KWNG ends lowest of the {len(well)} "
-                   f"methods ({100 * well[0][0]:.1f} %)")
+                   f"methods ({pct(well[0][0])} %)")
     top = max(LR_GRID)
     edge = [m for k, st in grid_state(p, fig3).items() if k.startswith("ill/")
             and st["selected"] == top for m in [k.split("/")[1]]]
@@ -111,9 +111,9 @@ def fig3_drops(q: dict) -> str:
     if not per:
         return "no baseline has its runs"
     kw = next(iter(per.values()))
-    return ", ".join(f"{METHODS[m].label} {100 * v['drop']:.1f} ± "
-                     f"{100 * v['spread']:.1f}" for m, v in per.items()) + (
-        f"; KWNG {100 * kw['drop_kwng']:.1f} ± {100 * kw['spread_kwng']:.1f}")
+    return ", ".join(f"{METHODS[m].label} {pct(v['drop'])} ± {pct(v['spread'])}"
+                     for m, v in per.items()) + (
+        f"; KWNG {pct(kw['drop_kwng'])} ± {pct(kw['spread_kwng'])}")
 
 
 #: the columns of :func:`drop_table`
@@ -123,6 +123,6 @@ DROP_HEADER = ("baseline", "drop WC → IC (points)", "KWNG's drop", "verdict")
 def drop_table(q: dict) -> list[tuple]:
     """One row per baseline of :func:`cifar_fig3_verdict` ``q``: its drop from well- to
     ill-conditioned ± spread, KWNG's beside it, and the verdict of the rule."""
-    return [(METHODS[m].label, f"{100 * v['drop']:.1f} ± {100 * v['spread']:.1f}",
-             f"{100 * v['drop_kwng']:.1f} ± {100 * v['spread_kwng']:.1f}", v["verdict"])
+    return [(METHODS[m].label, f"{pct(v['drop'])} ± {pct(v['spread'])}",
+             f"{pct(v['drop_kwng'])} ± {pct(v['spread_kwng'])}", v["verdict"])
             for m, v in q["per_baseline"].items()]

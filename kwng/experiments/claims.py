@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kwng.experiments.cifar import fig3
+from kwng.experiments.cifar import fig3, fig3_time
 from kwng.experiments.cifar.amortized import time_rows
-from kwng.experiments.cifar.fig3_time import seconds_to_accuracy, time_runs
 from kwng.experiments.cifar.methods import CLAIM_ALL, METHODS
 from kwng.experiments.cifar.plans import queue_left, queue_phrase
 from kwng.experiments.cifar.records import (
@@ -32,7 +31,7 @@ from kwng.experiments.cifar.verdicts import (
     seed_summary,
 )
 from kwng.experiments.synthetic_setup import load_flow, load_rows, summarise
-from kwng.experiments.wording import name_list
+from kwng.experiments.wording import fixed, name_list
 
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
@@ -282,11 +281,13 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     ablation that has run (``"ab_<method>"``), ``kfac_drop``: whether KFAC drops from
     WC to IC by more than its seed spread (§4.2), ``ablation_verdict``
     (:func:`ablation_verdict`), ``momentum`` (:func:`momentum_verdict`), ``time`` and
-    ``time_by_baseline`` (:func:`time_verdict` at 85 %), ``time_clock`` (where its
-    seconds come from, :func:`kwng.experiments.cifar.fig3_time.time_runs`) and
-    ``time_s85``: the mean training seconds to 85 % test accuracy in IC of each
+    ``time_by_baseline`` (:func:`time_verdict` at 85 %), ``time_thresholds`` (who is
+    faster at each threshold from 70 % to the best final accuracy in IC,
+    :func:`~kwng.experiments.cifar.fig3_time.thresholds_phrase`), ``time_clock``
+    (where its seconds come from, :func:`~kwng.experiments.cifar.fig3_time.time_runs`)
+    and ``time_s85``: the mean training seconds to 85 % test accuracy in IC of each
     method that gets there, the amortized study's (``k > 1``, one seed each,
-    :func:`kwng.experiments.cifar.amortized.time_rows`, same clock) included."""
+    :func:`~kwng.experiments.cifar.amortized.time_rows`, same clock) included."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
     ver = fig3_verdicts(p, base)
@@ -295,8 +296,9 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
         counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
     by_baseline = _phrase({m: v["verdict"] for m, v in ver.items()})
     word = "pending" if "pending" in counts else by_baseline
-    timed, clock = time_runs(p, base)
-    tv = time_verdict(seconds_to_accuracy(p, base, runs=timed), ver)
+    timed, clock = fig3_time.time_runs(p, base)
+    tv = time_verdict(fig3_time.seconds_to_accuracy(p, base, runs=timed), ver)
+    curve = fig3_time.time_to_thresholds(p, base, runs=timed)
     queue = queue_left(p, base)
     summ = seed_summary(p, base)
     so_far = {k.replace("/", "_"): 100 * v["mean"] for k, v in summ.items()}
@@ -312,6 +314,7 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
             "by_baseline": by_baseline,
             "momentum": momentum_verdict(summ), "time": tv["verdict"],
             "time_by_baseline": tv["by_baseline"],
+            "time_thresholds": fig3_time.thresholds_phrase(curve),
             "time_clock": f"one trainer-timing call on {clock['device']}"
             if clock["kind"] == "trainer-timing"
             else "the runs that had a GPU alone, H100s of several rounds",
@@ -331,14 +334,16 @@ def _phrase(per: dict[str, str]) -> str:
     return "; ".join(f"{w} against {name_list(by[w])}" for w in sorted(by))
 
 
-def flat(d: dict, prefix: str) -> dict[str, object]:
-    """``d`` with nested dicts flattened into ``prefix_key_subkey`` names (the glue
-    names of the ledger); lists are left out."""
+def flat(d: dict, prefix: str, digits: int | None = None) -> dict[str, object]:
+    """``d`` flattened into ``prefix_key_subkey`` names (the ledger's glue names), lists
+    left out; ``digits``: floats as :func:`~kwng.experiments.wording.fixed` text."""
     out: dict[str, object] = {}
     for k, v in d.items():
         name = f"{prefix}_{k}".replace(" ", "_")
         if isinstance(v, dict):
-            out.update(flat(v, name))
+            out.update(flat(v, name, digits))
+        elif isinstance(v, float) and digits is not None:
+            out[name] = fixed(v, digits)
         elif not isinstance(v, list):
             out[name] = v
     return out

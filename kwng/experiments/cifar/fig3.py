@@ -26,9 +26,16 @@ the test set plays no part):
   another step of the grid reached at least :data:`GAP` (25 points) more validation
   accuracy at the same epoch ``e``.
 
-The third reason compares with the records that exist when the epoch ends: a run ahead
-of its siblings is compared at a later epoch, once they have reached it. A stopped run
-keeps its record with ``"early_stop": {"reason", "epoch", ...}`` and counts as finished.
+The third reason compares epochs, never wall-clock: a sibling that runs slower does not
+hide its lead. After every epoch the run compares each of its epochs ``e ≥ 30`` with
+the siblings' rows at the same ``e`` that exist by then, so a run ahead of its
+siblings in wall-clock is stopped as soon as a sibling reaches an epoch at which it
+was 25 points behind (the stop names that epoch as ``compared_at``). A run that
+finishes before its siblings reach such an epoch cannot be stopped live;
+:func:`kwng.experiments.cifar.verdicts.posthoc_stops` evaluates the rule over the
+finished records and names every run the rule condemns, stopped live or not. A
+stopped run keeps its record with ``"early_stop": {"reason", "epoch", ...}`` and
+counts as finished.
 """
 
 from __future__ import annotations
@@ -41,14 +48,19 @@ import subprocess
 from pathlib import Path
 
 from kwng.experiments.cifar.methods import LR_GRID, METHODS, RESULTS, milestones_for
-from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
+from kwng.experiments.cifar.records import (
+    execution_problem,
+    provenance_problem,
+    read_record,
+    rows_problem,
+)
 from kwng.experiments.provenance import ResultFileError, read_json
 
 __all__ = ["FIG3", "PROTOCOL_FILE", "AMENDMENTS_NAME", "CHANCE_MARGIN", "CHANCE_EPOCH",
            "GAP", "GAP_EPOCH", "RULE", "load_protocol", "window_for", "protocol_commit",
-           "sibling_rows", "stop_reason", "run_status", "record_at", "grid_state",
-           "record_problem", "check_fig3", "fig3_check", "rounds", "round_of",
-           "round_epoch_seconds"]
+           "sibling_rows", "stop_reason", "run_status", "record_at",
+           "grid_state", "record_problem", "check_fig3", "fig3_check", "rounds",
+           "round_of", "round_epoch_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -174,10 +186,14 @@ def sibling_rows(rdir: str | Path) -> dict[str, list[dict]]:
 
 
 def stop_reason(row: dict, siblings: dict[str, list[dict]],
-                num_classes: int) -> dict | None:
+                num_classes: int, rows: list[dict] | None = None) -> dict | None:
     """Why the run whose latest epoch is ``row`` (with ``epoch``, ``train_loss`` and
     ``val_acc``) stops under the Fig. 3 rule, or ``None`` to go on. ``siblings`` maps
-    each other step's name to its rows (:func:`sibling_rows`)."""
+    each other step's name to its rows (:func:`sibling_rows`); ``rows`` are the run's
+    epochs so far (default ``[row]``): "behind" compares each of them from epoch
+    :data:`GAP_EPOCH` on with the siblings' row of the same epoch, where one exists,
+    and names the epoch compared as ``compared_at`` (``epoch`` is always the run's
+    last)."""
     if not isinstance(num_classes, int) or num_classes < 2:
         raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
     e, acc = int(row["epoch"]), float(row["val_acc"])
@@ -187,14 +203,16 @@ def stop_reason(row: dict, siblings: dict[str, list[dict]],
     if e >= CHANCE_EPOCH and acc < chance:
         return {"reason": "at chance", "epoch": e, "val_acc": acc,
                 "threshold": chance}
-    if e < GAP_EPOCH:
-        return None
-    for name, rows in sorted(siblings.items()):
-        same = [r for r in rows if r.get("epoch") == e]
-        other = float(same[0].get("val_acc", math.nan)) if same else math.nan
-        if math.isfinite(other) and other - acc >= GAP:
-            return {"reason": "behind", "epoch": e, "val_acc": acc, "sibling": name,
-                    "sibling_val_acc": other}
+    own = [r for r in (rows if rows is not None else [row])
+           if GAP_EPOCH <= int(r["epoch"]) <= e]
+    for r in sorted(own, key=lambda r: int(r["epoch"])):
+        at, mine = int(r["epoch"]), float(r["val_acc"])
+        for name, sib in sorted(siblings.items()):
+            same = [s for s in sib if s.get("epoch") == at]
+            other = float(same[0].get("val_acc", math.nan)) if same else math.nan
+            if math.isfinite(other) and other - mine >= GAP:
+                return {"reason": "behind", "epoch": e, "compared_at": at,
+                        "val_acc": mine, "sibling": name, "sibling_val_acc": other}
     return None
 
 
@@ -288,18 +306,23 @@ def record_problem(p: dict, mp: Path, part: str) -> str | None:
     stop = rec.get("early_stop")
     if stop and (not stop.get("reason") or stop.get("epoch") != len(rec["epochs"])):
         return f"early stop {stop} does not name its reason and last epoch"
-    return rows_problem(rec, ("train_loss", "val_acc", "test_acc"))
+    return (execution_problem(rec)[0]
+            or rows_problem(rec, ("train_loss", "val_acc", "test_acc")))
 
 
 def check_fig3(root: str | os.PathLike = FIG3, p: dict | None = None) -> dict:
     """Every record of the study against the protocol: ``{"ok"`` (all epochs),
     ``"stopped"`` (by the early-stop rule, with reason and epoch), ``"incomplete"``
-    (epochs still to run), ``"bad": [(run, problem)]}``, run names
+    (epochs still to run), ``"bad": [(run, problem)]``, ``"differs": [(run, note)]}``
+    (a run whose execution differs from its identity and whose record names it:
+    :func:`~kwng.experiments.cifar.records.execution_problem`; it also counts under
+    its status), run names
     ``<part>/lr<lr>/<conditioning>/<method>/seed<k>``. A malformed file is reported
     under ``bad`` with its problem, never skipped."""
     p = load_protocol() if p is None else p
     root, epochs = Path(root), int(p["settings"]["epochs"])
-    res: dict[str, list] = {"ok": [], "stopped": [], "incomplete": [], "bad": []}
+    res: dict[str, list] = {"ok": [], "stopped": [], "incomplete": [], "bad": [],
+                            "differs": []}
     for part in _PARTS:
         for mp in sorted((root / part).glob(f"lr*/{p['dataset']}/*/*/seed*/"
                                             "metrics.json")):
@@ -311,7 +334,11 @@ def check_fig3(root: str | os.PathLike = FIG3, p: dict | None = None) -> dict:
             if problem:
                 res["bad"].append((name, f"{mp}: {problem}"))
                 continue
-            status = run_status(read_json(mp), epochs)
+            rec = read_json(mp)
+            note = execution_problem(rec)[1]
+            if note:
+                res["differs"].append((name, note))
+            status = run_status(rec, epochs)
             res[{"finished": "ok", "stopped": "stopped"}.get(status,
                                                              "incomplete")].append(name)
     return res
@@ -325,6 +352,8 @@ def fig3_check(root: str | None) -> int:
     res = check_fig3(root or FIG3, p)
     for name, problem in res["bad"]:
         print("bad:", name, "-", problem)
+    for name, note in res["differs"]:
+        print("ran otherwise than its identity says:", name, "-", note)
     print(json.dumps({k: len(v) for k, v in res.items()}),
           "incomplete:", json.dumps(res["incomplete"]))
     for key, st in grid_state(p, root or FIG3).items():

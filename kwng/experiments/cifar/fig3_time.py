@@ -18,17 +18,21 @@ Two clocks, one per source of timings:
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from pathlib import Path
 
 from kwng.experiments.cifar.fig3 import FIG3, grid_state
+from kwng.experiments.cifar.methods import METHODS
 from kwng.experiments.cifar.records import epoch_seconds
 from kwng.experiments.cifar.verdicts import alone_runs, selected_runs
 from kwng.experiments.provenance import read_json
+from kwng.experiments.wording import name_list
 
 __all__ = ["TIMING", "step_ms", "timed_runs", "retime", "time_runs", "first_at",
-           "seconds_to_accuracy"]
+           "seconds_to_accuracy", "time_to_thresholds", "threshold_winners",
+           "thresholds_phrase"]
 
 TIMING = FIG3 / "timing" / "trainer_timing.json"
 """Where the Fig. 3 study's trainer timing is written (``cifar trainer-timing --out``),
@@ -127,3 +131,72 @@ def seconds_to_accuracy(p: dict, root: str | os.PathLike = FIG3,
             e[k] = {t: None if None in v else statistics.fmean(v)
                     for t, v in e[k].items()}
     return out
+
+
+def time_to_thresholds(p: dict, root: str | os.PathLike = FIG3,
+                       runs: dict | None = None, cond: str = "ill",
+                       lowest: int = 70) -> dict:
+    """Seconds to every test-accuracy threshold from ``lowest`` % to the best final
+    accuracy of ``cond``, one point apart, on one clock (``runs``, default
+    :func:`time_runs`): ``thresholds`` (in %), ``best`` (the highest mean final test
+    accuracy over the methods, in %) and ``seconds`` (per method, the mean seconds of
+    its runs to each threshold, ``None`` where a run never reached it;
+    :func:`seconds_to_accuracy`)."""
+    runs = time_runs(p, root)[0] if runs is None else runs
+    runs = {k: r for k, r in runs.items() if k[0] == cond}
+    final: dict[str, list[float]] = {}
+    for (_, m, _), r in runs.items():
+        final.setdefault(m, []).append(100 * r["epochs"][-1]["test_acc"])
+    best = max(statistics.fmean(v) for v in final.values())
+    thr = list(range(lowest, math.floor(best) + 1))
+    tta = seconds_to_accuracy(p, root, targets=tuple(t / 100 for t in thr), runs=runs)
+    return {"thresholds": thr, "best": best,
+            "seconds": {k.split("/")[1]: [v["to"][t / 100] for t in thr]
+                        for k, v in tta.items()}}
+
+
+def threshold_winners(curve: dict, method: str, baseline: str) -> list[tuple]:
+    """Which of ``method`` and ``baseline`` reaches each threshold of ``curve``
+    (:func:`time_to_thresholds`) in fewer seconds: runs of thresholds with the same
+    answer as ``(winner, alone, lowest, highest)``, ``alone`` true where the other one
+    never gets there, ``winner`` ``None`` where neither does."""
+    a, b = curve["seconds"][method], curve["seconds"][baseline]
+    out: list[list] = []
+    for t, x, y in zip(curve["thresholds"], a, b):
+        w = (None if x is None and y is None else method if y is None
+             else baseline if x is None else method if x < y else baseline)
+        key = (w, w is not None and (x is None or y is None))
+        if out and tuple(out[-1][:2]) == key:
+            out[-1][3] = t
+        else:
+            out.append([*key, t, t])
+    return [tuple(o) for o in out]
+
+
+def thresholds_phrase(curve: dict, method: str = "kwng") -> str:
+    """Which thresholds of the time-to-accuracy curve
+    (:func:`kwng.experiments.cifar.fig3_time.time_to_thresholds`) favour ``method``
+    and which each baseline, in one phrase: "Adam is faster at 70–87 %, only KWNG
+    reaches 88 %; ...; SGD and EKFAC never reach 70 %"."""
+    def rng(lo: int, hi: int) -> str:
+        return f"{lo} %" if lo == hi else f"{lo}–{hi} %"
+
+    lab, parts, never = METHODS[method].label, [], []
+    for b in curve["seconds"]:
+        if b == method:
+            continue
+        if all(v is None for v in curve["seconds"][b]):
+            never.append(METHODS[b].label)
+            continue
+        bits = []
+        for w, alone, lo, hi in threshold_winners(curve, method, b):
+            who = METHODS[w].label if w else None
+            bits.append(f"neither reaches {rng(lo, hi)}" if w is None
+                        else f"only {who} reaches {rng(lo, hi)}" if alone
+                        else f"{who} is faster at {rng(lo, hi)}")
+        parts.append(f"against {METHODS[b].label}, " + ", ".join(bits))
+    if never:
+        parts.append(f"{name_list(never)} never reach{'es' * (len(never) == 1)} "
+                     f"{curve['thresholds'][0]} % (so {lab} is faster at every "
+                     "threshold)")
+    return "; ".join(parts)

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kwng.experiments.guard import IDENTITY_DEFAULTS, RUN_IDENTITY_KEYS
+from kwng.experiments.guard import IDENTITY_DEFAULTS, RUN_IDENTITY_KEYS, record_identity
 from kwng.experiments.provenance import ResultFileError, read_json
 
-__all__ = ["read_record", "provenance_problem", "rows_problem", "at_epoch", "curves",
+__all__ = ["read_record", "provenance_problem", "rows_problem", "EXECUTION_KEYS",
+           "execution_differences", "execution_problem", "at_epoch", "curves",
            "final_accuracy_table", "format_table", "class_scalings", "final_per_class",
            "diag_series", "selection_table", "run_label", "epoch_seconds",
            "time_to_accuracy"]
@@ -76,6 +77,37 @@ def provenance_problem(rec: dict, prov_path: str | os.PathLike) -> str | None:
     if not prov.get("git_commit") or not prov.get("date"):
         return f"{prov_path}: lacks the git commit or the date"
     return None
+
+
+#: the settings of a run's identity that name how its step executed, recorded beside
+#: the identity as they ran (the trainer can run a step eagerly that was asked to be
+#: captured)
+EXECUTION_KEYS = ("capture", "channels_last")
+
+
+def execution_differences(rec: dict) -> dict[str, dict]:
+    """Where the record's identity (what skip, resume and ``cifar check`` compare)
+    differs from how the run executed (the record's top-level ``capture`` and
+    ``channels_last``): ``{key: {"asked": identity's, "ran": record's}}``."""
+    ident = record_identity(rec)
+    return {k: {"asked": ident.get(k), "ran": rec[k]} for k in EXECUTION_KEYS
+            if k in rec and ident.get(k) != rec[k]}
+
+
+def execution_problem(rec: dict) -> tuple[str | None, str | None]:
+    """``(problem, note)`` on how the run executed: ``problem`` when its identity and
+    its execution differ and the record does not name the difference under
+    ``ran_differs``, ``note`` (a sentence ``cifar check`` prints) when it names it;
+    ``(None, None)`` when they agree."""
+    diff = execution_differences(rec)
+    if not diff:
+        return None, None
+    text = ", ".join(f"{k} asked {v['asked']} ran {v['ran']}" for k, v in diff.items())
+    if rec.get("ran_differs") != diff:
+        return f"identity and execution differ, unnamed: {text}", None
+    fixed = [c["date"] for c in rec.get("corrections", [])
+             if "ran_differs" in c.get("fields", ())]
+    return None, text + (f" (named by a correction of {fixed[0]})" if fixed else "")
 
 
 def rows_problem(rec: dict, fields: tuple[str, ...] = ("train_loss", "test_acc")

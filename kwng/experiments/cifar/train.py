@@ -143,6 +143,9 @@ class Run:
                   else None),
             "precision": cfg.precision, "channels_last": self.channels_last,
             "capture": self.runner.capture,
+            "ran_differs": {k: {"asked": getattr(cfg, k), "ran": v} for k, v in (
+                ("capture", self.runner.capture), ("channels_last", self.channels_last))
+                if getattr(cfg, k) != v},
             "lr_field": "the step size used during the epoch",
             "confusion": None}
         if self.world > 1:
@@ -183,8 +186,7 @@ class Run:
         save_checkpoint(self.ckpt, ck)
 
     def train_epoch(self, epoch: int, total_steps: int, bar) -> bool:
-        """The steps of one epoch; ``False`` if the deadline stopped it
-        (checkpointed)."""
+        """One epoch of steps; ``False`` if the deadline stopped it (checkpointed)."""
         sync(self.device)
         t0 = time.perf_counter()
         stats, skip, t_before = self.stats, 0, 0.0
@@ -229,8 +231,7 @@ class Run:
         return True
 
     def end_epoch(self, epoch: int, total_steps: int) -> bool:
-        """Evaluate, record the epoch (and checkpoint); ``True`` when the run is
-        over."""
+        """Evaluate, record and checkpoint the epoch; ``True`` when the run ends."""
         from kwng.experiments.nets import last_linear
 
         cfg, record = self.cfg, self.record
@@ -312,8 +313,10 @@ class Run:
         (:func:`~kwng.experiments.cifar.fig3.stop_reason`) to its latest epoch ``row``,
         on the validation accuracy; ``True`` records the reason and ends the run."""
         acc = row.get("val_acc", row["test_acc"])  # without eval_test: validation
+        rows = [{**r, "val_acc": r.get("val_acc", r["test_acc"])}
+                for r in self.record["epochs"]]
         stop = stop_reason({**row, "val_acc": acc}, sibling_rows(self.rdir),
-                           num_classes)
+                           num_classes, rows=rows)
         if stop is None:
             return False
         self.record["early_stop"] = {"rule": self.cfg.early_stop, **stop}

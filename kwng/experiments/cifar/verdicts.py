@@ -26,8 +26,9 @@ from kwng.experiments.cifar.fig3 import (
     round_of,
     rounds,
     run_status,
+    stop_reason,
 )
-from kwng.experiments.cifar.methods import CLAIM_ALL
+from kwng.experiments.cifar.methods import CLAIM_ALL, LR_GRID
 from kwng.experiments.cifar.records import (
     class_scalings,
     final_accuracy_table,
@@ -37,7 +38,7 @@ from kwng.experiments.provenance import read_json
 
 __all__ = ["SMALL_U", "claim_verdict", "authors100_verdict", "selection_rows",
            "selected_runs", "seed_summary", "fig3_verdicts", "alone_runs",
-           "ablation_runs", "ablation_rows",
+           "ablation_runs", "ablation_rows", "posthoc_stops",
            "captured_epoch_seconds"]
 
 #: Threshold of the claim suite's decision rule (its small-scaling classes have U_k at
@@ -364,3 +365,25 @@ def captured_epoch_seconds(p: dict, cond: str, method: str,
            if run_status(r, epochs) == "finished" and r.get("capture")
            for a, b in zip(r["epochs"], r["epochs"][1:])]
     return statistics.median(spe) if spe else None
+
+
+def posthoc_stops(p: dict, root: str | os.PathLike = FIG3,
+                  num_classes: int = 10) -> dict[str, dict]:
+    """The early-stop rule evaluated over the finished grid records, every sibling's
+    rows known: per grid run ``"<conditioning>/<method>/lr<lr>"``, ``live`` (the stop
+    its record names, or ``None``) and ``posthoc`` (:func:`stop_reason` at the first
+    epoch the rule condemns it, comparing every sibling's row of that epoch, or
+    ``None``)."""
+    root, out = Path(root), {}
+    for key in grid_state(p, root):
+        cond, m = key.split("/")
+        recs = {lr: record_at(root, "grid", lr, cond, m, 0) for lr in LR_GRID}
+        recs = {lr: r for lr, r in recs.items() if r and r.get("epochs")}
+        for lr, rec in recs.items():
+            sibs = {f"lr{o:g}": r["epochs"] for o, r in recs.items() if o != lr}
+            hit = next((s for row in rec["epochs"]
+                        if (s := stop_reason(row, sibs, num_classes)) is not None),
+                       None)
+            out[f"{cond}/{m}/lr{lr:g}"] = {"live": rec.get("early_stop"),
+                                           "posthoc": hit}
+    return out
