@@ -130,6 +130,21 @@ def test_every_amortized_step_is_a_descent_direction(mode, diagonal_only, seed):
     assert pc.num_steps == 6 and pc.cache.steps == 6
 
 
+def _restored(buf, kw):
+    """The checkpoint in ``buf`` (model, optimizer, preconditioner), loaded by
+    ``torch.load(weights_only=True)`` into fresh objects: ``(saved, model, opt, pc)``."""
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model = _mlp(seed=5)
+    model.load_state_dict(saved["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt.load_state_dict(saved["opt"])
+    pc = KWNGPreconditioner(model, lr=0.05, num_basis=3, eps=1e-2,
+                            generator=torch.Generator(), **kw)
+    pc.load_state_dict(saved["precond"])
+    return saved, model, opt, pc
+
+
 @pytest.mark.parametrize("mode", ["fast", "reference"])
 def test_state_dict_round_trips_the_cache_and_a_resumed_run_replays(mode):
     """Stopped after 4 steps of k = 3 (the next step reuses the cache) and resumed from
@@ -144,15 +159,7 @@ def test_state_dict_round_trips_the_cache_and_a_resumed_run_replays(mode):
                 "precond": pc.state_dict()}, buf)
     assert pc.state_dict()["cache"]["N"] == 16
     want, _, _, _ = _run(model, batches[4:], opt=opt, pc=pc)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    model2 = _mlp(seed=5)
-    model2.load_state_dict(saved["model"])
-    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
-    opt2.load_state_dict(saved["opt"])
-    pc2 = KWNGPreconditioner(model2, lr=0.05, num_basis=3, eps=1e-2,
-                             generator=torch.Generator(), **kw)
-    pc2.load_state_dict(saved["precond"])
+    saved, model2, opt2, pc2 = _restored(buf, kw)
     assert pc2.cache.steps == 4 and not pc2.cache.due
     got, _, _, _ = _run(model2, batches[4:], opt=opt2, pc=pc2)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -368,15 +375,7 @@ def test_a_run_resumed_with_a_raised_flag_refreshes_where_the_uninterrupted_one_
                 "precond": pc.state_dict()}, buf)
     assert pc.state_dict()["cache"]["guard"]["pending"] is True
     want, _, _, _ = _run(model, batches[3:], opt=opt, pc=pc)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    model2 = _mlp(seed=5)
-    model2.load_state_dict(saved["model"])
-    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
-    opt2.load_state_dict(saved["opt"])
-    pc2 = KWNGPreconditioner(model2, lr=0.05, num_basis=3, eps=1e-2,
-                             generator=torch.Generator(), **kw)
-    pc2.load_state_dict(saved["precond"])
+    saved, model2, opt2, pc2 = _restored(buf, kw)
     assert not pc2.cache.due
     got, _, _, _ = _run(model2, batches[3:4], opt=opt2, pc=pc2)
     assert pc2.cache.due and pc2.cache.steps == 4  # the flag of step 2 was read
