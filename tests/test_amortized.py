@@ -131,8 +131,9 @@ def test_every_amortized_step_is_a_descent_direction(mode, diagonal_only, seed):
 
 
 def _restored(buf, kw):
-    """The checkpoint in ``buf`` (model, optimizer, preconditioner), loaded by
-    ``torch.load(weights_only=True)`` into fresh objects: ``(saved, model, opt, pc)``."""
+    """The checkpoint in ``buf`` (model, optimizer, preconditioner) loaded by
+    ``torch.load(weights_only=True)`` into fresh objects: ``(saved, model, opt,
+    pc)``."""
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
     model = _mlp(seed=5)
