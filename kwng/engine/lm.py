@@ -19,7 +19,7 @@ Two ways of getting ``L_after`` (``rule``):
   batches.
 * ``"same_batch"`` — ``L_after`` is the loss of the *same* mini-batch after the step,
   which the training loop computes (one extra forward pass without gradients) and hands
-  to :meth:`observe`. This is the comparison the rule intends.
+  to :meth:`LevenbergMarquardt.observe`. This is the comparison the rule intends.
 
 The hyperparameters form one frozen, validated object, :class:`LMSchedule` (the
 ``eps_schedule`` of :class:`kwng.KWNGConfig`); :class:`LevenbergMarquardt` holds ``ε``

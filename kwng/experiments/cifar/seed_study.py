@@ -235,8 +235,8 @@ def seed_summary_table(rows: list[dict]) -> list[tuple]:
             for r in rows]
 
 
-#: the recommendation's bar: runs per conditioning, the final accuracy every
-#: ill-conditioned run must reach, and the target reached before Adam's median
+#: the bar a recommended setting must meet (runs per conditioning, the final accuracy
+#: every ill-conditioned run must reach, the target it must reach before Adam's median)
 BAR = {"ill": 5, "well": 3, "final_ill": 0.875, "target": 85}
 
 
