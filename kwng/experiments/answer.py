@@ -117,6 +117,8 @@ def fig3_drops(q: dict) -> str:
 
 
 #: the columns of :func:`drop_table`
+#:
+#: :meta hide-value:
 DROP_HEADER = ("baseline", "drop WC → IC (points)", "KWNG's drop", "verdict")
 
 

@@ -22,6 +22,8 @@ def _runs_of(*tails: str) -> tuple[str, ...]:
 #: commit adding one of ``records`` (UTC, to the minute): the rule was set before,
 #: during or after its runs (:func:`rule_when`). ``tests/test_claims_rules.py`` reads
 #: them again from ``git log``.
+#:
+#: :meta hide-value:
 RULES: dict[str, dict] = {
     "fig1_N": {"source": "book/claims.md",
                "marker": "the mean error falls at every $d$",

@@ -11,6 +11,8 @@ from kwng.plots.style import FIG_WIDTH_IN, book_figure
 __all__ = ["fig_stalls"]
 
 #: the per-epoch fields drawn, with their panel titles
+#:
+#: :meta hide-value:
 PANELS = (("test_acc", "test accuracy"),
           ("fallbacks", "steps that fell back to g\n(cumulative)"),
           ("ill_conditioned", "steps with a rank-deficient\nC Cᵀ (cumulative)"),
@@ -45,7 +47,7 @@ def fig_stalls(runs: dict[int, dict], stall_below: float, title: str = ""):
     for ax in axes[1]:
         ax.set_xlabel("epoch")
     axes[0, 0].axhline(stall_below, color="k", lw=0.6, ls=":")
-    axes[0, 0].legend(loc="lower right", fontsize="small")
+    axes[0, 0].legend(loc="lower right")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

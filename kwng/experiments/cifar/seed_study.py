@@ -177,6 +177,8 @@ def _device(root: Path | None, p: dict, rec: dict, cond: str, m: str,
 
 
 #: the columns of :func:`seed_run_table`
+#:
+#: :meta hide-value:
 SEED_RUN_HEADER = ("cond.", "method", "seed", "from", "final test %", "stall",
                    "epochs to 85 %", "s to 85 %", "clock")
 
@@ -221,6 +223,8 @@ def seed_summary_rows(runs: list[dict]) -> list[dict]:
 
 
 #: the columns of :func:`seed_summary_table`
+#:
+#: :meta hide-value:
 SEED_SUMMARY_HEADER = ("cond.", "method", "runs", "stalls", "final test % (mean)",
                        "range", "s to 80 % (median / worst)",
                        "s to 85 % (median / worst)")
@@ -237,6 +241,8 @@ def seed_summary_table(rows: list[dict]) -> list[tuple]:
 
 #: the bar a recommended setting must meet (runs per conditioning, the final accuracy
 #: every ill-conditioned run must reach, the target it must reach before Adam's median)
+#:
+#: :meta hide-value:
 BAR = {"ill": 5, "well": 3, "final_ill": 0.875, "target": 85}
 
 
