@@ -56,6 +56,8 @@ def divergence_step(loss: Sequence[float]) -> int | None:
 
 #: the step-cost record every page quotes a KWNG step's cost in SGD steps from (under
 #: ``results/``): the table of the GPU appendix, measured with the book's code
+#:
+#: :meta hide-value:
 STEP_COST_RECORD = Path("benchmarks") / "recheck" / "step_cost_after.json"
 
 
