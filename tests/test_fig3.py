@@ -295,6 +295,9 @@ def test_a_run_estimate_comes_from_the_method_or_its_family():
     assert plans._estimate(times, "adam") == 1200.0
     assert plans._estimate(times, "kfac") == 2400.0
     assert plans._estimate({}, "sgd") is None
+    # the refresh guard adds refreshes, not steps: the unguarded twin's time
+    assert plans._estimate({"kwng": 600.0, "kwng_k100": 250.0},
+                           "kwng_k100_guard") == 250.0
 
 
 def test_every_record_belongs_to_one_round_of_the_ledger():

@@ -32,6 +32,7 @@ from kwng.experiments.cifar.methods import (
     LR_GRID,
     METHODS,
 )
+from kwng.experiments.cifar.fig3_audit import FIG3_AUDIT, audit_groups
 from kwng.experiments.cifar.seed_study import (
     AMORTIZED,
     AMORTIZED_SEEDS,
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 #: the named plans of :func:`build_plan` (any other plan is a JSON file of run settings)
 PLAN_NAMES = ("claim_select", "claim", "authors100", "authors100_all", "fig3",
-              "amortized", "amortized_seeds")
+              "amortized", "amortized_seeds", "fig3_audit")
 
 
 # --------------------------------------------------------- the cost of a run, GPU slots
@@ -196,15 +197,20 @@ def run_seconds(root: str | os.PathLike = FIG3,
 
 
 def _estimate(times: dict[str, float], method: str) -> float | None:
-    """A method's own estimate; a KWNG variant (the same Jacobian block, another
-    damping, kernel or momentum) at most KWNG's; an (E)KFAC method without a run
+    """A method's own estimate or that of the same method without the refresh guard
+    (the smaller); a KWNG variant (the same Jacobian block, another damping, kernel or
+    momentum) at most KWNG's; an (E)KFAC method without a run
     KFAC's, scaled by their planning weights (``rel_cost``); else the longest
     method's, twice that for KFAC/EKFAC."""
     precond = METHODS[method].spec.get("precond")
-    own = [times[k] for k in (method, "kwng" if precond == "kwng" else None)
-           if k in times]
-    if own:
-        return min(own)
+    own = [times[k] for k in (method,) if k in times]
+    # the same method without the refresh guard (a guard adds refreshes, not steps)
+    bare = {k: v for k, v in METHODS[method].spec.items() if k != "refresh_guard"}
+    twin = [t for k, t in times.items() if k in METHODS and METHODS[k].spec == bare]
+    if precond == "kwng" and "kwng" in times:
+        own.append(times["kwng"])
+    if own or twin:
+        return min(own + twin)
     if not times:
         return None
     if precond in ("kfac", "ekfac") and "kfac" in times:
@@ -322,6 +328,33 @@ def amortized_seeds_plan(common: dict, p: dict | None = None,
     return jobs
 
 
+def audit_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
+               out: str | os.PathLike = FIG3_AUDIT, spec: dict | None = None
+               ) -> list[dict]:
+    """The Fig. 3 audit's runs not finished yet (:mod:`kwng.experiments.cifar.fig3_audit`;
+    ``spec`` default ``out/plan.json``), in its order: a ``grid`` group at each of its
+    ``lrs`` with the protocol's early-stop rule, a ``repro`` group at the Fig. 3 step
+    of its ``lr_of`` method (left out while that selection is not final) without it.
+    A method's time estimate is its fastest Fig. 3 run."""
+    p, out = load_protocol() if p is None else p, Path(out)
+    spec = read_json(out / "plan.json") if spec is None else spec
+    state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
+    times, commit, jobs = run_seconds(root), protocol_commit(), []
+    for g in audit_groups(spec):
+        cond, part = g["conditioning"], g["part"]
+        if part == "grid":
+            lrs, rule = [float(v) for v in g["lrs"]], p["early_stop_rule"]
+        else:
+            st = state.get(f"{cond}/{g['lr_of']}")
+            lrs, rule = ([st["selected"]] if st and st["final"] else []), None
+        jobs += [_job(p, part, cond, m, lr, s, out, commit, times, early_stop=rule,
+                      **common)
+                 for lr in lrs for s in g["seeds"] for m in g["methods"]
+                 if run_status(record_at(out, part, lr, cond, m, s), epochs)
+                 in ("missing", "running")]
+    return jobs
+
+
 # ---------------------------------------------------------------------- the named plans
 def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
                select_subset: int | None = 10_000,
@@ -349,6 +382,7 @@ def build_plan(name: str, dataset: str = "cifar10", epochs: int = 6,
     * ``amortized``: the amortized-step study at KWNG's Fig. 3 steps
       (:func:`amortized_plan`).
     * ``amortized_seeds``: its seed study (:func:`amortized_seeds_plan`).
+    * ``fig3_audit``: the Fig. 3 audit's runs beyond the protocol (:func:`audit_plan`).
     * a path to a JSON list of run settings.
     """
     if methods is not None:
@@ -389,6 +423,8 @@ def _named_plan(name: str, common: dict, epochs: int, select: dict,
         return amortized_plan(common)
     if name == "amortized_seeds":
         return amortized_seeds_plan(common)
+    if name == "fig3_audit":
+        return audit_plan(common)
     path = Path(name)
     if path.is_file():
         return list(read_json(path))

@@ -28,6 +28,7 @@ from kwng.experiments.cifar.methods import (
 from kwng.experiments.cifar.plans import build_plan
 from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
 from kwng.experiments.cifar.seed_study import seed_check
+from kwng.experiments.cifar.fig3_audit import audit_check
 from kwng.experiments.nets import DiagonalConditioning
 from kwng.experiments.provenance import ResultFileError, atomic_write_json, read_json
 
@@ -362,7 +363,7 @@ def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     """``cifar check``: the completeness of a suite's records (exit 1 when a run is
     missing or incomplete)."""
     p.add_argument("--suite", default="claim", choices=(
-        "claim", "study6", "authors100", "fig3", "amortized_seeds"))
+        "claim", "study6", "authors100", "fig3", "amortized_seeds", "fig3_audit"))
     p.add_argument("--tiers", default="1", help="authors100: comma list of tiers")
     p.add_argument(
         "--root",
@@ -372,8 +373,9 @@ def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     p.add_argument("--dataset", default="cifar10", choices=DATASETS)
     p.add_argument("--min-epochs", type=int, default=30)
     a = p.parse_args(rest)
-    if a.suite in ("fig3", "amortized_seeds"):
-        return (fig3_check if a.suite == "fig3" else seed_check)(a.root)
+    if a.suite in ("fig3", "amortized_seeds", "fig3_audit"):
+        return {"fig3": fig3_check, "amortized_seeds": seed_check,
+                "fig3_audit": audit_check}[a.suite](a.root)
     if a.suite == "authors100":
         try:
             tiers = tuple(int(t) for t in a.tiers.split(","))
