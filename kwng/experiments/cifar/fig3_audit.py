@@ -53,9 +53,11 @@ def audit_groups(spec: dict) -> list[dict]:
                          f"{spec!r:.200}")
     for g in spec["groups"]:
         if not isinstance(g, dict) or g.get("part") not in PARTS:
-            raise ValueError(f"each group needs part in {sorted(PARTS)}, got {g!r:.200}")
+            raise ValueError(f"each group needs part in {sorted(PARTS)}, "
+                             f"got {g!r:.200}")
         if g.get("conditioning") not in ("ill", "well"):
-            raise ValueError(f"each group needs conditioning 'ill' or 'well', got {g!r}")
+            raise ValueError("each group needs conditioning 'ill' or 'well', "
+                             f"got {g!r:.200}")
         unknown = sorted(set(g.get("methods") or []) - set(METHODS))
         if unknown or not g.get("methods"):
             raise ValueError(f"a group's methods must be names from {sorted(METHODS)}, "
@@ -72,7 +74,8 @@ def audit_groups(spec: dict) -> list[dict]:
                     isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
                     or float(v) in LR_GRID for v in lrs)):
                 raise ValueError("a grid group's lrs must be positive step sizes "
-                                 f"outside the paper's grid {list(LR_GRID)}, got {lrs!r}")
+                                 f"outside the paper's grid {list(LR_GRID)}, "
+                                 f"got {lrs!r}")
         elif g.get("lr_of") not in METHODS:
             raise ValueError(f"a repro group's lr_of must be a method name, got "
                              f"{g.get('lr_of')!r}")

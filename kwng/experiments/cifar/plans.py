@@ -18,6 +18,7 @@ from kwng.experiments.cifar.fig3 import (
     record_at,
     run_status,
 )
+from kwng.experiments.cifar.fig3_audit import FIG3_AUDIT, audit_groups
 from kwng.experiments.cifar.methods import (
     AMORTIZED_METHODS,
     AUTHORS100,
@@ -32,7 +33,6 @@ from kwng.experiments.cifar.methods import (
     LR_GRID,
     METHODS,
 )
-from kwng.experiments.cifar.fig3_audit import FIG3_AUDIT, audit_groups
 from kwng.experiments.cifar.seed_study import (
     AMORTIZED,
     AMORTIZED_SEEDS,
@@ -331,9 +331,9 @@ def amortized_seeds_plan(common: dict, p: dict | None = None,
 def audit_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
                out: str | os.PathLike = FIG3_AUDIT, spec: dict | None = None
                ) -> list[dict]:
-    """The Fig. 3 audit's runs not finished yet (:mod:`kwng.experiments.cifar.fig3_audit`;
-    ``spec`` default ``out/plan.json``), in its order: a ``grid`` group at each of its
-    ``lrs`` with the protocol's early-stop rule, a ``repro`` group at the Fig. 3 step
+    """The Fig. 3 audit's runs not finished yet
+    (:mod:`kwng.experiments.cifar.fig3_audit`; ``spec`` default ``out/plan.json``), in
+    its order: a ``grid`` group at each of its ``lrs`` with the protocol's early-stop rule, a ``repro`` group at the Fig. 3 step
     of its ``lr_of`` method (left out while that selection is not final) without it.
     A method's time estimate is its fastest Fig. 3 run."""
     p, out = load_protocol() if p is None else p, Path(out)

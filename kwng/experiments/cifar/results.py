@@ -14,6 +14,7 @@ from pathlib import Path
 from kwng.experiments import guard
 from kwng.experiments.cifar.data import DATASETS, NUM_CLASSES
 from kwng.experiments.cifar.fig3 import fig3_check
+from kwng.experiments.cifar.fig3_audit import audit_check
 from kwng.experiments.cifar.methods import (
     AUTHORS100_TIERS,
     CLAIM,
@@ -28,7 +29,6 @@ from kwng.experiments.cifar.methods import (
 from kwng.experiments.cifar.plans import build_plan
 from kwng.experiments.cifar.records import provenance_problem, read_record, rows_problem
 from kwng.experiments.cifar.seed_study import seed_check
-from kwng.experiments.cifar.fig3_audit import audit_check
 from kwng.experiments.nets import DiagonalConditioning
 from kwng.experiments.provenance import ResultFileError, atomic_write_json, read_json
 
