@@ -333,8 +333,8 @@ def audit_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FI
                ) -> list[dict]:
     """The Fig. 3 audit's runs not finished yet
     (:mod:`kwng.experiments.cifar.fig3_audit`; ``spec`` default ``out/plan.json``), in
-    its order: a ``grid`` group at each of its ``lrs`` with the protocol's early-stop rule, a ``repro`` group at the Fig. 3 step
-    of its ``lr_of`` method (left out while that selection is not final) without it.
+    its order: a ``grid`` group at each of its ``lrs`` with the protocol's early-stop
+    rule, a ``repro`` group at the Fig. 3 step of its ``lr_of`` method (left out while that selection is not final) without it.
     A method's time estimate is its fastest Fig. 3 run."""
     p, out = load_protocol() if p is None else p, Path(out)
     spec = read_json(out / "plan.json") if spec is None else spec
