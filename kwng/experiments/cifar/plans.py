@@ -331,11 +331,13 @@ def amortized_seeds_plan(common: dict, p: dict | None = None,
 def audit_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
                out: str | os.PathLike = FIG3_AUDIT, spec: dict | None = None
                ) -> list[dict]:
-    """The Fig. 3 audit's runs not finished yet
-    (:mod:`kwng.experiments.cifar.fig3_audit`; ``spec`` default ``out/plan.json``), in
-    its order: a ``grid`` group at each of its ``lrs`` with the protocol's early-stop
-    rule, a ``repro`` group at the Fig. 3 step of its ``lr_of`` method (left out while that selection is not final) without it.
-    A method's time estimate is its fastest Fig. 3 run."""
+    """The Fig. 3 audit's runs not finished yet, in its plan's order
+    (:mod:`kwng.experiments.cifar.fig3_audit`; ``spec`` default ``out/plan.json``).
+
+    A ``grid`` group runs at each of its ``lrs`` with the protocol's early-stop rule; a
+    ``repro`` group runs without it, at the Fig. 3 step of its ``lr_of`` method (left out
+    while that selection is not final). A method's time estimate is its fastest Fig. 3
+    run."""
     p, out = load_protocol() if p is None else p, Path(out)
     spec = read_json(out / "plan.json") if spec is None else spec
     state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
