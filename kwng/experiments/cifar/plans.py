@@ -335,9 +335,9 @@ def audit_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FI
     (:mod:`kwng.experiments.cifar.fig3_audit`; ``spec`` default ``out/plan.json``).
 
     A ``grid`` group runs at each of its ``lrs`` with the protocol's early-stop rule; a
-    ``repro`` group runs without it, at the Fig. 3 step of its ``lr_of`` method (left out
-    while that selection is not final). A method's time estimate is its fastest Fig. 3
-    run."""
+    ``repro`` group runs without it, at the Fig. 3 step of its ``lr_of`` method (left
+    out while that selection is not final). A method's time estimate is its fastest
+    Fig. 3 run."""
     p, out = load_protocol() if p is None else p, Path(out)
     spec = read_json(out / "plan.json") if spec is None else spec
     state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
