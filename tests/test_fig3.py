@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.cifar import fig3, plans, train
+from kwng.experiments.cifar import fig3, plans, runtime, train
 from kwng.experiments.cifar.methods import LR_GRID
 from kwng.experiments.provenance import ResultFileError
 
@@ -289,14 +289,14 @@ def test_a_run_estimate_comes_from_the_method_or_its_family():
     """A method's own fastest run; a KWNG variant at most KWNG's; a method without
     runs the longest estimate (twice for KFAC/EKFAC)."""
     times = {"kwng": 600.0, "sgd": 200.0, "diag_Ttilde": 1200.0}
-    assert plans._estimate(times, "sgd") == 200.0
-    assert plans._estimate(times, "diag_Ttilde") == 600.0
-    assert plans._estimate(times, "kwng_kernel_rq") == 600.0
-    assert plans._estimate(times, "adam") == 1200.0
-    assert plans._estimate(times, "kfac") == 2400.0
-    assert plans._estimate({}, "sgd") is None
+    assert runtime.estimate_seconds(times, "sgd") == 200.0
+    assert runtime.estimate_seconds(times, "diag_Ttilde") == 600.0
+    assert runtime.estimate_seconds(times, "kwng_kernel_rq") == 600.0
+    assert runtime.estimate_seconds(times, "adam") == 1200.0
+    assert runtime.estimate_seconds(times, "kfac") == 2400.0
+    assert runtime.estimate_seconds({}, "sgd") is None
     # the refresh guard adds refreshes, not steps: the unguarded twin's time
-    assert plans._estimate({"kwng": 600.0, "kwng_k100": 250.0},
+    assert runtime.estimate_seconds({"kwng": 600.0, "kwng_k100": 250.0},
                            "kwng_k100_guard") == 250.0
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kwng.experiments.cifar import fig3, fig3_audit
+from kwng.experiments.cifar.methods import LR_GRID
 from kwng.experiments.cifar.plans import audit_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,9 +53,9 @@ def test_the_committed_plan_gives_its_runs_with_the_rule_only_on_the_edge(tmp_pa
         part = "grid" if "/grid/" in str(j["out"]) else "repro"
         assert (j["early_stop"] is not None) == (part == "grid"), j
         if part == "grid":
-            assert float(j["lr"]) not in fig3.LR_GRID
+            assert float(j["lr"]) not in LR_GRID
         else:
-            assert float(j["lr"]) in fig3.LR_GRID
+            assert float(j["lr"]) in LR_GRID
 
 
 def _copy(src: Path, dst: Path, edit=None) -> None:

@@ -184,8 +184,8 @@ def repro_runs(p: dict | None = None, root: str | os.PathLike = FIG3_AUDIT,
     ``seed``, ``final`` (test accuracy), ``complete``, ``committed`` (the committed
     record of the same run, seed and step: its final test accuracy, or ``None``) and
     ``spread`` (the final test accuracies of every committed finished run of the
-    method at that step and conditioning: the Fig. 3 seeds or ablation runs, and the
-    seed study's runs of it under ``seeds_root``), ``within`` (the rerun's final
+    method at that step and conditioning: the protocol's seed runs or ablation runs,
+    and the seed study's runs of it under ``seeds_root``), ``within`` (the rerun's final
     inside [min, max] of ``spread``; ``None`` with fewer than two)."""
     p = load_protocol() if p is None else p
     root, fig3_root = Path(root), Path(fig3_root)

@@ -33,6 +33,13 @@ from kwng.experiments.cifar.methods import (
     LR_GRID,
     METHODS,
 )
+from kwng.experiments.cifar.runtime import (
+    RUN_MARGIN,
+    START_S,
+    estimate_seconds,
+    run_seconds,
+    wall_times,
+)
 from kwng.experiments.cifar.seed_study import (
     AMORTIZED,
     AMORTIZED_SEEDS,
@@ -163,64 +170,9 @@ def authors100_plan(common: dict, tiers: Sequence[int] = (1, 2, 3)) -> list[dict
 
 
 # --------------------------------------------------------- the Fig. 3 protocol's queues
-#: seconds a worker needs beside training and evaluation (start, data, capture)
-START_S = 60.0
-#: factor on the fastest finished run of a method, for a run on a GPU of its own
-RUN_MARGIN = 1.15
-
-
-def _wall_times(root: Path) -> dict[str, float]:
-    times: dict[str, float] = {}
-    for mp in root.glob("**/seed*/metrics.json"):
-        rec = read_json(mp)
-        rows = rec.get("epochs") if isinstance(rec, dict) else None
-        if rows and rec.get("complete") and not rec.get("early_stop") \
-                and len(rows) == 100 and "time_train" in rows[-1]:
-            t = rows[-1]["time_train"] + sum(r.get("time_eval", 0.0) for r in rows)
-            m = rec["config"]["method"]
-            times[m] = min(times.get(m, math.inf), t)
-    return times
-
-
-def run_seconds(root: str | os.PathLike = FIG3,
-                fallback: str | os.PathLike | None = AUTHORS100) -> dict[str, float]:
-    """Per method, the wall time (training and evaluation) of its fastest finished
-    100-epoch run under ``root`` or ``fallback`` (the authors100 study), times
-    :data:`RUN_MARGIN`, plus :data:`START_S`: the estimate that keeps a queue from
-    starting a run it cannot finish. The queue runs one run per GPU, and the fastest
-    record is the one that shared its GPU least. A method without any finished run gets
-    the estimate of :func:`_estimate`."""
-    times = _wall_times(Path(root))
-    for m, t in (_wall_times(Path(fallback)) if fallback is not None else {}).items():
-        times[m] = min(t, times.get(m, math.inf))
-    return {m: t * RUN_MARGIN + START_S for m, t in times.items()}
-
-
-def _estimate(times: dict[str, float], method: str) -> float | None:
-    """A method's own estimate or that of the same method without the refresh guard
-    (the smaller); a KWNG variant (the same Jacobian block, another damping, kernel or
-    momentum) at most KWNG's; an (E)KFAC method without a run
-    KFAC's, scaled by their planning weights (``rel_cost``); else the longest
-    method's, twice that for KFAC/EKFAC."""
-    precond = METHODS[method].spec.get("precond")
-    own = [times[k] for k in (method,) if k in times]
-    # the same method without the refresh guard (a guard adds refreshes, not steps)
-    bare = {k: v for k, v in METHODS[method].spec.items() if k != "refresh_guard"}
-    twin = [t for k, t in times.items() if k in METHODS and METHODS[k].spec == bare]
-    if precond == "kwng" and "kwng" in times:
-        own.append(times["kwng"])
-    if own or twin:
-        return min(own + twin)
-    if not times:
-        return None
-    if precond in ("kfac", "ekfac") and "kfac" in times:
-        return times["kfac"] * METHODS[method].rel_cost / METHODS["kfac"].rel_cost
-    return max(times.values()) * (2.0 if precond in ("kfac", "ekfac") else 1.0)
-
-
 def _job(p: dict, part: str, cond: str, method: str, lr: float, seed: int,
          root: Path, commit: str, times: dict[str, float], **extra) -> dict:
-    est = _estimate(times, method)
+    est = estimate_seconds(times, method)
     return {**p["settings"], "dataset": p["dataset"], "conditioning": cond,
             "method": method, "lr": lr, "seed": seed, "protocol": commit,
             "out": str(root / part / f"lr{lr:g}"), **extra,
@@ -316,7 +268,7 @@ def amortized_seeds_plan(common: dict, p: dict | None = None,
     spec = read_json(out / "plan.json") if spec is None else spec
     state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
     times, commit, jobs = run_seconds(root), protocol_commit(), []
-    for m, t in {**_wall_times(AMORTIZED), **_wall_times(out)}.items():
+    for m, t in {**wall_times(AMORTIZED), **wall_times(out)}.items():
         times[m] = min(times.get(m, math.inf), t * RUN_MARGIN + START_S)
     for g in seed_study_groups(spec):
         st, cond = state.get(f"{g['conditioning']}/{g['lr_of']}"), g["conditioning"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import random
 import time
@@ -18,7 +19,8 @@ import torch
 from kwng.experiments import guard
 from kwng.experiments.cifar.config import RunConfig
 from kwng.experiments.cifar.data import load_cifar
-from kwng.experiments.cifar.methods import SELECTION
+from kwng.experiments.cifar.fig3 import FIG3
+from kwng.experiments.cifar.methods import AUTHORS100, METHODS, SELECTION
 from kwng.experiments.provenance import ResultFileError, read_json
 
 log = logging.getLogger(__name__)
@@ -200,3 +202,61 @@ def rank0_decides(decide, world: int):
     if error is not None:
         raise error
     return result
+
+
+# ------------------------------------------------- how long a run takes, for the queues
+#: seconds a worker needs beside training and evaluation (start, data, capture)
+START_S = 60.0
+#: factor on the fastest finished run of a method, for a run on a GPU of its own
+RUN_MARGIN = 1.15
+
+
+def wall_times(root: Path) -> dict[str, float]:
+    """Per method, the wall time (training and evaluation) of its fastest finished,
+    not stopped, 100-epoch run under ``root``."""
+    times: dict[str, float] = {}
+    for mp in root.glob("**/seed*/metrics.json"):
+        rec = read_json(mp)
+        rows = rec.get("epochs") if isinstance(rec, dict) else None
+        if rows and rec.get("complete") and not rec.get("early_stop") \
+                and len(rows) == 100 and "time_train" in rows[-1]:
+            t = rows[-1]["time_train"] + sum(r.get("time_eval", 0.0) for r in rows)
+            m = rec["config"]["method"]
+            times[m] = min(times.get(m, math.inf), t)
+    return times
+
+
+def run_seconds(root: str | os.PathLike = FIG3,
+                fallback: str | os.PathLike | None = AUTHORS100) -> dict[str, float]:
+    """Per method, the wall time (training and evaluation) of its fastest finished
+    100-epoch run under ``root`` or ``fallback`` (the authors100 study), times
+    :data:`RUN_MARGIN`, plus :data:`START_S`: the estimate that keeps a queue from
+    starting a run it cannot finish. The queue runs one run per GPU, and the fastest
+    record is the one that shared its GPU least. A method without any finished run gets
+    the estimate of :func:`estimate_seconds`."""
+    times = wall_times(Path(root))
+    for m, t in (wall_times(Path(fallback)) if fallback is not None else {}).items():
+        times[m] = min(t, times.get(m, math.inf))
+    return {m: t * RUN_MARGIN + START_S for m, t in times.items()}
+
+
+def estimate_seconds(times: dict[str, float], method: str) -> float | None:
+    """A method's own estimate or that of the same method without the refresh guard
+    (the smaller); a KWNG variant (the same Jacobian block, another damping, kernel or
+    momentum) at most KWNG's; an (E)KFAC method without a run
+    KFAC's, scaled by their planning weights (``rel_cost``); else the longest
+    method's, twice that for KFAC/EKFAC."""
+    precond = METHODS[method].spec.get("precond")
+    own = [times[k] for k in (method,) if k in times]
+    # the same method without the refresh guard (a guard adds refreshes, not steps)
+    bare = {k: v for k, v in METHODS[method].spec.items() if k != "refresh_guard"}
+    twin = [t for k, t in times.items() if k in METHODS and METHODS[k].spec == bare]
+    if precond == "kwng" and "kwng" in times:
+        own.append(times["kwng"])
+    if own or twin:
+        return min(own + twin)
+    if not times:
+        return None
+    if precond in ("kfac", "ekfac") and "kfac" in times:
+        return times["kfac"] * METHODS[method].rel_cost / METHODS["kfac"].rel_cost
+    return max(times.values()) * (2.0 if precond in ("kfac", "ekfac") else 1.0)
