@@ -239,3 +239,16 @@ def test_the_committed_seed_study_records_follow_its_plan_and_name_their_round()
         pytest.skip("a shallow clone lacks the plan's commit")
     first = datetime.fromisoformat(dates[-1])
     assert all(datetime.fromisoformat(p["date"]) > first for p in provs)
+
+
+def test_summary_values_print_one_number_for_one_run_and_a_range_for_more():
+    ss = seed_study
+    row = {"cond": "ill", "method": "kwng_k5", "runs": 1, "stalls": 0, "min": 0.8863,
+           "max": 0.8863, "median_s_to_85": 54.0, "worst_s_to_85": 54.0}
+    two = {**row, "method": "kwng_k20", "runs": 2, "max": 0.889,
+           "worst_s_to_85": 60.0}
+    v = ss.summary_values([row, two], [])
+    assert v["ill_kwng_k5_range"] == "88.6"
+    assert v["ill_kwng_k5_s85"] == ss.seconds_text(54.0)
+    assert v["ill_kwng_k20_range"] == "88.6–88.9"
+    assert v["ill_kwng_k20_s85"] == f"{ss.seconds_text(54.0)} / {ss.seconds_text(60.0)}"

@@ -332,16 +332,20 @@ def failure_rows(runs: dict[tuple, dict], method: str, cond: str = "ill",
 def summary_values(rows: list[dict], runs: list[dict]) -> dict[str, str]:
     """The numbers a page quotes from :func:`seed_summary_rows` ``rows``, as text named
     ``<cond>_<method>_<field>`` (``runs``, ``stalls``, ``range`` of the final test
-    accuracy in %, ``s85`` median / worst seconds to 85 %), and ``k100_ok_s85``, the
+    accuracy in %, one number for one run, ``s85`` median / worst seconds to 85 %,
+    one number for one run), and ``k100_ok_s85``, the
     seconds to 85 % of each ill-conditioned ``kwng_k100`` run of :func:`seed_study_runs`
     ``runs`` that did not stall."""
     out = {}
     for r in rows:
         key = f"{r['cond']}_{r['method']}"
         out[f"{key}_runs"], out[f"{key}_stalls"] = str(r["runs"]), str(r["stalls"])
-        out[f"{key}_range"] = f"{100 * r['min']:.1f}–{100 * r['max']:.1f}"
-        out[f"{key}_s85"] = " / ".join(map(seconds_text, (r["median_s_to_85"],
-                                                          r["worst_s_to_85"])))
+        one = r["runs"] == 1
+        out[f"{key}_range"] = (f"{100 * r['min']:.1f}" if one else
+                               f"{100 * r['min']:.1f}–{100 * r['max']:.1f}")
+        s85 = (r["median_s_to_85"],) if one else (r["median_s_to_85"],
+                                                  r["worst_s_to_85"])
+        out[f"{key}_s85"] = " / ".join(map(seconds_text, s85))
     out["k100_ok_s85"] = " and ".join(
         seconds_text(r["s_to_85"]) for r in runs if r["method"] == "kwng_k100"
         and r["cond"] == "ill" and r["complete"] and not r["stalled"])
