@@ -35,6 +35,7 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(BIN)/python -m pip install -q --retries 1 -r requirements.txt
 	$(BIN)/python -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -c "import os, sysconfig; open(os.path.join(sysconfig.get_paths()['purelib'], 'kwng_studies.pth'), 'w').write(os.getcwd() + chr(10))"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -105,7 +106,7 @@ book: $(STAMP) $(MATHJAX)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 
 test: $(STAMP)
-	$(BIN)/ruff check kwng tests tools book/_ext examples
+	$(BIN)/ruff check kwng studies tests tools book/_ext examples
 	$(BIN)/python -m pytest tests book -p no:cacheprovider -q
 
 # The tests that pin numbers trained or recomputed in floating point (the trainer's
@@ -124,10 +125,10 @@ test-portable: $(STAMP)
 	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest $(PORTABLE_TESTS) -p no:cacheprovider -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check kwng tests tools book/_ext examples
+	$(BIN)/ruff check kwng studies tests tools book/_ext examples
 
 bench: $(STAMP)
-	$(BIN)/python -m kwng.experiments.bench.estimator_time
+	$(BIN)/python -m studies.bench.estimator_time
 
 clean:
 	rm -rf _build notebooks

@@ -12,9 +12,9 @@ The package behind the kwng book, in floors that import only downwards:
   :class:`KWNGConfig`, drop-in before ``optimizer.step`` (its ``step(loss, X)`` runs the
   backward passes), and :class:`DistributedKWNG` over ``torch.distributed``.
 * :mod:`kwng.theory.wng`: the theory chapters' reference computations.
-* :mod:`kwng.plots`: figures and tables from result files.
-* :mod:`kwng.experiments`: the commands of the book's experiments (``python -m
-  kwng.experiments <name>``), the CIFAR kit and the benchmarks.
+* :mod:`studies.plots_unused`: figures and tables from result files.
+* :mod:`studies`: the commands of the book's experiments (``python -m
+  studies <name>``), the CIFAR kit and the benchmarks.
 
 ``import kwng`` loads the core and the engine's preconditioner only; the theory, plots,
 experiments and GPU kernels load when imported. The names below are the curated public
@@ -23,7 +23,7 @@ API; each is defined in the module named in its docstring.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from kwng.config import is_full, pick, scale
+from kwng.scale_switch import is_full, pick, scale
 from kwng.engine.capture import capture_step
 from kwng.engine.config import KWNGConfig, eps_from_authors
 from kwng.engine.distributed import DistributedKWNG

@@ -43,7 +43,7 @@ $PY -c "import nngeometry, torch; assert torch.cuda.is_available(); print('torch
 mkdir -p "$OUT" "$LOGS" "$WORK"
 DATA=$(readlink -f "$DATA")
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-$PY -c "from kwng.experiments.cifar.data import load_cifar; [load_cifar('cifar10', s, '$DATA') for s in ('train', 'test')]" || exit 2
+$PY -c "from studies.cifar.data import load_cifar; [load_cifar('cifar10', s, '$DATA') for s in ('train', 'test')]" || exit 2
 
 tar_results() {  # extract in the repository root: results/cifar/authors100/...
   tar czf "$OUT/authors100.tar.gz" -C "$WORK" results/cifar/authors100 2>/dev/null
@@ -63,7 +63,7 @@ PYEOF
 }
 
 if [ "$MODE" = timing ]; then
-  cd "$ROOT" && CUDA_VISIBLE_DEVICES=0 $PY -m kwng.experiments cifar trainer-timing \
+  cd "$ROOT" && CUDA_VISIBLE_DEVICES=0 $PY -m studies cifar trainer-timing \
       --methods sgd,adam,kfac,kwng,diag_Ttilde --precisions bf16,fp32 --data-root "$DATA" \
       --out "$OUT/trainer_timing.json" 2>&1 | grep -E "trainer timing|loss match|Error|Traceback|error" 
   exit "${PIPESTATUS[0]}"
@@ -88,7 +88,7 @@ m["kwng_basis20"] = {"sec_per_step": 3.8 * m["kwng"]["sec_per_step"], "batch_siz
 json.dump({"methods": m}, open("checkpoints/authors100_timing.json", "w"), indent=1)
 print({k: round(v["sec_per_step"] * 1e3, 2) for k, v in m.items()}, "ms per step")
 PYEOF
-    setsid nohup $PY -m kwng.experiments cifar sweep --plan authors100 --gpus "$GPUS" \
+    setsid nohup $PY -m studies cifar sweep --plan authors100 --gpus "$GPUS" \
         --procs-per-gpu "$PROCS" --data-root "$DATA" --timing checkpoints/authors100_timing.json \
         > "$LOGS/sweep.log" 2>&1 < /dev/null &
     echo $! > "$LOGS/sweep.pid"
@@ -104,7 +104,7 @@ done
 progress
 grep -E "Error|Traceback|failed" "$LOGS/sweep.log" | tail -5
 tar_results
-if $PY -m kwng.experiments cifar check --suite authors100 --tiers "$TIERS"; then
+if $PY -m studies cifar check --suite authors100 --tiers "$TIERS"; then
   say "authors100 complete"
 else
   say "authors100 not complete yet: call MODE=wait again"

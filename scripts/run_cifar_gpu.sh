@@ -37,7 +37,7 @@
 # DATA (the JPEG npz), PY, SET (run-setting overrides for every run; a finished run recorded with
 # other settings is refused, so a smoke test needs a tree without those results, e.g. for a CPU one:
 # SET="model=tiny batch_size=50 train_subset=150 device=cpu" SEL_SET="val_size=100" GPUS=0
-# DATA=kwng/experiments/cifar/data_sample/cifar10_sample.npz TIMING_MODEL=tiny TIMING_STEPS=3).
+# DATA=studies/cifar/data_sample/cifar10_sample.npz TIMING_MODEL=tiny TIMING_STEPS=3).
 # Cost (H200 step times alone of results/cifar/claim/timing/timing.json, batch 128): SGD 8.7 ms,
 # Adam 10.0 ms, KFAC 13.0 ms, KWNG-type methods 36-40 ms per step. Measured: the selection of four
 # methods (48 runs of 2 epochs on 22,500 images) and twelve 30-epoch runs (four kwng, two each of
@@ -115,10 +115,10 @@ fi
 [ -f "$ROOT" ] || cp "$DATA" "$ROOT" || exit 2
 cd "$WORK" || exit 2
 "$PY" -c "import nngeometry, torch; print('nngeometry ok; torch', torch.__version__)" || exit 2
-"$PY" -c "from kwng.experiments.cifar.data import load_cifar; [load_cifar('cifar10', s, '$ROOT') for s in ('train', 'test')]" || exit 2
+"$PY" -c "from studies.cifar.data import load_cifar; [load_cifar('cifar10', s, '$ROOT') for s in ('train', 'test')]" || exit 2
 TIMING_METHODS=${TIMING_METHODS:-${METHODS:-claim}}  # every method of the suite, in one timing run
 if [ -n "$EARLY_METHODS" ]; then  # the other methods: the selection and the main claim sweep
-  ALL=${METHODS:-$($PY -c "from kwng.experiments.cifar.plans import build_plan
+  ALL=${METHODS:-$($PY -c "from studies.cifar.plans import build_plan
 print(','.join(dict.fromkeys(j['method'] for j in build_plan('claim', epochs=1))))")}
   METHODS=$($PY -c "e = set('$EARLY_METHODS'.split(','))
 print(','.join(m for m in '$ALL'.split(',') if m not in e))")
@@ -137,8 +137,9 @@ trap persist EXIT
 plan_done() {  # prints 1 if every run of plan $1 is complete with the settings this call asks for
   SETS="${SELSET[*]}" $PY -c "
 import os, sys
-from kwng.experiments import guard
-from kwng.experiments.cifar import plans, sweep
+from studies.kit import guard
+from studies.cifar import plans
+from studies.cifar import sweep
 p = plans.build_plan('$1', epochs=1, select_epochs=$SELECT_EPOCHS, data_root='$ROOT',
                      select_subset=${SELECT_SUBSET:-None}, select_val=5000,
                      methods='$METHODS'.split(',') if '$METHODS' else None)
@@ -154,7 +155,7 @@ filter() { grep -E "epoch [0-9]+:|deadline|ERROR|Error|Traceback|sweep" | tee -a
 # ---- timing of each method alone (first call only)
 TIMING_FILE=results/cifar/claim/timing/timing.json
 if [ "$TIMING" = 1 ] && [ ! -f "$TIMING_FILE" ]; then
-  CUDA_VISIBLE_DEVICES=0 $PY -m kwng.experiments cifar timing --methods "$TIMING_METHODS" --steps "${TIMING_STEPS:-100}" \
+  CUDA_VISIBLE_DEVICES=0 $PY -m studies cifar timing --methods "$TIMING_METHODS" --steps "${TIMING_STEPS:-100}" \
       --warmup 10 --out "$TIMING_FILE" ${TIMING_MODEL:+--model "$TIMING_MODEL"} 2>&1 | grep -E "timing|Error" | tee -a "$LOG"
 fi
 TARG=(); [ -f "$TIMING_FILE" ] && TARG=(--timing "$TIMING_FILE")
@@ -163,7 +164,7 @@ TARG=(); [ -f "$TIMING_FILE" ] && TARG=(--timing "$TIMING_FILE")
 EARLY_PID=
 if [ -n "$EARLY_METHODS" ] && [ "$(left)" -gt 60 ]; then
   say "early claim runs ($EARLY_METHODS): starting (deadline in $(( $(left) - 30 ))s)"
-  ( $PY -m kwng.experiments cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$EARLY_PROCS" \
+  ( $PY -m studies cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$EARLY_PROCS" \
       --methods "$EARLY_METHODS" --data-root "$ROOT" "${TARG[@]}" "${SETARG[@]}" --deadline-s $(( $(left) - 30 )) 2>&1 \
       | grep -E "epoch [0-9]+:|deadline|ERROR|Error|Traceback|sweep" >> "$KEEP/logs/early.log" ) &
   EARLY_PID=$!
@@ -178,12 +179,12 @@ if [ "$SEL_DONE" = 2 ]; then
 fi
 if [ "$SEL_DONE" != 1 ] && [ "$(left)" -gt 60 ]; then
   say "selection: starting (deadline in $(( $(left) - 30 ))s)"
-  $PY -m kwng.experiments cifar sweep --plan claim_select --select-epochs "$SELECT_EPOCHS" "${SUBARG[@]}" "${MARG[@]}" \
+  $PY -m studies cifar sweep --plan claim_select --select-epochs "$SELECT_EPOCHS" "${SUBARG[@]}" "${MARG[@]}" \
       --gpus "$GPUS" --procs-per-gpu "$SEL_PROCS" --data-root "$ROOT" "${TARG[@]}" "${SELSET[@]}" \
       --deadline-s $(( $(left) - 30 )) 2>&1 | filter 20
 fi
 if [ "$(plan_done claim_select)" = 1 ]; then  # adds newly selected methods, refuses a change
-  $PY -m kwng.experiments cifar select --root results/cifar/claim/selection 2>&1 | grep -E "selected|Error" | tee -a "$LOG"
+  $PY -m studies cifar select --root results/cifar/claim/selection 2>&1 | grep -E "selected|Error" | tee -a "$LOG"
 else
   say "selection not complete yet: run this command again"
   [ -n "$EARLY_PID" ] && wait "$EARLY_PID"; tail -20 "$KEEP/logs/early.log" 2>/dev/null | tee -a "$LOG"
@@ -194,20 +195,20 @@ fi
 if [ "$EPOCHS" = auto ]; then  # fixed once, before the first claim run: from the measured step times
   SCHED=results/cifar/claim/schedule.json
   TSRC=$TIMING_FILE; [ -f "$TSRC" ] || TSRC=$REPO/results/cifar/timing/timing.json  # the earlier study's
-  [ -f "$SCHED" ] || $PY -m kwng.experiments cifar schedule --plan claim --budget-s "${CLAIM_BUDGET_S:?EPOCHS=auto needs CLAIM_BUDGET_S}" \
+  [ -f "$SCHED" ] || $PY -m studies cifar schedule --plan claim --budget-s "${CLAIM_BUDGET_S:?EPOCHS=auto needs CLAIM_BUDGET_S}" \
       --timing "$TSRC" --gpus "$GPUS" --procs-per-gpu "$PROCS" --concurrency-gain "${GAIN:-1.0}" \
       --min-epochs 1 --out "$SCHED" 2>&1 | tail -1 | tee -a "$LOG"
   EPOCHS=$($PY -c "import json; print(json.load(open('$SCHED'))['epochs'])") || exit 2
 fi
 if [ "$(left)" -gt 60 ]; then
   say "claim suite: $EPOCHS epochs (deadline in $(( $(left) - 30 ))s)"
-  $PY -m kwng.experiments cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$PROCS" "${MARG[@]}" \
+  $PY -m studies cifar sweep --plan claim --epochs "$EPOCHS" --gpus "$GPUS" --procs-per-gpu "$PROCS" "${MARG[@]}" \
       --data-root "$ROOT" "${TARG[@]}" "${SETARG[@]}" --deadline-s $(( $(left) - 30 )) 2>&1 | filter 40
 fi
 if [ -n "$EARLY_PID" ]; then
   say "waiting for the early claim runs"; wait "$EARLY_PID"; tail -20 "$KEEP/logs/early.log" | tee -a "$LOG"
 fi
-$PY -m kwng.experiments cifar check --suite claim --min-epochs "$EPOCHS" 2>&1 | tee -a "$LOG"
+$PY -m studies cifar check --suite claim --min-epochs "$EPOCHS" 2>&1 | tee -a "$LOG"
 if [ "${PIPESTATUS[0]}" = 0 ]; then  # the check's own status, not tee's
   say "claim suite complete"
 else

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Weak scaling of KWNG data-parallel against SGD under DDP (kwng.experiments.bench.ddp_scaling),
+# Weak scaling of KWNG data-parallel against SGD under DDP (studies.bench.ddp_scaling),
 # one torchrun job per world size, merged into ONE file: $OUT/ddp_scaling.json.
 #
 #   OUT=/some/dir bash scripts/run_ddp_scaling.sh        # 4 GPUs: W = 1, 2, 4
@@ -52,7 +52,7 @@ for W in $WORLD_SIZES; do
   echo "== W=$W (${CUDA_VISIBLE_DEVICES:-cpu}) -> $part"
   # shellcheck disable=SC2086
   timeout --kill-after=10 "$PER_W_TIMEOUT" "$PY" -m torch.distributed.run \
-    --standalone --nproc-per-node="$W" -m kwng.experiments.bench.ddp_scaling \
+    --standalone --nproc-per-node="$W" -m studies.bench.ddp_scaling \
     --out "$part" --device "$DEVICE" --model "$MODEL" --batch "$BATCH" \
     --num-basis "$NUM_BASIS" --steps "$STEPS" --warmup "$WARMUP" $EXTRA
   rc=$?
@@ -67,6 +67,6 @@ if [ ${#parts[@]} -eq 0 ]; then
   echo "no world size produced a result" >&2
   exit 1
 fi
-"$PY" -m kwng.experiments.bench.ddp_record "${parts[@]}" --out "$FINAL" || exit 1
+"$PY" -m studies.bench.ddp_record "${parts[@]}" --out "$FINAL" || exit 1
 echo "wrote $FINAL in $(( $(date +%s) - t_start )) s (parts in $PARTS_DIR)"
 exit $status

@@ -70,7 +70,7 @@ mkdir -p "$OUT" "$LOGS" "$WORK/results/cifar"
 DATA=$(readlink -f "$DATA")
 
 if [ "$MODE" = throughput ]; then
-  CUDA_VISIBLE_DEVICES=${TP_GPU:-0} $PY -m kwng.experiments.bench.queue_throughput \
+  CUDA_VISIBLE_DEVICES=${TP_GPU:-0} $PY -m studies.bench.queue_throughput \
       --data-root "$DATA" --json "$OUT/queue_throughput.json" 2>&1 | tail -20
   exit "${PIPESTATUS[0]}"
 fi
@@ -99,12 +99,12 @@ while [ \$(date +%s) -lt $END ]; do
   started=\$(grep -c " epoch 1: " "$LOGS/$TAG.log")
   for plan in ${PLANS//,/ }; do
     left=\$(( $END - \$(date +%s) )); fin=\$(( $FIN - \$(date +%s) ))
-    CUDA_VISIBLE_DEVICES=$GPU_IDS $PY -m kwng.experiments cifar sweep --plan \$plan \
+    CUDA_VISIBLE_DEVICES=$GPU_IDS $PY -m studies cifar sweep --plan \$plan \
         --methods $METHODS --gpus $(echo "$GPU_IDS" | tr ',' '\n' | wc -l) \
         --procs-per-gpu $PROCS --data-root "$DATA" --start-by-s \$left \
         --finish-by-s \$fin || true
   done
-  n=\$($PY -c "from kwng.experiments.cifar.plans import build_plan; print(sum(len(build_plan(p, methods='$METHODS'.split(','))) for p in '$PLANS'.split(',')))")
+  n=\$($PY -c "from studies.cifar.plans import build_plan; print(sum(len(build_plan(p, methods='$METHODS'.split(','))) for p in '$PLANS'.split(',')))")
   echo "queue $TAG: \$n run(s) left"
   [ "\$n" = 0 ] && break
   # a pass that began no run (every run left would end after FINISH_BY) ends the
@@ -121,11 +121,11 @@ fi
 
 if [ "$MODE" = timing ]; then
   # one call times every method alone on one GPU: the clock of the time figure
-  # (kwng.experiments.cifar.fig3_time); an existing record makes the command refuse
+  # (studies.fig3.clocks); an existing record makes the command refuse
   if [ -f "$LOGS/timing.pid" ] && kill -0 "$(cat "$LOGS/timing.pid")" 2>/dev/null; then
     say "trainer timing already running"
   else
-    setsid nohup env CUDA_VISIBLE_DEVICES="${TP_GPU:-0}" $PY -m kwng.experiments cifar \
+    setsid nohup env CUDA_VISIBLE_DEVICES="${TP_GPU:-0}" $PY -m studies cifar \
         trainer-timing --methods "$TIMING_METHODS" --precisions bf16 --epochs 2 \
         --data-root "$DATA" --out results/cifar/fig3/timing/trainer_timing.json \
         ${TIMING_ARGS:-} > "$LOGS/qtiming.log" 2>&1 < /dev/null &
@@ -145,5 +145,5 @@ grep -hE "Error|Traceback|failed|early stop|left" "$LOGS"/q*.log 2>/dev/null | t
 tar czf "$OUT/fig3.tar.gz" -C "$WORK" results/cifar/fig3 \
     $(cd "$WORK" && ls -d results/cifar/amortized* results/cifar/fig3_audit 2>/dev/null) && say "tarred $(du -h "$OUT/fig3.tar.gz" | cut -f1)"
 cp "$LOGS"/q*.log "$OUT/" 2>/dev/null
-$PY -m kwng.experiments cifar check --suite fig3 | tail -20
+$PY -m studies cifar check --suite fig3 | tail -20
 exit 0

@@ -23,6 +23,6 @@ PYEOF
 for name in flow relerr bandwidth; do
   SECONDS=0
   mem=(); [ "$name" = flow ] || mem=(--mem-gb "${KWNG_MEM_GB:-8}")  # sweeps only
-  "$PY" -m kwng.experiments "$name" --scale full --device cuda "${mem[@]}" --no-progress
+  "$PY" -m studies "$name" --scale full --device cuda "${mem[@]}" --no-progress
   echo "SWEEP $name wall time: ${SECONDS} s"
 done

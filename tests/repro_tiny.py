@@ -65,7 +65,7 @@ def tiny_rows(method: str, conditioning: str, lr: float, root: str, threads: int
               precision: str = "fp64") -> list[dict]:
     """Train one fixture case under ``root`` on ``threads`` CPU threads in
     ``precision`` and return its per-epoch rows without the timing fields."""
-    from kwng.experiments.cifar import train
+    from studies.cifar import train
 
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
@@ -211,7 +211,7 @@ def _patched(obj, name: str, value) -> Iterator[None]:
 def _optimizers(wrap: Callable) -> Iterator[None]:
     """Every optimizer of the method table built through ``wrap(build, model, lr,
     spec)`` (``build`` the original entry)."""
-    from kwng.experiments.cifar.methods import OPTIMIZERS
+    from studies.cifar.methods import OPTIMIZERS
 
     orig = dict(OPTIMIZERS)
     OPTIMIZERS.update({k: functools.partial(wrap, f) for k, f in orig.items()})
@@ -232,7 +232,7 @@ def step_size_x101() -> Iterator[None]:
 def another_damping() -> Iterator[None]:
     """KWNG's damping ``D = ‖T‖`` instead of ``T̃``; KFAC's damping doubled."""
     from kwng.engine import precond
-    from kwng.experiments.cifar import baselines
+    from studies.cifar import baselines
 
     kwng_cls, kfac_cls = precond.KWNGPreconditioner, baselines.KFACPreconditioner
 
@@ -250,7 +250,7 @@ def another_damping() -> Iterator[None]:
 @contextlib.contextmanager
 def one_step_more() -> Iterator[None]:
     """The first batch of the run trained twice (the step counter sees one step)."""
-    from kwng.experiments.cifar import train
+    from studies.cifar import train
 
     orig, seen = train.Run._step, set()
 
@@ -267,7 +267,7 @@ def one_step_more() -> Iterator[None]:
 @contextlib.contextmanager
 def another_augmentation_seed() -> Iterator[None]:
     """The crops and flips from another generator (the batch order unchanged)."""
-    from kwng.experiments.cifar import images
+    from studies.cifar import images
 
     orig, other = images.draw_augmentation, torch.Generator().manual_seed(1)
 

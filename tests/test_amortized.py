@@ -17,7 +17,7 @@ from kwng.engine.amortized import SystemCache
 from kwng.engine.capture import amortized_replay, warmup_kind
 from kwng.engine.config import KWNGConfig
 from kwng.engine.precond import KWNGPreconditioner
-from kwng.experiments.nets import mlp, tiny_cnn
+from studies.cifar.nets import mlp, tiny_cnn
 
 MODES = [("fast", False), ("fast", True), ("reference", False), ("reference", True)]
 

@@ -30,7 +30,7 @@ def test_lm_state_is_updated_in_place():
 
 
 def test_epoch_draws_equal_the_per_batch_draws():
-    from kwng.experiments.cifar.images import GPUAugmentedData, augment_batch, normalize
+    from studies.cifar.images import GPUAugmentedData, augment_batch, normalize
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 255, (300, 32, 32, 3), dtype=np.uint8)
@@ -46,7 +46,7 @@ def test_epoch_draws_equal_the_per_batch_draws():
 
 
 def test_epoch_stats_accumulate_in_place_and_reset():
-    from kwng.experiments.cifar.metrics import EpochStats
+    from studies.cifar.metrics import EpochStats
 
     s = EpochStats(torch.device("cpu"), num_classes=3)
     ptr = s.loss_sum.data_ptr()
@@ -68,9 +68,9 @@ def test_epoch_stats_accumulate_in_place_and_reset():
 
 
 def test_evaluate_full_confusion_recall_precision_and_feature_norm():
-    from kwng.experiments.cifar.images import GPUAugmentedData
-    from kwng.experiments.cifar.metrics import evaluate, evaluate_full
-    from kwng.experiments.nets import ConditionedNetwork, tiny_cnn
+    from studies.cifar.images import GPUAugmentedData
+    from studies.cifar.metrics import evaluate, evaluate_full
+    from studies.cifar.nets import ConditionedNetwork, tiny_cnn
 
     torch.manual_seed(0)
     rng = np.random.default_rng(1)
@@ -93,7 +93,7 @@ def test_evaluate_full_confusion_recall_precision_and_feature_norm():
 
 
 def test_step_runner_is_eager_without_cuda():
-    from kwng.experiments.cifar.steps import StepRunner
+    from studies.cifar.steps import StepRunner
 
     calls = []
     r = StepRunner(lambda z, y: calls.append(z.shape), torch.device("cpu"), True,
@@ -105,7 +105,7 @@ def test_step_runner_is_eager_without_cuda():
 
 
 def test_authors_schedule_milestones():
-    from kwng.experiments.cifar.methods import milestones_for
+    from studies.cifar.methods import milestones_for
 
     assert milestones_for(100, "authors") == [50]
     assert milestones_for(350, "authors") == [50, 100, 200, 300]
@@ -113,7 +113,7 @@ def test_authors_schedule_milestones():
 
 
 def test_numeric_settings_enter_the_identity_only_when_not_default():
-    from kwng.experiments import guard
+    from studies.kit import guard
 
     base = {"dataset": "cifar10", "method": "sgd"}
     a = guard.run_identity(base, 0.1, 128, {}, None)
@@ -125,7 +125,7 @@ def test_numeric_settings_enter_the_identity_only_when_not_default():
 
 # ------------------------------------------------------------- the committed records
 def test_committed_authors100_records_are_complete():
-    from kwng.experiments.cifar.results import check_authors100
+    from studies.cifar.results import check_authors100
 
     res = check_authors100(A100, tiers=(1, 2, 3))
     assert res["missing"] == [] and res["incomplete"] == [] and len(res["ok"]) == 13
@@ -137,7 +137,7 @@ def test_committed_authors100_records_are_complete():
 
 
 def test_committed_authors100_records_carry_the_protocol():
-    from kwng.experiments.cifar.results import load_authors100
+    from studies.cifar.results import load_authors100
 
     recs = load_authors100(A100)
     for (tag, _cond, method, _seed), r in recs.items():

@@ -1,4 +1,4 @@
-"""EKFAC's capturable step (:mod:`kwng.experiments.cifar.ekfac_factors`), float64 on a
+"""EKFAC's capturable step (:mod:`studies.cifar.ekfac_factors`), float64 on a
 tiny conv + linear net: the scalings from the training forward are nngeometry's
 ``PMatEKFAC.update_diag`` given the same sampled labels, the direction is its
 ``solvePVec``, every step of a run (NCHW or channels_last) is the old nngeometry path's
@@ -13,19 +13,19 @@ import pytest
 import torch
 from torch import nn
 
-from kwng.experiments.cifar import steps
-from kwng.experiments.cifar.ekfac_factors import (
+from studies.cifar import steps
+from studies.cifar.ekfac_factors import (
     EigenFactors,
     LayerRecorder,
     check_layers,
     fisher_output_grads,
 )
-from kwng.experiments.nets import ConditionedNetwork, DiagonalConditioning
+from studies.cifar.nets import ConditionedNetwork, DiagonalConditioning
 
 pytest.importorskip("nngeometry")
 
-from kwng.experiments.cifar import baselines  # noqa: E402
-from kwng.experiments.cifar.baselines import KFACPreconditioner  # noqa: E402
+from studies.cifar import baselines
+from studies.cifar.baselines import KFACPreconditioner  # noqa: E402
 from tests.test_baselines_kfac import _fake_cuda  # noqa: E402
 
 B = 10
@@ -374,7 +374,7 @@ def test_close_removes_the_hooks_and_a_closed_preconditioner_refuses_to_step():
 
 
 def test_a_method_spec_takes_diag_freq_for_ekfac_only():
-    from kwng.experiments.cifar.methods import METHODS, check_method_spec
+    from studies.cifar.methods import METHODS, check_method_spec
 
     assert METHODS["ekfac_s10"].spec["diag_freq"] == 10
     check_method_spec("x", {"optimizer": "sgd", "precond": "ekfac", "diag_freq": 3})

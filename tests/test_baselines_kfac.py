@@ -1,9 +1,9 @@
-"""KFAC's capturable step (:mod:`kwng.experiments.cifar.kfac_factors`): the step between
+"""KFAC's capturable step (:mod:`studies.cifar.kfac_factors`): the step between
 refreshes with its own ops gives nngeometry's direction bit for bit (float64), a refresh
 rewrites the factor buffers in place, a non-finite direction falls back on the device,
 channels_last gives the same step, and the host-side schedule of a captured loop
 (recorded step between refreshes, eager refresh steps) trains exactly as the eager
-loop, through :class:`~kwng.experiments.cifar.steps.StepRunner` with stand-ins for the
+loop, through :class:`~studies.cifar.steps.StepRunner` with stand-ins for the
 CUDA parts."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from torch import nn
 
 from kwng.engine.amortized import SystemCache
 from kwng.engine.capture import amortized_replay, warmup_kind, warmup_steps
-from kwng.experiments.cifar import steps
-from kwng.experiments.cifar.kfac_factors import FactorSchedule, InverseFactors
-from kwng.experiments.nets import ConditionedNetwork, DiagonalConditioning
+from studies.cifar import steps
+from studies.cifar.kfac_factors import FactorSchedule, InverseFactors
+from studies.cifar.nets import ConditionedNetwork, DiagonalConditioning
 
 pytest.importorskip("nngeometry")
 
-from kwng.experiments.cifar import baselines  # noqa: E402
-from kwng.experiments.cifar.baselines import KFACPreconditioner  # noqa: E402
+from studies.cifar import baselines
+from studies.cifar.baselines import KFACPreconditioner  # noqa: E402
 
 
 def _net(seed: int = 0) -> ConditionedNetwork:
@@ -339,7 +339,7 @@ def test_a_captured_kfac_loop_trains_as_the_eager_one(monkeypatch):
 def test_the_trainer_keeps_channels_last_for_kfac_and_ekfac(tmp_path):
     """KFAC and EKFAC (both reshape the gradients themselves) train in channels_last
     when asked."""
-    from kwng.experiments.cifar import train
+    from studies.cifar import train
 
     for method, want in (("kfac", True), ("ekfac", True)):
         cfg = {"source": "sample", "model": "tiny", "batch_size": 50, "epochs": 1,

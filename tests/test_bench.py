@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kwng.experiments.bench import step_cost as bench
+from studies.bench import step_cost as bench
 
 ARGS = [
     "--device",
@@ -169,10 +169,10 @@ def test_capture_step_rejects_bad_input_and_a_missing_gpu():
 
 
 def test_engine_parts_benchmark_writes_its_table(tmp_path):
-    """kwng.experiments.bench.engine_parts on tiny shapes on the CPU (eager stands in
+    """studies.bench.engine_parts on tiny shapes on the CPU (eager stands in
     for the compiler): every part's columns, the rule's verdict slot and the
     provenance."""
-    from kwng.experiments.bench import engine_parts as mod
+    from studies.bench import engine_parts as mod
 
     out = tmp_path / "engine_parts.json"
     mod.main(["--device", "cpu", "--smoke", "--reps", "1", "--compile-backend", "eager",
@@ -193,7 +193,7 @@ def test_the_house_recheck_is_one_machine_before_and_after():
     house was rebuilt) and of the rebuilt code, measured in one call on one GPU: the
     same rows, device and configuration, both commits recorded; and the exactness of the
     fast path at the rebuilt commit (fp64 fast vs serial T to round-off)."""
-    from kwng.plots.bench import compare_steps, step_rows
+    from studies.bench.figures import compare_steps, step_rows
 
     before = json.loads((RESULTS / "recheck" / "step_cost_before.json").read_text())
     after = json.loads((RESULTS / "recheck" / "step_cost_after.json").read_text())
@@ -212,7 +212,7 @@ def test_the_kernel_verdicts_are_the_code():
     """results/benchmarks/engine_parts.json decided which Triton kernels stay: the kept
     ones are in the engine, the deleted ones are not (the measured rule)."""
     from kwng.engine import triton_support
-    from kwng.plots.bench import kernel_verdicts, path_rows
+    from studies.bench.figures import kernel_verdicts, path_rows
 
     parts = json.loads((RESULTS / "engine_parts.json").read_text())
     assert "H100" in parts["provenance"]["device"]

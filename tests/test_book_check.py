@@ -296,7 +296,7 @@ def test_phone_takes_a_cued_scrolling_table_but_not_a_bare_one(tmp_path):
 
 def _answer_table(col: int) -> str:
     """A cued scrolling table of 10 columns whose answer is column ``col`` (1-based), as
-    ``kwng.plots.tables.markdown_table(..., answer=...)`` marks it."""
+    ``studies.kit.tables.markdown_table(..., answer=...)`` marks it."""
     head = "".join(f"<th>column {i}</th>" for i in range(1, 11))
     return (f'<table class="table cue kwng-answer kwng-answer-col-{col}" '
             'style="display: block; overflow-x: auto; max-width: 100%">'
@@ -320,7 +320,7 @@ def test_phone_fails_a_table_whose_answer_column_scrolls_out_of_view(tmp_path):
 
 
 def test_markdown_table_names_its_answer_columns():
-    from kwng.plots.tables import markdown_table
+    from studies.kit.tables import markdown_table
 
     text = markdown_table(("method", "step", "mean (%)"), [("sgd", "0.1", "90.0")],
                           answer=("mean (%)",))
@@ -385,13 +385,13 @@ def test_figure_text_below_seven_px_at_display_size_fails(tmp_path):
 def _log_svg(root: Path, name: str, plain: bool) -> str:
     """A figure whose log axis is labelled 10 with a superscript exponent (matplotlib's
     default, the exponent at 0.7 of the label's size), or plainly
-    (:func:`kwng.plots.style.plain_log_ticks`)."""
+    (:func:`studies.kit.style.plain_log_ticks`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kwng.plots.style import plain_log_ticks
+    from studies.kit.style import plain_log_ticks
 
     fig, ax = plt.subplots(figsize=(6.2, 2.5))
     ax.loglog([1e-6, 1e2], [1e-3, 1.0])

@@ -82,9 +82,9 @@ ALLOWED = (
     ("book/experiments_cifar.md", "not yet", "had not yet moved"),
     # the sentences the package writes while a study has runs left (a finished study's
     # page never shows them)
-    ("kwng/experiments/claims.py", "so far", "the overall verdict waits"),
+    ("studies/claims/ledger.py", "so far", "the overall verdict waits"),
     # an error message about a protocol's amendment
-    ("kwng/experiments/cifar/fig3.py", "not yet", "not yet one"),
+    ("studies/fig3/protocol.py", "not yet", "not yet one"),
 )
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kwng.experiments.cifar import data as kdata
-from kwng.experiments.cifar import (
+from studies.cifar import data as kdata
+from studies.cifar import (
     images,
     methods,
     plans,
@@ -19,7 +19,7 @@ from kwng.experiments.cifar import (
     steps,
     train,
 )
-from kwng.experiments.cifar.config import SMALL_RUN, RunConfig
+from studies.cifar.config import SMALL_RUN, RunConfig
 
 
 def _fake(n: int, classes: int, seed: int = 0):
@@ -125,10 +125,10 @@ def test_gpu_data_in_float64_is_the_float32_data_to_float32_round_off():
 
 
 def test_fp64_draws_the_network_in_float64_and_keeps_its_outputs_in_it():
-    from kwng.experiments.cifar.config import RunConfig
-    from kwng.experiments.cifar.methods import drawn_in
-    from kwng.experiments.cifar.metrics import full_precision
-    from kwng.experiments.cifar.steps import build_model
+    from studies.cifar.config import RunConfig
+    from studies.cifar.methods import drawn_in
+    from studies.cifar.metrics import full_precision
+    from studies.cifar.steps import build_model
 
     before = torch.get_default_dtype()
     model = build_model(RunConfig(model="tiny", precision="fp64"))
@@ -186,7 +186,7 @@ def test_runner_exact_resume(tmp_path, method):
 
 
 def test_selection_rule(tmp_path):
-    from kwng.experiments.provenance import atomic_write_json
+    from studies.kit.provenance import atomic_write_json
 
     root = tmp_path / "sel"
     for lr, acc, loss in (
@@ -213,8 +213,8 @@ def test_selection_rule(tmp_path):
 
 
 def test_selection_grows_by_method_but_refuses_a_change(tmp_path):
-    from kwng.experiments.guard import ConfigMismatchError
-    from kwng.experiments.provenance import atomic_write_json, read_json
+    from studies.kit.guard import ConfigMismatchError
+    from studies.kit.provenance import atomic_write_json, read_json
 
     root = tmp_path / "sel"
 
@@ -275,8 +275,8 @@ def test_frozen_six_epoch_study_covers_its_runs():
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
 def test_kfac_wrapper_step_keeps_bn_stats(kind):
     pytest.importorskip("nngeometry")
-    from kwng.experiments.cifar.baselines import KFACPreconditioner, bn_state
-    from kwng.experiments.nets import DiagonalConditioning, tiny_cnn
+    from studies.cifar.baselines import KFACPreconditioner, bn_state
+    from studies.cifar.nets import DiagonalConditioning, tiny_cnn
 
     torch.manual_seed(0)
     model = tiny_cnn(10)
@@ -313,8 +313,8 @@ def test_kfac_wrapper_step_keeps_bn_stats(kind):
 
 def test_kfac_leaves_batchnorm_gradient_plain():
     pytest.importorskip("nngeometry")
-    from kwng.experiments.cifar.baselines import KFACPreconditioner
-    from kwng.experiments.nets import tiny_cnn
+    from studies.cifar.baselines import KFACPreconditioner
+    from studies.cifar.nets import tiny_cnn
 
     torch.manual_seed(1)
     model = tiny_cnn(10)
@@ -395,7 +395,7 @@ def test_committed_results_complete():
 
 def test_check_results_budget_cut(tmp_path):
     """The allow-list accepts a cut run only with its documented epoch count."""
-    from kwng.experiments.provenance import atomic_write_json
+    from studies.kit.provenance import atomic_write_json
 
     plan = _study6_jobs()
     cut = "ill/kwng_m20/seed0"
@@ -431,7 +431,7 @@ def _two_networks(seed: int = 0, d: int = 5, condition: float = 1e4):
     """Network A: ``z ↦ U h(z)`` (U inside). Network B: the same body with the last
     layer's rows multiplied by ``U`` and no U: the same function, reparametrised.
     Float64 for exact comparisons."""
-    from kwng.experiments.nets import (
+    from studies.cifar.nets import (
         ConditionedNetwork,
         DiagonalConditioning,
         mlp,
@@ -651,7 +651,7 @@ def test_claim_protocol_plans_and_schedule():
 
 
 def test_check_claim(tmp_path):
-    from kwng.experiments.provenance import atomic_write_json
+    from studies.kit.provenance import atomic_write_json
 
     plan = plans.build_plan("claim", epochs=30, with_ablations=False)
     for j in plan:
@@ -719,7 +719,7 @@ def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
     same record, and the record has the claim suite's per-epoch metrics."""
     import itertools
 
-    from kwng.experiments.cifar import train as cifar_train
+    from studies.cifar import train as cifar_train
 
     full = train.run(
         _run_cfg(tmp_path / "a", method="kwng", batch_size=50), progress=False
@@ -782,9 +782,9 @@ class _SameBatchProbe:
 
 
 def test_same_batch_loss_after_step_keeps_batchnorm_stats():
-    from kwng.experiments.cifar.baselines import bn_state
-    from kwng.experiments.cifar.metrics import EpochStats
-    from kwng.experiments.cifar.steps import KWNGStep
+    from studies.cifar.baselines import bn_state
+    from studies.cifar.metrics import EpochStats
+    from studies.cifar.steps import KWNGStep
 
     cfg = RunConfig(method="kwng", model="tiny", lr=0.1, device="cpu")
     torch.manual_seed(0)
@@ -815,7 +815,7 @@ def test_same_batch_loss_after_step_keeps_batchnorm_stats():
 def _fake_claim_results(kwng_ill: float, small_ill: float):
     """Records of the claim suite: 10 classes, per-class accuracy; KWNG IC has
     ``kwng_ill`` overall and ``small_ill`` on the four classes with the smallest U_k."""
-    from kwng.experiments.nets import DiagonalConditioning
+    from studies.cifar.nets import DiagonalConditioning
 
     U = DiagonalConditioning(10, 1e7).diag.double().numpy()
     small = np.argsort(U)[:4]
@@ -855,9 +855,9 @@ def _fake_claim_results(kwng_ill: float, small_ill: float):
 
 
 def test_claim_verdict_rule():
-    from kwng.experiments.cifar import verdicts
-    from kwng.experiments.cifar.methods import CLAIM_METHODS
-    from kwng.plots import cifar as pcf
+    from studies.cifar import verdicts
+    from studies.cifar.methods import CLAIM_METHODS
+    from studies.cifar import figures as pcf
 
     holds = verdicts.claim_verdict(_fake_claim_results(0.78, 0.7))
     assert (
@@ -905,7 +905,7 @@ def test_every_method_behind_one_step(method, family):
     """``make_step`` picks the family's adapter; its direction leaves the parameters
     alone (so the last-layer share may be measured around the whole step); a few steps
     on one batch lower that batch's loss."""
-    from kwng.experiments.cifar.metrics import UpdateShare
+    from studies.cifar.metrics import UpdateShare
 
     if family == "KFACStep":
         pytest.importorskip("nngeometry")
@@ -932,7 +932,7 @@ def test_every_method_behind_one_step(method, family):
 def test_scale_selects_the_small_run_settings(monkeypatch):
     """``KWNG_SCALE=small`` fills the single run's unset settings with ``SMALL_RUN``;
     ``full`` keeps the study's; explicit values always win."""
-    from kwng.experiments.cifar import cli as cifar
+    from studies.cifar import cli as cifar
 
     def cfg(*argv):
         return cifar.run_config_from_args(cifar._run_parser().parse_args(list(argv)))
@@ -961,8 +961,8 @@ def test_a_new_optimizer_is_one_optimizers_entry_and_one_methods_entry(
     import matplotlib
 
     matplotlib.use("Agg")
-    from kwng.experiments.cifar.methods import Method
-    from kwng.plots import cifar as pcf
+    from studies.cifar.methods import Method
+    from studies.cifar import figures as pcf
 
     def rmsprop(model, lr, spec):
         return torch.optim.RMSprop(model.parameters(), lr=lr, alpha=spec["alpha"])

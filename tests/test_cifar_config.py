@@ -1,4 +1,4 @@
-"""The configuration of a CIFAR run (:mod:`kwng.experiments.cifar.config`): validated
+"""The configuration of a CIFAR run (:mod:`studies.cifar.config`): validated
 once when built (a variant too), built from a dict that names only known settings,
 stored as the records store it, and the single-run options generated from its fields;
 a sweep's help lists no option of its workers."""
@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from kwng.experiments.cifar import cli
-from kwng.experiments.cifar.config import SETTINGS, RunConfig
+from studies.cifar import cli
+from studies.cifar.config import SETTINGS, RunConfig
 
 
 def test_built_once_validated_and_frozen():

@@ -1,5 +1,5 @@
 """The data-parallel CIFAR runner (``cifar ddp``,
-:func:`kwng.experiments.cifar.cli.ddp_main`) on two CPU ranks (gloo), tiny CNN on the
+:func:`studies.cifar.cli.ddp_main`) on two CPU ranks (gloo), tiny CNN on the
 committed sample: a run interrupted after its first epoch and resumed records the same
 epochs as the uninterrupted run, a complete run is skipped, and a rerun with another
 configuration is refused (every rank stops, nothing hangs)."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from kwng.experiments.distributed_check import launch
-from kwng.experiments.provenance import read_json
+from studies.bench.distributed_check import launch
+from studies.kit.provenance import read_json
 
-ARGS = ["-m", "kwng.experiments", "cifar", "ddp", "--device", "cpu", "--model", "tiny",
+ARGS = ["-m", "studies", "cifar", "ddp", "--device", "cpu", "--model", "tiny",
         "--source", "sample", "--epochs", "2", "--subset", "64", "--batch", "8",
         "--eval-batch", "50", "--no-progress"]
 

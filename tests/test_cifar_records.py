@@ -16,8 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwng.experiments.cifar import methods, records, verdicts
-from kwng.experiments.cifar import results as results_
+from studies.cifar import methods
+
+from studies.cifar import records
+
+from studies.cifar import verdicts
+from studies.cifar import results as results_
 
 ROOT = Path(__file__).resolve().parents[1] / "results" / "cifar"
 CLAIM = ROOT / "claim"

@@ -1,11 +1,15 @@
-"""The claims ledger's rules (kwng.experiments.claims) on made-up numbers, and its
+"""The claims ledger's rules (studies.claims.ledger) on made-up numbers, and its
 reading of the committed records."""
 
 from __future__ import annotations
 
 import pytest
 
-from kwng.experiments import answer, claims, wording
+from studies.claims import answer
+
+from studies.claims import ledger as claims
+
+from studies.kit import wording
 
 WORDS = {"holds", "fails", "partly"}
 
@@ -41,7 +45,7 @@ def test_the_ledger_reads_the_committed_records():
     fig3 = claims.cifar_fig3_verdict()
     assert fig3["verdict"] == "pending" or not fig3["counts"].get("pending")
     assert set(fig3["queue"]) == {"grid", "seeds", "ablation"}
-    from kwng.experiments.cifar.methods import METHODS
+    from studies.cifar.methods import METHODS
 
     for m, v in fig3["per_baseline"].items():
         assert f"{v['verdict']} against" in fig3["by_baseline"]

@@ -1,5 +1,5 @@
 """Each rule of the claims ledger says when it was set: the dates and commits of
-``kwng.experiments.claim_rules.RULES`` against ``git log``, and the ledger quoting
+``studies.claims.rules.RULES`` against ``git log``, and the ledger quoting
 them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments import claim_rules
+from studies.claims import rules as claim_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 

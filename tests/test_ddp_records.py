@@ -1,6 +1,6 @@
 """Audit of the committed scaling record ``results/benchmarks/ddp_scaling.json``:
 its shape and provenance
-(:func:`kwng.experiments.bench.ddp_record.check_scaling`), the 2- and 4-GPU rows the
+(:func:`studies.bench.ddp_record.check_scaling`), the 2- and 4-GPU rows the
 issue asks for, and devices that are GPUs (a CPU dry run of
 ``scripts/run_ddp_scaling.sh`` must never be committed). Skipped, with the reason,
 until the file exists."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from kwng.experiments.bench.ddp_record import SCALING_PATH, load_scaling
-from kwng.plots.ddp import scaling_facts
+from studies.bench.ddp_record import SCALING_PATH, load_scaling
+from studies.bench.ddp_figures import scaling_facts
 
 pytestmark = pytest.mark.skipif(
     not SCALING_PATH.is_file(),

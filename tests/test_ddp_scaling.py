@@ -1,6 +1,6 @@
 """The scaling benchmark of KWNG data-parallel runs end to end on CPUs: the shell
 driver ``scripts/run_ddp_scaling.sh`` with gloo, W = 1 and 2, a tiny CNN, writes one
-merged file that :func:`kwng.experiments.bench.ddp_record.check_scaling` accepts,
+merged file that :func:`studies.bench.ddp_record.check_scaling` accepts,
 with every graph row recorded as not captured (no CUDA: counted, with the reason),
 and never overwrites it. The numbers of such a dry run mean nothing and are never
 committed."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.bench.ddp_record import check_scaling, load_scaling
-from kwng.plots.ddp import scaling_facts, scaling_table
+from studies.bench.ddp_record import check_scaling, load_scaling
+from studies.bench.ddp_figures import scaling_facts, scaling_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,14 +3,14 @@ direction of one process on the concatenated batch, with the same basis, to 1e-1
 float64.
 
 The ranks are real processes (gloo on the CPU) started by
-:func:`kwng.experiments.distributed_check.launch` with a deadline: a rank that fails or
+:func:`studies.bench.distributed_check.launch` with a deadline: a rank that fails or
 runs late fails the test, and the others are killed. The reference is
 :class:`kwng.KWNGPreconditioner` in this process with the generator seed of rank 0
 (whose draw every rank uses). With per-rank batch norm (the small CNN) each rank
 normalises with its own shard's statistics; the reference reproduces that by running the
 forward shard by shard in its one process, ``X = cat(model(z_1), …, model(z_W))``, and
 taking the mean cross-entropy over all samples
-(:func:`kwng.experiments.distributed_check.compare_directions`). Two steps with the
+(:func:`studies.bench.distributed_check.compare_directions`). Two steps with the
 Levenberg–Marquardt rule at every step check that the rule sees the global loss (``ε``
 and the reduction ratio ``r`` of the second step).
 """
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from kwng import KWNGPreconditioner
 from kwng.engine.distributed import DistributedKWNG, bucket_size, replica_spread
-from kwng.experiments.distributed_check import CASES, compare_directions, launch
-from kwng.experiments.nets import mlp
+from studies.bench.distributed_check import CASES, compare_directions, launch
+from studies.cifar.nets import mlp
 
 TOL = 1e-10
 

@@ -2,7 +2,7 @@
 construction every rank raises naming the first setting or model entry in which a rank
 differs from rank 0, and ``num_basis`` is checked against the global batch (not the
 shard). Real gloo ranks on the CPU, started by
-:func:`kwng.experiments.distributed_check.launch`.
+:func:`studies.bench.distributed_check.launch`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from kwng.experiments.distributed_check import compare_directions, launch
+from studies.bench.distributed_check import compare_directions, launch
 
 #: case -> (what rank 1 changes, the words the error must contain)
 CASES = {

@@ -118,10 +118,11 @@ def test_stable_entry_points_match_the_exact_wng(accurate_problem, entry):
 
 
 def test_scale_argument_resolves_in_one_place(monkeypatch):
-    """Every experiment's ``scale=`` goes through :func:`kwng.config.resolve`: an
+    """Every experiment's ``scale=`` goes through :func:`kwng.scale_switch.resolve`: an
     explicit value is checked, ``None`` reads ``$KWNG_SCALE``."""
     from kwng import config
-    from kwng.experiments import fisher, synthetic_setup
+    from studies.fisher import cli as fisher
+    from studies.toy import setup as synthetic_setup
 
     monkeypatch.setenv("KWNG_SCALE", "full")
     assert config.resolve(None) == "full" and config.resolve("small") == "small"

@@ -28,13 +28,16 @@ import pytest
 import torch
 
 import kwng
-from kwng.experiments import synthetic as syn
-from kwng.experiments import synthetic_flow as synflow
-from kwng.experiments import synthetic_setup
-from kwng.experiments.cifar import cli as cifar
-from kwng.experiments.cifar import data as kdata
-from kwng.experiments.cifar import images as kimages
-from kwng.experiments.cifar import results, runtime, sweep, train
+from studies.synthetic import sweep as syn
+from studies.toy import flow as synflow
+from studies.toy import setup as synthetic_setup
+from studies.cifar import cli as cifar
+from studies.cifar import data as kdata
+from studies.cifar import images as kimages
+from studies.cifar import results
+from studies.cifar import runtime
+from studies.cifar import sweep
+from studies.cifar import train
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -454,7 +457,7 @@ def test_resume_recomputes_bad_csv_rows(tmp_path):
 
 
 def test_unreadable_files_are_named(tmp_path):
-    from kwng.experiments.provenance import read_json
+    from studies.kit.provenance import read_json
 
     f = tmp_path / "metrics.json"
     f.write_text('{"epochs": [1, 2')

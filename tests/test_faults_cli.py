@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.__main__ import main as experiments_main
-from kwng.experiments.cifar.cli import ddp_main
-from kwng.experiments.cifar.methods import METHODS
-from kwng.experiments.cifar.results import select_lrs
-from kwng.experiments.distributed_check import launch
+from studies.__main__ import main as experiments_main
+from studies.cifar.cli import ddp_main
+from studies.cifar.methods import METHODS
+from studies.cifar.results import select_lrs
+from studies.bench.distributed_check import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SELECTION = ROOT / "results" / "cifar" / "claim" / "selection"
 
-#: (argv of ``python -m kwng.experiments``, the words stderr must hold)
+#: (argv of ``python -m studies``, the words stderr must hold)
 CASES = [
     (["cifar", "run"], "error: unknown cifar subcommand 'run'; use sweep, worker"),
     (["cifar", "--epochs", "0"], "argument --epochs: must be an integer >= 1, got '0'"),
@@ -85,7 +85,7 @@ def test_ddp_timeout_is_checked_before_the_process_group(tmp_path, capsys,
 
 
 def test_ddp_without_data_says_so_in_one_line_per_rank(tmp_path):
-    argv = ["-m", "kwng.experiments", "cifar", "ddp", "--device", "cpu", "--model",
+    argv = ["-m", "studies", "cifar", "ddp", "--device", "cpu", "--model",
             "tiny", "--data-root", str(tmp_path / "none"), "--out",
             str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "ck"),
             "--no-progress", "--timeout", "30"]
@@ -105,11 +105,11 @@ def test_select_on_the_committed_selection_changes_nothing(tmp_path):
     select_lrs(root)
     assert (root / "selected.json").read_bytes() == before, (
         "the committed selection lags the method table (a method with lr_from was "
-        "added): run `python -m kwng.experiments cifar select` and commit the file")
+        "added): run `python -m studies cifar select` and commit the file")
 
 
 def test_select_adds_a_new_method_inheritance_and_refuses_a_changed_one(tmp_path):
-    from kwng.experiments.guard import ConfigMismatchError
+    from studies.kit.guard import ConfigMismatchError
 
     root = tmp_path / "selection"
     shutil.copytree(SELECTION, root)

@@ -17,9 +17,9 @@ from torch import nn
 
 import kwng
 from kwng.engine.lm import LevenbergMarquardt
-from kwng.experiments import synthetic_setup
-from kwng.experiments.cifar import data as kdata
-from kwng.experiments.cifar import images as kimages
+from studies.toy import setup as synthetic_setup
+from studies.cifar import data as kdata
+from studies.cifar import images as kimages
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -161,9 +161,10 @@ if not torch.cuda.is_available():
 
 
 def _main(module: str):
-    from kwng.experiments import fisher, synthetic
-    from kwng.experiments.bench import step_cost as bench
-    from kwng.experiments.cifar import cli as cifar
+    from studies.fisher import cli as fisher
+    from studies.synthetic import sweep as synthetic
+    from studies.bench import step_cost as bench
+    from studies.cifar import cli as cifar
 
     return {"cifar": cifar.main, "bench": bench.main, "relerr": synthetic.main,
             "fisher": fisher.main}[module]
@@ -199,7 +200,7 @@ def test_data_root_at_small_scale_says_which_model_trains(tmp_path, caplog,
                                                           monkeypatch):
     import shutil
 
-    from kwng.experiments.cifar import cli as cifar
+    from studies.cifar import cli as cifar
 
     monkeypatch.setenv("KWNG_SCALE", "small")
     root = tmp_path / "cifar10_jpeg.npz"  # a copy: its decode cache goes beside it
@@ -218,14 +219,14 @@ def test_data_root_at_small_scale_says_which_model_trains(tmp_path, caplog,
 
 
 def test_provenance_command_can_be_typed_again(monkeypatch):
-    from kwng.experiments import provenance
+    from studies.kit import provenance
 
-    spec = types.SimpleNamespace(name="kwng.experiments.__main__")
+    spec = types.SimpleNamespace(name="studies.__main__")
     monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=spec))
     monkeypatch.setattr(sys, "argv", ["/somewhere/kwng/experiments/__main__.py",
                                       "relerr", "--out", "my results"])
     cmd = provenance.make_provenance({})["command"]
-    assert cmd.split(" ", 1)[1] == "-m kwng.experiments relerr --out 'my results'"
+    assert cmd.split(" ", 1)[1] == "-m studies relerr --out 'my results'"
 
 
 def _interrupt_then_resume(monkeypatch, module, name: str, kill_at: int, run,
@@ -255,7 +256,7 @@ def _interrupt_then_resume(monkeypatch, module, name: str, kill_at: int, run,
 
 
 def test_interrupted_sweep_time_is_counted(tmp_path, monkeypatch):
-    from kwng.experiments import synthetic as syn
+    from studies.synthetic import sweep as syn
 
     cfg = synthetic_setup.relerr_config("small")
     cfg.update(models=["sphere"], dims=[1, 2], N_values=[60], N_fixed=60,
@@ -266,8 +267,8 @@ def test_interrupted_sweep_time_is_counted(tmp_path, monkeypatch):
 
 
 def test_interrupted_fisher_sweep_time_is_counted(tmp_path, monkeypatch):
-    from kwng.experiments import fisher as E
-    from kwng.experiments import fisher_sweep as FS
+    from studies.fisher import cli as E
+    from studies.fisher import sweep as FS
 
     cfg = E.sweep_config("small")
     cfg.update(models=["normal"], dims=[2], N_values=[100, 200], M_values=[10],

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.cifar import cli as cifar
-from kwng.experiments.cifar import runtime, sweep
-from kwng.experiments.cifar.config import RunConfig
-from kwng.experiments.run_lock import RunLockedError, run_lock
+from studies.cifar import cli as cifar
+from studies.cifar import runtime
+from studies.cifar import sweep
+from studies.cifar.config import RunConfig
+from studies.kit.run_lock import RunLockedError, run_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +94,7 @@ def test_sigterm_to_a_sweep_reaches_its_worker(tmp_path):
     plan.write_text(json.dumps([job]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kwng.experiments", "cifar", "sweep", "--plan",
+        [sys.executable, "-m", "studies", "cifar", "sweep", "--plan",
          str(plan), "--gpus", "0", "--procs-per-gpu", "1"], cwd=tmp_path, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lock, deadline = _lock_file(job), time.monotonic() + 90
@@ -118,7 +119,7 @@ def test_sigterm_to_a_sweep_reaches_its_worker(tmp_path):
 
 FORWARD = """
 import subprocess, sys
-from kwng.experiments.cifar.sweep import _wait_forwarding
+from studies.cifar.sweep import _wait_forwarding
 # as a worker does: hear SIGINT even when started with it ignored (a background job)
 KID = ("import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
        "time.sleep(60)")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kwng.experiments.cifar import train
-from kwng.experiments.cifar.cli import ddp_main
-from kwng.experiments.cifar.timing import trainer_timing
+from studies.cifar import train
+from studies.cifar.cli import ddp_main
+from studies.cifar.timing import trainer_timing
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the cases are about a machine without CUDA")

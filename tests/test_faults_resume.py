@@ -19,11 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments import fisher_flow, fisher_sweep, guard, synthetic_setup
-from kwng.experiments.cifar import cli as cifar
-from kwng.experiments.cifar import runtime, train
-from kwng.experiments.cifar import sweep as cifar_sweep
-from kwng.experiments.provenance import ResultFileError
+from studies.fisher import flow as fisher_flow
+
+from studies.fisher import sweep as fisher_sweep
+
+from studies.kit import guard
+
+from studies.toy import setup as synthetic_setup
+from studies.cifar import cli as cifar
+from studies.cifar import runtime
+from studies.cifar import train
+from studies.cifar import sweep as cifar_sweep
+from studies.kit.provenance import ResultFileError
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -95,7 +102,7 @@ def test_sweep_force_backs_up_the_other_configuration(finished_run, tmp_path):
 def test_sweep_cli_refuses_with_rc_2_naming_the_run(finished_run, tmp_path, caplog,
                                                     monkeypatch):
     rdir = _copy_finished(finished_run, tmp_path)
-    monkeypatch.setattr("kwng.experiments.cifar.methods.CHECKPOINTS",
+    monkeypatch.setattr("studies.cifar.methods.CHECKPOINTS",
                         tmp_path / "ckroot")
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps([_run_cfg(tmp_path, lr=0.5, epochs=5)]))
@@ -140,7 +147,7 @@ def test_record_that_is_not_an_object_is_a_refusal(tmp_path):
 
 # ------------------------------------------- 3. the Fisher sweep resume checks each row
 def _tiny_fisher():
-    from kwng.experiments import fisher as E
+    from studies.fisher import cli as E
 
     cfg = E.sweep_config("small")
     cfg.update(models=["normal", "sphere"], dims=[2], N_values=[200], M_values=[10],
@@ -225,7 +232,7 @@ def test_fisher_cli_refuses_another_configuration_and_has_force(fisher_done, tmp
                                                                caplog):
     import shutil
 
-    from kwng.experiments import fisher as E
+    from studies.fisher import cli as E
 
     out = tmp_path / "out"
     shutil.copytree(fisher_done, out)
@@ -248,7 +255,7 @@ def _has_force_option() -> bool:
     import contextlib
     import io
 
-    from kwng.experiments import fisher as E
+    from studies.fisher import cli as E
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
@@ -267,7 +274,7 @@ def _tiny_relerr() -> dict:
 
 @pytest.mark.parametrize("copy_changed", [False, True])
 def test_relerr_duplicated_row_is_actually_removed(tmp_path, caplog, copy_changed):
-    from kwng.experiments import synthetic as syn
+    from studies.synthetic import sweep as syn
 
     out = tmp_path / "relerr"
     syn.run_sweep(_tiny_relerr(), out, progress=False)
@@ -299,7 +306,7 @@ def _tiny_flow() -> dict:
 
 @pytest.fixture(scope="module")
 def flow_done(tmp_path_factory) -> Path:
-    from kwng.experiments import synthetic_flow as synflow
+    from studies.toy import flow as synflow
 
     out = tmp_path_factory.mktemp("flow") / "flow"
     synflow.run_flow(_tiny_flow(), out, progress=False)
@@ -311,7 +318,7 @@ def test_flow_rerun_with_truncated_loss_csv_recomputes(flow_done, tmp_path, capl
                                                        cut):
     import shutil
 
-    from kwng.experiments import synthetic_flow as synflow
+    from studies.toy import flow as synflow
 
     out = tmp_path / "flow"
     shutil.copytree(flow_done, out)
@@ -327,7 +334,7 @@ def test_flow_rerun_with_truncated_loss_csv_recomputes(flow_done, tmp_path, capl
 def test_nan_inside_a_flow_curve_fails_the_completeness_check(flow_done, tmp_path):
     import shutil
 
-    from kwng.experiments import synthetic as syn
+    from studies.synthetic import sweep as syn
 
     res = tmp_path / "results"
     shutil.copytree(flow_done, res / "flow")
@@ -369,8 +376,8 @@ def test_cifar_select_with_a_mistyped_root_is_refused(tmp_path, caplog):
 
 @pytest.mark.parametrize("command", ["relerr", "flow", "fisher"])
 def test_empty_out_is_refused(command, capsys):
-    from kwng.experiments import fisher as E
-    from kwng.experiments import synthetic as syn
+    from studies.fisher import cli as E
+    from studies.synthetic import sweep as syn
 
     main = E.main if command == "fisher" else syn.main
     with pytest.raises(SystemExit) as exc:
@@ -380,7 +387,7 @@ def test_empty_out_is_refused(command, capsys):
 
 
 def test_fisher_flow_rerun_with_truncated_flow_csv_recomputes(tmp_path, caplog):
-    from kwng.experiments import fisher as E
+    from studies.fisher import cli as E
 
     cfg = E.flow_config("small")
     cfg.update(iterations=3, N=60, M=10)

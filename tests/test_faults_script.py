@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLE = "kwng/experiments/cifar/data_sample/cifar10_sample.npz"
+SAMPLE = "studies/cifar/data_sample/cifar10_sample.npz"
 
 
 def _tree(tmp_path: Path) -> Path:

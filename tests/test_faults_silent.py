@@ -14,7 +14,7 @@ from torch import nn
 
 import kwng
 from kwng import nosync
-from kwng.experiments.provenance import index_provenance, make_provenance
+from studies.kit.provenance import index_provenance, make_provenance
 
 
 def _one_point_step(mode: str) -> tuple[dict, dict]:

@@ -12,9 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.cifar import fig3, plans, runtime, train
-from kwng.experiments.cifar.methods import LR_GRID
-from kwng.experiments.provenance import ResultFileError
+from studies.fig3 import protocol as fig3
+
+from studies.cifar import plans
+
+from studies.cifar import runtime
+
+from studies.cifar import train
+from studies.cifar.methods import LR_GRID
+from studies.kit.provenance import ResultFileError
 
 ROOT = Path(__file__).resolve().parent.parent
 FIG3 = ROOT / "results" / "cifar" / "fig3"
@@ -251,7 +257,7 @@ def test_a_worker_does_not_start_a_run_that_cannot_finish(tmp_path, monkeypatch)
     skipped (no record, no checkpoint); a job that fits runs."""
     import time
 
-    from kwng.experiments.cifar import sweep
+    from studies.cifar import sweep
 
     monkeypatch.chdir(tmp_path)
     job = {"source": "sample", "model": "tiny", "batch_size": 100, "epochs": 1,
@@ -268,10 +274,10 @@ def test_two_workers_of_a_session_never_share_a_finished_run(tmp_path, monkeypat
     """Workers of one sweep session walk the same job list: a run another worker
     finished is claimed (and re-checked) by one worker only, and the others pass it
     by without touching its lock (the queue logged a false failure before)."""
-    from kwng.experiments.cifar import sweep
-    from kwng.experiments.cifar.config import RunConfig
-    from kwng.experiments.cifar.runtime import checkpoint_path_for
-    from kwng.experiments.run_lock import run_lock
+    from studies.cifar import sweep
+    from studies.cifar.config import RunConfig
+    from studies.cifar.runtime import checkpoint_path_for
+    from studies.kit.run_lock import run_lock
 
     monkeypatch.chdir(tmp_path)
     job = {"source": "sample", "model": "tiny", "batch_size": 100, "epochs": 1,
@@ -303,7 +309,7 @@ def test_a_run_estimate_comes_from_the_method_or_its_family():
 def test_every_record_belongs_to_one_round_of_the_ledger():
     """``rounds.json`` lists every GPU round; each committed record's provenance names
     the commit of exactly one, and the rounds' record counts add up."""
-    from kwng.experiments.provenance import read_json
+    from studies.kit.provenance import read_json
 
     rounds = fig3.rounds(FIG3)
     counts = dict.fromkeys((r["round"] for r in rounds), 0)
@@ -317,7 +323,7 @@ def test_every_record_belongs_to_one_round_of_the_ledger():
 def test_seconds_to_accuracy_counts_training_time_to_the_first_epoch_there(tmp_path):
     """A run alone reaching 80 % at epoch 2 and 85 % never; a run that shared its GPU
     is left out."""
-    from kwng.experiments.cifar import fig3_time
+    from studies.fig3 import clocks as fig3_time
 
     rows = [{"epoch": e, "test_acc": a, "time_train": 2.0 * e, "val_acc": a,
              "train_acc": a, "train_loss": 1.0}
@@ -337,7 +343,7 @@ def test_seconds_to_accuracy_counts_training_time_to_the_first_epoch_there(tmp_p
 def test_the_throughput_window_is_where_every_run_trains():
     """queue_throughput counts only the time all runs train at once: two runs of 100
     steps an epoch, the second starting 10 s late, overlap from 10 s to 30 s."""
-    from kwng.experiments.bench.queue_throughput import PROTOCOL_STEPS, _overlap
+    from studies.bench.queue_throughput import PROTOCOL_STEPS, _overlap
 
     a = [{"time_unix": 10.0 * e, "steps": 100 * e} for e in range(1, 4)]
     b = [{"time_unix": 10.0 * e + 10, "steps": 100 * e} for e in range(1, 4)]
@@ -352,7 +358,7 @@ def test_the_throughput_window_is_where_every_run_trains():
 def test_the_amortized_plan_runs_at_kwngs_selected_steps(tmp_path, monkeypatch):
     """Each amortized method once per conditioning, at KWNG's final Fig. 3 step; a
     tiny run of one of them trains (its preconditioner rebuilds every k steps)."""
-    from kwng.experiments.cifar.methods import AMORTIZED_METHODS
+    from studies.cifar.methods import AMORTIZED_METHODS
 
     state = fig3.grid_state(P, FIG3)
     jobs = plans.amortized_plan({}, P, FIG3, out=tmp_path / "am")
@@ -370,7 +376,7 @@ def test_the_amortized_plan_runs_at_kwngs_selected_steps(tmp_path, monkeypatch):
 def test_ablation_runs_are_finished_ablations_beside_kwng_at_its_selected_step():
     """The ablation figure's runs: the protocol's variants and KWNG itself, all in the
     ablation conditioning, at KWNG's selected step there, every one finished."""
-    from kwng.experiments.cifar import verdicts
+    from studies.cifar import verdicts
 
     p = fig3.load_protocol()
     ab = p["ablations"]
@@ -387,7 +393,7 @@ def test_ablation_runs_are_finished_ablations_beside_kwng_at_its_selected_step()
 def test_an_eager_run_does_not_time_a_method_with_captured_runs(monkeypatch):
     """alone_runs keeps, of a method with a captured run, only captured runs; a method
     without any keeps its eager ones."""
-    from kwng.experiments.cifar import verdicts
+    from studies.cifar import verdicts
 
     fake = {("ill", "kfac", 0): {"capture": False},
             ("ill", "kfac", 1): {"capture": True},
@@ -406,7 +412,7 @@ def test_an_eager_run_does_not_time_a_method_with_captured_runs(monkeypatch):
 def test_the_time_table_marks_unfinished_selections_and_never_reached_targets():
     """fig3_tables: a selection that is not final says so, a target never reached reads
     "never", and the glued names follow the conditioning and method."""
-    from kwng.plots import fig3_tables
+    from studies.fig3 import tables as fig3_tables
 
     tta = {"ill/sgd": {"lr": 1.0, "final": False, "runs": 2, "s_per_epoch": 1.2,
                        "to": {0.8: None, 0.85: None}, "epoch_to": {0.85: None}},
@@ -433,7 +439,7 @@ def test_one_trainer_timing_puts_every_seed_on_one_clock(monkeypatch, tmp_path):
     """step_ms prefers a method's captured row; timed_runs re-times every selected run
     of a timed method (epoch e ends at steps(e) x ms) and leaves the others out;
     time_runs falls back to the runs alone until the record exists."""
-    from kwng.experiments.cifar import fig3_time
+    from studies.fig3 import clocks as fig3_time
 
     timing = _timing(("sgd", "eager", 11.0), ("sgd", "captured", 3.5),
                      ("kfac", "eager", 18.0), ("kfac", "eager", 19.0))

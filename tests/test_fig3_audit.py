@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kwng.experiments.cifar import fig3, fig3_time, records, train, verdicts
-from kwng.experiments.wording import fixed, pct
+from studies.fig3 import protocol as fig3
+
+from studies.fig3 import clocks as fig3_time
+
+from studies.cifar import records
+
+from studies.cifar import train
+
+from studies.cifar import verdicts
+from studies.kit.wording import fixed, pct
 
 ROOT = Path(__file__).resolve().parent.parent
 FIG3 = ROOT / "results" / "cifar" / "fig3"

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.cifar import fig3, fig3_audit
-from kwng.experiments.cifar.methods import LR_GRID
-from kwng.experiments.cifar.plans import audit_plan
+from studies.fig3 import protocol as fig3
+
+from studies.fig3 import audit as fig3_audit
+from studies.cifar.methods import LR_GRID
+from studies.cifar.plans import audit_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 FIG3 = ROOT / "results" / "cifar" / "fig3"

@@ -1,5 +1,5 @@
 """The kernel Fisher–Rao estimator (kwng.fisher) and its experiment
-(kwng.experiments.fisher)."""
+(studies.fisher.cli)."""
 
 import json
 
@@ -10,8 +10,9 @@ import torch
 import kwng
 from kwng import fisher as F
 from kwng import fisher_exact
-from kwng.experiments import fisher as E
-from kwng.experiments import fisher_flow, fisher_sweep
+from studies.fisher import cli as E
+from studies.fisher import flow as fisher_flow
+from studies.fisher import sweep as fisher_sweep
 from kwng.theory.nystrom import loglog_slope
 
 #: the keys every provenance record of the Fisher experiments carries
@@ -264,7 +265,7 @@ def test_sweep_resumes_and_never_overwrites(tmp_path):
     # the figures and the table read these rows
     import matplotlib.pyplot as plt
 
-    from kwng.plots import fisher as P
+    from studies.fisher import figures as P
 
     for fig in (
         P.plot_fisher_relerr(rows, models=("normal",)),

@@ -1,4 +1,4 @@
-"""The parametrisations of the Fig. 2 study (kwng.experiments.flow_study): gradients
+"""The parametrisations of the Fig. 2 study (studies.synthetic.flow_study): gradients
 against finite differences, exact WNGs against the metric, the normal-model helper."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kwng
-from kwng.experiments import flow_study as fs
+from studies.synthetic import flow_study as fs
 from kwng.theory import wng as theory
 
 

@@ -12,8 +12,8 @@ import matplotlib
 import nbformat
 import pytest
 
-from kwng.plots import synthetic as plotting
-from kwng.plots.style import BOOK_STYLE
+from studies.synthetic import figures as plotting
+from studies.kit.style import BOOK_STYLE
 
 IMAGES = {"image/png", "image/svg+xml"}
 ROWS = [
@@ -37,7 +37,7 @@ def test_every_figure_is_shown_in_a_kernel():
     from nbclient import NotebookClient
 
     cells = [
-        f"from kwng.plots import synthetic as plotting\nrows = {ROWS!r}",
+        f"from studies.synthetic import figures as plotting\nrows = {ROWS!r}",
         "fig = plotting.plot_bandwidth({'a': rows})",
         "fig = plotting.plot_bandwidth({'a': rows})\n"
         "fig = plotting.plot_bandwidth({'b': rows})",
@@ -58,7 +58,7 @@ def test_book_figures_are_shown_as_svg_and_png():
     pytest.importorskip("nbclient")
     from nbclient import NotebookClient
 
-    cells = [f"from kwng.plots import synthetic as plotting\nrows = {ROWS!r}",
+    cells = [f"from studies.synthetic import figures as plotting\nrows = {ROWS!r}",
              "fig = plotting.plot_bandwidth({'a': rows})"]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()

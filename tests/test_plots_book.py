@@ -8,9 +8,9 @@ import matplotlib
 import numpy as np
 import pytest
 
-from kwng.plots import findings
-from kwng.plots.live import plot_error_vs_n
-from kwng.plots.style import (
+from studies.claims import findings
+from studies.kit.live import plot_error_vs_n
+from studies.kit.style import (
     BOOK_STYLE,
     FIG_WIDTH_IN,
     METHOD_COLORS,
@@ -90,7 +90,7 @@ def test_step_cost_ratio_reads_graph_rows():
 def test_every_cifar_method_has_its_own_colour():
     """A CIFAR method's colour is in its record; no two methods of the book share one
     (the CIFAR KWNG has the colour of the flows' "kwng")."""
-    from kwng.experiments.cifar.methods import METHODS
+    from studies.cifar.methods import METHODS
 
     cifar = {m: r.color for m, r in METHODS.items()}
     assert cifar["kwng"] == METHOD_COLORS["kwng"]

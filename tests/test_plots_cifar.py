@@ -8,8 +8,8 @@ import matplotlib
 import numpy as np
 import pytest
 
-from kwng.experiments.cifar.methods import AMORTIZED_METHODS, METHODS
-from kwng.plots import cifar as pc
+from studies.cifar.methods import AMORTIZED_METHODS, METHODS
+from studies.cifar import figures as pc
 
 matplotlib.use("Agg")
 

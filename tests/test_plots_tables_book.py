@@ -1,11 +1,17 @@
-"""The chapter-table helpers of :mod:`kwng.plots` reject input that is not the record
+"""The chapter-table helpers of :mod:`studies.plots_unused` reject input that is not the record
 they read, naming the argument."""
 
 from __future__ import annotations
 
 import pytest
 
-from kwng.plots import bench, claim_suite, fisher_tables, six_epoch
+from studies.bench import figures as bench
+
+from studies.claim_suite import figures as claim_suite
+
+from studies.fisher import tables as fisher_tables
+
+from studies.study6 import figures as six_epoch
 
 
 def test_selection_rule_needs_the_stored_rule():

@@ -25,9 +25,9 @@ from kwng.engine.config import AUTO_MODES, resolve_mode
 from kwng.engine.distributed import DistributedKWNG
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.engine.precond_loop import backward_hint, is_compiled, predicted_decrease
-from kwng.experiments.bench.mode_choice import ROWS, auto_modes
-from kwng.experiments.bench.mode_choice import main as mode_choice_main
-from kwng.experiments.nets import mlp, tiny_cnn
+from studies.bench.mode_choice import ROWS, auto_modes
+from studies.bench.mode_choice import main as mode_choice_main
+from studies.cifar.nets import mlp, tiny_cnn
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("fast", "reference")

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments.distributed_check import free_port
+from studies.bench.distributed_check import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 PY = sys.executable
-XP = [PY, "-m", "kwng.experiments"]
+XP = [PY, "-m", "studies"]
 TINY = ["--source", "sample", "--model", "tiny", "--device", "cpu"]
 SLOW = os.environ.get("KWNG_README_ALL") != "1"
 
@@ -39,45 +39,45 @@ def _snippet() -> str:
 #: (the README command it stands for, the small form run here, slow)
 COMMANDS = [
     ("kwng.kwng_gradient(lambda t: model.sample(t, Z)", [PY, "-c", _snippet()], False),
-    ("python -m kwng.experiments cifar --conditioning ill --method kwng --seed 0",
+    ("python -m studies cifar --conditioning ill --method kwng --seed 0",
      [*XP, "cifar", "--conditioning", "ill", "--method", "kwng", "--seed", "0",
       "--epochs", "1", "--schedule", "claim", "--lr", "1", "--out", "scratch/cifar",
       *TINY, "--train-subset", "200", "--no-progress"], False),
-    ("python -m kwng.experiments cifar select", [*XP, "cifar", "select"], False),
-    ("python -m kwng.experiments cifar timing --methods claim --out "
+    ("python -m studies cifar select", [*XP, "cifar", "select"], False),
+    ("python -m studies cifar timing --methods claim --out "
      "scratch/cifar/timing.json",
      [*XP, "cifar", "timing", "--methods", "sgd", "--model", "tiny", "--device", "cpu",
       "--steps", "1", "--warmup", "0", "--out", "scratch/cifar/timing.json"], False),
-    ("python -m kwng.experiments cifar schedule --plan claim --budget-s 900",
+    ("python -m studies cifar schedule --plan claim --budget-s 900",
      [*XP, "cifar", "schedule", "--plan", "claim", "--budget-s", "900", "--gpus", "4",
       "--procs-per-gpu", "5", "--timing", "results/cifar/claim/timing/timing.json"],
      False),
-    ("python -m kwng.experiments cifar check ", [*XP, "cifar", "check"], False),
-    ("python -m kwng.experiments cifar check --suite authors100 --tiers 1,2,3",
+    ("python -m studies cifar check ", [*XP, "cifar", "check"], False),
+    ("python -m studies cifar check --suite authors100 --tiers 1,2,3",
      [*XP, "cifar", "check", "--suite", "authors100", "--tiers", "1,2,3"], False),
-    ("python -m kwng.experiments cifar trainer-timing --methods",
+    ("python -m studies cifar trainer-timing --methods",
      [*XP, "cifar", "trainer-timing", "--methods", "sgd", "--precisions", "fp32",
       "--epochs", "1", "--trace-steps", "2", *TINY, "--train-subset", "200",
       "--out", "scratch/cifar/trainer_timing.json"], False),
-    ("torchrun --nproc-per-node=2 -m kwng.experiments cifar ddp --device cpu --model "
+    ("torchrun --nproc-per-node=2 -m studies cifar ddp --device cpu --model "
      "tiny", [PY, "-m", "torch.distributed.run", "--nproc-per-node=2",
-              "--master-port", "PORT", "-m", "kwng.experiments", "cifar", "ddp",
+              "--master-port", "PORT", "-m", "studies", "cifar", "ddp",
               "--device", "cpu", "--model", "tiny", "--source", "sample", "--epochs",
               "1", "--subset", "256", "--batch", "16", "--no-progress"], False),
-    ("python -m kwng.experiments relerr --scale small",
+    ("python -m studies relerr --scale small",
      [*XP, "relerr", "--scale", "small", "--model", "sphere", "--out",
       "scratch/relerr", "--no-progress"], True),
-    ("python -m kwng.experiments bandwidth --scale small",
+    ("python -m studies bandwidth --scale small",
      [*XP, "bandwidth", "--scale", "small", "--model", "sphere", "--out",
       "scratch/bandwidth", "--no-progress"], True),
-    ("python -m kwng.experiments flow --scale small",
+    ("python -m studies flow --scale small",
      [*XP, "flow", "--scale", "small", "--out", "scratch/flow", "--no-progress"], True),
-    ("python -m kwng.experiments fisher --scale small",
+    ("python -m studies fisher --scale small",
      [*XP, "fisher", "--scale", "small", "--out", "scratch/fisher", "--no-progress"],
      True),
-    ("python -m kwng.experiments.bench.estimator_time [--json "
+    ("python -m studies.bench.estimator_time [--json "
      "scratch/estimator_time.json]",
-     [PY, "-m", "kwng.experiments.bench.estimator_time", "--json",
+     [PY, "-m", "studies.bench.estimator_time", "--json",
       "scratch/estimator_time.json"], True),
 ]
 

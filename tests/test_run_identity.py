@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kwng.experiments import guard
-from kwng.experiments.cifar import runtime, train
-from kwng.experiments.cifar.config import SETTINGS, RunConfig
+from studies.kit import guard
+from studies.cifar import runtime
+from studies.cifar import train
+from studies.cifar.config import SETTINGS, RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,7 +155,7 @@ CHECK_BREAKS = {
 
 @pytest.mark.parametrize("how", list(CHECK_BREAKS))
 def test_check_authors100_names_each_broken_file(tmp_path, how):
-    from kwng.experiments.cifar.results import check_authors100
+    from studies.cifar.results import check_authors100
 
     src = ROOT / "results" / "cifar" / "authors100"
     shutil.copytree(src, tmp_path / "a100")
@@ -169,8 +170,8 @@ def test_check_authors100_names_each_broken_file(tmp_path, how):
 
 
 def test_check_refuses_unknown_tiers():
-    from kwng.experiments.cifar.cli import main
-    from kwng.experiments.cifar.results import check_authors100
+    from studies.cifar.cli import main
+    from studies.cifar.results import check_authors100
 
     with pytest.raises(ValueError, match="tiers"):
         check_authors100(tiers=(9,))

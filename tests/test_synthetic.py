@@ -9,10 +9,11 @@ import torch
 
 import kwng
 from kwng.batched import batched_kwng, sample_and_jacobian
-from kwng.experiments import provenance, synthetic_setup
-from kwng.experiments import synthetic as syn
-from kwng.experiments import synthetic_flow as synflow
-from kwng.experiments.guard_csv import write_csv_rows
+from studies.kit import provenance
+from studies.toy import setup as synthetic_setup
+from studies.synthetic import sweep as syn
+from studies.toy import flow as synflow
+from studies.kit.guard_csv import write_csv_rows
 from kwng.models import MODELS, model_names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +156,7 @@ def test_bandwidth_sweep_and_plots(tmp_path):
     cfg.update(models=["lognormal"], dims=[2], N_fixed=150, sigmas=[0.1, 10.0], runs=2)
     syn.run_sweep(cfg, tmp_path / "bandwidth", progress=False)
     assert syn.check_results_complete("bandwidth", tmp_path, runs=2) == []
-    from kwng.plots import synthetic as plotting
+    from studies.synthetic import figures as plotting
 
     fig = plotting.plot_bandwidth(
         {
@@ -189,7 +190,7 @@ def test_flow_small(tmp_path):
     # WNG step 0.1 contracts W2² by ~0.64 a step
     assert fl["loss"]["wng"][-1] < 0.1 * fl["loss"]["wng"][0]
     assert fl["pca"]["wng"].shape == (9, 2)
-    from kwng.plots import synthetic as plotting
+    from studies.synthetic import figures as plotting
 
     assert len(plotting.plot_flow(fl).axes) == 2
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwng.experiments import synthetic_setup
+from studies.toy import setup as synthetic_setup
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 

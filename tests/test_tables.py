@@ -1,6 +1,6 @@
 import pytest
 
-from kwng.plots.tables import markdown_table
+from studies.kit.tables import markdown_table
 
 
 def test_markdown_table_layout_and_escaping():

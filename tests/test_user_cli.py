@@ -9,14 +9,14 @@ import shutil
 import numpy as np
 import pytest
 
-from kwng.experiments import EXPERIMENTS
-from kwng.experiments.__main__ import main as experiments_main
-from kwng.experiments.cifar import data as kdata
-from kwng.experiments.cifar import images as kimages
-from kwng.experiments.cifar.cli import COMMANDS, PURPOSES
-from kwng.experiments.cifar.cli import main as cifar_main
-from kwng.experiments.cifar.config import RunConfig
-from kwng.experiments.cifar.runtime import resolve_lr, split_data
+from studies import EXPERIMENTS
+from studies.__main__ import main as experiments_main
+from studies.cifar import data as kdata
+from studies.cifar import images as kimages
+from studies.cifar.cli import COMMANDS, PURPOSES
+from studies.cifar.cli import main as cifar_main
+from studies.cifar.config import RunConfig
+from studies.cifar.runtime import resolve_lr, split_data
 
 
 def test_help_says_what_each_experiment_is_for(capsys):

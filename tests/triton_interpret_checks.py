@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import kwng.engine.triton_solve
-import kwng.experiments.nets
+import studies.cifar.nets
 from kwng import solve
 from kwng.engine import replicate_layers, triton_bn, triton_support
 from kwng.engine.precond import KWNGPreconditioner
@@ -91,7 +91,7 @@ def test_bn_backward_nchw_equals_the_formulas(dtype, use_batch, shape):
 
 def _model(seed=0, fmt=CL):
     torch.manual_seed(seed)
-    net = kwng.experiments.nets.ResNet18(10, widths=(4, 8, 8, 8))
+    net = studies.cifar.nets.ResNet18(10, widths=(4, 8, 8, 8))
     return net.to(memory_format=fmt)
 
 

@@ -30,7 +30,7 @@ typesetting, the page fails on
 * ``wide-table``: a table wider than its box, by the same rule (cut or scrolling at a
   laptop's width; at a phone's width allowed, and counted, in a cued scroll box);
 * ``hidden-answer``: a table that names the columns holding its answer (classes
-  ``kwng-answer-col-<i>``, from ``kwng.plots.tables.markdown_table(..., answer=...)``)
+  ``kwng-answer-col-<i>``, from ``studies.kit.tables.markdown_table(..., answer=...)``)
   with one of them outside the window or outside the box the table scrolls in, as the
   page opens: at a phone's width the reader must not scroll a table to find its
   answer (reorder, stack or split it instead);

@@ -88,7 +88,7 @@
         + head.join(' | ').slice(0, 120));
   }
   // A table that names the columns holding its answer (classes kwng-answer-col-<i>,
-  // written by kwng.plots.tables.markdown_table) shows them on screen as the page
+  // written by studies.kit.tables.markdown_table) shows them on screen as the page
   // opens: inside the window and inside the box the table scrolls in, not scrolled to.
   for (const t of main.querySelectorAll('table.kwng-answer')) {
     const cols = [...t.classList].map(c => /^kwng-answer-col-(\d+)$/.exec(c))

@@ -69,7 +69,7 @@ def capture_step(step: Callable[[], None], warmup: int = 3,
     ``preconditioner``: the preconditioner that ``step`` calls, when its ``cache``
     refreshes every ``k > 1`` steps (:class:`kwng.KWNGPreconditioner` with
     ``refresh_every = k``, :mod:`kwng.engine.amortized`; KFAC,
-    :mod:`kwng.experiments.cifar.kfac_factors`). Its kinds of step are programs of their
+    :mod:`studies.cifar.kfac_factors`). Its kinds of step are programs of their
     own: at least :func:`warmup_steps` warm-up steps are taken, the steps between
     refreshes are recorded and each replay runs the kind that the cache's host-side
     counter names (:func:`amortized_replay`). A refresh step that can be captured (KWNG)
@@ -138,7 +138,7 @@ def amortized_replay(cache: Any, record: Callable[[], Any],
     is left where the warm-up put it.
 
     A cache whose refresh step cannot be captured (``cache.refresh_capturable`` false,
-    :class:`kwng.experiments.cifar.kfac_factors.FactorSchedule`) lists only the steps
+    :class:`studies.cifar.kfac_factors.FactorSchedule`) lists only the steps
     between refreshes in ``kinds``; a due refresh step (``cache.kind`` is ``None``)
     runs ``eager`` (the step itself, on the same static inputs, outside any graph; it
     counts itself on the cache). The replay returns whether a graph ran."""

@@ -26,7 +26,7 @@ MODES = ("fast", "reference", "auto")
 
 #: The exact path ``mode="auto"`` takes, by device type and model kind (``"conv"``: the
 #: model has a ``Conv2d``; ``"dense"``: it has none): the faster one measured by
-#: ``python -m kwng.experiments.bench.mode_choice`` (the records
+#: ``python -m studies.bench.mode_choice`` (the records
 #: ``results/benchmarks/mode_choice/<device type>.json``, checked against this table
 #: in ``tests/test_precond_loop.py``). On the CPU the replicated convolutions of the
 #: fast path cost more than the reference path's serial backward passes, while a dense

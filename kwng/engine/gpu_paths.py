@@ -8,8 +8,8 @@ batch-norm backward (:func:`kwng.engine.replicate_bn.bn_backward_torch` against
 :mod:`kwng.engine.triton_bn`). The PyTorch function is the one definition in every pair;
 a kernel is checked against it (``tests/triton_interpret_checks.py``) and stays only
 where it is measurably faster on the same GPU in the same run
-(:mod:`kwng.experiments.bench.engine_parts`; ``python -m
-kwng.experiments.bench.step_cost --gpu-paths triton,compile`` for the whole step, which
+(:mod:`studies.bench.engine_parts`; ``python -m
+studies.bench.step_cost --gpu-paths triton,compile`` for the whole step, which
 is why this switch stays). On one H100 (``results/benchmarks/engine_parts.json``) both
 kernels stayed; the repeat's and the relayout's were deleted.
 

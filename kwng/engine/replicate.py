@@ -35,9 +35,9 @@ Memory format: the replicated pass keeps the model's. On the GPU make a convolut
 model and its inputs channels_last (``model.to(memory_format=torch.channels_last)``):
 cuDNN runs fp32 convolutions of NCHW tensors with channels_last kernels and converts the
 tensors around each call (4.8 ms of a 29.4 ms fast step on the paper's ResNet-18,
-``kwng/experiments/bench/profile_step.py``).
+``studies/bench/profile_step.py``).
 A step on the paper's ResNet-18 costs about one forward and backward pass at batch
-``R·N`` (``python -m kwng.experiments.bench.step_cost``; the deep-learning chapter gives
+``R·N`` (``python -m studies.bench.step_cost``; the deep-learning chapter gives
 the table).
 
 Copy ``0`` gives ``g`` (also returned to autograd, so a plain ``loss.backward()`` on a

@@ -85,7 +85,7 @@ def stacked_wgrad(dy: torch.Tensor) -> bool:
     """Whether a convolution's ``R`` weight gradients come from one call with the
     copies stacked along the output channels (on the GPU, and wherever the kernels
     run) rather than ``R`` calls on slices of ``dy``. Summed over ResNet-18's
-    convolutions on an H200 (``kwng/experiments/bench/engine_parts.py``, N = 128, R =
+    convolutions on an H200 (``studies/bench/engine_parts.py``, N = 128, R =
     6, channels_last): 7.6 ms stacked against 9.5 ms in ``R`` calls in fp32 (6.6 ms
     for one call at batch ``R·N``), 3.1 against 4.4 ms in bf16 (2.2 ms)."""
     return dy.is_cuda or use_kernels(dy)

@@ -15,7 +15,7 @@ safeguard and the clipping of :func:`kwng.solve.safeguard` (``f`` is
 buffer. The one definition is :func:`kwng.engine.step_direction.direction_into` (those
 PyTorch functions; eagerly about thirty passes over ``q``-vectors and seven over
 ``M × q`` matrices, 3.8 ms against 1.6 ms here at ``q ≈ 11 M``, ``M = 5`` on an H100;
-:mod:`kwng.experiments.bench.engine_parts` also times it compiled). Here it is four
+:mod:`studies.bench.engine_parts` also times it compiled). Here it is four
 kernels (:mod:`kwng.engine.triton_solve_kernels`):
 
 1. the column norms of ``T̃`` (or ``T``) and their maximum;

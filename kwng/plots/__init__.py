@@ -1,1 +1,0 @@
-"""Figures and tables drawn from result files."""

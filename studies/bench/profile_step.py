@@ -1,0 +1,124 @@
+"""Where the GPU time of a training step goes: kernel time per step, by kind of kernel.
+
+python -m studies.bench.profile_step [--configs
+bf16_channels_last,fp32_channels_last] [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis
+5] [--top 12] [--gpu-path triton]
+
+For every (configuration, mode) it profiles a few steps of
+``studies.bench.step_cost._make_step`` (the rows of ``python -m
+studies.bench.step_cost``) with ``torch.profiler`` and prints the summed kernel
+time per step (the GPU work, whatever the host adds), split into kinds named from the
+kernel names (convolution forward, data and weight gradients, GEMM, batch norm,
+elementwise, reductions, copies), and the most expensive kernels. A tuning aid: the
+numbers to report come from ``python -m studies.bench.step_cost``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import re
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kwng.engine.gpu_paths import GPU_PATHS, use_gpu_path
+from studies.bench.step_cost import CONFIGS, ROWS, _make_step
+from studies.cifar.nets import resnet18
+
+KINDS = (  # first match wins; patterns on the lower-cased kernel name
+    ("conv_wgrad", r"wgrad|weight_grad|bprop_filter|filter"),
+    ("conv_dgrad", r"dgrad|data_grad|bprop_data"),
+    ("conv_fwd", r"fprop|conv|implicit|xmma_fprop|cudnn"),
+    ("gemm", r"gemm|cutlass|sm90_xmma|cublas|nvjet"),
+    ("batch_norm", r"batch_norm|batchnorm|bn_"),
+    ("triton", r"triton"),
+    ("reduce", r"reduce"),
+    ("copy", r"copy|cat|transpose|permute"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, pat in KINDS:
+        if re.search(pat, low):
+            return kind
+    return "other"
+
+
+def kernel_times(prof, steps: int) -> dict[str, float]:
+    """Summed device time (µs per step) of every CUDA kernel name."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name] += e.device_time / steps
+    return out
+
+
+def profile_one(
+    config: str, mode: str, num_basis: int, batch: int, steps: int
+) -> dict[str, float]:
+    prec, fmt = CONFIGS[config]
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = copy.deepcopy(resnet18(10)).to(dev).to(memory_format=fmt).train()
+    z = torch.randn(batch, 3, 32, 32, device=dev).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (batch,), device=dev)
+    if mode == "fwd_bwd_RN":
+        z = z.repeat(num_basis + 1, 1, 1, 1).contiguous(memory_format=fmt)
+        y = y.repeat(num_basis + 1)
+        mode = "fwd_bwd_N"
+    step, _ = _make_step(
+        mode, model, z, y, num_basis, None if prec == torch.float32 else prec
+    )
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return kernel_times(prof, steps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="bf16_channels_last")
+    p.add_argument("--modes", default="sgd,fwd_bwd_RN,kwng_fast")
+    p.add_argument("--num-basis", type=int, default=5)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--gpu-path", default="triton", choices=GPU_PATHS,
+                   help="kernels or torch.compile for the fast path "
+                   "(kwng.engine.gpu_paths)")
+    a = p.parse_args()
+    modes = a.modes.split(",")
+    for m in modes:
+        if m not in ROWS and m != "fwd_bwd_RN":
+            raise SystemExit(f"--modes entries must be among {list(ROWS)}, got {m!r}")
+    torch.backends.cudnn.benchmark = True
+    for config in a.configs.split(","):
+        for mode in modes:
+            with use_gpu_path(a.gpu_path):
+                times = profile_one(config, mode, a.num_basis, a.batch, a.steps)
+            by_kind: dict[str, float] = collections.defaultdict(float)
+            for name, t in times.items():
+                by_kind[kind_of(name)] += t
+            total = sum(times.values())
+            kinds = "  ".join(
+                f"{k} {v / 1e3:.2f}"
+                for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+            )
+            print(
+                f"\n== {config} {mode} M={a.num_basis}: {total / 1e3:.2f} ms of "
+                f"kernels per step\n   by kind (ms): {kinds}"
+            )
+            for name, t in sorted(times.items(), key=lambda kv: -kv[1])[: a.top]:
+                print(f"   {t / 1e3:7.3f} ms  {kind_of(name):11s} {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()

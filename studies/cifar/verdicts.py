@@ -1,0 +1,389 @@
+"""The verdicts of the CIFAR study and what its records say so far.
+
+* The decision rules, each fixed before the runs it judges: the claim suite's (30
+  epochs, :func:`claim_verdict`) and the authors'-horizon study's (100 epochs,
+  :func:`authors100_verdict`), both read in the book chapter :ref:`experiments-cifar`.
+* The Fig. 3 protocol's records (book chapter :ref:`cifar-fig3`): the selection table,
+  the runs at each selected step, the verdict per baseline by the protocol's rule
+  (:func:`fig3_verdicts`) and the runs that had a GPU alone (the clocks of the time
+  figure: :mod:`studies.fig3.clocks`; the queue left:
+  :func:`studies.cifar.plans.queue_left`). Plots take these as arguments
+  (:func:`studies.cifar.figures.fig_accuracy_per_epoch`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from studies.fig3.protocol import (
+    FIG3,
+    grid_state,
+    record_at,
+    round_of,
+    rounds,
+    run_status,
+    stop_reason,
+)
+from studies.cifar.methods import CLAIM_ALL, LR_GRID
+from studies.cifar.records import (
+    class_scalings,
+    final_accuracy_table,
+    final_per_class,
+)
+from studies.kit.provenance import read_json
+
+__all__ = ["SMALL_U", "claim_verdict", "authors100_verdict", "selection_rows",
+           "selected_runs", "seed_summary", "fig3_verdicts", "alone_runs",
+           "ablation_runs", "ablation_rows", "posthoc_stops",
+           "captured_epoch_seconds"]
+
+#: Threshold of the claim suite's decision rule (its small-scaling classes have U_k at
+#: most this).
+SMALL_U = 1e-3
+
+
+def claim_verdict(
+    results: dict,
+    within: float = 0.05,
+    above_sgd: float = 0.20,
+    class_ratio: float = 0.5,
+    small_u: float = SMALL_U,
+) -> dict:
+    """The decision rule of the claim suite, fixed before the runs (book chapter,
+    "Decision rule"): the claim holds if, in the final test accuracy (mean over seeds),
+    (a) IC KWNG is within ``within`` of WC KWNG, (b) IC KWNG is at least ``above_sgd``
+    above IC SGD, and (c) on every class with ``U_k ≤ small_u``, IC KWNG's accuracy is
+    at least ``class_ratio`` times WC KWNG's on that class. Returns the numbers and the
+    three booleans (``None`` where a run is missing)."""
+    table = final_accuracy_table(results, methods=CLAIM_ALL)
+
+    def fin(m, c):
+        return table.get(m, {}).get(c, {}).get("mean")
+
+    k_ill, k_well, s_ill = fin("kwng", "ill"), fin("kwng", "well"), fin("sgd", "ill")
+    has_U = any(c == "ill" and r.get("U") for (c, _, _), r in results.items())
+    U = class_scalings(results) if has_U else np.zeros(0)
+    small = np.flatnonzero(U <= small_u)
+    small = small[np.argsort(U[small])]  # ascending U_k
+    pc_ill = final_per_class(results, "ill", "kwng")
+    pc_well = final_per_class(results, "well", "kwng")
+    out = {
+        "kwng_ill": k_ill,
+        "kwng_well": k_well,
+        "sgd_ill": s_ill,
+        "small_classes": small.tolist(),
+        "U_small": U[small].tolist(),
+        "a_within": None,
+        "b_above_sgd": None,
+        "c_small_classes": None,
+        "drops": {
+            m: (fin(m, "well") - fin(m, "ill"))
+            if fin(m, "well") is not None and fin(m, "ill") is not None
+            else None
+            for m in CLAIM_ALL
+        },
+    }
+    if k_ill is not None and k_well is not None:
+        out["a_within"] = bool(abs(k_well - k_ill) <= within)
+    if k_ill is not None and s_ill is not None:
+        out["b_above_sgd"] = bool(k_ill - s_ill >= above_sgd)
+    if pc_ill is not None and pc_well is not None:
+        out["per_class_ill"] = pc_ill[small].tolist()
+        out["per_class_well"] = pc_well[small].tolist()
+        out["c_small_classes"] = bool(
+            np.all(pc_ill[small] >= class_ratio * pc_well[small])
+        )
+    parts = (out["a_within"], out["b_above_sgd"], out["c_small_classes"])
+    out["holds"] = None if any(p is None for p in parts) else all(parts)
+    return out
+
+
+def authors100_verdict(
+    records: dict[tuple, dict],
+    within: float = 0.05,
+    above_sgd: float = 0.20,
+    class_ratio: float = 0.5,
+    small_u: float = 1e-3,
+    learned: float = 0.5,
+) -> dict:
+    """The decision rule of the authors'-horizon study, fixed before its results were
+    read into the book: the three criteria of the 30-epoch claim suite,
+    evaluated at the last epoch (100), plus a fourth. With ``a`` the final test accuracy
+    (mean over the seeds present) of ``kwng`` at the authors' step 10:
+
+    1. ``|a_WC − a_IC| ≤ within``;
+    2. ``a_IC − a_SGD ≥ above_sgd``, ``a_SGD`` the better of IC ``sgd`` at its selected
+       step (0.1) and at 10× (1) — the fair baseline;
+    3. on every class with ``U_k ≤ small_u``, IC ``kwng``'s recall (the per-class test
+       accuracy, mean over seeds) is at least ``class_ratio`` times WC ``kwng``'s;
+    4. the two classes with the smallest ``U_k`` reach recall ≥ ``learned`` and
+       precision ≥ ``learned`` in IC ``kwng`` (mean over seeds).
+
+    The claim holds if all four hold; ``None`` where a run is missing. ``records`` as
+    :func:`studies.cifar.results.load_authors100`."""
+    k_ill, k_well = (
+        _final(records, "lr10", "ill", "kwng"),
+        _final(records, "lr10", "well", "kwng"),
+    )
+    sgds = {t: _final(records, t, "ill", "sgd") for t in ("lr0.1", "lr1")}
+    sgd_ok = {t: float(v) for t, v in sgds.items() if v is not None}
+    out: dict = {
+        "kwng_ill": None if k_ill is None else float(k_ill),
+        "kwng_well": None if k_well is None else float(k_well),
+        "sgd_ill_by_step": sgd_ok,
+        "sgd_ill": max(sgd_ok.values(), default=None),
+        "c1_within": None,
+        "c2_above_sgd": None,
+    }
+    if k_ill is not None and k_well is not None:
+        out["c1_within"] = bool(abs(float(k_well) - float(k_ill)) <= within)
+    if k_ill is not None and out["sgd_ill"] is not None:
+        out["c2_above_sgd"] = bool(float(k_ill) - out["sgd_ill"] >= above_sgd)
+    out.update(_small_class_criteria(records, small_u, class_ratio, learned))
+    parts = (
+        out["c1_within"],
+        out["c2_above_sgd"],
+        out["c3_small_classes"],
+        out["c4_two_smallest_learned"],
+    )
+    out["holds"] = None if any(p is None for p in parts) else all(parts)
+    return out
+
+
+def _final(records: dict, tag: str, cond: str, method: str, key: str = "test_acc"):
+    """The last epoch's ``key`` of the runs ``(tag, cond, method)``, mean over seeds
+    (``None`` entries of per-class lists read as NaN; ``None`` without runs)."""
+    rows = [
+        r["epochs"][-1][key]
+        for (t, c, m, _), r in sorted(records.items())
+        if t == tag and c == cond and m == method and r["epochs"]
+    ]
+    if not rows:
+        return None
+    arr = np.array(
+        [
+            [np.nan if v is None else v for v in x] if isinstance(x, list) else x
+            for x in rows
+        ],
+        dtype=float,
+    )
+    return arr.mean(axis=0)
+
+
+def _small_class_criteria(
+    records: dict, small_u: float, class_ratio: float, learned: float
+) -> dict:
+    """Criteria 3 and 4 of :func:`authors100_verdict` and the numbers behind them."""
+    out: dict = {"c3_small_classes": None, "c4_two_smallest_learned": None}
+    ill = [
+        r
+        for (t, c, m, _), r in records.items()
+        if t == "lr10" and c == "ill" and m == "kwng"
+    ]
+    if ill and ill[0].get("U"):
+        U = np.array(ill[0]["U"])
+        small = np.flatnonzero(U <= small_u)
+        small = small[np.argsort(U[small])]
+        rec_ill = _final(records, "lr10", "ill", "kwng", "test_acc_per_class")
+        rec_well = _final(records, "lr10", "well", "kwng", "test_acc_per_class")
+        prec_ill = _final(records, "lr10", "ill", "kwng", "test_precision_per_class")
+        out.update(small_classes=small.tolist(), U_small=U[small].tolist())
+        if rec_ill is not None and rec_well is not None:
+            out["recall_ill"] = rec_ill[small].tolist()
+            out["recall_well"] = rec_well[small].tolist()
+            out["c3_small_classes"] = bool(
+                np.all(rec_ill[small] >= class_ratio * rec_well[small])
+            )
+        if rec_ill is not None and prec_ill is not None:
+            two = small[:2]
+            out["precision_ill"] = prec_ill[small].tolist()
+            out["c4_two_smallest_learned"] = bool(
+                np.all(rec_ill[two] >= learned) and np.all(prec_ill[two] >= learned)
+            )
+    return out
+
+
+# ------------------------------------------------- the Fig. 3 protocol's records
+def selection_rows(p: dict, root: str | os.PathLike = FIG3) -> list[dict]:
+    """One row per grid run made: ``conditioning``, ``method``, ``lr``, ``status``,
+    ``val_acc`` and ``test_acc`` of its last epoch, ``stop`` (``"<reason> @ <epoch>"``
+    or ``""``), ``selected`` (the best finished step so far) and ``final``."""
+    root, rows = Path(root), []
+    for key, st in grid_state(p, root).items():
+        cond, m = key.split("/")
+        for lr in sorted(st["runs"], reverse=True):
+            rec = record_at(root, "grid", lr, cond, m, 0)
+            if rec is None:
+                continue
+            last, stop = rec["epochs"][-1], rec.get("early_stop") or {}
+            rows.append({"conditioning": cond, "method": m, "lr": lr,
+                         "status": st["runs"][lr], "val_acc": last.get("val_acc"),
+                         "test_acc": last["test_acc"],
+                         "stop": f"{stop['reason']} @ {stop['epoch']}" if stop else "",
+                         "selected": lr == st["selected"], "final": st["final"]})
+    return rows
+
+
+def selected_runs(p: dict, root: str | os.PathLike = FIG3,
+                  final_only: bool = False) -> dict[tuple, dict]:
+    """``{(conditioning, method, seed): record}``: the finished runs at each method's
+    selected step (the grid run is seed 0, the others under ``seeds/``); with
+    ``final_only`` only methods whose selection is final."""
+    root, out = Path(root), {}
+    epochs = int(p["settings"]["epochs"])
+    for key, st in grid_state(p, root).items():
+        if st["selected"] is None or (final_only and not st["final"]):
+            continue
+        cond, m = key.split("/")
+        for s in range(int(p["seeds"][cond])):
+            part = "grid" if s == 0 else "seeds"
+            rec = record_at(root, part, st["selected"], cond, m, s)
+            if run_status(rec, epochs) == "finished":
+                out[(cond, m, s)] = rec
+    return out
+
+
+def seed_summary(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
+    """Per ``"<conditioning>/<method>"`` with a selected step: ``lr``, ``final`` (the
+    selection), ``seeds`` (finished runs at that step), ``wanted`` (the protocol's
+    seeds), the final test accuracies, their ``mean`` and ``range`` (max − min)."""
+    state, runs, out = grid_state(p, root), selected_runs(p, root), {}
+    for key, st in state.items():
+        if st["selected"] is None:
+            continue
+        cond, m = key.split("/")
+        accs = [r["epochs"][-1]["test_acc"] for (c, mm, _), r in sorted(runs.items())
+                if (c, mm) == (cond, m)]
+        out[key] = {"lr": st["selected"], "final": st["final"], "seeds": len(accs),
+                    "wanted": int(p["seeds"][cond]), "test_acc": accs,
+                    "mean": sum(accs) / len(accs),
+                    "range": max(accs) - min(accs)}
+    return out
+
+
+def fig3_verdicts(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
+    """The protocol's verdict per baseline (its ``verdict_rule``): ``drop`` (well −
+    ill mean test accuracy), ``spread`` ((ill range + well range) / 2) for the baseline
+    and for KWNG, and ``verdict`` — ``"holds"``, ``"fails"``, ``"within spread"``, or
+    ``"pending"`` while either method lacks a final selection or its seeds in a
+    conditioning."""
+    s = seed_summary(p, root)
+
+    def ready(m: str) -> bool:
+        return all(f"{c}/{m}" in s and s[f"{c}/{m}"]["final"]
+                   and s[f"{c}/{m}"]["seeds"] == s[f"{c}/{m}"]["wanted"]
+                   for c in ("ill", "well"))
+
+    def drop(m: str) -> tuple[float, float]:
+        ill, well = s[f"ill/{m}"], s[f"well/{m}"]
+        return well["mean"] - ill["mean"], (ill["range"] + well["range"]) / 2
+
+    out = {}
+    for m in p["methods"]["both"]:
+        if m == "kwng":
+            continue
+        if not (ready(m) and ready("kwng")):
+            out[m] = {"verdict": "pending"}
+            continue
+        (dm, sm), (dk, sk) = drop(m), drop("kwng")
+        margin = sm + sk
+        verdict = ("holds" if dm - dk > margin else "fails" if dk - dm > margin
+                   else "within spread")
+        out[m] = {"drop": dm, "spread": sm, "drop_kwng": dk, "spread_kwng": sk,
+                  "verdict": verdict}
+    return out
+
+
+def alone_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
+    """The part of :func:`selected_runs` whose run had its GPU alone (its provenance
+    names a round of :func:`~studies.fig3.protocol.rounds` with ``alone`` true);
+    of a method with a captured run among them, only the captured runs: an eager run
+    does not time a step that can be replayed from a CUDA graph."""
+    root, rs, out = Path(root), rounds(root), {}
+    state = grid_state(p, root)
+    for (cond, m, s), rec in selected_runs(p, root).items():
+        lr = state[f"{cond}/{m}"]["selected"]
+        prov = read_json(root / ("grid" if s == 0 else "seeds") / f"lr{lr:g}"
+                         / p["dataset"] / cond / m / f"seed{s}" / "provenance.json")
+        rd = round_of(prov, rs)
+        if rd is not None and rd["alone"]:
+            out[(cond, m, s)] = rec
+    captured = {k[:2] for k, r in out.items() if r.get("capture")}
+    return {k: r for k, r in out.items() if r.get("capture") or k[:2] not in captured}
+
+
+def ablation_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
+    """``{(conditioning, method, seed): record}``: the finished ablation runs (at
+    KWNG's selected step in the protocol's ablation conditioning) and, beside them, the
+    finished runs of KWNG itself at that step, every seed."""
+    root, ab = Path(root), p["ablations"]
+    cond, epochs = ab["conditioning"], int(p["settings"]["epochs"])
+    lr = grid_state(p, root).get(f"{cond}/{ab['lr_of']}", {}).get("selected")
+    if lr is None:
+        return {}
+    out = {k: r for k, r in selected_runs(p, root).items()
+           if k[:2] == (cond, ab["lr_of"])}
+    for m, n in ab["runs"].items():
+        for s in range(int(n)):
+            rec = record_at(root, "ablation", lr, cond, m, s)
+            if run_status(rec, epochs) == "finished":
+                out[(cond, m, s)] = rec
+    return out
+
+
+def ablation_rows(p: dict, root: str | os.PathLike = FIG3) -> list[dict]:
+    """One row per method of the ablation figure (KWNG first, then the protocol's
+    variants): ``method``, ``runs`` (finished) and ``wanted``, and the mean final
+    ``test`` and ``train`` accuracy and the ``range`` of the test accuracy over its
+    runs (``None`` while it has none)."""
+    ab, runs, rows = p["ablations"], ablation_runs(p, root), []
+    wanted = {ab["lr_of"]: int(p["seeds"][ab["conditioning"]]), **ab["runs"]}
+    for m, n in wanted.items():
+        recs = [r["epochs"][-1] for k, r in sorted(runs.items()) if k[1] == m]
+        test = [e["test_acc"] for e in recs]
+        rows.append({"method": m, "runs": len(recs), "wanted": int(n),
+                     "test": statistics.fmean(test) if recs else None,
+                     "train": statistics.fmean(e["train_acc"] for e in recs)
+                     if recs else None,
+                     "range": max(test) - min(test) if recs else None})
+    return rows
+
+
+def captured_epoch_seconds(p: dict, cond: str, method: str,
+                           root: str | os.PathLike = FIG3) -> float | None:
+    """The median training seconds of an epoch (the first excluded) over the finished
+    grid runs of ``method`` in ``cond`` whose step was replayed from a CUDA graph, or
+    ``None`` when it has none."""
+    root, epochs = Path(root), int(p["settings"]["epochs"])
+    st = grid_state(p, root)[f"{cond}/{method}"]
+    recs = [record_at(root, "grid", lr, cond, method, 0) for lr in st["runs"]]
+    spe = [b["time_train"] - a["time_train"] for r in recs
+           if run_status(r, epochs) == "finished" and r.get("capture")
+           for a, b in zip(r["epochs"], r["epochs"][1:])]
+    return statistics.median(spe) if spe else None
+
+
+def posthoc_stops(p: dict, root: str | os.PathLike = FIG3,
+                  num_classes: int = 10) -> dict[str, dict]:
+    """The early-stop rule evaluated over the finished grid records, every sibling's
+    rows known: per grid run ``"<conditioning>/<method>/lr<lr>"``, ``live`` (the stop
+    its record names, or ``None``) and ``posthoc`` (:func:`stop_reason` at the first
+    epoch the rule condemns it, comparing every sibling's row of that epoch, or
+    ``None``)."""
+    root, out = Path(root), {}
+    for key in grid_state(p, root):
+        cond, m = key.split("/")
+        recs = {lr: record_at(root, "grid", lr, cond, m, 0) for lr in LR_GRID}
+        recs = {lr: r for lr, r in recs.items() if r and r.get("epochs")}
+        for lr, rec in recs.items():
+            sibs = {f"lr{o:g}": r["epochs"] for o, r in recs.items() if o != lr}
+            hit = next((s for row in rec["epochs"]
+                        if (s := stop_reason(row, sibs, num_classes)) is not None),
+                       None)
+            out[f"{cond}/{m}/lr{lr:g}"] = {"live": rec.get("early_stop"),
+                                           "posthoc": hit}
+    return out

@@ -1,0 +1,215 @@
+"""The Fig. 3 audit's runs beyond the protocol (plan ``fig3_audit`` of
+:func:`studies.cifar.plans.build_plan`, records under
+``results/cifar/fig3_audit``): the grid's edge (step sizes above the paper's grid for
+the methods the selection put at its top) and reruns of committed runs at the current
+code. The plan is the committed file ``plan.json`` of that folder; every run has the
+protocol's settings (``results/cifar/fig3/protocol.json``), so its record is checked as
+a Fig. 3 record is; none of them enters the Fig. 3 selection or verdicts.
+
+Layout: ``grid/lr<lr>/...`` for the edge runs (the early-stop rule on, as in the
+protocol's grid) and ``repro/lr<lr>/...`` for the reruns (the rule off, as for the
+protocol's seeds and ablations). A live early stop compares an edge run only with the
+other edge steps (the siblings under the same folder); :func:`edge_runs` evaluates the
+rule again with the protocol's own grid runs of the method as siblings as well."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from studies.fig3.protocol import (
+    FIG3,
+    grid_state,
+    load_protocol,
+    record_problem,
+    run_status,
+    stop_reason,
+)
+from studies.cifar.methods import LR_GRID, METHODS, RESULTS
+from studies.cifar.verdicts import selected_runs
+from studies.kit.provenance import ResultFileError, read_json
+
+__all__ = ["FIG3_AUDIT", "audit_groups", "check_audit", "audit_check", "edge_runs",
+           "repro_runs"]
+
+#: the audit's plan and records, ``results/cifar/fig3_audit`` of the checkout
+#:
+#: :meta hide-value:
+FIG3_AUDIT = RESULTS / "fig3_audit"
+
+#: the audit's parts: folder name -> whether the early-stop rule is on
+PARTS = {"grid": True, "repro": False}
+
+
+def audit_groups(spec: dict) -> list[dict]:
+    """The groups of the audit's plan ``spec`` (``plan.json``), each checked:
+    ``part`` one of :data:`PARTS`, ``conditioning`` ill or well, ``methods`` known
+    names, ``seeds`` distinct integers >= 0, and either ``lrs`` (positive step sizes
+    outside the paper's grid, for ``grid``) or ``lr_of`` (the Fig. 3 method whose
+    selected step the group reruns, for ``repro``)."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("groups"), list):
+        raise ValueError("the audit's plan must be a dict with a list 'groups', got "
+                         f"{spec!r:.200}")
+    for g in spec["groups"]:
+        if not isinstance(g, dict) or g.get("part") not in PARTS:
+            raise ValueError(f"each group needs part in {sorted(PARTS)}, "
+                             f"got {g!r:.200}")
+        if g.get("conditioning") not in ("ill", "well"):
+            raise ValueError("each group needs conditioning 'ill' or 'well', "
+                             f"got {g!r:.200}")
+        unknown = sorted(set(g.get("methods") or []) - set(METHODS))
+        if unknown or not g.get("methods"):
+            raise ValueError(f"a group's methods must be names from {sorted(METHODS)}, "
+                             f"got {g.get('methods')!r}")
+        seeds = g.get("seeds")
+        if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
+                or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                       for s in seeds)):
+            raise ValueError(f"a group's seeds must be distinct integers >= 0, got "
+                             f"{seeds!r}")
+        if g["part"] == "grid":
+            lrs = g.get("lrs")
+            if (not isinstance(lrs, list) or not lrs or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+                    or float(v) in LR_GRID for v in lrs)):
+                raise ValueError("a grid group's lrs must be positive step sizes "
+                                 f"outside the paper's grid {list(LR_GRID)}, "
+                                 f"got {lrs!r}")
+        elif g.get("lr_of") not in METHODS:
+            raise ValueError(f"a repro group's lr_of must be a method name, got "
+                             f"{g.get('lr_of')!r}")
+    return spec["groups"]
+
+
+def _records(root: Path, part: str, dataset: str):
+    for mp in sorted((root / part).glob(f"lr*/{dataset}/*/*/seed*/metrics.json")):
+        yield mp, float(mp.parts[-6][2:]), mp.parts[-4], mp.parts[-3], \
+            int(mp.parts[-2][4:])
+
+
+def check_audit(root: str | os.PathLike = FIG3_AUDIT,
+                p: dict | None = None) -> dict[str, list]:
+    """Every record under ``root`` against the protocol's settings
+    (:func:`studies.fig3.protocol.record_problem`, the grid part with the
+    early-stop rule) and the plan (a part, step, conditioning, method and seed it
+    lists): ``{"ok", "stopped", "incomplete", "bad": [(run, problem)]}``."""
+    p = load_protocol() if p is None else p
+    root, epochs = Path(root), int(p["settings"]["epochs"])
+    groups = audit_groups(read_json(root / "plan.json"))
+    res: dict[str, list] = {"ok": [], "stopped": [], "incomplete": [], "bad": []}
+    for part in PARTS:
+        planned = {(g["conditioning"], m, s) for g in groups if g["part"] == part
+                   for m in g["methods"] for s in g["seeds"]}
+        for mp, lr, cond, m, seed in _records(root, part, p["dataset"]):
+            name = f"{part}/lr{lr:g}/{cond}/{m}/seed{seed}"
+            try:
+                problem = record_problem(p, mp, part)
+            except (ResultFileError, KeyError, TypeError, ValueError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None and (cond, m, seed) not in planned:
+                problem = "not a run of the plan (plan.json)"
+            if problem:
+                res["bad"].append((name, problem))
+                continue
+            status = run_status(read_json(mp), epochs)
+            res[{"finished": "ok", "stopped": "stopped"}.get(status,
+                                                             "incomplete")].append(name)
+    return res
+
+
+def audit_check(root: str | None) -> int:
+    """``cifar check --suite fig3_audit``: :func:`check_audit`, printed; exit 1 if a
+    record is bad or unfinished."""
+    res = check_audit(root or FIG3_AUDIT)
+    for name, problem in res["bad"]:
+        print("bad:", name, "-", problem)
+    print(json.dumps({k: len(v) for k, v in res.items()}),
+          "incomplete:", json.dumps(res["incomplete"]))
+    return 1 if res["bad"] or res["incomplete"] else 0
+
+
+def edge_runs(p: dict | None = None, root: str | os.PathLike = FIG3_AUDIT,
+              fig3_root: str | os.PathLike = FIG3, num_classes: int = 10) -> list[dict]:
+    """The grid-edge runs, one dict each: ``cond``, ``method``, ``lr``, ``epochs``
+    run, ``final`` (test accuracy at the last epoch run), ``best_val`` (the best
+    validation accuracy, what the selection reads), ``live`` (the stop the record
+    names, or ``None``), ``posthoc`` (:func:`~studies.fig3.protocol.stop_reason`
+    at the first epoch the rule condemns it with every step of the method as a
+    sibling: the protocol's grid runs (seed 0) and the other edge steps), and the
+    protocol's ``selected`` step with its ``selected_val`` (best validation
+    accuracy of the selected grid run)."""
+    p = load_protocol() if p is None else p
+    root, fig3_root = Path(root), Path(fig3_root)
+    state, recs = grid_state(p, fig3_root), {}
+    for mp, lr, cond, m, seed in _records(root, "grid", p["dataset"]):
+        if seed == 0:
+            recs.setdefault((cond, m), {})[("edge", lr)] = read_json(mp)
+    out = []
+    for (cond, m), edge in sorted(recs.items()):
+        sibs = {f"lr{lr:g}": r["epochs"] for lr in LR_GRID
+                if (r := _grid_record(fig3_root, lr, cond, m, p["dataset"]))}
+        sibs.update({f"lr{lr:g}": r["epochs"] for (_, lr), r in edge.items()})
+        st = state.get(f"{cond}/{m}") or {}
+        sel = st.get("selected")
+        sel_rec = _grid_record(fig3_root, sel, cond, m, p["dataset"]) if sel else None
+        for (_, lr), rec in sorted(edge.items()):
+            rows = rec["epochs"]
+            own = {k: v for k, v in sibs.items() if k != f"lr{lr:g}"}
+            hit = next((s for row in rows
+                        if (s := stop_reason(row, own, num_classes)) is not None), None)
+            out.append({"cond": cond, "method": m, "lr": lr, "epochs": len(rows),
+                        "final": float(rows[-1]["test_acc"]),
+                        "best_val": max(float(r["val_acc"]) for r in rows),
+                        "live": rec.get("early_stop"), "posthoc": hit,
+                        "selected": sel,
+                        "selected_val": (max(float(r["val_acc"]) for r in
+                                             sel_rec["epochs"]) if sel_rec else None)})
+    return out
+
+
+def _grid_record(root: Path, lr: float, cond: str, m: str, dataset: str) -> dict | None:
+    mp = (root / "grid" / f"lr{lr:g}" / dataset / cond / m / "seed0" / "metrics.json")
+    if not mp.is_file():
+        return None
+    rec = read_json(mp)
+    return rec if rec.get("epochs") else None
+
+
+def repro_runs(p: dict | None = None, root: str | os.PathLike = FIG3_AUDIT,
+               fig3_root: str | os.PathLike = FIG3,
+               seeds_root: str | os.PathLike | None = RESULTS / "amortized_seeds"
+               ) -> list[dict]:
+    """The reruns at the current code, one dict each: ``cond``, ``method``, ``lr``,
+    ``seed``, ``final`` (test accuracy), ``complete``, ``committed`` (the committed
+    record of the same run, seed and step: its final test accuracy, or ``None``) and
+    ``spread`` (the final test accuracies of every committed finished run of the
+    method at that step and conditioning: the protocol's seed runs or ablation runs,
+    and the seed study's runs of it under ``seeds_root``), ``within`` (the rerun's final
+    inside [min, max] of ``spread``; ``None`` with fewer than two)."""
+    p = load_protocol() if p is None else p
+    root, fig3_root = Path(root), Path(fig3_root)
+    epochs, out = int(p["settings"]["epochs"]), []
+    sel = {k: r for k, r in selected_runs(p, fig3_root).items()}
+    for mp, lr, cond, m, seed in _records(root, "repro", p["dataset"]):
+        rec = read_json(mp)
+        committed: dict[int, float] = {}
+        for (c, mm, s), r in sel.items():
+            if (c, mm) == (cond, m) and float(r["lr"]) == lr:
+                committed[s] = float(r["epochs"][-1]["test_acc"])
+        extra = [fig3_root / "ablation"] + ([Path(seeds_root)] if seeds_root else [])
+        for base in extra:
+            for s_mp in sorted((base / f"lr{lr:g}" / p["dataset"] / cond / m)
+                               .glob("seed*/metrics.json")):
+                r = read_json(s_mp)
+                if run_status(r, epochs) == "finished":
+                    committed.setdefault(int(s_mp.parts[-2][4:]),
+                                         float(r["epochs"][-1]["test_acc"]))
+        final = float(rec["epochs"][-1]["test_acc"])
+        spread = sorted(committed.values())
+        out.append({"cond": cond, "method": m, "lr": lr, "seed": seed, "final": final,
+                    "complete": run_status(rec, epochs) == "finished",
+                    "committed": committed.get(seed), "spread": spread,
+                    "within": (spread[0] <= final <= spread[-1]) if len(spread) >= 2
+                    else None})
+    return out
