@@ -23,7 +23,6 @@ API; each is defined in the module named in its docstring.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from kwng.scale_switch import is_full, pick, scale
 from kwng.engine.capture import capture_step
 from kwng.engine.config import KWNGConfig, eps_from_authors
 from kwng.engine.distributed import DistributedKWNG
@@ -59,6 +58,7 @@ from kwng.models import (
     make_model,
 )
 from kwng.nosync import nystrom_solve_nosync
+from kwng.scale_switch import is_full, pick, scale
 from kwng.solve import DAMPINGS, SOLVE_METHODS
 
 # the installed distribution's version (pyproject.toml); a bare source tree has none

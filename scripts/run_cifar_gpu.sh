@@ -118,7 +118,7 @@ cd "$WORK" || exit 2
 "$PY" -c "from studies.cifar.data import load_cifar; [load_cifar('cifar10', s, '$ROOT') for s in ('train', 'test')]" || exit 2
 TIMING_METHODS=${TIMING_METHODS:-${METHODS:-claim}}  # every method of the suite, in one timing run
 if [ -n "$EARLY_METHODS" ]; then  # the other methods: the selection and the main claim sweep
-  ALL=${METHODS:-$($PY -c "from studies.cifar.plans import build_plan
+  ALL=${METHODS:-$($PY -c "import studies; studies.load_all(); from studies.cifar.plans import build_plan
 print(','.join(dict.fromkeys(j['method'] for j in build_plan('claim', epochs=1))))")}
   METHODS=$($PY -c "e = set('$EARLY_METHODS'.split(','))
 print(','.join(m for m in '$ALL'.split(',') if m not in e))")

@@ -104,7 +104,7 @@ while [ \$(date +%s) -lt $END ]; do
         --procs-per-gpu $PROCS --data-root "$DATA" --start-by-s \$left \
         --finish-by-s \$fin || true
   done
-  n=\$($PY -c "from studies.cifar.plans import build_plan; print(sum(len(build_plan(p, methods='$METHODS'.split(','))) for p in '$PLANS'.split(',')))")
+  n=\$($PY -c "import studies; studies.load_all(); from studies.cifar.plans import build_plan; print(sum(len(build_plan(p, methods='$METHODS'.split(','))) for p in '$PLANS'.split(',')))")
   echo "queue $TAG: \$n run(s) left"
   [ "\$n" = 0 ] && break
   # a pass that began no run (every run left would end after FINISH_BY) ends the

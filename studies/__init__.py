@@ -1,13 +1,43 @@
-"""Experiment commands: ``python -m studies <name> [options]``.
+"""The book's studies, beside the ``kwng`` library (not part of its distribution):
+``python -m studies <name> [options]``.
 
-Each experiment lives in its own module with a ``main(argv)`` function and writes its
-results under ``results/<name>/`` with a ``provenance.json`` (see
-:mod:`studies.kit.provenance`).
+* :mod:`studies.kit`: what every study shares (provenance, result guards, option
+  checks, figure style, tables); :mod:`studies.cifar`: the CIFAR kit, which knows no
+  study; :mod:`studies.toy`: the synthetic models' sweep setup, flows and grid.
+* One package per study: :mod:`studies.synthetic`, :mod:`studies.fisher`,
+  :mod:`studies.fig3` (with the amortized step, :mod:`studies.fig3.amortized`),
+  :mod:`studies.authors100`, :mod:`studies.claim_suite`, :mod:`studies.study6`,
+  :mod:`studies.bench`; and the claims ledger, :mod:`studies.claims`, the one place that
+  reads several studies.
+
+A study registers what the CIFAR kit calls by name (its plans, completeness checks and
+early-stop rule: :mod:`studies.cifar.hooks`) when it is imported; :func:`load_all`
+imports them all, as ``python -m studies`` does first. Each command writes its results
+under the one results root ``results/`` (:data:`RESULTS`) with a ``provenance.json``
+(:mod:`studies.kit.provenance`).
 """
 
-# name -> module implementing it (imported lazily so that one experiment's dependencies
-# never
-# slow down another). Modules add themselves here.
+import importlib
+from pathlib import Path
+
+#: the results root of every study, relative to the checkout (result files are
+#: committed there; no command overwrites them by default)
+RESULTS = Path("results")
+
+#: the study packages, in the order :func:`load_all` imports them
+STUDIES = ("studies.synthetic", "studies.fisher", "studies.fig3",
+           "studies.fig3.amortized", "studies.authors100", "studies.claim_suite",
+           "studies.study6", "studies.bench")
+
+
+def load_all() -> None:
+    """Import every study, so that each has registered its plans, checks and
+    early-stop rule with the CIFAR kit."""
+    for name in STUDIES:
+        importlib.import_module(name)
+
+
+# name -> module implementing it (imported when the command runs)
 EXPERIMENTS: dict[str, str] = {
     "relerr": "studies.synthetic.sweep",
     "bandwidth": "studies.synthetic.sweep",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from studies import EXPERIMENTS, PURPOSES
+from studies import EXPERIMENTS, PURPOSES, load_all
 
 
 def usage() -> str:
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    load_all()  # every study registers its plans, checks and early-stop rule
     module = importlib.import_module(EXPERIMENTS[name])
     try:
         return int(module.main([name] + argv[1:]) or 0)

@@ -14,7 +14,11 @@ import pytest
 import torch
 
 import kwng
+import studies
 from kwng.models import MODELS
+
+# every study registers its plans, checks and early-stop rule with the CIFAR kit
+studies.load_all()
 
 PROBLEMS = tuple(MODELS)  # the registry: normal, lognormal, sphere
 

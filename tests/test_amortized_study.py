@@ -1,5 +1,5 @@
 """The amortized-step study's committed records (results/cifar/amortized) and their
-reading as time to accuracy (studies.amortized.readings)."""
+reading as time to accuracy (studies.fig3.amortized.readings)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from studies.amortized import readings as amortized
-
-from studies.fig3 import protocol as fig3
-
-from studies.fig3 import clocks as fig3_time
-
-from studies.amortized import seed_study
-
-from studies.cifar import verdicts
 from studies.cifar.methods import AMORTIZED_METHODS, METHODS
+from studies.fig3 import clocks as fig3_time
+from studies.fig3 import protocol as fig3
+from studies.fig3 import verdicts
+from studies.fig3.amortized import readings as amortized
+from studies.fig3.amortized import seed_study
 from studies.kit.provenance import ResultFileError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,8 +118,8 @@ def test_the_seed_study_plan_runs_every_group_at_its_selected_step(tmp_path):
     step of its ``lr_of`` method in its conditioning, in the plan's order; a finished
     record leaves the plan; a malformed group is refused by name."""
     from studies.fig3 import protocol as fig3
-    from studies.cifar import plans
-    from studies.amortized import seed_study
+    from studies.fig3.amortized import plan as plans
+    from studies.fig3.amortized import seed_study
 
     p = fig3.load_protocol(ROOT / "results" / "cifar" / "fig3" / "protocol.json")
     fig3_root = ROOT / "results" / "cifar" / "fig3"
@@ -192,9 +188,8 @@ def test_a_traced_run_takes_the_untraced_runs_steps_and_traces_every_step(tmp_pa
     import csv
     import math
 
-    from studies.amortized import stale_trace
-
     from studies.cifar import train
+    from studies.fig3.amortized import stale_trace
 
     monkeypatch.chdir(tmp_path)
     settings = {"source": "sample", "model": "tiny", "batch_size": 50, "epochs": 2,

@@ -125,7 +125,7 @@ def test_numeric_settings_enter_the_identity_only_when_not_default():
 
 # ------------------------------------------------------------- the committed records
 def test_committed_authors100_records_are_complete():
-    from studies.cifar.results import check_authors100
+    from studies.authors100.records import check_authors100
 
     res = check_authors100(A100, tiers=(1, 2, 3))
     assert res["missing"] == [] and res["incomplete"] == [] and len(res["ok"]) == 13
@@ -137,7 +137,7 @@ def test_committed_authors100_records_are_complete():
 
 
 def test_committed_authors100_records_carry_the_protocol():
-    from studies.cifar.results import load_authors100
+    from studies.authors100.records import load_authors100
 
     recs = load_authors100(A100)
     for (tag, _cond, method, _seed), r in recs.items():

@@ -20,6 +20,8 @@ from studies.cifar import (
     train,
 )
 from studies.cifar.config import SMALL_RUN, RunConfig
+from studies.claim_suite import records as claim_records
+from studies.study6 import records as study6_records
 
 
 def _fake(n: int, classes: int, seed: int = 0):
@@ -249,7 +251,7 @@ def test_selection_grows_by_method_but_refuses_a_change(tmp_path):
 def _study6_jobs():
     """The earlier 6-epoch study's runs, from its frozen table."""
     out = []
-    for name in results.study6_table()["runs"]:
+    for name in study6_records.study6_table()["runs"]:
         c, m, s = name.split("/")
         out.append({"conditioning": c, "method": m, "seed": int(s[4:])})
     return out
@@ -259,7 +261,7 @@ def test_frozen_six_epoch_study_covers_its_runs():
     """The frozen run list of the 6-epoch study: three seeds of sgd/adam/kwng in both
     conditionings, one seed of the other methods in both, the ablations ill only; its
     methods have left the live table, and every one has a look for its figures."""
-    table = results.study6_table()
+    table = study6_records.study6_table()
     names = {(j["conditioning"], j["method"], j["seed"]) for j in _study6_jobs()}
     for m in ("sgd", "adam", "kwng"):
         for c in ("ill", "well"):
@@ -338,7 +340,7 @@ def test_committed_claim_suite_complete():
 
 
     root = Path(__file__).resolve().parent.parent / "results" / "cifar" / "claim"
-    status = results.check_claim(root, min_epochs=30)
+    status = claim_records.check_claim(root, min_epochs=30)
     assert not status["missing"] and not status["incomplete"] and not status["diverged"]
     plan = plans.build_plan("claim", epochs=30, with_ablations=False)
     assert len(status["ok"]) == len(plan) == 18
@@ -369,10 +371,11 @@ def test_committed_results_complete():
     assert (root / "cifar10").is_dir() and (
         root / "selection" / "selected.json"
     ).is_file()
-    res = results.check_results(root, "cifar10")
+    res = study6_records.check_results(root, "cifar10")
     assert not res["missing"] and not res["incomplete"], res
-    assert sorted(res["cut"]) == sorted(results.BUDGET_CUT), res["cut"]
-    assert len(res["ok"]) + len(res["cut"]) == len(results.study6_table()["runs"])
+    assert sorted(res["cut"]) == sorted(study6_records.BUDGET_CUT), res["cut"]
+    runs = study6_records.study6_table()["runs"]
+    assert len(res["ok"]) + len(res["cut"]) == len(runs)
     epochs = json.loads((root / "schedule.json").read_text())["epochs"]
     recs = results.load_results(root, "cifar10")
     for (c, m, s), rec in recs.items():
@@ -386,9 +389,9 @@ def test_committed_results_complete():
             and prov["device"]
         ), name
         assert rec["config"]["epochs"] == epochs, name
-        want = results.BUDGET_CUT.get(name, epochs)
+        want = study6_records.BUDGET_CUT.get(name, epochs)
         assert len(rec["epochs"]) == want and rec["complete"] == (
-            name not in results.BUDGET_CUT
+            name not in study6_records.BUDGET_CUT
         ), name
         assert [r["epoch"] for r in rec["epochs"]] == list(range(1, want + 1)), name
 
@@ -411,16 +414,17 @@ def test_check_results_budget_cut(tmp_path):
         )
         atomic_write_json(d / "provenance.json", {"config": cfg, "git_commit": "abc",
                                                   "date": "2026-01-01T00:00:00+00:00"})
-    res = results.check_results(tmp_path, "cifar10", allow_cut={cut: 3})
+    res = study6_records.check_results(tmp_path, "cifar10", allow_cut={cut: 3})
     assert res["cut"] == [cut] and not res["incomplete"] and not res["missing"]
-    assert results.check_results(tmp_path, "cifar10", allow_cut={cut: 4})[
+    assert study6_records.check_results(tmp_path, "cifar10", allow_cut={cut: 4})[
         "incomplete"
     ] == [cut]
-    assert results.check_results(tmp_path, "cifar10", allow_cut={})["incomplete"] == [
+    assert study6_records.check_results(
+        tmp_path, "cifar10", allow_cut={})["incomplete"] == [
         cut
     ]
     (tmp_path / "cifar10" / "well" / "sgd" / "seed1" / "provenance.json").unlink()
-    assert results.check_results(tmp_path, "cifar10", allow_cut={cut: 3})[
+    assert study6_records.check_results(tmp_path, "cifar10", allow_cut={cut: 3})[
         "missing"
     ] == ["well/sgd/seed1"]
 
@@ -675,10 +679,10 @@ def test_check_claim(tmp_path):
                                                "milestones": [26], "epochs": rows})
         atomic_write_json(d / "provenance.json", {"config": cfg, "git_commit": "abc",
                                                   "date": "2026-01-01T00:00:00+00:00"})
-    res = results.check_claim(tmp_path)
+    res = claim_records.check_claim(tmp_path)
     assert len(res["ok"]) == 18 and not res["missing"] and not res["incomplete"]
     # shorter than asked
-    assert results.check_claim(tmp_path, min_epochs=31)["incomplete"]
+    assert claim_records.check_claim(tmp_path, min_epochs=31)["incomplete"]
     d = tmp_path / "cifar10" / "ill" / "kwng" / "seed1"
     rec = {
         "config": {"epochs": 30, "schedule": "claim", "method": "kwng", "seed": 1},
@@ -694,7 +698,7 @@ def test_check_claim(tmp_path):
         ],
     }
     atomic_write_json(d / "metrics.json", rec)
-    assert results.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
+    assert claim_records.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
     rec.update(
         complete=True,
         epochs=[
@@ -709,9 +713,9 @@ def test_check_claim(tmp_path):
     )
     atomic_write_json(d / "metrics.json", rec)
     # per-class accuracy missing
-    assert results.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
+    assert claim_records.check_claim(tmp_path)["incomplete"] == ["ill/kwng/seed1"]
     (tmp_path / "cifar10" / "well" / "adam" / "seed0" / "provenance.json").unlink()
-    assert results.check_claim(tmp_path)["missing"] == ["well/adam/seed0"]
+    assert claim_records.check_claim(tmp_path)["missing"] == ["well/adam/seed0"]
 
 
 def test_runner_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
@@ -855,9 +859,9 @@ def _fake_claim_results(kwng_ill: float, small_ill: float):
 
 
 def test_claim_verdict_rule():
-    from studies.cifar import verdicts
-    from studies.cifar.methods import CLAIM_METHODS
     from studies.cifar import figures as pcf
+    from studies.cifar.methods import CLAIM_METHODS
+    from studies.claim_suite import verdict as verdicts
 
     holds = verdicts.claim_verdict(_fake_claim_results(0.78, 0.7))
     assert (
@@ -961,8 +965,8 @@ def test_a_new_optimizer_is_one_optimizers_entry_and_one_methods_entry(
     import matplotlib
 
     matplotlib.use("Agg")
-    from studies.cifar.methods import Method
     from studies.cifar import figures as pcf
+    from studies.cifar.methods import Method
 
     def rmsprop(model, lr, spec):
         return torch.optim.RMSprop(model.parameters(), lr=lr, alpha=spec["alpha"])

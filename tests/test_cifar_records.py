@@ -16,12 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from studies.cifar import methods
-
-from studies.cifar import records
-
-from studies.cifar import verdicts
+from studies.cifar import methods, records
 from studies.cifar import results as results_
+from studies.claim_suite import verdict as verdicts
 
 ROOT = Path(__file__).resolve().parents[1] / "results" / "cifar"
 CLAIM = ROOT / "claim"

@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 
 from studies.claims import answer
-
 from studies.claims import ledger as claims
-
 from studies.kit import wording
 
 WORDS = {"holds", "fails", "partly"}

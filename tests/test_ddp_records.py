@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from studies.bench.ddp_record import SCALING_PATH, load_scaling
 from studies.bench.ddp_figures import scaling_facts
+from studies.bench.ddp_record import SCALING_PATH, load_scaling
 
 pytestmark = pytest.mark.skipif(
     not SCALING_PATH.is_file(),

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from studies.bench.ddp_record import check_scaling, load_scaling
 from studies.bench.ddp_figures import scaling_facts, scaling_table
+from studies.bench.ddp_record import check_scaling, load_scaling
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,16 +28,13 @@ import pytest
 import torch
 
 import kwng
-from studies.synthetic import sweep as syn
-from studies.toy import flow as synflow
-from studies.toy import setup as synthetic_setup
 from studies.cifar import cli as cifar
 from studies.cifar import data as kdata
 from studies.cifar import images as kimages
-from studies.cifar import results
-from studies.cifar import runtime
-from studies.cifar import sweep
-from studies.cifar import train
+from studies.cifar import results, runtime, sweep, train
+from studies.synthetic import sweep as syn
+from studies.toy import flow as synflow
+from studies.toy import setup as synthetic_setup
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"

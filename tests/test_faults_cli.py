@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from studies.__main__ import main as experiments_main
+from studies.bench.distributed_check import launch
 from studies.cifar.cli import ddp_main
 from studies.cifar.methods import METHODS
 from studies.cifar.results import select_lrs
-from studies.bench.distributed_check import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SELECTION = ROOT / "results" / "cifar" / "claim" / "selection"

@@ -17,9 +17,9 @@ from torch import nn
 
 import kwng
 from kwng.engine.lm import LevenbergMarquardt
-from studies.toy import setup as synthetic_setup
 from studies.cifar import data as kdata
 from studies.cifar import images as kimages
+from studies.toy import setup as synthetic_setup
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -161,10 +161,10 @@ if not torch.cuda.is_available():
 
 
 def _main(module: str):
-    from studies.fisher import cli as fisher
-    from studies.synthetic import sweep as synthetic
     from studies.bench import step_cost as bench
     from studies.cifar import cli as cifar
+    from studies.fisher import cli as fisher
+    from studies.synthetic import sweep as synthetic
 
     return {"cifar": cifar.main, "bench": bench.main, "relerr": synthetic.main,
             "fisher": fisher.main}[module]

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from studies.cifar import cli as cifar
-from studies.cifar import runtime
-from studies.cifar import sweep
+from studies.cifar import runtime, sweep
 from studies.cifar.config import RunConfig
 from studies.kit.run_lock import RunLockedError, run_lock
 

@@ -19,18 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from studies.fisher import flow as fisher_flow
-
-from studies.fisher import sweep as fisher_sweep
-
-from studies.kit import guard
-
-from studies.toy import setup as synthetic_setup
 from studies.cifar import cli as cifar
-from studies.cifar import runtime
-from studies.cifar import train
+from studies.cifar import runtime, train
 from studies.cifar import sweep as cifar_sweep
+from studies.fisher import flow as fisher_flow
+from studies.fisher import sweep as fisher_sweep
+from studies.kit import guard
 from studies.kit.provenance import ResultFileError
+from studies.toy import setup as synthetic_setup
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"

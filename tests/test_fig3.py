@@ -12,14 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from studies.fig3 import protocol as fig3
-
-from studies.cifar import plans
-
-from studies.cifar import runtime
-
-from studies.cifar import train
+from studies.cifar import runtime, train
 from studies.cifar.methods import LR_GRID
+from studies.fig3 import plan as plans
+from studies.fig3 import protocol as fig3
+from studies.fig3.amortized import plan as amortized_plans
 from studies.kit.provenance import ResultFileError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -361,7 +358,7 @@ def test_the_amortized_plan_runs_at_kwngs_selected_steps(tmp_path, monkeypatch):
     from studies.cifar.methods import AMORTIZED_METHODS
 
     state = fig3.grid_state(P, FIG3)
-    jobs = plans.amortized_plan({}, P, FIG3, out=tmp_path / "am")
+    jobs = amortized_plans.amortized_plan({}, P, FIG3, out=tmp_path / "am")
     assert {(j["conditioning"], j["method"]) for j in jobs} == {
         (c, m) for c in ("ill", "well") for m in AMORTIZED_METHODS}
     assert all(j["lr"] == state[f"{j['conditioning']}/kwng"]["selected"] for j in jobs)
@@ -376,7 +373,7 @@ def test_the_amortized_plan_runs_at_kwngs_selected_steps(tmp_path, monkeypatch):
 def test_ablation_runs_are_finished_ablations_beside_kwng_at_its_selected_step():
     """The ablation figure's runs: the protocol's variants and KWNG itself, all in the
     ablation conditioning, at KWNG's selected step there, every one finished."""
-    from studies.cifar import verdicts
+    from studies.fig3 import verdicts
 
     p = fig3.load_protocol()
     ab = p["ablations"]
@@ -393,7 +390,7 @@ def test_ablation_runs_are_finished_ablations_beside_kwng_at_its_selected_step()
 def test_an_eager_run_does_not_time_a_method_with_captured_runs(monkeypatch):
     """alone_runs keeps, of a method with a captured run, only captured runs; a method
     without any keeps its eager ones."""
-    from studies.cifar import verdicts
+    from studies.fig3 import verdicts
 
     fake = {("ill", "kfac", 0): {"capture": False},
             ("ill", "kfac", 1): {"capture": True},

@@ -13,15 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from studies.fig3 import protocol as fig3
-
+from studies.cifar import records, train
 from studies.fig3 import clocks as fig3_time
-
-from studies.cifar import records
-
-from studies.cifar import train
-
-from studies.cifar import verdicts
+from studies.fig3 import protocol as fig3
+from studies.fig3 import verdicts
 from studies.kit.wording import fixed, pct
 
 ROOT = Path(__file__).resolve().parent.parent

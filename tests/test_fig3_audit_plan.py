@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from studies.fig3 import protocol as fig3
-
-from studies.fig3 import audit as fig3_audit
 from studies.cifar.methods import LR_GRID
-from studies.cifar.plans import audit_plan
+from studies.fig3 import audit as fig3_audit
+from studies.fig3 import protocol as fig3
+from studies.fig3.plan import audit_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 FIG3 = ROOT / "results" / "cifar" / "fig3"

@@ -10,10 +10,10 @@ import torch
 import kwng
 from kwng import fisher as F
 from kwng import fisher_exact
+from kwng.theory.nystrom import loglog_slope
 from studies.fisher import cli as E
 from studies.fisher import flow as fisher_flow
 from studies.fisher import sweep as fisher_sweep
-from kwng.theory.nystrom import loglog_slope
 
 #: the keys every provenance record of the Fisher experiments carries
 PROVENANCE_KEYS = ("command", "config", "git_commit", "device", "date", "seeds",

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kwng.theory.nystrom import loglog_slope
+from studies.fisher import figures as P
 from studies.fisher import flow as fisher_flow
-
 from studies.fisher import sweep as fisher_sweep
 from studies.kit.provenance import read_json
-from studies.fisher import figures as P
-from kwng.theory.nystrom import loglog_slope
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "fisher"
 NS = [250, 500, 1000, 2000, 4000]

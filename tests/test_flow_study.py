@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kwng
-from studies.synthetic import flow_study as fs
 from kwng.theory import wng as theory
+from studies.synthetic import flow_study as fs
 
 
 def _cfg(d=3):

@@ -12,8 +12,8 @@ import matplotlib
 import nbformat
 import pytest
 
-from studies.synthetic import figures as plotting
 from studies.kit.style import BOOK_STYLE
+from studies.synthetic import figures as plotting
 
 IMAGES = {"image/png", "image/svg+xml"}
 ROWS = [

@@ -8,7 +8,7 @@ import matplotlib
 import numpy as np
 import pytest
 
-from studies.claims import findings
+from studies.bench import findings as bench_findings
 from studies.kit.live import plot_error_vs_n
 from studies.kit.style import (
     BOOK_STYLE,
@@ -17,6 +17,7 @@ from studies.kit.style import (
     grid_ticks,
     method_color,
 )
+from studies.synthetic import findings
 
 matplotlib.use("Agg")
 
@@ -84,7 +85,7 @@ def test_step_cost_ratio_reads_graph_rows():
                 "mode": mode, "num_basis": M, "median_ms": ms}
 
     record = {"rows": [row("sgd_graph", 2.0), row("kwng_fast_graph", 7.0, 5)]}
-    assert findings.step_cost_ratio(record) == pytest.approx(3.5)
+    assert bench_findings.step_cost_ratio(record) == pytest.approx(3.5)
 
 
 def test_every_cifar_method_has_its_own_colour():

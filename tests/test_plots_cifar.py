@@ -8,8 +8,8 @@ import matplotlib
 import numpy as np
 import pytest
 
-from studies.cifar.methods import AMORTIZED_METHODS, METHODS
 from studies.cifar import figures as pc
+from studies.cifar.methods import AMORTIZED_METHODS, METHODS
 
 matplotlib.use("Agg")
 

@@ -1,4 +1,5 @@
-"""The chapter-table helpers of :mod:`studies.plots_unused` reject input that is not the record
+"""The chapter-table helpers of the studies' table modules reject input that is not
+the record
 they read, naming the argument."""
 
 from __future__ import annotations
@@ -6,11 +7,8 @@ from __future__ import annotations
 import pytest
 
 from studies.bench import figures as bench
-
 from studies.claim_suite import figures as claim_suite
-
 from studies.fisher import tables as fisher_tables
-
 from studies.study6 import figures as six_epoch
 
 

@@ -13,8 +13,9 @@ from kwng.engine.config import eps_from_authors
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.engine.precond import KWNGPreconditioner
 from kwng.estimator import kernel_matrices, nystrom_solve
-from studies.cifar.nets import tiny_cnn
 from kwng.nosync import kernel_matrices_nosync, nystrom_solve_nosync
+from studies.cifar import nets
+from studies.cifar.nets import tiny_cnn
 
 
 def _batch(N=24, seed=0, size=8):
@@ -98,7 +99,7 @@ def _replicated(model, z, y, C, **kw):
 
 def _resnet(seed=0):
     torch.manual_seed(seed)
-    return studies.cifar.nets.ResNet18(10, widths=(4, 8, 8, 8)).double()
+    return nets.ResNet18(10, widths=(4, 8, 8, 8)).double()
 
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
@@ -196,7 +197,7 @@ def test_unsupported_layers_and_foreign_outputs_use_serial_passes(caplog):
     assert torch.linalg.vector_norm(d_fast - d_ref) <= 1e-4 * torch.linalg.vector_norm(
         d_ref
     )
-    m2 = studies.cifar.nets.mlp(5, 3)
+    m2 = nets.mlp(5, 3)
     pc2 = KWNGPreconditioner(m2, lr=0.1)
     # computed from the output *and* a parameter: not pulled back
     X = m2(z) * m2[0].bias[:3]
@@ -377,7 +378,7 @@ class TinyModel(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(5, 3)
-        self.head = studies.cifar.nets.DiagonalConditioning(
+        self.head = nets.DiagonalConditioning(
             3, condition=1e3, top=1.0
         )
 
@@ -611,7 +612,7 @@ def test_bf16_autocast_direction_is_as_accurate_as_a_bf16_gradient():
     error that bf16 puts into the plain gradient itself in norm, and within four times
     in angle (1 − cosine)."""
     z, y = _batch(N=32, size=8)
-    model = studies.cifar.nets.ResNet18(10, widths=(8, 8, 8, 8)).to(
+    model = nets.ResNet18(10, widths=(8, 8, 8, 8)).to(
         memory_format=torch.channels_last
     )
     z = z.contiguous(memory_format=torch.channels_last)

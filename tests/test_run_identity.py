@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from studies.kit import guard
-from studies.cifar import runtime
-from studies.cifar import train
+from studies.cifar import runtime, train
 from studies.cifar.config import SETTINGS, RunConfig
+from studies.kit import guard
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -155,7 +154,7 @@ CHECK_BREAKS = {
 
 @pytest.mark.parametrize("how", list(CHECK_BREAKS))
 def test_check_authors100_names_each_broken_file(tmp_path, how):
-    from studies.cifar.results import check_authors100
+    from studies.authors100.records import check_authors100
 
     src = ROOT / "results" / "cifar" / "authors100"
     shutil.copytree(src, tmp_path / "a100")
@@ -170,8 +169,8 @@ def test_check_authors100_names_each_broken_file(tmp_path, how):
 
 
 def test_check_refuses_unknown_tiers():
+    from studies.authors100.records import check_authors100
     from studies.cifar.cli import main
-    from studies.cifar.results import check_authors100
 
     with pytest.raises(ValueError, match="tiers"):
         check_authors100(tiers=(9,))

@@ -1,6 +1,6 @@
 """Figures and tables of the CIFAR study at the authors' horizon (plan ``authors100``;
 book chapter :ref:`experiments-cifar`). Each function takes the records of
-:func:`studies.cifar.results.load_authors100` (keys ``(tag, conditioning,
+:func:`studies.authors100.records.load_authors100` (keys ``(tag, conditioning,
 method, seed)``, ``tag`` = ``lr<step>`` or ``fp32/lr<step>``).
 
 * :func:`final_rows` — the final accuracy of every run and the recall and precision of

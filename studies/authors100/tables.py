@@ -1,10 +1,11 @@
 """Tables and quoted numbers of the CIFAR study at the authors' horizon (plan
 ``authors100``; book chapter :ref:`experiments-cifar`).
 
-Each table function returns a Markdown table (:func:`studies.kit.tables.markdown_table`);
+Each table function returns a Markdown table
+(:func:`studies.kit.tables.markdown_table`);
 each ``*_values`` function returns a dictionary ``{name: number}`` of the numbers the
 chapter's prose quotes, under the names it glues them by. The records are those of
-:func:`studies.cifar.results.load_authors100` (keys ``(tag, conditioning,
+:func:`studies.authors100.records.load_authors100` (keys ``(tag, conditioning,
 method, seed)``); the trainer timing is ``trainer_timing.json`` of ``cifar
 trainer-timing``:
 
@@ -21,8 +22,8 @@ trainer-timing``:
 
 from __future__ import annotations
 
-from studies.cifar.methods import movement_budget
 from studies.authors100.figures import final_rows
+from studies.cifar.methods import movement_budget
 from studies.kit.tables import kwng_criteria_rows, markdown_table
 
 __all__ = ["budget_table", "budget_values", "trainer_timing_table",
@@ -110,7 +111,8 @@ def _fmt(xs) -> str:
 
 
 def final_table(records: dict) -> str:
-    """The final test accuracy of every run (:func:`~studies.authors100.figures.final_rows`)
+    """The final test accuracy of every run
+    (:func:`~studies.authors100.figures.final_rows`)
     and, in IC, the recall and precision of its two classes with the smallest
     ``U_k``."""
     rows = []
@@ -127,7 +129,7 @@ def final_table(records: dict) -> str:
 
 def verdict_table(v: dict) -> str:
     """The four criteria of
-    :func:`~studies.cifar.verdicts.authors100_verdict` (its result ``v``),
+    :func:`~studies.authors100.verdict.authors100_verdict` (its result ``v``),
     with the numbers behind each and whether it holds."""
     rows = kwng_criteria_rows(v, "c1_within", "c2_above_sgd") + [
         ("3. half the WC recall where U_k ≤ 1e-3",

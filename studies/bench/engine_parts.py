@@ -46,12 +46,12 @@ import time
 
 import torch
 
-from kwng.scale_switch import REPO_ROOT
 from kwng.engine import capture as cuda_graphs
 from kwng.engine import gpu_paths
 from kwng.engine import replicate_layers as rl
 from kwng.engine.replicate_bn import bn_backward_torch
 from kwng.engine.step_direction import direction_into
+from kwng.scale_switch import REPO_ROOT
 from studies.kit.provenance import atomic_write_json, make_provenance
 
 CL = torch.channels_last

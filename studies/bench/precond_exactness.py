@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from kwng.engine.precond import KWNGPreconditioner
+from kwng.jacobians import jacobian_from_outputs
 from studies.cifar.nets import resnet18
 from studies.kit.provenance import (
     atomic_write_json,
     index_provenance,
     make_provenance,
 )
-from kwng.jacobians import jacobian_from_outputs
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

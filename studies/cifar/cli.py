@@ -25,7 +25,7 @@ Split by job: :mod:`~studies.cifar.config` (the settings of one run),
 :mod:`~studies.cifar.sweep` (worker processes),
 :mod:`~studies.cifar.timing` (step and epoch times, the schedule),
 :mod:`~studies.cifar.results` (loading, checks, selection rule) and
-:mod:`~studies.cifar.verdicts` (the decision rules). This module is the command
+:mod:`~studies.fig3.verdicts` (the decision rules). This module is the command
 line: one run, in one process or in ``W`` under torchrun, and the table of the other
 commands (:data:`COMMANDS`), each defined beside what it runs.
 
@@ -42,7 +42,8 @@ Commands (``python -m studies cifar ...``):
   the last layer, and for KWNG the epoch mean and last value of the preconditioner's
   diagnostics (``INFO_KEYS``). The options are the fields of
   :class:`~studies.cifar.config.RunConfig`. With ``KWNG_SCALE=small`` (the
-  default, see :mod:`kwng.scale_switch`) the settings not given on the command line are the
+  default, see :mod:`kwng.scale_switch`) the settings not given on the command line are
+  the
   small ones (:meth:`~studies.cifar.config.RunConfig.small`: the tiny network
   on the committed sample, 2 epochs, results under ``scratch/``); ``KWNG_SCALE=full``
   gives the study's (ResNet-18, the full data set, 30 epochs, ``results/cifar``).
@@ -79,7 +80,6 @@ import torch
 import torch.distributed as dist
 
 from kwng import config
-from studies.kit import guard
 from studies.cifar.config import SETTINGS, RunConfig, add_run_options
 from studies.cifar.data import SOURCES
 from studies.cifar.methods import PRECISIONS
@@ -91,6 +91,7 @@ from studies.cifar.timing import (
     trainer_timing_command,
 )
 from studies.cifar.train import run
+from studies.kit import guard
 from studies.kit.cli_checks import (
     device_problem,
     int_arg,

@@ -18,20 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from studies.cifar import hooks
 from studies.cifar.data import DATASETS, SOURCES
 from studies.cifar.methods import (
     BATCH_SIZE,
     CHECKPOINTS,
     CONDITIONINGS,
-    EARLY_STOP_RULES,
     METHODS,
     PRECISIONS,
     RESULTS,
     SCHEDULES,
     check_method_spec,
 )
-from studies.kit.cli_checks import int_arg, lr_arg
 from studies.cifar.nets import NETWORKS
+from studies.kit.cli_checks import int_arg, lr_arg
 
 __all__ = ["RunConfig", "SETTINGS", "SMALL_RUN", "FULL_RUN", "add_run_options"]
 
@@ -111,8 +111,8 @@ class RunConfig:
         "with --val-size: evaluate the test set too after every epoch (val_* and "
         "test_* fields)"))
     early_stop: str | None = field(default=None, metadata=_opt(
-        "the early-stop rule (studies.fig3.protocol; needs --val-size)",
-        choices=tuple(r for r in EARLY_STOP_RULES if r is not None)))
+        "the early-stop rule, by the name its study registered (fig3: "
+        "studies.fig3.protocol; needs --val-size)"))
     #: the Fig. 3 protocol a run belongs to (:mod:`studies.fig3.protocol`)
     protocol: str | None = None
     #: the number of processes that train the run together (torchrun; each trains
@@ -151,7 +151,8 @@ class RunConfig:
         for k, choices in (("dataset", DATASETS), ("conditioning", CONDITIONINGS),
                            ("method", tuple(METHODS)), ("schedule", SCHEDULES),
                            ("model", tuple(NETWORKS)), ("precision", PRECISIONS),
-                           ("source", SOURCES), ("early_stop", EARLY_STOP_RULES)):
+                           ("source", SOURCES),
+                           ("early_stop", (None, *hooks.early_stop_names()))):
             if getattr(self, k) not in choices:
                 raise ValueError(f"{k} must be one of {choices}, "
                                  f"got {getattr(self, k)!r}")

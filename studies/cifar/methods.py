@@ -145,7 +145,7 @@ CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_be
 #: the methods of the claim suite run with a second seed
 CLAIM_TWO_SEEDS = ("sgd", "kwng")
 #: run after the suite when the preconditioner supports them (not required by
-#: :func:`studies.cifar.results.check_claim`)
+#: :func:`studies.claim_suite.records.check_claim`)
 CLAIM_ABLATIONS = ("kwng_lm_same_batch",)
 #: every method of the claim suite, its ablation included (the order of its tables)
 CLAIM_ALL = CLAIM_METHODS + CLAIM_ABLATIONS
@@ -187,10 +187,6 @@ def drawn_in(precision: str) -> Iterator[None]:
 INFO_KEYS = ("eps", "reduction_ratio", "clipped", "fallback", "floored_columns",
              "floored_share")
 
-#: the early-stop rules a run may follow (``None``: every epoch runs unless the loss
-#: becomes non-finite); ``"fig3"`` is the Fig. 3 protocol's
-#: (:mod:`studies.fig3.protocol`)
-EARLY_STOP_RULES = (None, "fig3")
 
 RESULTS = Path("results") / "cifar"
 SELECTION = RESULTS / "selection"

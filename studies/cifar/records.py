@@ -12,10 +12,11 @@ checked before a count takes it, and what a set of them say, as plain data.
   :func:`final_accuracy_table` and :func:`format_table`, :func:`class_scalings`,
   :func:`final_per_class`, :func:`diag_series`; the step-size selection:
   :func:`selection_table`; for the authors'-horizon records
-  (:func:`studies.cifar.results.load_authors100`): :func:`run_label`,
+  (:func:`studies.authors100.records.load_authors100`): :func:`run_label`,
   :func:`epoch_seconds` and :func:`time_to_accuracy`. The decision rules
-  (:mod:`studies.cifar.verdicts`) read them, and the figures of
-  :mod:`studies.cifar.figures` and :mod:`studies.authors100.figures` draw from them, never the
+  (:mod:`studies.fig3.verdicts`) read them, and the figures of
+  :mod:`studies.cifar.figures` and :mod:`studies.authors100.figures` draw from them,
+  never the
   reverse.
 """
 

@@ -11,25 +11,19 @@ import math
 import os
 from pathlib import Path
 
-from studies.kit import guard
+from studies.cifar import hooks
 from studies.cifar.data import DATASETS, NUM_CLASSES
-from studies.fig3.protocol import fig3_check
-from studies.fig3.audit import audit_check
 from studies.cifar.methods import (
-    AUTHORS100_TIERS,
-    CLAIM,
     CLAIM_SELECTION,
     CONDITION_NUMBER,
     LR_GRID,
     METHODS,
     RESULTS,
     SELECTION,
-    milestones_for,
 )
-from studies.cifar.plans import build_plan
-from studies.cifar.records import provenance_problem, read_record, rows_problem
-from studies.amortized.seed_study import seed_check
 from studies.cifar.nets import DiagonalConditioning
+from studies.cifar.records import provenance_problem, read_record, rows_problem
+from studies.kit import guard
 from studies.kit.provenance import ResultFileError, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -58,29 +52,7 @@ def load_results(root: str | os.PathLike = RESULTS,
     return out
 
 
-#: The earlier 6-epoch study (book chapter :ref:`cifar-6epoch`), frozen as data: its 38
-#: runs (``cond/method/seedk``, the plan ``main`` of that time), its method lists
-#: (``main_methods``, ``ablations``) and the colour, line style and label of each of
-#: its methods in its figures (``looks``); each record carries its ``method_spec``
-#:
-#: :meta hide-value:
-STUDY6_TABLE = Path(__file__).with_name("study6.json")
-
-
-def study6_table() -> dict:
-    """The frozen table :data:`STUDY6_TABLE` of the earlier 6-epoch study."""
-    return read_json(STUDY6_TABLE)
-
-
-#: Runs of the earlier 6-epoch study that the GPU budget cut short, with the number of
-#: epochs each reached (of 6). The sweep's deadline stopped them; their last checkpoint
-#: was not kept. They are reported as ``"cut"`` by :func:`check_results` (not
-#: ``"incomplete"``) only while their record has exactly this many finite epochs,
-#: ``complete = false`` and a provenance file.
-BUDGET_CUT = {"ill/kwng_m20/seed0": 3, "well/kwng_m20/seed0": 3}
-
-
-def _checked(name: str, d: Path, res: dict) -> dict | None:
+def checked_record(name: str, d: Path, res: dict) -> dict | None:
     """The record in ``d`` if it and its provenance can be counted; else ``None``, with
     the run in ``res["missing"]`` (no files) or ``res["incomplete"]`` (named with the
     file and the problem: malformed, a foreign or unreadable provenance, a non-finite
@@ -102,51 +74,19 @@ def _checked(name: str, d: Path, res: dict) -> dict | None:
     return rec
 
 
-def _records(plan: list[dict], root: str | os.PathLike, dataset: str, res: dict):
-    """``(name, record)`` for each run of ``plan`` that :func:`_checked` passes."""
+def records_of(plan: list[dict], root: str | os.PathLike, dataset: str, res: dict):
+    """``(name, record)`` for each run of ``plan`` that :func:`checked_record`
+    passes."""
     for job in plan:
         name = f"{job['conditioning']}/{job['method']}/seed{job['seed']}"
         d = (Path(root) / dataset / job["conditioning"] / job["method"]
              / f"seed{job['seed']}")
-        rec = _checked(name, d, res)
+        rec = checked_record(name, d, res)
         if rec is not None:
             yield name, rec
 
 
-def check_results(root: str | os.PathLike = RESULTS, dataset: str = "cifar10",
-                  epochs: int | None = None,
-                  allow_cut: dict[str, int] | None = None) -> dict:
-    """Completeness of the earlier 6-epoch study's records: for every run of its frozen
-    list (:data:`STUDY6_TABLE`), whether its ``metrics.json`` and ``provenance.json``
-    exist, it is complete (or diverged, recorded as such), and has one row per epoch
-    with finite test accuracy.
-
-    ``allow_cut`` (default :data:`BUDGET_CUT` for CIFAR-10, none otherwise) maps run
-    names to the number of epochs they are documented to have reached; such a run
-    goes to ``"cut"`` if its record matches that exactly, to ``"incomplete"``
-    otherwise (a complete run on the list is ``"ok"``). Returns ``{"missing": [...],
-    "incomplete": [...], "cut": [...], "ok": [...]}`` with run names
-    ``cond/method/seedk``."""
-    if allow_cut is None:
-        allow_cut = BUDGET_CUT if dataset == "cifar10" else {}
-    res: dict[str, list[str]] = {"missing": [], "incomplete": [], "cut": [], "ok": []}
-    plan = []
-    for name in study6_table()["runs"]:
-        cond, method, seed = name.split("/")
-        plan.append({"conditioning": cond, "method": method,
-                     "seed": int(seed.removeprefix("seed"))})
-    for name, rec in _records(plan, root, dataset, res):
-        e = len(rec["epochs"])
-        want = epochs or rec["config"]["epochs"]
-        finite = all(math.isfinite(r["test_acc"]) for r in rec["epochs"])
-        good = rec.get("diverged") or (rec.get("complete") and e == want and finite)
-        cut = (name in allow_cut and not rec.get("complete") and e == allow_cut[name]
-               and e < want and finite)
-        res["ok" if good else "cut" if cut else "incomplete"].append(name)
-    return res
-
-
-def _claim_row_ok(rec: dict, k: int) -> bool:
+def claim_row_ok(rec: dict, k: int) -> bool:
     """Every epoch recorded, in order, with finite test accuracy and ``k`` finite
     per-class accuracies."""
     rows, want = rec["epochs"], int(rec["config"]["epochs"])
@@ -158,36 +98,6 @@ def _claim_row_ok(rec: dict, k: int) -> bool:
                 and all(math.isfinite(r["test_acc"]) for r in rows))
 
 
-def check_claim(root: str | os.PathLike = CLAIM, dataset: str = "cifar10",
-                min_epochs: int = 30) -> dict:
-    """Completeness of the claim suite (the ``claim`` plan without ablations), with no
-    exceptions: every run has ``metrics.json`` and ``provenance.json``,
-    ``schedule == "claim"`` with its milestone, at least ``min_epochs`` planned epochs,
-    all of them recorded (``complete``), finite test accuracy and a per-class test
-    accuracy (one finite number per class) in every epoch. A run that diverged
-    (non-finite training loss; it stops early) is listed under ``"diverged"`` instead of
-    ``"ok"``. Returns ``{"missing", "incomplete", "diverged", "ok"}`` with run names
-    ``cond/method/seedk``."""
-    if isinstance(min_epochs, bool) or not isinstance(min_epochs, int) \
-            or min_epochs < 1:
-        raise ValueError(f"min_epochs must be an integer >= 1, got {min_epochs!r}")
-    res: dict[str, list[str]] = {"missing": [], "incomplete": [], "diverged": [],
-                                 "ok": []}
-    plan = build_plan("claim", dataset=dataset, epochs=min_epochs, with_ablations=False)
-    for name, rec in _records(plan, root, dataset, res):
-        want = int(rec["config"]["epochs"])
-        proto = (rec["config"].get("schedule") == "claim"
-                 and rec.get("milestones") == milestones_for(want, "claim")
-                 and want >= min_epochs)
-        if proto and rec.get("diverged") and rec["epochs"]:
-            res["diverged"].append(name)
-        elif proto and _claim_row_ok(rec, NUM_CLASSES[dataset]):
-            res["ok"].append(name)
-        else:
-            res["incomplete"].append(name)
-    return res
-
-
 #: The per-epoch fields of the mechanism records (plan ``authors100``), per class
 #: recall and precision (``None`` where nothing was predicted as the class), row norms,
 #: logit scales ``U_k ‖W_k‖``, row movement (this epoch and cumulative);
@@ -197,7 +107,7 @@ MECHANISM_FIELDS = ("test_acc_per_class", "test_precision_per_class",
                     "cumulative_row_movement")
 
 
-def _mechanism_ok(rec: dict, k: int) -> bool:
+def mechanism_ok(rec: dict, k: int) -> bool:
     """Every epoch carries the mechanism fields (``k`` numbers each; precision may be
     NaN where a class was never predicted) and the record the final confusion
     matrix."""
@@ -216,47 +126,6 @@ def _mechanism_ok(rec: dict, k: int) -> bool:
     cm = rec.get("confusion")
     return (isinstance(cm, list) and len(cm) == k and all(len(x) == k for x in cm)
             and sum(map(sum, cm)) == rec.get("eval_size"))
-
-
-def check_authors100(root: str | os.PathLike = RESULTS / "authors100",
-                     dataset: str = "cifar10", tiers: tuple[int, ...] = (1,)) -> dict:
-    """Completeness of the authors'-horizon study (plan ``authors100``) for the runs of
-    ``tiers``: each has ``metrics.json`` and ``provenance.json`` under
-    ``root/lr<lr>/``, the ``authors`` schedule with its milestones, the plan's
-    precision, every planned epoch recorded in order with finite test accuracy, and the
-    mechanism records (:data:`MECHANISM_FIELDS`, the confusion matrix). Returns
-    ``{"missing", "incomplete", "diverged", "ok"}`` with run names
-    ``lr<lr>/cond/method/seedk``."""
-    from studies.cifar.plans import authors100_plan
-
-    bad = [t for t in tiers if t not in AUTHORS100_TIERS]
-    if not tiers or bad:
-        raise ValueError(f"tiers must be a non-empty selection of {AUTHORS100_TIERS}, "
-                         f"got {tuple(tiers)}")
-    res: dict[str, list[str]] = {"missing": [], "incomplete": [], "diverged": [],
-                                 "ok": []}
-    k = NUM_CLASSES[dataset]
-    for job in authors100_plan({"dataset": dataset}, tiers):
-        sub = Path(job["out"]).relative_to(RESULTS / "authors100")
-        name = (f"{sub}/{job['conditioning']}/{job['method']}/seed{job['seed']}")
-        d = (Path(root) / sub / dataset / job["conditioning"] / job["method"]
-             / f"seed{job['seed']}")
-        rec = _checked(name, d, res)
-        if rec is None:
-            continue
-        want = int(job["epochs"])
-        proto = (rec.get("config", {}).get("schedule") == "authors"
-                 and rec.get("milestones") == milestones_for(want, "authors")
-                 and int(rec["config"].get("epochs", -1)) == want
-                 and rec.get("precision") == job["precision"]
-                 and float(rec.get("lr", -1)) == float(job["lr"]))
-        if proto and rec.get("diverged") and rec["epochs"]:
-            res["diverged"].append(name)
-        elif proto and _claim_row_ok(rec, k) and _mechanism_ok(rec, k):
-            res["ok"].append(name)
-        else:
-            res["incomplete"].append(name)
-    return res
 
 
 # -------------------------------------------------------------------------- selection
@@ -332,22 +201,6 @@ def _write_selection(path: Path, out: dict, force: bool) -> None:
     guard.write_json_guarded(path, out, force)
 
 
-# ------------------------------------------------------------------ authors100 verdict
-def load_authors100(root: str | os.PathLike = RESULTS / "authors100",
-                    dataset: str = "cifar10") -> dict[tuple, dict]:
-    """``{(tag, conditioning, method, seed): metrics record}`` for the runs under
-    ``root`` (``tag`` = ``lr<lr>`` or ``fp32/lr<lr>``)."""
-    out = {}
-    root = Path(root)
-    for mp in sorted(root.glob(f"**/{dataset}/*/*/seed*/metrics.json")):
-        rec = read_json(mp)
-        rel = mp.relative_to(root).parts
-        tag = "/".join(rel[:rel.index(dataset)])
-        c = rec["config"]
-        out[(tag, c["conditioning"], c["method"], int(c["seed"]))] = rec
-    return out
-
-
 # ----------------------------------------------------------------------------- commands
 def select_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     """``cifar select``: :func:`select_lrs` on the claim suite's selection runs."""
@@ -359,11 +212,22 @@ def select_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     return 0
 
 
+def report(res: dict) -> int:
+    """Print a completeness check's counts and the runs not ok; the exit status (1 when
+    a run is missing or incomplete)."""
+    extra = (("diverged:", res["diverged"]) if "diverged" in res
+             else ("cut by the budget (documented):", res.get("cut", [])))
+    print(json.dumps({k: len(v) for k, v in res.items()}),
+          "not ok:", json.dumps(res["missing"] + res["incomplete"]),
+          extra[0], json.dumps(extra[1]))
+    return 0 if not res["missing"] and not res["incomplete"] else 1
+
+
 def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     """``cifar check``: the completeness of a suite's records (exit 1 when a run is
-    missing or incomplete)."""
-    p.add_argument("--suite", default="claim", choices=(
-        "claim", "study6", "authors100", "fig3", "amortized_seeds", "fig3_audit"))
+    missing or incomplete): a suite a study registered
+    (:func:`studies.cifar.hooks.register_check`; it receives the parsed options)."""
+    p.add_argument("--suite", default="claim", choices=hooks.check_names())
     p.add_argument("--tiers", default="1", help="authors100: comma list of tiers")
     p.add_argument(
         "--root",
@@ -373,24 +237,4 @@ def check_command(p: argparse.ArgumentParser, rest: list[str]) -> int:
     p.add_argument("--dataset", default="cifar10", choices=DATASETS)
     p.add_argument("--min-epochs", type=int, default=30)
     a = p.parse_args(rest)
-    if a.suite in ("fig3", "amortized_seeds", "fig3_audit"):
-        return {"fig3": fig3_check, "amortized_seeds": seed_check,
-                "fig3_audit": audit_check}[a.suite](a.root)
-    if a.suite == "authors100":
-        try:
-            tiers = tuple(int(t) for t in a.tiers.split(","))
-        except ValueError:
-            tiers = ()
-        if not tiers or set(tiers) - set(AUTHORS100_TIERS):
-            p.error(f"--tiers: a comma list of {AUTHORS100_TIERS}, got {a.tiers!r}")
-        res = check_authors100(a.root or RESULTS / "authors100", a.dataset, tiers)
-    elif a.suite == "claim":
-        res = check_claim(a.root or CLAIM, a.dataset, a.min_epochs)
-    else:
-        res = check_results(a.root or RESULTS, a.dataset)
-    extra = (("diverged:", res["diverged"]) if "diverged" in res
-             else ("cut by the budget (documented):", res["cut"]))
-    print(json.dumps({k: len(v) for k, v in res.items()}),
-          "not ok:", json.dumps(res["missing"] + res["incomplete"]),
-          extra[0], json.dumps(extra[1]))
-    return 0 if not res["missing"] and not res["incomplete"] else 1
+    return hooks.check_of(a.suite)(a)

@@ -16,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from studies.kit import guard
 from studies.cifar.config import RunConfig
 from studies.cifar.data import load_cifar
-from studies.fig3.protocol import FIG3
 from studies.cifar.methods import AUTHORS100, METHODS, SELECTION
+from studies.kit import guard
 from studies.kit.provenance import ResultFileError, read_json
 
 log = logging.getLogger(__name__)
@@ -226,7 +225,7 @@ def wall_times(root: Path) -> dict[str, float]:
     return times
 
 
-def run_seconds(root: str | os.PathLike = FIG3,
+def run_seconds(root: str | os.PathLike,
                 fallback: str | os.PathLike | None = AUTHORS100) -> dict[str, float]:
     """Per method, the wall time (training and evaluation) of its fastest finished
     100-epoch run under ``root`` or ``fallback`` (the authors100 study), times

@@ -19,11 +19,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from studies.kit import guard
 from studies.cifar.config import SETTINGS, RunConfig
 from studies.cifar.data import DATASETS
+from studies.cifar.hooks import plan_names
 from studies.cifar.methods import CHECKPOINTS, CLAIM
-from studies.cifar.plans import PLAN_NAMES, assign_slots, build_plan, job_cost
+from studies.cifar.plans import assign_slots, build_plan, job_cost
 from studies.cifar.runtime import (
     checkpoint_path_for,
     resolve_lr,
@@ -31,6 +31,7 @@ from studies.cifar.runtime import (
     run_identity_of,
 )
 from studies.cifar.train import run
+from studies.kit import guard
 from studies.kit.cli_checks import int_arg, number_arg
 from studies.kit.provenance import ResultFileError, atomic_write_json, read_json
 from studies.kit.run_lock import run_lock
@@ -266,9 +267,9 @@ def _overrides(items: list[str]) -> dict[str, Any]:
 
 def _plan_arg(text: str) -> str:
     """``--plan``: a named plan or an existing JSON file of run settings."""
-    if text in PLAN_NAMES or Path(text).is_file():
+    if text in plan_names() or Path(text).is_file():
         return text
-    raise argparse.ArgumentTypeError(f"must be one of {', '.join(PLAN_NAMES)} or a "
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(plan_names())} or a "
                                      f"JSON file of run settings, got {text!r}")
 
 
@@ -284,7 +285,7 @@ def _epochs_arg(text: str) -> str:
 def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add("--plan", required=True, type=_plan_arg,
-        help=f"{', '.join(PLAN_NAMES)} or a JSON file of run settings")
+        help=f"{', '.join(plan_names())} or a JSON file of run settings")
     add("--dataset", default="cifar10", choices=DATASETS)
     add("--epochs", default="6", type=_epochs_arg,
         help="an integer, or 'auto' (from the schedule file)")

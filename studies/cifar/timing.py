@@ -31,7 +31,6 @@ from typing import Any, Sequence
 
 import torch
 
-from studies.kit import guard
 from studies.cifar.config import RunConfig
 from studies.cifar.data import DATASETS, NUM_CLASSES
 from studies.cifar.methods import (
@@ -46,6 +45,7 @@ from studies.cifar.methods import (
     milestones_for,
 )
 from studies.cifar.metrics import UpdateShare
+from studies.cifar.nets import NETWORKS
 from studies.cifar.plans import assign_slots, build_plan
 from studies.cifar.runtime import fast_cuda, sync
 from studies.cifar.steps import (
@@ -55,8 +55,8 @@ from studies.cifar.steps import (
     train_step,
 )
 from studies.cifar.train import Run
+from studies.kit import guard
 from studies.kit.cli_checks import device_problem, int_arg, names_arg, number_arg
-from studies.cifar.nets import NETWORKS
 from studies.kit.provenance import (
     atomic_write_json,
     make_provenance,

@@ -26,10 +26,9 @@ import time
 import numpy as np
 import torch
 
-from studies.kit import guard
+from studies.cifar import hooks
 from studies.cifar.config import RunConfig
 from studies.cifar.data import NUM_CLASSES
-from studies.fig3.protocol import sibling_rows, stop_reason
 from studies.cifar.images import GPUAugmentedData
 from studies.cifar.methods import (
     CLIP_NORM,
@@ -62,6 +61,7 @@ from studies.cifar.steps import (
     make_step,
     train_step,
 )
+from studies.kit import guard
 from studies.kit.provenance import atomic_write_json, write_provenance
 
 log = logging.getLogger(__name__)
@@ -309,14 +309,14 @@ class Run:
         return spread
 
     def _early_stop(self, row: dict, num_classes: int) -> bool:
-        """Apply the run's early-stop rule
-        (:func:`~studies.fig3.protocol.stop_reason`) to its latest epoch ``row``,
-        on the validation accuracy; ``True`` records the reason and ends the run."""
+        """Apply the run's early-stop rule (registered by its study:
+        :func:`studies.cifar.hooks.early_stop_rule`) to its latest epoch ``row``, on the
+        validation accuracy; ``True`` records the reason and ends the run."""
         acc = row.get("val_acc", row["test_acc"])  # without eval_test: validation
         rows = [{**r, "val_acc": r.get("val_acc", r["test_acc"])}
                 for r in self.record["epochs"]]
-        stop = stop_reason({**row, "val_acc": acc}, sibling_rows(self.rdir),
-                           num_classes, rows=rows)
+        rule = hooks.early_stop_rule(self.cfg.early_stop)
+        stop = rule({**row, "val_acc": acc}, rows, self.rdir, num_classes)
         if stop is None:
             return False
         self.record["early_stop"] = {"rule": self.cfg.early_stop, **stop}

@@ -1,7 +1,8 @@
 """Tables and quoted numbers of the CIFAR claim suite (plan ``claim``; book chapter
 :ref:`experiments-cifar`), read from its committed records.
 
-Each table function returns a Markdown table (:func:`studies.kit.tables.markdown_table`);
+Each table function returns a Markdown table
+(:func:`studies.kit.tables.markdown_table`);
 each ``*_values`` function returns a dictionary ``{name: number}`` of the numbers the
 chapter's prose quotes, under the names it glues them by. The records are those of
 :func:`studies.cifar.results.load_results` (``{(conditioning, method, seed):
@@ -153,7 +154,7 @@ def verdict_word(holds: bool | None) -> str:
 
 def verdict_table(v: dict) -> str:
     """The three criteria of
-    :func:`~studies.cifar.verdicts.claim_verdict` (its result ``v``), with
+    :func:`~studies.claim_suite.verdict.claim_verdict` (its result ``v``), with
     the numbers behind each and whether it holds."""
     U_small = ", ".join(f"{u:.0e}" for u in v["U_small"])
     per_class = ", ".join(f"{a:.2f} (WC {b:.2f})"

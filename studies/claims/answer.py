@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from studies.cifar import verdicts
-from studies.fig3.protocol import grid_state, load_protocol
 from studies.cifar.methods import LR_GRID, METHODS
 from studies.claims.ledger import RESULTS, cifar_fig3_verdict
+from studies.fig3 import verdicts
+from studies.fig3.protocol import grid_state, load_protocol
 from studies.kit.wording import fixed, name_list, pct
 
 __all__ = ["DRASTIC", "DROP_HEADER", "drop_table", "fig3_drops", "fig3_negatives",

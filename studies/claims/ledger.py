@@ -12,28 +12,25 @@ from pathlib import Path
 
 import numpy as np
 
-from studies.fig3 import protocol as fig3
-
-from studies.fig3 import clocks as fig3_time
-from studies.amortized.readings import time_rows
+from studies.authors100.records import load_authors100
+from studies.authors100.verdict import authors100_verdict
 from studies.cifar.methods import CLAIM_ALL, METHODS
-from studies.cifar.plans import queue_left, queue_phrase
 from studies.cifar.records import (
     at_epoch,
     epoch_seconds,
     final_accuracy_table,
     time_to_accuracy,
 )
-from studies.cifar.results import load_authors100, load_results, study6_table
-from studies.cifar.verdicts import (
-    ablation_rows,
-    authors100_verdict,
-    claim_verdict,
-    fig3_verdicts,
-    seed_summary,
-)
-from studies.toy.setup import load_flow, load_rows, summarise
+from studies.cifar.results import load_results
+from studies.claim_suite.verdict import claim_verdict
+from studies.fig3 import clocks as fig3_time
+from studies.fig3 import protocol as fig3
+from studies.fig3.amortized.readings import time_rows
+from studies.fig3.plan import queue_left, queue_phrase
+from studies.fig3.verdicts import ablation_rows, fig3_verdicts, seed_summary
 from studies.kit.wording import fixed, name_list
+from studies.study6.records import study6_table
+from studies.toy.setup import load_flow, load_rows, summarise
 
 __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "cifar_context", "cifar_fig3_verdict", "synthetic_verdicts",
@@ -58,7 +55,7 @@ ABLATION_WORSE = ("kwng_D_identity", "kwng_D_T", "kwng_diag_T", "diag_Ttilde")
 
 def ablation_verdict(rows: list[dict]) -> dict:
     """The Fig. 7 claim from the ablation rows of the Fig. 3 protocol
-    (:func:`studies.cifar.verdicts.ablation_rows`). A variant lies
+    (:func:`studies.fig3.verdicts.ablation_rows`). A variant lies
     ``"below"`` or ``"above"`` KWNG when its mean final test accuracy differs from
     KWNG's by more than the larger of the two seed ranges (0 for one run), else
     ``"level"``; the claim :func:`mixed_verdict` of "every variant of
@@ -78,7 +75,7 @@ def ablation_verdict(rows: list[dict]) -> dict:
 
 def momentum_verdict(summ: dict) -> dict:
     """The §4.2 claim "using Momentum leads to an improved performance in the (WC)
-    case", from :func:`studies.cifar.verdicts.seed_summary`: ``well/kwng_mom``
+    case", from :func:`studies.fig3.verdicts.seed_summary`: ``well/kwng_mom``
     against ``well/kwng``, each at its selected step. ``gap`` is momentum's mean final
     test accuracy minus KWNG's (points), ``tol`` the larger of their seed ranges; the
     verdict is ``"holds"`` if ``gap > tol``, ``"fails"`` if ``gap < -tol``, else
@@ -102,7 +99,7 @@ def time_verdict(tta: dict, fig3_ver: dict, target: float = 0.85) -> dict:
     test accuracy in fewer training seconds than the baseline (one that never
     reaches it is slower), ``"fails"`` if the baseline gets there first, and
     ``"pending"`` while the baseline's Fig. 3 verdict (``fig3_ver``, from
-    :func:`studies.cifar.verdicts.fig3_verdicts`) is. ``tta`` comes from
+    :func:`studies.fig3.verdicts.fig3_verdicts`) is. ``tta`` comes from
     :func:`studies.fig3.clocks.seconds_to_accuracy` (the time
     figure's clock). ``verdict``: :func:`mixed_verdict` once no baseline is pending;
     ``seconds``: each method's mean seconds to ``target`` in IC (None: never)."""
@@ -273,7 +270,7 @@ def cifar_context(root: str | os.PathLike = RESULTS) -> dict:
 
 def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     """The Fig. 3 protocol's verdicts so far
-    (:func:`studies.cifar.verdicts.fig3_verdicts`): ``per_baseline``, the
+    (:func:`studies.fig3.verdicts.fig3_verdicts`): ``per_baseline``, the
     counts by verdict, the queue left, ``verdict``: ``"pending"`` while any
     baseline is pending, else ``by_baseline``, and
     ``by_baseline``: every baseline's verdict so far in one phrase ("holds against
@@ -289,7 +286,7 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     (where its seconds come from, :func:`~studies.fig3.clocks.time_runs`)
     and ``time_s85``: the mean training seconds to 85 % test accuracy in IC of each
     method that gets there, the amortized study's (``k > 1``, one seed each,
-    :func:`~studies.amortized.readings.time_rows`, same clock) included."""
+    :func:`~studies.fig3.amortized.readings.time_rows`, same clock) included."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
     ver = fig3_verdicts(p, base)

@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from studies.cifar.hooks import register_check
+from studies.cifar.methods import LR_GRID, METHODS, RESULTS
 from studies.fig3.protocol import (
     FIG3,
     grid_state,
@@ -26,8 +28,7 @@ from studies.fig3.protocol import (
     run_status,
     stop_reason,
 )
-from studies.cifar.methods import LR_GRID, METHODS, RESULTS
-from studies.cifar.verdicts import selected_runs
+from studies.fig3.verdicts import selected_runs
 from studies.kit.provenance import ResultFileError, read_json
 
 __all__ = ["FIG3_AUDIT", "audit_groups", "check_audit", "audit_check", "edge_runs",
@@ -213,3 +214,6 @@ def repro_runs(p: dict | None = None, root: str | os.PathLike = FIG3_AUDIT,
                     "within": (spread[0] <= final <= spread[-1]) if len(spread) >= 2
                     else None})
     return out
+
+
+register_check("fig3_audit", lambda a: audit_check(a.root))

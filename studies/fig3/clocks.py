@@ -11,7 +11,7 @@ Two clocks, one per source of timings:
   (:func:`timed_runs`). Methods are compared on one machine in one run;
 * **the queue's own runs** (until that record exists): the training seconds each run
   recorded, from the runs that had a GPU to themselves
-  (:func:`studies.cifar.verdicts.alone_runs`), on H100s of several rounds.
+  (:func:`studies.fig3.verdicts.alone_runs`), on H100s of several rounds.
 
 :func:`time_runs` picks the clock, :func:`seconds_to_accuracy` reads it.
 """
@@ -23,10 +23,10 @@ import os
 import statistics
 from pathlib import Path
 
-from studies.fig3.protocol import FIG3, grid_state
 from studies.cifar.methods import METHODS
 from studies.cifar.records import epoch_seconds
-from studies.cifar.verdicts import alone_runs, selected_runs
+from studies.fig3.protocol import FIG3, grid_state
+from studies.fig3.verdicts import alone_runs, selected_runs
 from studies.kit.provenance import read_json
 from studies.kit.wording import name_list
 
@@ -52,7 +52,7 @@ def step_ms(timing: dict, precision: str = "bf16") -> dict[str, float]:
 
 def timed_runs(p: dict, root: str | os.PathLike, timing: dict) -> dict[tuple, dict]:
     """Every finished run at a selected step
-    (:func:`~studies.cifar.verdicts.selected_runs`) of a method the timing
+    (:func:`~studies.fig3.verdicts.selected_runs`) of a method the timing
     measured, as a copy whose epochs' ``time_train`` is the cumulative step count times
     that method's step time (:func:`step_ms` in the protocol's precision); other
     methods are left out."""

@@ -11,7 +11,7 @@ this module reads it and derives everything else from it and from the records on
   at an inner edge of what was run); the queue made of it is
   :func:`studies.cifar.plans.fig3_plan`;
 * :func:`check_fig3` — every record against the protocol, with its provenance
-  (``cifar check --suite fig3``: :func:`fig3_check`).
+  (``cifar check --suite fig3``: :func:`studies.fig3.plan.fig3_check`).
 
 The early-stop rule (:func:`stop_reason`, the run setting ``early_stop="fig3"``). A
 step-size grid spends most of its GPU time on steps that cannot win. The protocol stops
@@ -32,7 +32,7 @@ the siblings' rows at the same ``e`` that exist by then, so a run ahead of its
 siblings in wall-clock is stopped as soon as a sibling reaches an epoch at which it
 was 25 points behind (the stop names that epoch as ``compared_at``). A run that
 finishes before its siblings reach such an epoch cannot be stopped live;
-:func:`studies.cifar.verdicts.posthoc_stops` evaluates the rule over the
+:func:`studies.fig3.verdicts.posthoc_stops` evaluates the rule over the
 finished records and names every run the rule condemns, stopped live or not. A
 stopped run keeps its record with ``"early_stop": {"reason", "epoch", ...}`` and
 counts as finished.
@@ -40,13 +40,13 @@ counts as finished.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import subprocess
 from pathlib import Path
 
+from studies.cifar.hooks import register_early_stop
 from studies.cifar.methods import LR_GRID, METHODS, RESULTS, milestones_for
 from studies.cifar.records import (
     execution_problem,
@@ -59,7 +59,7 @@ from studies.kit.provenance import ResultFileError, read_json
 __all__ = ["FIG3", "PROTOCOL_FILE", "AMENDMENTS_NAME", "CHANCE_MARGIN", "CHANCE_EPOCH",
            "GAP", "GAP_EPOCH", "RULE", "load_protocol", "window_for", "protocol_commit",
            "sibling_rows", "stop_reason", "run_status", "record_at",
-           "grid_state", "record_problem", "check_fig3", "fig3_check", "rounds",
+           "grid_state", "record_problem", "check_fig3", "rounds",
            "round_of", "round_epoch_seconds"]
 
 log = logging.getLogger(__name__)
@@ -344,25 +344,6 @@ def check_fig3(root: str | os.PathLike = FIG3, p: dict | None = None) -> dict:
     return res
 
 
-def fig3_check(root: str | None) -> int:
-    """``cifar check --suite fig3``: every record of the Fig. 3 protocol against the
-    protocol (:func:`check_fig3`), then the selection so far and the queue left. Exit 1
-    if a record is bad or unfinished."""
-    p = load_protocol()
-    res = check_fig3(root or FIG3, p)
-    for name, problem in res["bad"]:
-        print("bad:", name, "-", problem)
-    for name, note in res["differs"]:
-        print("ran otherwise than its identity says:", name, "-", note)
-    print(json.dumps({k: len(v) for k, v in res.items()}),
-          "incomplete:", json.dumps(res["incomplete"]))
-    for key, st in grid_state(p, root or FIG3).items():
-        runs = " ".join(f"{lr:g}:{s}" for lr, s in sorted(st["runs"].items()))
-        print(f"{key:22s} selected {st['selected']} final {st['final']} "
-              f"next {st['next']}  [{runs}]")
-    return 1 if res["bad"] or res["incomplete"] else 0
-
-
 def rounds(root: str | os.PathLike = FIG3) -> list[dict]:
     """The GPU rounds of the queue (``rounds.json`` beside the records): machine, git
     commit, runs per GPU, whether each run had its GPU alone, device seconds."""
@@ -398,3 +379,14 @@ def round_epoch_seconds(p: dict, root: str | os.PathLike = FIG3,
         t = [r["time_train"] for r in rec["epochs"]]
         out.setdefault(rd["round"], []).extend(b - a for a, b in zip(t, t[1:]))
     return out
+
+
+def early_stop(row: dict, rows: list[dict], rdir: Path,
+               num_classes: int) -> dict | None:
+    """The rule as the trainer calls it (:mod:`studies.cifar.hooks`):
+    :func:`stop_reason`
+    with the sibling runs read from the grid beside ``rdir``."""
+    return stop_reason(row, sibling_rows(rdir), num_classes, rows=rows)
+
+
+register_early_stop("fig3", early_stop)

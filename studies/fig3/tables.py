@@ -7,8 +7,8 @@ into a Markdown table, :func:`tta_values` into the named numbers the prose glues
 from __future__ import annotations
 
 from studies.cifar.methods import METHODS
-from studies.kit.wording import fixed, name_list
 from studies.kit.tables import markdown_table
+from studies.kit.wording import fixed, name_list
 
 __all__ = ["TTA_HEADER", "TTA_ANSWER", "tta_table", "tta_values", "threshold_table"]
 

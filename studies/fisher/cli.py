@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from kwng import config as _config
-from studies.kit.cli_checks import int_arg, path_problem
 from studies.fisher.flow import run_flow
 from studies.fisher.sweep import FISHER_MODELS, run_sweep
+from studies.kit.cli_checks import int_arg, path_problem
 from studies.kit.guard import ConfigMismatchError
 from studies.kit.provenance import ResultFileError, index_provenance
 from studies.toy.setup import RELERR_BANDWIDTH

@@ -18,14 +18,14 @@ import numpy as np
 import torch
 
 from kwng.estimator import kwng_gradient
-from studies.toy.grid import keyed_seed, parse_bandwidth
+from kwng.fisher import kfng_gradient
+from kwng.fisher_exact import fisher_natural_gradient
+from kwng.models import NormalModel
 from studies.kit.guard_csv import read_csv_checked, write_csv_rows
 from studies.kit.provenance import atomic_write_json, make_provenance
 from studies.kit.result_dir import prepare_result_dir
 from studies.toy.flow import flow_problem, normal_w2_and_grad
-from kwng.fisher import kfng_gradient
-from kwng.fisher_exact import fisher_natural_gradient
-from kwng.models import NormalModel
+from studies.toy.grid import keyed_seed, parse_bandwidth
 
 __all__ = ["FLOW_COLUMNS", "normal_kl_and_grad", "run_flow", "load_flow"]
 

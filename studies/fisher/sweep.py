@@ -18,7 +18,10 @@ import torch
 
 from kwng.estimator import draw_basis, kwng_gradient, with_bandwidth
 from kwng.estimator_checks import relative_error
-from studies.toy.grid import keyed_seed, panel_points, parse_bandwidth
+from kwng.fisher import fisher_kernel_matrices, kernel_fisher_metric, kfng_gradient
+from kwng.fisher_exact import fisher_matrix, fisher_natural_gradient, scores
+from kwng.jacobians import jacobian_from_sampler
+from kwng.models import make_model, model_names
 from studies.kit.guard import FORCE_HINT, backup
 from studies.kit.guard_csv import read_csv_checked, write_csv_rows
 from studies.kit.provenance import (
@@ -27,10 +30,7 @@ from studies.kit.provenance import (
     make_provenance,
 )
 from studies.kit.result_dir import prepare_result_dir
-from kwng.fisher import fisher_kernel_matrices, kernel_fisher_metric, kfng_gradient
-from kwng.fisher_exact import fisher_matrix, fisher_natural_gradient, scores
-from kwng.jacobians import jacobian_from_sampler
-from kwng.models import make_model, model_names
+from studies.toy.grid import keyed_seed, panel_points, parse_bandwidth
 
 __all__ = ["FISHER_MODELS", "SWEEP_COLUMNS", "compare_once", "metric_vs_lambda",
            "checked_sweep_rows", "load_sweep", "run_sweep"]

@@ -2,7 +2,8 @@
 :ref:`fisher-rao`), from the rows of
 :func:`~studies.fisher.sweep.load_sweep`.
 
-Each table function returns a Markdown table (:func:`studies.kit.tables.markdown_table`);
+Each table function returns a Markdown table
+(:func:`studies.kit.tables.markdown_table`);
 each ``*_values`` function returns a dictionary ``{name: number}`` of the numbers the
 chapter's prose quotes, under the names it glues them by:
 
@@ -20,9 +21,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from kwng.theory.nystrom import loglog_slope
 from studies.fisher.figures import ESTIMATORS, median_by
 from studies.kit.tables import markdown_table
-from kwng.theory.nystrom import loglog_slope
 
 __all__ = ["convergence", "convergence_table", "convergence_values", "sphere_table",
            "sphere_values", "time_table", "time_values"]

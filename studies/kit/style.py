@@ -1,6 +1,7 @@
 """How the book's figures look: one size, one set of fonts, one colour per method.
 
-Every figure function of :mod:`studies.plots_unused` draws inside :func:`book_figure`, which sets
+Every figure function of the studies' figure modules draws inside :func:`book_figure`,
+which sets
 :data:`BOOK_STYLE` while the figure is drawn and, in a notebook, has the figure shown as
 SVG (vector, so ``tools/check_book.py`` can read the size of every text from the file).
 

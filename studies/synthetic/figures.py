@@ -13,8 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from studies.toy.setup import summarise
 from studies.kit.style import FIG_WIDTH_IN, book_figure, grid_ticks, method_color
+from studies.toy.setup import summarise
 
 __all__ = [
     "plot_relerr",

@@ -40,7 +40,7 @@ import torch
 
 from kwng import config as _config
 from kwng.estimator import kwng_gradient
-from studies.toy.grid import parse_bandwidth
+from kwng.gaussian import normal_wng_sigma_coords
 from studies.kit.provenance import (
     atomic_write_json,
     index_provenance,
@@ -48,8 +48,8 @@ from studies.kit.provenance import (
     read_json,
 )
 from studies.toy.flow import flow_problem, normal_w2_and_grad
+from studies.toy.grid import parse_bandwidth
 from studies.toy.setup import flow_config
-from kwng.gaussian import normal_wng_sigma_coords
 
 log = logging.getLogger(__name__)
 

@@ -34,13 +34,14 @@ import torch
 
 from kwng import config as _config
 from kwng.batched import batched_kwng
+from kwng.models import make_model
 from studies.kit.cli_checks import device_problem, number_arg, path_problem
-from studies.toy.grid import keyed_seed, parse_bandwidth
 from studies.kit.guard import ConfigMismatchError
 from studies.kit.guard_csv import write_csv_rows
 from studies.kit.provenance import ResultFileError, read_json, write_provenance
 from studies.kit.result_dir import prepare_result_dir
 from studies.toy.flow import run_flow
+from studies.toy.grid import keyed_seed, parse_bandwidth
 from studies.toy.setup import (
     FIGURE_MODELS,
     SWEEP_COLUMNS,
@@ -52,7 +53,6 @@ from studies.toy.setup import (
     relerr_config,
     sweep_points,
 )
-from kwng.models import make_model
 
 __all__ = ["REQUIRED_PROVENANCE", "run_sweep", "check_results_complete", "main"]
 

@@ -1,7 +1,8 @@
 """Tables and quoted numbers of the synthetic experiments (chapter
 :ref:`experiments-synthetic`), from their committed results.
 
-Each table function returns a Markdown table (:func:`studies.kit.tables.markdown_table`);
+Each table function returns a Markdown table
+(:func:`studies.kit.tables.markdown_table`);
 each ``*_values`` function returns a dictionary ``{name: number}`` of the numbers the
 chapter's prose quotes, under the names it glues them by. ``rows_by_model`` maps a
 model's name to its rows (:func:`~studies.toy.setup.load_rows`):
@@ -20,9 +21,9 @@ import re
 
 import numpy as np
 
-from studies.toy.setup import summarise
-from studies.claims.findings import bandwidth_range, relerr_headline
 from studies.kit.tables import markdown_table
+from studies.synthetic.findings import bandwidth_range, relerr_headline
+from studies.toy.setup import summarise
 
 __all__ = ["relerr_table", "relerr_values", "bandwidth_table", "bandwidth_values",
            "flow_study_table", "flow_study_values"]

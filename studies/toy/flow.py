@@ -15,16 +15,16 @@ import numpy as np
 import torch
 
 from kwng.estimator import kwng_gradient
-from studies.toy.grid import BandwidthSpec, keyed_seed, parse_bandwidth
+from kwng.gaussian import gaussian_w2_squared
+from kwng.models import NormalModel
 from studies.kit.provenance import write_provenance
 from studies.kit.result_dir import prepare_result_dir
+from studies.toy.grid import BandwidthSpec, keyed_seed, parse_bandwidth
 from studies.toy.setup import (
     flow_problems,
     write_flow_csvs,
     write_pca_csv,
 )
-from kwng.gaussian import gaussian_w2_squared
-from kwng.models import NormalModel
 
 __all__ = ["normal_w2_and_grad", "flow_problem", "run_flow"]
 

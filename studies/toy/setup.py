@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from kwng import config as _config
-from studies.toy.grid import panel_points
+from kwng.models import NormalModel, model_names
 from studies.kit.guard_csv import read_csv_checked
 from studies.kit.provenance import ResultFileError, atomic_write_text, read_json
-from kwng.models import NormalModel, model_names
+from studies.toy.grid import panel_points
 
 __all__ = [
     "summarise",

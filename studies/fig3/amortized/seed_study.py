@@ -11,10 +11,11 @@ import os
 import statistics
 from pathlib import Path
 
-from studies.fig3.protocol import FIG3, load_protocol, record_problem, run_status
-from studies.fig3.clocks import first_at, retime, step_ms, time_runs
+from studies.cifar.hooks import register_check
 from studies.cifar.methods import METHODS, RESULTS
-from studies.cifar.verdicts import selected_runs
+from studies.fig3.clocks import first_at, retime, step_ms, time_runs
+from studies.fig3.protocol import FIG3, load_protocol, record_problem, run_status
+from studies.fig3.verdicts import selected_runs
 from studies.kit.provenance import ResultFileError, read_json
 
 __all__ = ["AMORTIZED", "AMORTIZED_SEEDS", "BAR", "SEED_RUN_HEADER",
@@ -369,3 +370,6 @@ def failure_values(fail: dict[str, list[dict]], every: int = 100) -> dict[str, s
         "good": str(sum(r["fallbacks"] + r["ill_conditioned"] for r in good)),
         "k20_ill": ", ".join(str(r["ill_conditioned"]) for r in fail["kwng_k20"]),
         "k20_fall": str(sum(r["fallbacks"] for r in fail["kwng_k20"]))}
+
+
+register_check("amortized_seeds", lambda a: seed_check(a.root))

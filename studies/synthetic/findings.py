@@ -1,4 +1,4 @@
-"""The book's headline findings, computed from the committed records, for the
+"""The synthetic study's headline findings, computed from the committed records, for the
 five-line summary of :ref:`ten-minutes` (the chapters that make each point quote the
 same numbers from the same files).
 
@@ -10,16 +10,13 @@ plain numbers.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from studies.toy.setup import summarise
-from studies.bench.figures import step_rows
 
-__all__ = ["relerr_headline", "bandwidth_range", "divergence_step", "step_cost_ratio",
-           "STEP_COST_RECORD"]
+__all__ = ["relerr_headline", "bandwidth_range", "divergence_step"]
 
 
 def relerr_headline(rows: Sequence[dict]) -> dict[str, float]:
@@ -52,21 +49,3 @@ def divergence_step(loss: Sequence[float]) -> int | None:
     or ``None`` if it stays finite."""
     finite = np.isfinite(np.asarray(loss, dtype=float))
     return None if finite.all() else int(np.flatnonzero(finite)[-1]) + 1
-
-
-#: the step-cost record every page quotes a KWNG step's cost in SGD steps from (under
-#: ``results/``): the table of the GPU appendix, measured with the book's code
-#:
-#: :meta hide-value:
-STEP_COST_RECORD = Path("benchmarks") / "recheck" / "step_cost_after.json"
-
-
-def step_cost_ratio(record: dict, precision: str = "bf16_autocast",
-                    layout: str = "channels_last", num_basis: int = 5) -> float:
-    """The KWNG step (fast path, replayed from a CUDA graph) in SGD steps replayed the
-    same way, from the step-cost record (:mod:`studies.bench.step_cost`;
-    the pages read :data:`STEP_COST_RECORD`)."""
-    rows = step_rows(record)
-    kwng = rows[(precision, layout, "kwng_fast_graph", num_basis)]["median_ms"]
-    sgd = rows[(precision, layout, "sgd_graph", None)]["median_ms"]
-    return kwng / sgd

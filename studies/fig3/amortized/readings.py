@@ -18,11 +18,11 @@ from __future__ import annotations
 import os
 import statistics
 
-from studies.fig3.protocol import FIG3, grid_state
-from studies.fig3.clocks import first_at, retime, step_ms, time_runs
 from studies.cifar.methods import AMORTIZED_METHODS, METHODS
-from studies.amortized.seed_study import AMORTIZED, amortized_runs
-from studies.cifar.verdicts import alone_runs, seed_summary
+from studies.fig3.amortized.seed_study import AMORTIZED, amortized_runs
+from studies.fig3.clocks import first_at, retime, step_ms, time_runs
+from studies.fig3.protocol import FIG3, grid_state
+from studies.fig3.verdicts import alone_runs, seed_summary
 from studies.kit.provenance import read_json
 
 __all__ = ["TARGETS", "TIME_HEADER", "TIME_ANSWER", "clock_runs", "time_rows",
@@ -75,7 +75,7 @@ def clock_runs(p: dict, fig3_root: str | os.PathLike = FIG3,
     a selected step, and each amortized run, put on its step times,
     :func:`studies.fig3.clocks.time_runs`), else as ``"own"`` (``kind``
     ``"alone"``): each run's own training seconds, from the protocol's runs that had a
-    GPU to themselves (:func:`studies.cifar.verdicts.alone_runs`)."""
+    GPU to themselves (:func:`studies.fig3.verdicts.alone_runs`)."""
     if clock not in ("auto", "own"):
         raise ValueError(f"clock must be 'auto' or 'own', got {clock!r}")
     am = amortized_runs(p, root)

@@ -23,7 +23,7 @@ between ``g`` and the fresh one.
 Command (a GPU machine; writes ``OUT/trace.csv`` and ``OUT/provenance.json``, and
 refuses an ``OUT`` that holds a trace)::
 
-    python -m studies.amortized.stale_trace --method kwng_k100 --seed 3 \\
+    python -m studies.fig3.amortized.stale_trace --method kwng_k100 --seed 3 \\
         --epochs 15 --data-root DATA --out OUT
 """
 
@@ -175,12 +175,12 @@ def trace_run(settings: dict[str, Any], out: str | Path) -> StaleTrace:
     write_provenance(out, cfg.to_dict(), seeds={"seed": cfg.seed},
                      device=str(run.device), lr=lr, method_spec=cfg.spec,
                      what="per-step trace of an amortized KWNG run "
-                          "(studies.amortized.stale_trace)")
+                          "(studies.fig3.amortized.stale_trace)")
     return tr
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m studies.amortized.stale_trace",
+    ap = argparse.ArgumentParser(prog="python -m studies.fig3.amortized.stale_trace",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--method", required=True,
                     choices=[m for m, v in METHODS.items()

@@ -1,14 +1,9 @@
-"""The verdicts of the CIFAR study and what its records say so far.
-
-* The decision rules, each fixed before the runs it judges: the claim suite's (30
-  epochs, :func:`claim_verdict`) and the authors'-horizon study's (100 epochs,
-  :func:`authors100_verdict`), both read in the book chapter :ref:`experiments-cifar`.
-* The Fig. 3 protocol's records (book chapter :ref:`cifar-fig3`): the selection table,
-  the runs at each selected step, the verdict per baseline by the protocol's rule
-  (:func:`fig3_verdicts`) and the runs that had a GPU alone (the clocks of the time
-  figure: :mod:`studies.fig3.clocks`; the queue left:
-  :func:`studies.cifar.plans.queue_left`). Plots take these as arguments
-  (:func:`studies.cifar.figures.fig_accuracy_per_epoch`).
+"""The Fig. 3 protocol's verdicts (book chapter :ref:`cifar-fig3`): the selection
+table, the runs at each selected step, the verdict per baseline by the protocol's rule
+(:func:`fig3_verdicts`), the runs that had a GPU alone (the clocks of the time figure:
+:mod:`studies.fig3.clocks`; the queue left: :func:`studies.fig3.plan.queue_left`), the
+ablation's runs and the early-stop rule evaluated after the fact. Plots take these as
+arguments (:func:`studies.cifar.figures.fig_accuracy_per_epoch`).
 """
 
 from __future__ import annotations
@@ -17,8 +12,7 @@ import os
 import statistics
 from pathlib import Path
 
-import numpy as np
-
+from studies.cifar.methods import LR_GRID
 from studies.fig3.protocol import (
     FIG3,
     grid_state,
@@ -28,186 +22,13 @@ from studies.fig3.protocol import (
     run_status,
     stop_reason,
 )
-from studies.cifar.methods import CLAIM_ALL, LR_GRID
-from studies.cifar.records import (
-    class_scalings,
-    final_accuracy_table,
-    final_per_class,
-)
 from studies.kit.provenance import read_json
 
-__all__ = ["SMALL_U", "claim_verdict", "authors100_verdict", "selection_rows",
-           "selected_runs", "seed_summary", "fig3_verdicts", "alone_runs",
-           "ablation_runs", "ablation_rows", "posthoc_stops",
+__all__ = ["selection_rows", "selected_runs", "seed_summary", "fig3_verdicts",
+           "alone_runs", "ablation_runs", "ablation_rows", "posthoc_stops",
            "captured_epoch_seconds"]
 
-#: Threshold of the claim suite's decision rule (its small-scaling classes have U_k at
-#: most this).
-SMALL_U = 1e-3
 
-
-def claim_verdict(
-    results: dict,
-    within: float = 0.05,
-    above_sgd: float = 0.20,
-    class_ratio: float = 0.5,
-    small_u: float = SMALL_U,
-) -> dict:
-    """The decision rule of the claim suite, fixed before the runs (book chapter,
-    "Decision rule"): the claim holds if, in the final test accuracy (mean over seeds),
-    (a) IC KWNG is within ``within`` of WC KWNG, (b) IC KWNG is at least ``above_sgd``
-    above IC SGD, and (c) on every class with ``U_k ≤ small_u``, IC KWNG's accuracy is
-    at least ``class_ratio`` times WC KWNG's on that class. Returns the numbers and the
-    three booleans (``None`` where a run is missing)."""
-    table = final_accuracy_table(results, methods=CLAIM_ALL)
-
-    def fin(m, c):
-        return table.get(m, {}).get(c, {}).get("mean")
-
-    k_ill, k_well, s_ill = fin("kwng", "ill"), fin("kwng", "well"), fin("sgd", "ill")
-    has_U = any(c == "ill" and r.get("U") for (c, _, _), r in results.items())
-    U = class_scalings(results) if has_U else np.zeros(0)
-    small = np.flatnonzero(U <= small_u)
-    small = small[np.argsort(U[small])]  # ascending U_k
-    pc_ill = final_per_class(results, "ill", "kwng")
-    pc_well = final_per_class(results, "well", "kwng")
-    out = {
-        "kwng_ill": k_ill,
-        "kwng_well": k_well,
-        "sgd_ill": s_ill,
-        "small_classes": small.tolist(),
-        "U_small": U[small].tolist(),
-        "a_within": None,
-        "b_above_sgd": None,
-        "c_small_classes": None,
-        "drops": {
-            m: (fin(m, "well") - fin(m, "ill"))
-            if fin(m, "well") is not None and fin(m, "ill") is not None
-            else None
-            for m in CLAIM_ALL
-        },
-    }
-    if k_ill is not None and k_well is not None:
-        out["a_within"] = bool(abs(k_well - k_ill) <= within)
-    if k_ill is not None and s_ill is not None:
-        out["b_above_sgd"] = bool(k_ill - s_ill >= above_sgd)
-    if pc_ill is not None and pc_well is not None:
-        out["per_class_ill"] = pc_ill[small].tolist()
-        out["per_class_well"] = pc_well[small].tolist()
-        out["c_small_classes"] = bool(
-            np.all(pc_ill[small] >= class_ratio * pc_well[small])
-        )
-    parts = (out["a_within"], out["b_above_sgd"], out["c_small_classes"])
-    out["holds"] = None if any(p is None for p in parts) else all(parts)
-    return out
-
-
-def authors100_verdict(
-    records: dict[tuple, dict],
-    within: float = 0.05,
-    above_sgd: float = 0.20,
-    class_ratio: float = 0.5,
-    small_u: float = 1e-3,
-    learned: float = 0.5,
-) -> dict:
-    """The decision rule of the authors'-horizon study, fixed before its results were
-    read into the book: the three criteria of the 30-epoch claim suite,
-    evaluated at the last epoch (100), plus a fourth. With ``a`` the final test accuracy
-    (mean over the seeds present) of ``kwng`` at the authors' step 10:
-
-    1. ``|a_WC − a_IC| ≤ within``;
-    2. ``a_IC − a_SGD ≥ above_sgd``, ``a_SGD`` the better of IC ``sgd`` at its selected
-       step (0.1) and at 10× (1) — the fair baseline;
-    3. on every class with ``U_k ≤ small_u``, IC ``kwng``'s recall (the per-class test
-       accuracy, mean over seeds) is at least ``class_ratio`` times WC ``kwng``'s;
-    4. the two classes with the smallest ``U_k`` reach recall ≥ ``learned`` and
-       precision ≥ ``learned`` in IC ``kwng`` (mean over seeds).
-
-    The claim holds if all four hold; ``None`` where a run is missing. ``records`` as
-    :func:`studies.cifar.results.load_authors100`."""
-    k_ill, k_well = (
-        _final(records, "lr10", "ill", "kwng"),
-        _final(records, "lr10", "well", "kwng"),
-    )
-    sgds = {t: _final(records, t, "ill", "sgd") for t in ("lr0.1", "lr1")}
-    sgd_ok = {t: float(v) for t, v in sgds.items() if v is not None}
-    out: dict = {
-        "kwng_ill": None if k_ill is None else float(k_ill),
-        "kwng_well": None if k_well is None else float(k_well),
-        "sgd_ill_by_step": sgd_ok,
-        "sgd_ill": max(sgd_ok.values(), default=None),
-        "c1_within": None,
-        "c2_above_sgd": None,
-    }
-    if k_ill is not None and k_well is not None:
-        out["c1_within"] = bool(abs(float(k_well) - float(k_ill)) <= within)
-    if k_ill is not None and out["sgd_ill"] is not None:
-        out["c2_above_sgd"] = bool(float(k_ill) - out["sgd_ill"] >= above_sgd)
-    out.update(_small_class_criteria(records, small_u, class_ratio, learned))
-    parts = (
-        out["c1_within"],
-        out["c2_above_sgd"],
-        out["c3_small_classes"],
-        out["c4_two_smallest_learned"],
-    )
-    out["holds"] = None if any(p is None for p in parts) else all(parts)
-    return out
-
-
-def _final(records: dict, tag: str, cond: str, method: str, key: str = "test_acc"):
-    """The last epoch's ``key`` of the runs ``(tag, cond, method)``, mean over seeds
-    (``None`` entries of per-class lists read as NaN; ``None`` without runs)."""
-    rows = [
-        r["epochs"][-1][key]
-        for (t, c, m, _), r in sorted(records.items())
-        if t == tag and c == cond and m == method and r["epochs"]
-    ]
-    if not rows:
-        return None
-    arr = np.array(
-        [
-            [np.nan if v is None else v for v in x] if isinstance(x, list) else x
-            for x in rows
-        ],
-        dtype=float,
-    )
-    return arr.mean(axis=0)
-
-
-def _small_class_criteria(
-    records: dict, small_u: float, class_ratio: float, learned: float
-) -> dict:
-    """Criteria 3 and 4 of :func:`authors100_verdict` and the numbers behind them."""
-    out: dict = {"c3_small_classes": None, "c4_two_smallest_learned": None}
-    ill = [
-        r
-        for (t, c, m, _), r in records.items()
-        if t == "lr10" and c == "ill" and m == "kwng"
-    ]
-    if ill and ill[0].get("U"):
-        U = np.array(ill[0]["U"])
-        small = np.flatnonzero(U <= small_u)
-        small = small[np.argsort(U[small])]
-        rec_ill = _final(records, "lr10", "ill", "kwng", "test_acc_per_class")
-        rec_well = _final(records, "lr10", "well", "kwng", "test_acc_per_class")
-        prec_ill = _final(records, "lr10", "ill", "kwng", "test_precision_per_class")
-        out.update(small_classes=small.tolist(), U_small=U[small].tolist())
-        if rec_ill is not None and rec_well is not None:
-            out["recall_ill"] = rec_ill[small].tolist()
-            out["recall_well"] = rec_well[small].tolist()
-            out["c3_small_classes"] = bool(
-                np.all(rec_ill[small] >= class_ratio * rec_well[small])
-            )
-        if rec_ill is not None and prec_ill is not None:
-            two = small[:2]
-            out["precision_ill"] = prec_ill[small].tolist()
-            out["c4_two_smallest_learned"] = bool(
-                np.all(rec_ill[two] >= learned) and np.all(prec_ill[two] >= learned)
-            )
-    return out
-
-
-# ------------------------------------------------- the Fig. 3 protocol's records
 def selection_rows(p: dict, root: str | os.PathLike = FIG3) -> list[dict]:
     """One row per grid run made: ``conditioning``, ``method``, ``lr``, ``status``,
     ``val_acc`` and ``test_acc`` of its last epoch, ``stop`` (``"<reason> @ <epoch>"``
