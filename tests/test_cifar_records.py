@@ -18,7 +18,9 @@ import pytest
 
 from studies.cifar import methods, records
 from studies.cifar import results as results_
+from studies.claim_suite import records as claim_records
 from studies.claim_suite import verdict as verdicts
+from studies.study6 import records as study6_records
 
 ROOT = Path(__file__).resolve().parents[1] / "results" / "cifar"
 CLAIM = ROOT / "claim"
@@ -38,7 +40,7 @@ def claim():
 
 def test_claim_suite_complete(claim):
     results, E, _ = claim
-    status = results_.check_claim(CLAIM, min_epochs=30)
+    status = claim_records.check_claim(CLAIM, min_epochs=30)
     assert E == 30 and not any(status[k] for k in ("missing", "incomplete", "diverged"))
     assert len(results) == 18
     for key in results:
@@ -108,7 +110,7 @@ def test_claim_eps_dynamics_records(claim):
 # --- the earlier 6-epoch study (book/cifar_6epoch.md) ---
 
 
-STUDY6 = results_.study6_table()
+STUDY6 = study6_records.study6_table()
 
 
 @pytest.fixture(scope="module")
@@ -126,14 +128,14 @@ def _final(table, cond, method):
 
 def test_six_epoch_records_complete(six):
     results, _ = six
-    status = results_.check_results(ROOT, "cifar10")
+    status = study6_records.check_results(ROOT, "cifar10")
     sched = json.loads((ROOT / "schedule.json").read_text())
     assert len(results) == len(STUDY6["runs"]) == 38
     assert (
         not status["missing"] and not status["incomplete"] and len(status["ok"]) == 36
     )
-    assert sorted(status["cut"]) == sorted(results_.BUDGET_CUT)
-    assert set(results_.BUDGET_CUT.values()) == {3}
+    assert sorted(status["cut"]) == sorted(study6_records.BUDGET_CUT)
+    assert set(study6_records.BUDGET_CUT.values()) == {3}
     E = sched["epochs"]
     assert E == 6 and {tuple(r["milestones"]) for r in results.values()} == {(3, 4)}
     assert {r["clip_norm"] for r in results.values()} == {1.0}

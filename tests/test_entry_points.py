@@ -120,7 +120,7 @@ def test_stable_entry_points_match_the_exact_wng(accurate_problem, entry):
 def test_scale_argument_resolves_in_one_place(monkeypatch):
     """Every experiment's ``scale=`` goes through :func:`kwng.scale_switch.resolve`: an
     explicit value is checked, ``None`` reads ``$KWNG_SCALE``."""
-    from kwng import config
+    from kwng import scale_switch as config
     from studies.fisher import cli as fisher
     from studies.toy import setup as synthetic_setup
 

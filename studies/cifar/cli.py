@@ -79,7 +79,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kwng import config
+from kwng import scale_switch as config
 from studies.cifar.config import SETTINGS, RunConfig, add_run_options
 from studies.cifar.data import SOURCES
 from studies.cifar.methods import PRECISIONS

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kwng import config
+from kwng import scale_switch as config
 from kwng._checks import check_choice, check_int
 
 __all__ = ["CIFAR_MEAN", "CIFAR_STD", "file_fingerprint", "load_jpeg_npz", "normalize",

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from kwng import config as _config
+from kwng import scale_switch as _config
 from studies.fisher.flow import run_flow
 from studies.fisher.sweep import FISHER_MODELS, run_sweep
 from studies.kit.cli_checks import int_arg, path_problem

@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kwng import config as _config
+from kwng import scale_switch as _config
 from kwng.estimator import kwng_gradient
 from kwng.gaussian import normal_wng_sigma_coords
 from studies.kit.provenance import (

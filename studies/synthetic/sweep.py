@@ -32,7 +32,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from kwng import config as _config
+from kwng import scale_switch as _config
 from kwng.batched import batched_kwng
 from kwng.models import make_model
 from studies.kit.cli_checks import device_problem, number_arg, path_problem

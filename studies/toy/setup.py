@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kwng import config as _config
+from kwng import scale_switch as _config
 from kwng.models import NormalModel, model_names
 from studies.kit.guard_csv import read_csv_checked
 from studies.kit.provenance import ResultFileError, atomic_write_text, read_json
