@@ -137,6 +137,8 @@ trap persist EXIT
 plan_done() {  # prints 1 if every run of plan $1 is complete with the settings this call asks for
   SETS="${SELSET[*]}" $PY -c "
 import os, sys
+import studies
+studies.load_all()
 from studies.kit import guard
 from studies.cifar import plans
 from studies.cifar import sweep

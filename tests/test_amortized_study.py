@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from studies.cifar.methods import AMORTIZED_METHODS, METHODS
+from studies.cifar.methods import METHODS
 from studies.fig3 import clocks as fig3_time
 from studies.fig3 import protocol as fig3
 from studies.fig3 import verdicts
 from studies.fig3.amortized import readings as amortized
 from studies.fig3.amortized import seed_study
+from studies.fig3.amortized.seed_study import AMORTIZED_METHODS
 from studies.kit.provenance import ResultFileError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ CASES = [
     (["cifar", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
     (["cifar", "--train-subset", "0"], "argument --train-subset: must be an integer"),
     (["cifar", "sweep", "--plan", "bogus"],
-     "argument --plan: must be one of claim_select, claim, authors100"),
+     "argument --plan: must be one of amortized, amortized_seeds, authors100"),
     (["cifar", "sweep", "--plan", "bogus"],
      "or a JSON file of run settings, got 'bogus'"),
     (["cifar", "sweep", "--plan", "claim", "--gpus", "-1"],

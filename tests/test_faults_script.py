@@ -2,7 +2,8 @@
 prerequisite before it touches anything and never moves tracked files.
 
 The script runs on the CPU (``GPUS=0``) in a temporary copy of the parts of the tree it
-uses (``kwng/``, ``scripts/``, ``results/cifar/``); the committed results are only
+uses (``kwng/``, ``studies/``, ``scripts/``, ``results/cifar/``); the committed results
+are only
 copied."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ SAMPLE = "studies/cifar/data_sample/cifar10_sample.npz"
 
 def _tree(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
-    for part in ("kwng", "scripts"):
+    for part in ("kwng", "studies", "scripts"):
         shutil.copytree(ROOT / part, repo / part,
                         ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "results" / "cifar", repo / "results" / "cifar")

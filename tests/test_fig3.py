@@ -355,7 +355,7 @@ def test_the_throughput_window_is_where_every_run_trains():
 def test_the_amortized_plan_runs_at_kwngs_selected_steps(tmp_path, monkeypatch):
     """Each amortized method once per conditioning, at KWNG's final Fig. 3 step; a
     tiny run of one of them trains (its preconditioner rebuilds every k steps)."""
-    from studies.cifar.methods import AMORTIZED_METHODS
+    from studies.fig3.amortized.seed_study import AMORTIZED_METHODS
 
     state = fig3.grid_state(P, FIG3)
     jobs = amortized_plans.amortized_plan({}, P, FIG3, out=tmp_path / "am")

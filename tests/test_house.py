@@ -360,3 +360,31 @@ def test_the_never_rule_sees_each_kind_of_arrow():
     assert never("studies.claims.ledger", "studies.fig3.verdicts") is None
     assert never("studies.fig3.plan", "studies.cifar.hooks") is None
     assert never("studies.bench.step_cost", "kwng.engine.precond") is None
+
+
+#: chapters that read more than one study, and why (every other chapter reads the
+#: library, the kits, the ledger and at most one study)
+CHAPTERS_READING_SEVERAL = {
+    "ten_minutes.md": "the book in ten minutes: one finding of each study",
+    "deep_learning.md": "the user's guide: the step's cost (bench) and the evidence "
+                        "for the amortized step and the variants (fig3)",
+    "experiments_cifar.md": "the overview of the CIFAR studies: the claim suite and "
+                            "the authors' horizon",
+    "cifar_6epoch.md": "the 6-epoch study, whose forward notes quote the claim suite",
+}
+
+
+def _chapter_studies(path: Path) -> set[str]:
+    code = _chapter_code(path)
+    mods = re.findall(r"^\s*(?:from|import) (studies(?:\.\w+)?)", code, flags=re.M)
+    return {m for m in mods if _room(m).startswith("study:")}
+
+
+def test_a_chapter_reads_one_study_unless_it_says_why():
+    several = {p.name: sorted(_chapter_studies(p))
+               for p in sorted((ROOT / "book").glob("*.md"))
+               if len(_chapter_studies(p)) > 1}
+    unlisted = {k: v for k, v in several.items() if k not in CHAPTERS_READING_SEVERAL}
+    assert not unlisted, f"chapters reading several studies: {unlisted}"
+    stale = sorted(set(CHAPTERS_READING_SEVERAL) - set(several))
+    assert not stale, f"listed but reading one study or none: {stale}"

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from studies.cifar import figures as pc
-from studies.cifar.methods import AMORTIZED_METHODS, METHODS
+from studies.cifar.methods import METHODS
+from studies.fig3.amortized.seed_study import AMORTIZED_METHODS
 
 matplotlib.use("Agg")
 

@@ -8,10 +8,10 @@ import argparse
 import os
 from pathlib import Path
 
-from studies.authors100.plan import authors100_plan
+from studies.authors100.plan import AUTHORS100_TIERS, authors100_plan
 from studies.cifar.data import NUM_CLASSES
 from studies.cifar.hooks import register_check
-from studies.cifar.methods import AUTHORS100_TIERS, RESULTS, milestones_for
+from studies.cifar.methods import RESULTS, milestones_for
 from studies.cifar.results import checked_record, claim_row_ok, mechanism_ok, report
 from studies.kit.provenance import read_json
 

@@ -39,10 +39,11 @@ from studies.bench.step_cost import CONFIGS
 from studies.cifar.nets import resnet18
 from studies.kit.provenance import atomic_write_json, make_provenance
 
-__all__ = ["KFAC_STEPS", "METHODS", "main", "make_loop", "train", "write_record"]
+__all__ = ["KFAC_STEPS", "CAPTURE_METHODS", "main", "make_loop", "train",
+           "write_record"]
 
 #: the methods the check can run
-METHODS = ("sgd", "kwng", "kfac", "ekfac", "ekfac_s10")
+CAPTURE_METHODS = ("sgd", "kwng", "kfac", "ekfac", "ekfac_s10")
 #: per (E)KFAC method, its preconditioner's kind and the steps between re-estimates of
 #: EKFAC's scalings
 _DIAG_FREQ = {"kfac": ("kfac", 1), "ekfac": ("ekfac", 1), "ekfac_s10": ("ekfac", 10)}
@@ -51,10 +52,11 @@ KFAC_STEPS = 250
 
 
 def make_loop(model, method, amp, static_z, static_y):
-    """The step of ``method`` (one of :data:`METHODS`) on the static inputs, the list
+    """The step of ``method`` (one of :data:`CAPTURE_METHODS`) on the static inputs,
+    the list
     its losses go to (device tensors) and its preconditioner (``None`` for SGD)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in CAPTURE_METHODS:
+        raise ValueError(f"method must be one of {CAPTURE_METHODS}, got {method!r}")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     pc = None
     if method == "kwng":
@@ -131,7 +133,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--config", default="bf16_channels_last", choices=list(CONFIGS))
     p.add_argument("--methods", default="sgd,kwng",
-                   help=f"comma-separated, of {','.join(METHODS)}")
+                   help=f"comma-separated, of {','.join(CAPTURE_METHODS)}")
     p.add_argument(
         "--no-tf32", action="store_true", help="fp32 convolutions in full fp32"
     )
@@ -146,8 +148,8 @@ def _args(argv=None) -> argparse.Namespace:
     if a.json is not None and Path(a.json).exists():
         p.error(f"--json {a.json} exists; results are never overwritten")
     a.methods = a.methods.split(",")
-    if any(m not in METHODS for m in a.methods):
-        p.error(f"--methods must name methods of {METHODS}, got {a.methods}")
+    if any(m not in CAPTURE_METHODS for m in a.methods):
+        p.error(f"--methods must name methods of {CAPTURE_METHODS}, got {a.methods}")
     if set(_DIAG_FREQ) & set(a.methods) and a.steps < KFAC_STEPS:
         p.error(f"--steps must be >= {KFAC_STEPS} with kfac or ekfac (two refreshes), "
                 f"got {a.steps}")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kwng.scale_switch import REPO_ROOT
-from studies.bench.ddp_scaling import CAPTURES, METHODS, PLAIN, PRECISIONS
+from studies.bench.ddp_scaling import CAPTURES, PLAIN, PRECISIONS, SCALING_METHODS
 from studies.kit.guard import write_json_guarded
 from studies.kit.provenance import make_provenance, read_json
 
@@ -96,7 +96,7 @@ def merge(parts: list[str | os.PathLike]) -> dict:
         part_dates={r["world_size"]: r["provenance"]["date"] for r in recs},
         wall_time_s=sum(r["provenance"].get("wall_time_s") or 0.0 for r in recs))
     prov["device"] = f"{top} × {recs[-1]['devices'][0]}"
-    return {"benchmark": "ddp_scaling", "methods": list(METHODS),
+    return {"benchmark": "ddp_scaling", "methods": list(SCALING_METHODS),
             "model": first["model"], "q": first["q"],
             "per_rank_batch": first["per_rank_batch"], "num_basis": first["num_basis"],
             "world_sizes": sizes, "rows": rows,
@@ -129,8 +129,8 @@ def check_scaling(record: Any, where: str = "ddp_scaling record") -> None:
     device, date and seeds."""
     if not isinstance(record, dict) or record.get("benchmark") != "ddp_scaling":
         raise _bad(where, "not a ddp_scaling record (key 'benchmark')")
-    if record.get("methods") != list(METHODS):
-        raise _bad(where, f"methods must be {list(METHODS)}, "
+    if record.get("methods") != list(SCALING_METHODS):
+        raise _bad(where, f"methods must be {list(SCALING_METHODS)}, "
                    f"got {record.get('methods')!r}")
     sizes = record.get("world_sizes")
     if not isinstance(sizes, list) or 1 not in sizes or len(sizes) < 2:
@@ -149,7 +149,7 @@ def check_scaling(record: Any, where: str = "ddp_scaling record") -> None:
     precisions = sorted({r["precision"] for r in rows})
     captures = sorted({r["capture"] for r in rows})
     for W in sizes:
-        for m in (*METHODS, *(PLAIN.values() if W == 1 else ())):
+        for m in (*SCALING_METHODS, *(PLAIN.values() if W == 1 else ())):
             for p in precisions:
                 for c in captures:
                     r = key.get((W, m, p, c))
@@ -158,7 +158,7 @@ def check_scaling(record: Any, where: str = "ddp_scaling record") -> None:
                     t = r.get("median_ms")
                     if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
                         raise _bad(where, f"W={W} {m} {p} {c}: median_ms {t!r}")
-                    if m in METHODS:
+                    if m in SCALING_METHODS:
                         plain = m.replace("_ddp", "") + "_plain"
                         t1 = key[(1, plain, p, c)]["median_ms"]
                         eff = r.get("efficiency")

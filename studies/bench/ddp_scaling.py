@@ -57,11 +57,11 @@ from studies.bench.timed import training_step
 from studies.kit.guard import backup
 from studies.kit.provenance import atomic_write_json, make_provenance
 
-__all__ = ["main", "run", "METHODS", "PLAIN", "PRECISIONS", "CAPTURES"]
+__all__ = ["main", "run", "SCALING_METHODS", "PLAIN", "PRECISIONS", "CAPTURES"]
 
 log = logging.getLogger(__name__)
 
-METHODS = ("sgd_ddp", "kwng")
+SCALING_METHODS = ("sgd_ddp", "kwng")
 PLAIN = {"sgd_ddp": "sgd_plain", "kwng": "kwng_plain"}
 PRECISIONS = ("fp32", "bf16")
 CAPTURES = ("eager", "graph")

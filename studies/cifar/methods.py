@@ -137,8 +137,6 @@ METHODS: dict[str, Method] = {
     "ekfac_s10": _m("sgd", {"precond": "ekfac", "diag_freq": 10}, "#d95f02", "--",
                     "EKFAC (scalings every 10 steps)", 28, 3.0, 0.1),
 }
-#: the methods of the amortized-step study, in the order of its figure
-AMORTIZED_METHODS = ("kwng_k5", "kwng_k20", "kwng_k100", "diag_k20")
 #: the methods of the claim suite, each in both conditionings
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U",
                  "diag_Ttilde")
@@ -195,36 +193,6 @@ CLAIM_SELECTION = CLAIM / "selection"
 CHECKPOINTS = Path("checkpoints")
 AUTHORS100 = RESULTS / "authors100"
 
-#: The authors'-horizon study (plan ``authors100``), 100 epochs of the authors' schedule
-#: (``authors``, ×0.1 after epoch 50), batch 128, clip 1, bf16 forward/backward in
-#: channels_last, every capturable step replayed from a CUDA graph. Entries: (tier,
-#: method, conditioning, step size, seed, epochs, extra settings). Tier 1 is the study's
-#: first list, tier 2 the Euclidean baselines at 10× their selected step, tier 3 a
-#: second seed and an fp32 control of the first 30 epochs, tier 4 (not in the plan by
-#: default: it does not fit one GPU budget with the others) M = 20.
-#: The Euclidean step sizes are the claim suite's selection
-#: (the claim suite's ``selected.json``: sgd 0.1, adam 1e-4, kfac 1).
-AUTHORS100_RUNS: tuple[tuple[int, str, str, float, int, int, dict], ...] = (
-    (1, "kwng", "ill", 10.0, 0, 100, {}),
-    (1, "kwng", "well", 10.0, 0, 100, {}),
-    (1, "kwng", "ill", 1.0, 0, 100, {}),
-    (1, "diag_Ttilde", "ill", 10.0, 0, 100, {}),
-    (1, "kfac", "ill", 1.0, 0, 100, {}),
-    (1, "sgd", "ill", 0.1, 0, 100, {}),
-    (1, "sgd", "well", 0.1, 0, 100, {}),
-    (1, "adam", "ill", 1e-4, 0, 100, {}),
-    (2, "kfac", "ill", 10.0, 0, 100, {}),
-    (2, "sgd", "ill", 1.0, 0, 100, {}),
-    (2, "adam", "ill", 1e-3, 0, 100, {}),
-    (3, "kwng", "ill", 10.0, 1, 100, {}),
-    (3, "kwng", "ill", 10.0, 0, 30, {"precision": "fp32", "channels_last": False}),
-    (4, "kwng_basis20", "ill", 10.0, 0, 30, {}),
-)
-#: the tiers of :data:`AUTHORS100_RUNS`
-AUTHORS100_TIERS = tuple(sorted({run[0] for run in AUTHORS100_RUNS}))
-#: the settings every run of the plan ``authors100`` shares
-AUTHORS100_SETTINGS = {"schedule": "authors", "precision": "bf16",
-                       "channels_last": True, "capture": True}
 
 
 def check_method_spec(name: str, spec: dict[str, Any]) -> None:

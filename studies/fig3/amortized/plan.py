@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 
 from studies.cifar.hooks import register_plan
-from studies.cifar.methods import AMORTIZED_METHODS
 from studies.cifar.runtime import RUN_MARGIN, START_S, run_seconds, wall_times
 from studies.fig3.amortized.seed_study import (
     AMORTIZED,
+    AMORTIZED_METHODS,
     AMORTIZED_SEEDS,
     seed_study_groups,
 )

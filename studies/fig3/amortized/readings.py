@@ -18,8 +18,12 @@ from __future__ import annotations
 import os
 import statistics
 
-from studies.cifar.methods import AMORTIZED_METHODS, METHODS
-from studies.fig3.amortized.seed_study import AMORTIZED, amortized_runs
+from studies.cifar.methods import METHODS
+from studies.fig3.amortized.seed_study import (
+    AMORTIZED,
+    AMORTIZED_METHODS,
+    amortized_runs,
+)
 from studies.fig3.clocks import first_at, retime, step_ms, time_runs
 from studies.fig3.protocol import FIG3, grid_state
 from studies.fig3.verdicts import alone_runs, seed_summary
@@ -91,7 +95,7 @@ def time_rows(p: dict, fig3_root: str | os.PathLike = FIG3,
               root: str | os.PathLike = AMORTIZED, clock: str = "auto") -> list[dict]:
     """Per conditioning, the protocol's methods at their selected steps (once the
     selection is final) and then the amortized methods, in the order of
-    :data:`~studies.cifar.methods.AMORTIZED_METHODS`, on the clock of
+    :data:`~studies.fig3.amortized.seed_study.AMORTIZED_METHODS`, on the clock of
     :func:`clock_runs`; one row each (:func:`_row`, with ``clock``, that clock's
     kind)."""
     epochs = int(p["settings"]["epochs"])

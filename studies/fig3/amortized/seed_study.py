@@ -18,7 +18,8 @@ from studies.fig3.protocol import FIG3, load_protocol, record_problem, run_statu
 from studies.fig3.verdicts import selected_runs
 from studies.kit.provenance import ResultFileError, read_json
 
-__all__ = ["AMORTIZED", "AMORTIZED_SEEDS", "BAR", "SEED_RUN_HEADER",
+__all__ = ["AMORTIZED_METHODS", "AMORTIZED", "AMORTIZED_SEEDS", "BAR",
+           "SEED_RUN_HEADER",
            "SEED_SUMMARY_HEADER", "amortized_runs", "bar_phrase", "check_seed_study",
            "seed_bar", "seed_check", "seed_run_table", "seed_study_groups",
            "seed_study_runs", "seed_summary_rows", "seed_summary_table",
@@ -27,6 +28,8 @@ __all__ = ["AMORTIZED", "AMORTIZED_SEEDS", "BAR", "SEED_RUN_HEADER",
 #: the test accuracies a run reports the time to
 TARGETS = (0.80, 0.85)
 
+#: the methods of the amortized-step study, in the order of its figure
+AMORTIZED_METHODS = ("kwng_k5", "kwng_k20", "kwng_k100", "diag_k20")
 #: the amortized-step study's records, ``results/cifar/amortized`` of the checkout
 #:
 #: :meta hide-value:
