@@ -28,7 +28,7 @@ from kwng.engine.capture import capture_step
 from kwng.engine.config import KWNGConfig, eps_from_authors
 from kwng.engine.distributed import DistributedKWNG
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
-from kwng.engine.precond import KWNGPreconditioner
+from kwng.engine.precond import KWNGPreconditioner, RefreshSchedule
 from kwng.estimator import (
     KWNGResult,
     damping_vector,
@@ -68,15 +68,16 @@ except PackageNotFoundError:
     __version__ = "0+unknown"
 
 __all__ = [
-    "scale",
-    "is_full",
-    "pick",
-    "Kernel",
-    "GaussianKernel",
-    "RationalQuadraticKernel",
-    "make_kernel",
-    "mean_sq_bandwidth",
-    "median_bandwidth",
+    # the preconditioner and its configuration
+    "KWNGPreconditioner",
+    "KWNGConfig",
+    "DistributedKWNG",
+    "LMSchedule",
+    "LevenbergMarquardt",
+    "RefreshSchedule",
+    "eps_from_authors",
+    "capture_step",
+    # the estimator (Props. 5 and 6)
     "KWNGResult",
     "DAMPINGS",
     "SOLVE_METHODS",
@@ -90,24 +91,31 @@ __all__ = [
     "kwng_gradient",
     "kwng_gradient_from_outputs",
     "relative_error",
+    # kernels and their bandwidths
+    "Kernel",
+    "GaussianKernel",
+    "RationalQuadraticKernel",
+    "make_kernel",
+    "mean_sq_bandwidth",
+    "median_bandwidth",
+    # models with a closed-form Wasserstein natural gradient
     "ImplicitModel",
     "NormalModel",
     "LogNormalModel",
     "HyperSphereModel",
     "make_model",
+    # closed forms of the normal family
     "gaussian_w2_squared",
     "lyapunov",
     "normal_wng_sigma_coords",
-    "KWNGPreconditioner",
-    "DistributedKWNG",
-    "KWNGConfig",
-    "LevenbergMarquardt",
-    "LMSchedule",
-    "eps_from_authors",
-    "capture_step",
+    # the Fisher-Rao side: kernel estimator and exact references
     "kfng_gradient",
     "kernel_fisher_metric",
     "fisher_matrix",
     "fisher_natural_gradient",
     "fisher_matrix_mc",
+    # the scale switch of the experiments (KWNG_SCALE)
+    "scale",
+    "is_full",
+    "pick",
 ]

@@ -6,7 +6,8 @@
   ``kwng/theory`` < ``kwng/experiments`` < ``kwng/plots`` (figures drawn from what the
   experiments' results modules compute, never the reverse); no import cycle between
   modules.
-* No module over 400 lines, no function over 60.
+* No module over 400 lines (the documented exemptions of ``LONG_MODULES`` excepted),
+  no function over 60.
 * One home per name: every ``from kwng.X import name`` in the package, the book's code
   cells and the tests names the module that *defines* ``name`` (``from kwng import
   name`` only for the curated names of ``kwng/__init__.py``), and every ``alias.name``
@@ -29,6 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "kwng"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
+#: modules allowed past MAX_MODULE_LINES, each with its reason (functions stay short)
+LONG_MODULES = {
+    "kwng/engine/precond.py": "the preconditioner's class, state and step read in one "
+    "file (issue #44)",
+}
 FLOORS = {"engine": 1, "theory": 2, "experiments": 3, "plots": 4}  # core: 0
 
 
@@ -190,6 +196,7 @@ def test_modules_and_functions_are_short():
         m: n
         for m, f in MODULES.items()
         if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES
+        and str(f.relative_to(ROOT)) not in LONG_MODULES
     }
     long_functions = [
         f"{m}.{n.name} ({n.end_lineno - n.lineno + 1} lines)"

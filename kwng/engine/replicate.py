@@ -110,7 +110,8 @@ def unsupported_reason(model: nn.Module, params: list[torch.Tensor]) -> str | No
 class ReplicatedEngine:
     """Patch ``model`` so that a training forward runs on ``R`` copies of the batch.
 
-    Use: ``engine = ReplicatedEngine(model, copies)``; while ``engine.enabled``, a
+    Use: ``engine = ReplicatedEngine(model, copies)`` (``gpu_solve``: that of
+    :class:`kwng.KWNGConfig`); while ``engine.enabled``, a
     forward call of ``model`` in train mode with grad enabled runs replicated and
     returns the first copy's output ``X`` (a view of the ``(R·N, d)`` output
     ``outputs``). :meth:`backward` then takes the ``(R·N, d)`` stacked cotangent and
@@ -120,10 +121,11 @@ class ReplicatedEngine:
     """
 
     def __init__(self, model: nn.Module, copies: int,
-                 output_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+                 output_fn: Callable[[Any], torch.Tensor] | None = None,
+                 gpu_solve: str = "auto") -> None:
         self.model = model
         self.output_fn = output_fn
-        self.state = _State(copies=copies)
+        self.state = _State(copies=copies, gpu_solve=gpu_solve)
         self.outputs: torch.Tensor | None = None
         self.first: torch.Tensor | None = None
         self.enabled = True
