@@ -288,15 +288,6 @@ class DistributedKWNG(KWNGPreconditioner):
                 dist.broadcast(t, self._src, group=self.group)
 
     # --- the hooks of the step (KWNGPreconditioner, kwng.engine.precond) -------------
-    def _check_inputs(self, loss: torch.Tensor, outputs: torch.Tensor) -> None:
-        """The base class's checks, except that ``num_basis`` may exceed this rank's
-        shard: :meth:`_share` checks it against the global batch."""
-        n, M = (outputs.shape[0] if isinstance(outputs, torch.Tensor) else 0,
-                self.config.num_basis)
-        if 0 < n < M and outputs.dim() == 2:  # a view with M rows for the base checks
-            outputs = outputs.narrow(0, 0, 1).expand(M, -1)
-        super()._check_inputs(loss, outputs)
-
     def _degenerate(self, loss: torch.Tensor, X: torch.Tensor, refresh: bool,
                     check_finite: bool) -> str | None:
         """No local check: every rank must take the same kind of step, so a

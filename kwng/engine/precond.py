@@ -78,14 +78,9 @@ The two paths (``mode``) give the same directions:
   backward passes (``retain_graph``), the float64 eigendecomposition solve of
   :func:`kwng.nystrom_solve` and :func:`kwng.solve.safeguard`, bookkeeping on the host.
 
-Under ``torch.autocast`` the network runs in the autocast dtype; ``g`` and ``T`` are
-returned in the parameters' dtype and the kernel algebra runs in float32/float64.
-
-ε convention: ``eps`` enters as ``(ε/N) I`` next to the whitened ``T̃ D⁻¹ T̃ᵀ``
-(Prop. 6). The authors whiten with ``(CCᵀ/N)^{-1/2}`` and add ``ε_a I``; with the
-paper's damping ``T_tilde`` the two agree when ``ε = √N · ε_a``
-(:func:`kwng.engine.config.eps_from_authors`); with ``identity`` or ``T`` damping when
-``ε = ε_a``.
+Under ``torch.autocast`` the network runs in the autocast dtype; the kernel algebra
+in float32/float64. ``eps`` enters as ``(ε/N) I`` next to the whitened ``T̃ D⁻¹ T̃ᵀ``
+(Prop. 6; the authors' ``ε_a``: :func:`kwng.engine.config.eps_from_authors`).
 
 Batches the estimator cannot use: non-finite outputs or loss are refused before the
 step changes any state, a non-finite ``g`` before anything is written into ``p.grad``
@@ -137,22 +132,17 @@ log = logging.getLogger(__name__)
 _FLOATS = (torch.float32, torch.float64)
 
 
-# ======================================================================================
-# 1. The preconditioner
-# ======================================================================================
+# ==== 1. The preconditioner ===========================================================
 class KWNGPreconditioner:
     """Replace the gradients of ``model``'s parameters by the KWNG direction (Prop. 6).
 
-    Arguments: ``model`` — any ``nn.Module``; its trainable parameters are ``θ`` (``q``
-    numbers at a step: those that require a gradient then). A parameter frozen later
-    is left alone from then on; one frozen at construction and unfrozen later (gradual
-    unfreezing) is trained from the step it requires a gradient (in fast mode it must
-    live in a Conv2d, Linear or BatchNorm layer). In fast mode the replicated forward
-    runs when ``model`` itself is called: attach the preconditioner to the network
-    that the training loop calls. ``config`` — a :class:`kwng.KWNGConfig` with the
-    hyperparameters; keyword arguments of its field names build it (or override
-    fields of ``config``). ``lr`` — the optimizer's step size, a number or a callable
-    of no arguments returning the current one (e.g. ``lambda:
+    Arguments: ``model`` — any ``nn.Module``; its parameters that require a gradient
+    at a step are ``θ`` (``q`` numbers; gradual unfreezing works as in
+    ``torch.optim``). In fast mode the replicated forward runs when ``model`` itself is
+    called: attach the preconditioner to the network that the training loop calls.
+    ``config`` — a :class:`kwng.KWNGConfig`; keyword arguments of its field names
+    build it (or override fields of ``config``). ``lr`` — the optimizer's step size, a
+    number or a callable of no arguments returning the current one (e.g. ``lambda:
     optimizer.param_groups[0]["lr"]``); it enters the reduction ratio ``r`` of the ε
     rule, so it is required unless ``eps_schedule=None``. ``generator`` — a
     ``torch.Generator`` for the basis draw (part of :meth:`state_dict`; without one the
@@ -173,13 +163,12 @@ class KWNGPreconditioner:
     ``accumulation_steps`` — ``n ≥ 1`` micro-batches per optimizer step: call
     :meth:`step` on each with its share of the loss (``loss_fn(X_i, y_i) / n``, without
     ``backward()``) and ``optimizer.step()`` after every ``n``-th; the direction is
-    exactly that of the whole batch (basis, bandwidth and ``C`` drawn over it). The
-    graphs of the ``n`` micro-batches are kept until the ``n``-th, and in fast mode
-    ``T`` then comes from serial backward passes. ``output_fn`` — for a model that
-    returns several outputs (a tuple, a dict such as a Hugging Face ``ModelOutput``):
-    the function that picks the ``(N, d)`` samples from it (``lambda out: out[0]``);
-    pass :meth:`step` the same tensor. The fast mode patches the model's layers
-    (:meth:`remove_hooks` detaches it; a pickled model carries no patch).
+    exactly that of the whole batch (basis, bandwidth and ``C`` drawn over it), whose
+    graphs are kept until the ``n``-th (fast mode: serial passes). ``output_fn`` — for
+    a model that returns several outputs (a tuple, a dict such as a Hugging Face
+    ``ModelOutput``): the function that picks the ``(N, d)`` samples from it
+    (``lambda out: out[0]``); pass :meth:`step` the same tensor. The fast mode patches
+    the model's layers (:meth:`remove_hooks` detaches it).
     """
 
     #: a gradient already in ``p.grad`` is added to the direction
@@ -195,9 +184,13 @@ class KWNGPreconditioner:
         check_model(model)
         self.model = model
         self.params, self.groups = resolve_params(model, params)
-        self._lr = check_lr(lr, cfg.eps_schedule is not None
-                            and group_lrs_missing(self.groups))
-        self.grad_scaler = check_grad_scaler(grad_scaler)
+        self._lr = check_lr(lr, cfg.eps_schedule is not None and (
+            self.groups is None or any("lr" not in grp for grp in self.groups)))
+        if grad_scaler is not None and not isinstance(grad_scaler,
+                                                      torch.amp.GradScaler):
+            raise ValueError("grad_scaler must be a torch.amp.GradScaler or None, got "
+                             f"{type(grad_scaler).__name__}")
+        self.grad_scaler = grad_scaler
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError("generator must be a torch.Generator or None, got "
                              f"{type(generator).__name__}")
@@ -354,7 +347,18 @@ class KWNGPreconditioner:
         :func:`upgrade_hyperparameters`); warns if the hyperparameters differ."""
         self._step_count, self._counters = load_preconditioner_state(
             state, self.lm, self.hyperparameters())
-        load_generator_state(state, self.generator)
+        saved = state.get("generator")
+        if saved is not None and not isinstance(saved, bytes):
+            raise ValueError("state['generator'] must be bytes (a generator's state), "
+                             f"got {type(saved).__name__}")
+        if saved is not None and self.generator is None:
+            log.warning("load_state_dict: the state holds a basis generator's state "
+                        "but this preconditioner has none (its bases come from "
+                        "torch's global stream); pass generator=torch.Generator() to "
+                        "resume the same draws")
+        elif saved is not None:
+            self.generator.set_state(torch.frombuffer(bytearray(saved),
+                                                      dtype=torch.uint8))
         self.cache.load_state_dict(state.get("cache"), int(self._step_count),
                                    self.params[0].device)
 
@@ -462,10 +466,7 @@ class KWNGPreconditioner:
                device: torch.device) -> dict[str, torch.Tensor]:
         """Add a step's direction info ``f`` (:data:`INFO_KEYS`) to the counters; the
         step's info as 0-dim tensors on ``device``."""
-        for key, name in (("fallbacks", "fallback"), ("ill_conditioned",
-                          "ill_conditioned"), ("rank_sum", "rank"),
-                          ("damping_floored", "damping_floored"),
-                          ("clipped", "clipped"), ("loss_only", "loss_only")):
+        for key, name in _COUNTED.items():
             self._counters[key] += f[name].long()
         info = {"eps": eps, "reduction_ratio": self.lm.ratio.clone(),
                 "fallback": f["fallback"], "clipped": f["clipped"], "rank": f["rank"],
@@ -659,9 +660,7 @@ class KWNGPreconditioner:
         return g, loss
 
 
-# ======================================================================================
-# 2. The two paths: the kernel matrices, g and T, the direction
-# ======================================================================================
+# ==== 2. The two paths: the kernel matrices, g and T, the direction ===================
 #: The 0-dim tensors that describe a step's direction (both paths return them).
 INFO_KEYS = ("rank", "ill_conditioned", "damping_floored", "floored_share", "loss_only",
              "dot", "fallback", "clipped", "grad_norm", "direction_norm")
@@ -899,23 +898,19 @@ def replicated_gradients(loss: torch.Tensor, X: torch.Tensor, X0: torch.Tensor,
     return Gall[0], Gall[1:]
 
 
-# ======================================================================================
-# 3. The refresh schedule (refresh_every = k)
-# ======================================================================================
+# ==== 3. The refresh schedule (refresh_every = k) =====================================
 @runtime_checkable
 class RefreshSchedule(Protocol):
     """What :class:`KWNGPreconditioner` asks of its refresh schedule (``precond.cache``,
     a :class:`SystemCache` unless you assign your own) and what
     :func:`kwng.capture_step` reads of it to record one CUDA graph per kind of step.
 
-    The step calls :meth:`refresh_now` first (whether it builds the system afresh),
-    :meth:`store` on a refresh step, :meth:`system` on a step between refreshes,
-    :meth:`observe` with the step's direction info (:data:`INFO_KEYS`) and
-    :meth:`advance` at its end; a checkpoint holds :meth:`state_dict`. A capture reads
-    :attr:`kind` (the program the next step runs), the tuple ``kinds`` of the programs
-    it records (each under :meth:`forced`), ``refresh_capturable`` (whether a refresh
-    step is one of them), ``every`` and ``steps`` (the host-side step counter), and
-    calls :meth:`notify` after resetting the counter.
+    A step calls :meth:`refresh_now` (whether it builds the system afresh),
+    :meth:`store` on a refresh step, :meth:`system` between refreshes, :meth:`observe`
+    with its direction info (:data:`INFO_KEYS`) and :meth:`advance`; a checkpoint holds
+    :meth:`state_dict`. A capture records each of ``kinds`` under :meth:`forced` and
+    replays the one :attr:`kind` names (``refresh_capturable``: whether a refresh step
+    is recorded too), reading ``every`` and ``steps`` and calling :meth:`notify`.
 
     >>> isinstance(SystemCache(3), RefreshSchedule)
     True
@@ -971,11 +966,9 @@ class SystemCache:
     logged); a healthy run takes the unguarded steps bit for bit (the runs that
     motivated it: :ref:`cifar-amortized`).
 
-    ``on_due`` is called with :attr:`due` whenever it may have changed: the fast path
-    replicates its forward before refresh steps only, and a captured loop records the
-    two kinds of step as two CUDA graphs (:meth:`forced`); the cached tensors are
-    updated in place, so both graphs share them. :class:`kwng.DistributedKWNG`
-    all-reduces ``[g; T]`` on refresh steps only (``q + 1`` values in between).
+    ``on_due`` is called with :attr:`due` whenever it may have changed (the fast path
+    replicates its forward before refresh steps only). A captured loop records the two
+    kinds of step as two CUDA graphs (:meth:`forced`) sharing the cached tensors.
 
     >>> cache = SystemCache(2)
     >>> [cache.due, cache.refresh_now(4, torch.device("cpu"))]
@@ -987,8 +980,7 @@ class SystemCache:
 
     #: a refresh step is a program of its own that a CUDA graph records
     refresh_capturable = True
-    #: the programs a captured loop records, a refresh step and a step between
-    #: refreshes (keys of :attr:`kind`)
+    #: the programs a captured loop records: a refresh step, a step between refreshes
     kinds = (True, False)
 
     def __init__(self, every: int, on_due: Callable[[bool], None] | None = None,
@@ -1179,12 +1171,7 @@ class SystemCache:
         self.notify()
 
 
-# ======================================================================================
-# 4. The training loop around the step
-# ======================================================================================
-_SECOND_BACKWARD = "backward through the graph a second time"
-
-
+# ==== 4. The training loop around the step ============================================
 def resolve_params(model: nn.Module, params: Iterable[Any] | None
                    ) -> tuple[list[torch.Tensor], list[dict[str, Any]] | None]:
     """The parameters the metric may cover and, if ``params`` held groups (dicts with a
@@ -1232,11 +1219,6 @@ def group_params(group: dict[str, Any]) -> list[Any]:
                          f"keys {sorted(group)}")
     ps = group["params"]
     return [ps] if isinstance(ps, torch.Tensor) else list(ps)
-
-
-def group_lrs_missing(groups: list[dict[str, Any]] | None) -> bool:
-    """Whether some group has no ``"lr"`` (the ε rule then needs ``lr=``)."""
-    return groups is None or any("lr" not in g for g in groups)
 
 
 def predicted_decrease(groups: list[dict[str, Any]] | None, params: list[torch.Tensor],
@@ -1383,18 +1365,10 @@ def scale_of(grad_scaler: Any, loss: torch.Tensor) -> torch.Tensor | None:
     return grad_scaler._get_scale_async().detach()
 
 
-def check_grad_scaler(grad_scaler: Any) -> Any:
-    """``grad_scaler`` as given: ``None`` or a ``torch.amp.GradScaler``."""
-    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise ValueError("grad_scaler must be a torch.amp.GradScaler or None, got "
-                         f"{type(grad_scaler).__name__}")
-    return grad_scaler
-
-
 def backward_hint(err: RuntimeError, compiled: bool, mode: str) -> RuntimeError:
     """A message for the loop for an autograd error raised in the step's backward
     passes (``err`` unchanged when there is nothing to add)."""
-    if _SECOND_BACKWARD in str(err):
+    if "backward through the graph a second time" in str(err):
         return RuntimeError(
             "KWNGPreconditioner.step(loss, X) runs the backward pass(es) itself: do "
             "not call loss.backward() before it (the order of kfac-pytorch). A "
@@ -1445,12 +1419,14 @@ def check_lr(lr: Any, required: bool) -> float | Callable[[], float] | None:
     return check_positive(lr, "lr")
 
 
-# ======================================================================================
-# 5. The saved state
-# ======================================================================================
+# ==== 5. The saved state ==============================================================
 #: The counters of a preconditioner (device tensors, summed over its steps).
 COUNTERS = ("fallbacks", "ill_conditioned", "rank_sum", "damping_floored", "clipped",
             "serial_steps", "loss_only", "euclidean_steps")
+# the counters that sum an entry of every step's direction info: counter -> entry
+_COUNTED = {"fallbacks": "fallback", "ill_conditioned": "ill_conditioned",
+            "rank_sum": "rank", "damping_floored": "damping_floored",
+            "clipped": "clipped", "loss_only": "loss_only"}
 
 # the hyperparameters of a state saved before eps_schedule: old key -> LMSchedule field
 _OLD_LM_KEYS = {"lm_interval": "interval", "lm_omega": "omega", "lm_low": "low",
@@ -1510,22 +1486,3 @@ def load_preconditioner_state(
                         "(the loaded state is used with this preconditioner's): %s",
                         "; ".join(diffs))
     return steps, counters
-
-
-def load_generator_state(state: dict[str, Any], generator: torch.Generator | None
-                         ) -> None:
-    """Restore the basis generator's state saved in ``state`` (nothing for a state
-    saved without one)."""
-    saved = state.get("generator")
-    if saved is None:
-        return
-    if not isinstance(saved, bytes):
-        raise ValueError("state['generator'] must be bytes (a generator's state), got "
-                         f"{type(saved).__name__}")
-    if generator is None:
-        log.warning("load_state_dict: the state holds a basis generator's state but "
-                    "this preconditioner has none (its bases come from torch's global "
-                    "stream); pass generator=torch.Generator() to resume the same "
-                    "draws")
-        return
-    generator.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))

@@ -34,8 +34,8 @@ consumers is relaid instead).
 Memory format: the replicated pass keeps the model's. On the GPU make a convolutional
 model and its inputs channels_last (``model.to(memory_format=torch.channels_last)``):
 cuDNN runs fp32 convolutions of NCHW tensors with channels_last kernels and converts the
-tensors around each call (4.8 ms of a 29.4 ms fast step on the paper's ResNet-18,
-``kwng/experiments/bench/profile_step.py``).
+tensors around each call (the NCHW and channels_last rows of the record
+``results/benchmarks/step_cost.json``).
 A step on the paper's ResNet-18 costs about one forward and backward pass at batch
 ``R·N`` (``python -m kwng.experiments.bench.step_cost``; the deep-learning chapter gives
 the table).

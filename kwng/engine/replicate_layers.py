@@ -85,10 +85,9 @@ def _first_copy(
 def stacked_wgrad(dy: torch.Tensor, gpu_solve: str = "auto") -> bool:
     """Whether a convolution's ``R`` weight gradients come from one call with the
     copies stacked along the output channels (on the GPU, and wherever the kernels
-    run) rather than ``R`` calls on slices of ``dy``. Summed over ResNet-18's
-    convolutions on an H200 (``kwng/experiments/bench/engine_parts.py``, N = 128, R =
-    6, channels_last): 7.6 ms stacked against 9.5 ms in ``R`` calls in fp32 (6.6 ms
-    for one call at batch ``R·N``), 3.1 against 4.4 ms in bf16 (2.2 ms)."""
+    run) rather than ``R`` calls on slices of ``dy``: faster summed over ResNet-18's
+    convolutions in fp32 and bf16 (the ``wgrad`` parts of the record
+    ``results/benchmarks/engine_parts.json``)."""
     return dy.is_cuda or use_kernels(dy, gpu_solve)
 
 
