@@ -138,3 +138,28 @@ def test_import_kwng_loads_no_triton_and_no_compiler():
             "sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_gpu_solve_travels_with_the_preconditioner_and_old_states_load(caplog):
+    """``gpu_solve`` is recorded in the hyperparameters, reaches the replicated engine
+    (no process-wide switch), and a state saved before the field loads without a
+    warning about differing hyperparameters."""
+    from torch import nn
+
+    from kwng.engine.precond import KWNGPreconditioner
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    pc = KWNGPreconditioner(net, lr=0.1, num_basis=2, gpu_solve="eager")
+    assert pc.hyperparameters()["gpu_solve"] == "eager"
+    assert pc.path.gpu_solve == "eager" and pc._engine.state.gpu_solve == "eager"
+    other = KWNGPreconditioner(nn.Linear(2, 2), lr=0.1, num_basis=2)
+    assert other.path.gpu_solve == "auto"  # the first one changed nothing global
+    state = pc.state_dict()
+    del state["hyperparameters"]["gpu_solve"]
+    fresh = KWNGPreconditioner(nn.Sequential(nn.Linear(3, 4), nn.Tanh(),
+                                             nn.Linear(4, 2)), lr=0.1, num_basis=2)
+    with caplog.at_level("WARNING"):
+        fresh.load_state_dict(state)
+    assert "differ" not in caplog.text
+    pc.config = pc.config.replace(gpu_solve="compile")
+    assert pc._engine.state.gpu_solve == "compile" == pc.path.gpu_solve
