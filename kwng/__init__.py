@@ -1,24 +1,25 @@
 """kwng: the Kernelized Wasserstein Natural Gradient (Arbel, Gretton, Li & Montúfar,
 ICLR 2020).
 
-The package behind the kwng book, in floors that import only downwards:
+The library, in floors that import only downwards:
 
 * ``kwng`` (this folder): the estimator core. Kernels (:mod:`kwng.kernels`), the linear
   algebra of Props. 5 and 6 (:mod:`kwng.solve`), the estimator (:mod:`kwng.estimator`,
   sync-free variant :mod:`kwng.nosync`, batched sweeps :mod:`kwng.batched`), the models
   with closed-form WNG (:mod:`kwng.models`, on the normal closed forms of
-  :mod:`kwng.gaussian`) and the kernel Fisher–Rao estimator (:mod:`kwng.fisher`).
-* :mod:`kwng.engine`: the deep-learning engine, :class:`KWNGPreconditioner` with its
-  :class:`KWNGConfig`, drop-in before ``optimizer.step`` (its ``step(loss, X)`` runs the
-  backward passes), and :class:`DistributedKWNG` over ``torch.distributed``.
-* :mod:`kwng.theory.wng`: the theory chapters' reference computations.
-* :mod:`studies.plots_unused`: figures and tables from result files.
-* :mod:`studies`: the commands of the book's experiments (``python -m
-  studies <name>``), the CIFAR kit and the benchmarks.
+  :mod:`kwng.gaussian`), the kernel Fisher–Rao estimator (:mod:`kwng.fisher`) and the
+  book's scale switch (:mod:`kwng.scale_switch`).
+* :mod:`kwng.engine`: the deep-learning engine, :class:`KWNGPreconditioner` (class,
+  state and step in :mod:`kwng.engine.precond`) with its :class:`KWNGConfig`, drop-in
+  before ``optimizer.step`` (its ``step(loss, X)`` runs the backward passes), and
+  :class:`DistributedKWNG` over ``torch.distributed``.
+* :mod:`kwng.theory`: the theory chapters' reference computations.
 
-``import kwng`` loads the core and the engine's preconditioner only; the theory, plots,
-experiments and GPU kernels load when imported. The names below are the curated public
-API; each is defined in the module named in its docstring.
+The book's studies (experiments, figures, tables, benchmarks) live beside the library in
+the checkout's ``studies/`` folder and are not part of it. ``import kwng`` loads the core
+and the engine's preconditioner only; the theory and the GPU kernels load when imported.
+The names below are the curated public API; each is defined in the module named in its
+docstring.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -27,7 +28,7 @@ from kwng.engine.capture import capture_step
 from kwng.engine.config import KWNGConfig, eps_from_authors
 from kwng.engine.distributed import DistributedKWNG
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
-from kwng.engine.precond import KWNGPreconditioner
+from kwng.engine.precond import KWNGPreconditioner, RefreshSchedule
 from kwng.estimator import (
     KWNGResult,
     damping_vector,
@@ -68,15 +69,16 @@ except PackageNotFoundError:
     __version__ = "0+unknown"
 
 __all__ = [
-    "scale",
-    "is_full",
-    "pick",
-    "Kernel",
-    "GaussianKernel",
-    "RationalQuadraticKernel",
-    "make_kernel",
-    "mean_sq_bandwidth",
-    "median_bandwidth",
+    # the preconditioner and its configuration
+    "KWNGPreconditioner",
+    "KWNGConfig",
+    "DistributedKWNG",
+    "LMSchedule",
+    "LevenbergMarquardt",
+    "RefreshSchedule",
+    "eps_from_authors",
+    "capture_step",
+    # the estimator (Props. 5 and 6)
     "KWNGResult",
     "DAMPINGS",
     "SOLVE_METHODS",
@@ -90,24 +92,31 @@ __all__ = [
     "kwng_gradient",
     "kwng_gradient_from_outputs",
     "relative_error",
+    # kernels and their bandwidths
+    "Kernel",
+    "GaussianKernel",
+    "RationalQuadraticKernel",
+    "make_kernel",
+    "mean_sq_bandwidth",
+    "median_bandwidth",
+    # models with a closed-form Wasserstein natural gradient
     "ImplicitModel",
     "NormalModel",
     "LogNormalModel",
     "HyperSphereModel",
     "make_model",
+    # closed forms of the normal family
     "gaussian_w2_squared",
     "lyapunov",
     "normal_wng_sigma_coords",
-    "KWNGPreconditioner",
-    "DistributedKWNG",
-    "KWNGConfig",
-    "LevenbergMarquardt",
-    "LMSchedule",
-    "eps_from_authors",
-    "capture_step",
+    # the Fisher-Rao side: kernel estimator and exact references
     "kfng_gradient",
     "kernel_fisher_metric",
     "fisher_matrix",
     "fisher_natural_gradient",
     "fisher_matrix_mc",
+    # the scale switch of the experiments (KWNG_SCALE)
+    "scale",
+    "is_full",
+    "pick",
 ]

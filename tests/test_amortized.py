@@ -1,7 +1,7 @@
-"""``refresh_every = k`` (:mod:`kwng.engine.amortized`): the exact step at ``k = 1``,
-the cached system applied to the fresh gradient in between (float64), descent, the
-state of a resumed run, the arguments, and the host-side choice between the two
-captured graphs."""
+"""``refresh_every = k`` (``kwng.engine.precond.SystemCache``): the exact step at
+``k = 1``, the cached system applied to the fresh gradient in between (float64),
+descent, the state of a resumed run, the arguments, and the host-side choice between
+the two captured graphs."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 from kwng import solve
-from kwng.engine.amortized import SystemCache
 from kwng.engine.capture import amortized_replay, warmup_kind
 from kwng.engine.config import KWNGConfig
-from kwng.engine.precond import KWNGPreconditioner
+from kwng.engine.precond import KWNGPreconditioner, SystemCache
 from studies.cifar.nets import mlp, tiny_cnn
 
 MODES = [("fast", False), ("fast", True), ("reference", False), ("reference", True)]

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from kwng.engine.amortized import SystemCache
 from kwng.engine.capture import amortized_replay, warmup_kind, warmup_steps
+from kwng.engine.precond import SystemCache
 from studies.cifar import steps
 from studies.cifar.kfac_factors import FactorSchedule, InverseFactors
 from studies.cifar.nets import ConditionedNetwork, DiagonalConditioning

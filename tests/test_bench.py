@@ -68,7 +68,8 @@ def test_bench_times_the_kwng_rows_once_per_gpu_path(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(args[:-1] + ["cudnn", "--out", str(tmp_path / "x.json")])
     err = capsys.readouterr().err
-    assert "--gpu-paths must be a comma list of ['triton', 'compile', 'eager']" in err
+    assert ("--gpu-paths must be a comma list of ['auto', 'triton', 'compile', "
+            "'eager']") in err
 
 
 def test_bench_times_each_kwng_row_once_per_refresh_every(tmp_path, capsys):

@@ -34,7 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kwng", "studies")
 MAX_MODULE_LINES = 400
 #: modules allowed over the line cap, with the reason
-LONG_MODULES: dict[str, str] = {}
+LONG_MODULES: dict[str, str] = {
+    "kwng/engine/precond.py": "the preconditioner's class, state and step read in one "
+    "file (issue #44)",
+}
 MAX_FUNCTION_LINES = 60
 FLOORS = {"engine": 1, "theory": 2}  # core: 0; every studies module is above them
 STUDY_FLOOR = 10

@@ -1,4 +1,4 @@
-"""KWNGPreconditioner in a user's training loop (:mod:`kwng.engine.precond_loop`).
+"""KWNGPreconditioner in a user's training loop (:mod:`kwng.engine.precond`).
 
 Each test names, in its docstring, the silent misbehaviour of a plain loop that it
 guards against: a gradient put into ``p.grad`` before the step, gradient accumulation,
@@ -23,8 +23,12 @@ from torch.nn import functional as F
 import kwng
 from kwng.engine.config import AUTO_MODES, resolve_mode
 from kwng.engine.distributed import DistributedKWNG
-from kwng.engine.precond import KWNGPreconditioner
-from kwng.engine.precond_loop import backward_hint, is_compiled, predicted_decrease
+from kwng.engine.precond import (
+    KWNGPreconditioner,
+    backward_hint,
+    is_compiled,
+    predicted_decrease,
+)
 from studies.bench.mode_choice import ROWS, auto_modes
 from studies.bench.mode_choice import main as mode_choice_main
 from studies.cifar.nets import mlp, tiny_cnn

@@ -1,7 +1,7 @@
-"""The step's direction (kwng.solve.safeguard, kwng.engine.step_direction) and the
-functions the fast path compiles on CUDA (kwng.engine.gpu_paths): the safeguard's rule,
-and that each function traces into one graph (``fullgraph=True``, what ``torch.compile``
-needs on the GPU) with the same values as eager."""
+"""The step's direction (kwng.solve.safeguard, kwng.engine.precond.device_direction)
+and the functions the fast path compiles on CUDA (kwng.engine.gpu_paths): the
+safeguard's rule, and that each function traces into one graph (``fullgraph=True``,
+what ``torch.compile`` needs on the GPU) with the same values as eager."""
 
 import math
 
@@ -10,9 +10,10 @@ import torch
 
 from kwng import solve
 from kwng.engine import gpu_paths
+from kwng.engine.config import KWNGConfig
+from kwng.engine.precond import INFO_KEYS, device_direction, direction_into
 from kwng.engine.replicate_bn import bn_backward_torch
 from kwng.engine.replicate_layers import repeat_copies, stack_copies
-from kwng.engine.step_direction import INFO_KEYS, direction_into, step_direction
 from kwng.nosync import nystrom_solve_nosync
 
 
@@ -58,7 +59,7 @@ def test_direction_into_is_the_solve_then_the_safeguard(damping):
     assert bool(info["clipped"]) and int(info["rank"]) == int(dg["rank"])
     # on the CPU the dispatcher runs the same function eagerly
     out2 = torch.empty_like(g)
-    step_direction(out2, T, CCt, K, g, N, eps=eps, lam=0.1, damping=damping,
+    device_direction(out2, T, CCt, K, g, N, eps=eps, lam=0.1, damping=damping,
                    rcond=None, clip_norm=0.5)
     assert torch.equal(out2, out)
 
@@ -106,7 +107,7 @@ def test_the_compiled_functions_trace_into_one_graph():
     torch._dynamo.reset()
 
 
-def test_compile_on_cuda_runs_eagerly_on_the_cpu_and_the_path_switch_is_checked():
+def test_compile_on_cuda_runs_eagerly_on_the_cpu_and_the_path_is_a_config_field():
     calls = []
 
     def f(x):
@@ -114,15 +115,15 @@ def test_compile_on_cuda_runs_eagerly_on_the_cpu_and_the_path_switch_is_checked(
         return x + 1
 
     assert torch.equal(gpu_paths.compile_on_cuda(f)(torch.zeros(2)), torch.ones(2))
-    assert calls == [False]
-    assert gpu_paths.gpu_path() == "triton"
-    with gpu_paths.use_gpu_path("compile"):
-        assert gpu_paths.gpu_path() == "compile"
-        assert not gpu_paths.use_kernels(torch.zeros(2))
-    assert gpu_paths.gpu_path() == "triton"
-    with pytest.raises(ValueError, match="gpu path must be one of"):
-        with gpu_paths.use_gpu_path("cudnn"):
-            pass
+    assert torch.equal(gpu_paths.compile_on_cuda(f)(torch.zeros(2), gpu_solve="eager"),
+                       torch.ones(2))
+    assert calls == [False, False]
+    assert not gpu_paths.use_kernels(torch.zeros(2), "compile")
+    assert KWNGConfig().gpu_solve == "auto"
+    assert KWNGConfig(gpu_solve="compile").gpu_solve == "compile"
+    with pytest.raises(ValueError, match=r"gpu_solve must be one of \['auto', "
+                       r"'triton', 'compile', 'eager'\], got 'cudnn'"):
+        KWNGConfig(gpu_solve="cudnn")
 
 
 def test_import_kwng_loads_no_triton_and_no_compiler():
@@ -137,3 +138,28 @@ def test_import_kwng_loads_no_triton_and_no_compiler():
             "sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_gpu_solve_travels_with_the_preconditioner_and_old_states_load(caplog):
+    """``gpu_solve`` is recorded in the hyperparameters, reaches the replicated engine
+    (no process-wide switch), and a state saved before the field loads without a
+    warning about differing hyperparameters."""
+    from torch import nn
+
+    from kwng.engine.precond import KWNGPreconditioner
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    pc = KWNGPreconditioner(net, lr=0.1, num_basis=2, gpu_solve="eager")
+    assert pc.hyperparameters()["gpu_solve"] == "eager"
+    assert pc.path.gpu_solve == "eager" and pc._engine.state.gpu_solve == "eager"
+    other = KWNGPreconditioner(nn.Linear(2, 2), lr=0.1, num_basis=2)
+    assert other.path.gpu_solve == "auto"  # the first one changed nothing global
+    state = pc.state_dict()
+    del state["hyperparameters"]["gpu_solve"]
+    fresh = KWNGPreconditioner(nn.Sequential(nn.Linear(3, 4), nn.Tanh(),
+                                             nn.Linear(4, 2)), lr=0.1, num_basis=2)
+    with caplog.at_level("WARNING"):
+        fresh.load_state_dict(state)
+    assert "differ" not in caplog.text
+    pc.config = pc.config.replace(gpu_solve="compile")
+    assert pc._engine.state.gpu_solve == "compile" == pc.path.gpu_solve

@@ -22,9 +22,8 @@ import kwng.engine.triton_solve
 import studies.cifar.nets
 from kwng import solve
 from kwng.engine import replicate_layers, triton_bn, triton_support
-from kwng.engine.precond import KWNGPreconditioner
+from kwng.engine.precond import KWNGPreconditioner, direction_into
 from kwng.engine.replicate_bn import bn_backward_torch
-from kwng.engine.step_direction import direction_into
 from kwng.jacobians import jacobian_from_outputs
 
 pytestmark = pytest.mark.skipif(
@@ -251,7 +250,7 @@ def _fused_case(damping, case):
 )
 def test_fused_direction_equals_the_pytorch_path(damping, case):
     """The four kernels of kwng.engine.triton_solve against their one definition,
-    kwng.engine.step_direction.direction_into (nystrom_solve_nosync, then
+    kwng.engine.precond.direction_into (nystrom_solve_nosync, then
     solve.safeguard), for every damping of solve.DAMPINGS (a new one must be
     implemented or refused by the kernels): same direction (float32 rounding), same
     diagnostics. A non-finite direction (ε = NaN) and a failed Cholesky factorisation

@@ -3,21 +3,25 @@
 A KWNG step on the fast path never waits for the GPU (ε, the fallbacks and the clipping
 stay in device tensors), so the whole step — forward, replicated backward, solve,
 optimizer update — can be recorded once and replayed: no Python and no kernel launches
-per step. On the paper's ResNet-18 in bf16 this takes the step from 39.9 to 11.5 ms
-(``results/benchmarks/step_cost.json``). Usage::
+per step (the eager and captured rows ``kwng_fast`` and ``kwng_fast_graph`` of the
+record ``results/benchmarks/step_cost.json``). Usage (the examples need a CUDA device,
+hence ``+SKIP``; ``model``, ``opt``, ``precond``, ``loss_fn`` and ``loader`` are the
+training loop's):
 
-    static_z = torch.empty_like(z0); static_y = torch.empty_like(y0)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-            X = model(static_z)
-            loss = loss_fn(X.float(), static_y)
-        precond.step(loss, X)
-        opt.step()
-
-    replay = capture_step(step) for z, y in loader: static_z.copy_(z); static_y.copy_(y)
-    replay()
+>>> z0, y0 = next(iter(loader))                                   # doctest: +SKIP
+>>> static_z, static_y = z0.clone(), y0.clone()                   # doctest: +SKIP
+>>> def step():                                                   # doctest: +SKIP
+...     opt.zero_grad(set_to_none=True)
+...     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+...         X = model(static_z)
+...         loss = loss_fn(X.float(), static_y)
+...     precond.step(loss, X)
+...     opt.step()
+>>> replay = capture_step(step, preconditioner=precond)           # doctest: +SKIP
+>>> for z, y in loader:                                           # doctest: +SKIP
+...     static_z.copy_(z)
+...     static_y.copy_(y)
+...     replay()
 
 What a replay cannot change: the inputs' addresses and shapes (copy each batch into
 the same tensors), and every Python number the step read at capture (the learning rate
@@ -68,7 +72,7 @@ def capture_step(step: Callable[[], None], warmup: int = 3,
 
     ``preconditioner``: the preconditioner that ``step`` calls, when its ``cache``
     refreshes every ``k > 1`` steps (:class:`kwng.KWNGPreconditioner` with
-    ``refresh_every = k``, :mod:`kwng.engine.amortized`; KFAC,
+    ``refresh_every = k``, :class:`kwng.engine.precond.SystemCache`; KFAC,
     :mod:`studies.cifar.kfac_factors`). Its kinds of step are programs of their
     own: at least :func:`warmup_steps` warm-up steps are taken, the steps between
     refreshes are recorded and each replay runs the kind that the cache's host-side
@@ -132,7 +136,7 @@ def amortized_replay(cache: Any, record: Callable[[], Any],
                      eager: Callable[[], None] | None = None) -> Callable[[], bool]:
     """Record each program of ``cache.kinds`` with ``record`` (a function that records
     the step and returns an object with ``replay()``), each under ``cache.forced``
-    (:class:`kwng.engine.amortized.SystemCache`: a refresh step and a step between
+    (:class:`kwng.engine.precond.SystemCache`: a refresh step and a step between
     refreshes); returns the replay that runs, at each call, the graph of the kind
     ``cache.kind`` names, then counts the step. The recordings run no step: the counter
     is left where the warm-up put it.

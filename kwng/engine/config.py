@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kwng._checks import check_choice, check_int, check_positive
+from kwng.engine.gpu_paths import GPU_SOLVES
 from kwng.engine.lm import LMSchedule
 from kwng.kernels import BANDWIDTH_RULES, Kernel, make_kernel
 from kwng.solve import DAMPINGS
@@ -116,12 +117,19 @@ class KWNGConfig:
       (``None``: ``M · float-eps``).
     * ``refresh_every`` [``k``] ≥ 1 — build ``T``, ``C``, ``K`` afresh every ``k`` steps
       and apply the cached system to each step's fresh gradient in between
-      (:mod:`kwng.engine.amortized`); ``1`` (the default) is the exact step of every
-      step.
+      (:class:`kwng.engine.precond.SystemCache`); ``1`` (the default) is the exact
+      step of every step.
     * ``refresh_guard`` — with ``refresh_every > 1``, also refresh two steps after a
       step whose system was rank deficient or whose direction fell back to ``g``
-      (:mod:`kwng.engine.amortized`, "The guard"); ``False`` (the default): the counter
-      alone.
+      (:class:`kwng.engine.precond.SystemCache`, "The guard"); ``False`` (the default):
+      the counter alone.
+    * ``gpu_solve`` — which implementation runs the fast step's solve and per-copy
+      batch-norm backward on CUDA, one of :data:`kwng.engine.gpu_paths.GPU_SOLVES`:
+      ``"auto"`` (the default: the Triton kernels where they run, else the compiled
+      functions), ``"triton"``, ``"compile"`` or ``"eager"``. The CPU runs eagerly.
+
+    >>> KWNGConfig(num_basis=3).replace(gpu_solve="eager").gpu_solve
+    'eager'
     """
 
     num_basis: int = 5
@@ -138,6 +146,7 @@ class KWNGConfig:
     rcond: float | None = None
     refresh_every: int = 1
     refresh_guard: bool = False
+    gpu_solve: str = "auto"
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -185,6 +194,7 @@ class KWNGConfig:
         if self.refresh_guard and k == 1:
             raise ValueError("refresh_guard=True needs refresh_every > 1 (with "
                              "refresh_every = 1 every step refreshes)")
+        check_choice(self.gpu_solve, "gpu_solve", GPU_SOLVES)
 
     def replace(self, **changes: Any) -> KWNGConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -50,11 +50,11 @@ Design choices:
 * **The basis is rank 0's draw**, carried by the same all-gather as the samples: the
   other ranks never touch their random streams, and nothing has to keep generators in
   step.
-* **Between refreshes** (``refresh_every = k > 1``, :mod:`kwng.engine.amortized`):
-  every rank holds the same cached system (it came from the same reduced ``T``); a step
-  that reuses it needs no all-gather and one all-reduce of ``q + 1`` values (``g`` and
-  ``N_r L_r``), as DDP's gradient reduction; the ``(M + 1)·q`` one runs on refresh
-  steps only.
+* **Between refreshes** (``refresh_every = k > 1``,
+  :class:`kwng.engine.precond.SystemCache`): every rank holds the same cached system
+  (it came from the same reduced ``T``); a step that reuses it needs no all-gather and
+  one all-reduce of ``q + 1`` values (``g`` and ``N_r L_r``), as DDP's gradient
+  reduction; the ``(M + 1)·q`` one runs on refresh steps only.
 * **Shard sizes.** ``batch_sizes`` (one integer per rank, or one for all) declares them:
   no size exchange, nothing waits for the host, so the step can be captured in a CUDA
   graph. ``None`` exchanges the sizes every step (one small all-gather read on the host)
@@ -287,16 +287,7 @@ class DistributedKWNG(KWNGPreconditioner):
             for t in self.model.buffers():
                 dist.broadcast(t, self._src, group=self.group)
 
-    # --- the hooks of the step (kwng.engine.precond_step) -----------------------------
-    def _check_inputs(self, loss: torch.Tensor, outputs: torch.Tensor) -> None:
-        """The base class's checks, except that ``num_basis`` may exceed this rank's
-        shard: :meth:`_share` checks it against the global batch."""
-        n, M = (outputs.shape[0] if isinstance(outputs, torch.Tensor) else 0,
-                self.config.num_basis)
-        if 0 < n < M and outputs.dim() == 2:  # a view with M rows for the base checks
-            outputs = outputs.narrow(0, 0, 1).expand(M, -1)
-        super()._check_inputs(loss, outputs)
-
+    # --- the hooks of the step (KWNGPreconditioner, kwng.engine.precond) -------------
     def _degenerate(self, loss: torch.Tensor, X: torch.Tensor, refresh: bool,
                     check_finite: bool) -> str | None:
         """No local check: every rank must take the same kind of step, so a

@@ -34,8 +34,8 @@ consumers is relaid instead).
 Memory format: the replicated pass keeps the model's. On the GPU make a convolutional
 model and its inputs channels_last (``model.to(memory_format=torch.channels_last)``):
 cuDNN runs fp32 convolutions of NCHW tensors with channels_last kernels and converts the
-tensors around each call (4.8 ms of a 29.4 ms fast step on the paper's ResNet-18,
-``studies/bench/profile_step.py``).
+tensors around each call (the NCHW and channels_last rows of the record
+``results/benchmarks/step_cost.json``).
 A step on the paper's ResNet-18 costs about one forward and backward pass at batch
 ``R·N`` (``python -m studies.bench.step_cost``; the deep-learning chapter gives
 the table).
@@ -110,7 +110,8 @@ def unsupported_reason(model: nn.Module, params: list[torch.Tensor]) -> str | No
 class ReplicatedEngine:
     """Patch ``model`` so that a training forward runs on ``R`` copies of the batch.
 
-    Use: ``engine = ReplicatedEngine(model, copies)``; while ``engine.enabled``, a
+    Use: ``engine = ReplicatedEngine(model, copies)`` (``gpu_solve``: that of
+    :class:`kwng.KWNGConfig`); while ``engine.enabled``, a
     forward call of ``model`` in train mode with grad enabled runs replicated and
     returns the first copy's output ``X`` (a view of the ``(R·N, d)`` output
     ``outputs``). :meth:`backward` then takes the ``(R·N, d)`` stacked cotangent and
@@ -120,10 +121,11 @@ class ReplicatedEngine:
     """
 
     def __init__(self, model: nn.Module, copies: int,
-                 output_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+                 output_fn: Callable[[Any], torch.Tensor] | None = None,
+                 gpu_solve: str = "auto") -> None:
         self.model = model
         self.output_fn = output_fn
-        self.state = _State(copies=copies)
+        self.state = _State(copies=copies, gpu_solve=gpu_solve)
         self.outputs: torch.Tensor | None = None
         self.first: torch.Tensor | None = None
         self.enabled = True

@@ -108,7 +108,7 @@ class _BatchNorm(torch.autograd.Function):
         mod: nn.modules.batchnorm._BatchNorm,
         st: _State,
     ) -> torch.Tensor:
-        R, N = st.copies, st.batch
+        N = st.batch
         x0 = x[:N]
         use_batch = mod.training or mod.running_mean is None
         factor = 0.0 if mod.momentum is None else mod.momentum
@@ -155,7 +155,7 @@ class _BatchNorm(torch.autograd.Function):
         ctx.save_for_backward(x0, mean, invstd)
         ctx.meta = (use_batch, st, weight, bias, x.dtype)
         ctx.after_conv = isinstance(x.grad_fn, _Conv._backward_cls)
-        return _repeat(y0.to(x.dtype), R)
+        return _repeat(y0.to(x.dtype), st)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
@@ -171,8 +171,9 @@ class _BatchNorm(torch.autograd.Function):
         # after a convolution, also write dx in the layout of its stacked weight
         # gradient (saves that convolution a relayout pass)
         hand = (ctx.after_conv and dy.dim() == 4 and dy.dtype == xdtype
-                and (inner or nchw) and ctx.needs_input_grad[0] and stacked_wgrad(dy))
-        if use_kernels(d) and (inner or nchw):  # two Triton passes
+                and (inner or nchw) and ctx.needs_input_grad[0]
+                and stacked_wgrad(dy, st.gpu_solve))
+        if use_kernels(d, st.gpu_solve) and (inner or nchw):  # two Triton passes
             from kwng.engine import triton_bn
 
             kernel = triton_bn.bn_backward if inner else triton_bn.bn_backward_nchw
@@ -181,8 +182,8 @@ class _BatchNorm(torch.autograd.Function):
             )
         else:
             dx, dgamma, dbeta, dxi = _bn_backward_compiled(
-                d, x, mean, invstd, scale, use_batch, ctx.needs_input_grad[0], hand
-            )
+                d, x, mean, invstd, scale, use_batch, ctx.needs_input_grad[0], hand,
+                gpu_solve=st.gpu_solve)
         out = None if dx is None else unview(dx).to(xdtype)
         if dxi is not None:
             N, C, H, W = x0.shape

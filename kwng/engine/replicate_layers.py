@@ -4,7 +4,7 @@
 its backward on all ``R`` stacked cotangents (``_BatchNorm`` is in
 :mod:`kwng.engine.replicate_bn`); ``_State`` is what they read during one replicated
 forward; :func:`repeat_copies` and :func:`stack_copies` are the repeat and the relayout
-of the copies (compiled on CUDA, or Triton kernels: :mod:`kwng.engine.gpu_paths`). See
+of the copies (compiled on CUDA: :mod:`kwng.engine.gpu_paths`). See
 :mod:`kwng.engine.replicate` for the algorithm.
 """
 
@@ -28,6 +28,7 @@ class _State:
 
     copies: int = 1
     batch: int = 0
+    gpu_solve: str = "auto"  # kwng.KWNGConfig.gpu_solve: compiled functions or kernels
     active: bool = False
     grads: dict[int, torch.Tensor] = field(
         default_factory=dict
@@ -67,9 +68,9 @@ def repeat_copies(y0: torch.Tensor, R: int) -> torch.Tensor:
 _repeat_copies_compiled = compile_on_cuda(repeat_copies)
 
 
-def _repeat(y0: torch.Tensor, R: int) -> torch.Tensor:
-    """:func:`repeat_copies`, compiled on the GPU (one pass)."""
-    return _repeat_copies_compiled(y0, R)
+def _repeat(y0: torch.Tensor, st: _State) -> torch.Tensor:
+    """:func:`repeat_copies` (``st.copies`` of them), compiled on the GPU (one pass)."""
+    return _repeat_copies_compiled(y0, st.copies, gpu_solve=st.gpu_solve)
 
 
 def _first_copy(
@@ -81,14 +82,13 @@ def _first_copy(
     return x0, weight.to(dt), None if bias is None else bias.to(dt)
 
 
-def stacked_wgrad(dy: torch.Tensor) -> bool:
+def stacked_wgrad(dy: torch.Tensor, gpu_solve: str = "auto") -> bool:
     """Whether a convolution's ``R`` weight gradients come from one call with the
     copies stacked along the output channels (on the GPU, and wherever the kernels
-    run) rather than ``R`` calls on slices of ``dy``. Summed over ResNet-18's
-    convolutions on an H200 (``studies/bench/engine_parts.py``, N = 128, R =
-    6, channels_last): 7.6 ms stacked against 9.5 ms in ``R`` calls in fp32 (6.6 ms
-    for one call at batch ``R·N``), 3.1 against 4.4 ms in bf16 (2.2 ms)."""
-    return dy.is_cuda or use_kernels(dy)
+    run) rather than ``R`` calls on slices of ``dy``: faster summed over ResNet-18's
+    convolutions in fp32 and bf16 (the ``wgrad`` parts of the record
+    ``results/benchmarks/engine_parts.json``)."""
+    return dy.is_cuda or use_kernels(dy, gpu_solve)
 
 
 def _wgrad_loop(dy, x0, w, R, args, st=None) -> torch.Tensor:
@@ -140,7 +140,8 @@ def _stacked(dy: torch.Tensor, R: int, st: _State | None) -> torch.Tensor:
     ds = _handed_off(dy, st)
     if ds is not None:
         return ds
-    return _stack_copies_compiled(dy, R)
+    path = "auto" if st is None else st.gpu_solve
+    return _stack_copies_compiled(dy, R, gpu_solve=path)
 
 
 def _wgrad_stacked(dy, x0, w, R, args, st=None) -> torch.Tensor:
@@ -170,7 +171,6 @@ class _Conv(torch.autograd.Function):
         mod: nn.Conv2d,
         st: _State,
     ) -> torch.Tensor:
-        R = st.copies
         x0, w, b = _first_copy(x, weight, bias, st)
         with torch.autocast(x.device.type, enabled=False):
             y0 = F.conv2d(x0, w, b, mod.stride, mod.padding, mod.dilation, 1)
@@ -186,7 +186,7 @@ class _Conv(torch.autograd.Function):
             weight,
             bias,
         )
-        return _repeat(y0, R)
+        return _repeat(y0, st)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
@@ -204,7 +204,7 @@ class _Conv(torch.autograd.Function):
             )  # shape only
             dx = conv_bwd(dy, shell, w, None, *args, [True, False, False])[0].to(xdtype)
         if ctx.needs_input_grad[1]:
-            wgrad = _wgrad_stacked if stacked_wgrad(dy) else _wgrad_loop
+            wgrad = _wgrad_stacked if stacked_wgrad(dy, st.gpu_solve) else _wgrad_loop
             G = wgrad(dy, x0, w, R, args, st)  # cast when copied into T (one pass)
             st.grads[id(weight)] = G
             gw = G[0].to(weight.dtype)
@@ -228,13 +228,12 @@ class _Linear(torch.autograd.Function):
         bias: torch.Tensor | None,
         st: _State,
     ) -> torch.Tensor:
-        R = st.copies
         x0, w, b = _first_copy(x, weight, bias, st)
         with torch.autocast(x.device.type, enabled=False):
             y0 = F.linear(x0, w, b)
         ctx.save_for_backward(x0, w)
         ctx.meta = (x.dtype, st, weight, bias)
-        return _repeat(y0, R)
+        return _repeat(y0, st)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):

@@ -1,5 +1,5 @@
 """The fast step's direction in four passes over ``T``: Triton kernels for the end of
-a KWNG step on the GPU (:func:`kwng.engine.step_direction.step_direction`, where
+a KWNG step on the GPU (:func:`kwng.engine.precond.device_direction`, where
 :func:`kwng.engine.gpu_paths.use_kernels` selects them).
 
 After the backward pass, the step needs, from ``T`` (``M × q``, ``q`` the parameter
@@ -12,10 +12,10 @@ count) and ``g`` (``q``), the direction of Prop. 6 with the whitening ``W`` of
 then the treatment of degenerate columns (:func:`kwng.solve.loss_only_columns`), the
 safeguard and the clipping of :func:`kwng.solve.safeguard` (``f`` is
 ``kwng.solve.DAMPING_FLOOR``), and it writes ``ĝ`` into the parameters' gradient
-buffer. The one definition is :func:`kwng.engine.step_direction.direction_into` (those
+buffer. The one definition is :func:`kwng.engine.precond.direction_into` (those
 PyTorch functions; eagerly about thirty passes over ``q``-vectors and seven over
-``M × q`` matrices, 3.8 ms against 1.6 ms here at ``q ≈ 11 M``, ``M = 5`` on an H100;
-:mod:`studies.bench.engine_parts` also times it compiled). Here it is four
+``M × q`` matrices; the timings, compiled too, are the ``direction`` part of the record
+``results/benchmarks/engine_parts.json``). Here it is four
 kernels (:mod:`kwng.engine.triton_solve_kernels`):
 
 1. the column norms of ``T̃`` (or ``T``) and their maximum;
@@ -149,8 +149,8 @@ def fused_direction(
     out: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """The clipped KWNG direction written into ``out`` (``q``, any float dtype), and
-    the 0-dim tensors of :data:`kwng.engine.step_direction.INFO_KEYS` (the same
-    values as :func:`kwng.engine.step_direction.direction_into`, see the module
+    the 0-dim tensors of :data:`kwng.engine.precond.INFO_KEYS` (the same
+    values as :func:`kwng.engine.precond.direction_into`, see the module
     docstring). Needs :func:`fused_available`; ``eps`` is a 0-dim tensor."""
     if not fused_available(T, g, damping):
         raise ValueError(

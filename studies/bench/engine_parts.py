@@ -24,7 +24,7 @@ Per dtype (fp32 and bf16, channels_last), summed over the layers of one step:
 
 Then, once, ``direction`` — the end of the step from ``T`` (float32, ``M = R − 1`` rows,
 ``q`` = ResNet-18's parameter count) and ``g``:
-:func:`kwng.engine.step_direction.direction_into` (Prop. 6, the safeguard, the copy into
+:func:`kwng.engine.precond.direction_into` (Prop. 6, the safeguard, the copy into
 the gradient buffer) against the four kernels of
 :func:`kwng.engine.triton_solve.fused_direction`.
 
@@ -49,8 +49,8 @@ import torch
 from kwng.engine import capture as cuda_graphs
 from kwng.engine import gpu_paths
 from kwng.engine import replicate_layers as rl
+from kwng.engine.precond import direction_into
 from kwng.engine.replicate_bn import bn_backward_torch
-from kwng.engine.step_direction import direction_into
 from kwng.scale_switch import REPO_ROOT
 from studies.kit.provenance import atomic_write_json, make_provenance
 

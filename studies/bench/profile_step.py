@@ -23,7 +23,7 @@ import re
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kwng.engine.gpu_paths import GPU_PATHS, use_gpu_path
+from kwng.engine.gpu_paths import GPU_SOLVES
 from studies.bench.step_cost import CONFIGS, ROWS, _make_step
 from studies.cifar.nets import resnet18
 
@@ -58,7 +58,8 @@ def kernel_times(prof, steps: int) -> dict[str, float]:
 
 
 def profile_one(
-    config: str, mode: str, num_basis: int, batch: int, steps: int
+    config: str, mode: str, num_basis: int, batch: int, steps: int,
+    gpu_solve: str = "auto",
 ) -> dict[str, float]:
     prec, fmt = CONFIGS[config]
     dev = torch.device("cuda")
@@ -71,7 +72,8 @@ def profile_one(
         y = y.repeat(num_basis + 1)
         mode = "fwd_bwd_N"
     step, _ = _make_step(
-        mode, model, z, y, num_basis, None if prec == torch.float32 else prec
+        mode, model, z, y, num_basis, None if prec == torch.float32 else prec,
+        gpu_solve=gpu_solve,
     )
     for _ in range(5):
         step()
@@ -91,9 +93,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--gpu-path", default="triton", choices=GPU_PATHS,
+    p.add_argument("--gpu-path", default="triton", choices=GPU_SOLVES,
                    help="kernels or torch.compile for the fast path "
-                   "(kwng.engine.gpu_paths)")
+                   "(KWNGConfig.gpu_solve)")
     a = p.parse_args()
     modes = a.modes.split(",")
     for m in modes:
@@ -102,8 +104,8 @@ def main() -> None:
     torch.backends.cudnn.benchmark = True
     for config in a.configs.split(","):
         for mode in modes:
-            with use_gpu_path(a.gpu_path):
-                times = profile_one(config, mode, a.num_basis, a.batch, a.steps)
+            times = profile_one(config, mode, a.num_basis, a.batch, a.steps,
+                                a.gpu_path)
             by_kind: dict[str, float] = collections.defaultdict(float)
             for name, t in times.items():
                 by_kind[kind_of(name)] += t

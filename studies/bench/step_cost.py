@@ -20,15 +20,15 @@ configuration the rows
   eager and captured) and ``diag_fast_graph`` (the diagonal variant captured).
 
 With ``--refresh-every 1,5,20,100`` every KWNG row runs once per ``k``
-(``refresh_every``, :mod:`kwng.engine.amortized`; records name it): a captured row with
-``k > 1`` records two graphs and replays the refresh graph every ``k`` steps. Such a row
-times a whole number of periods (``--steps`` rounded up to a multiple of ``k``), so its
-``mean_ms`` is the amortized step's cost whatever the phase; ``ratio_to_sgd_graph``
-compares it with the captured SGD step.
+(``refresh_every``, :class:`kwng.engine.precond.SystemCache`; records name it): a
+captured row with ``k > 1`` records two graphs and replays the refresh graph every
+``k`` steps. Such a row times a whole number of periods (``--steps`` rounded up to a
+multiple of ``k``), so its ``mean_ms`` is the amortized step's cost whatever the
+phase; ``ratio_to_sgd_graph`` compares it with the captured SGD step.
 
 With ``--gpu-paths triton,compile`` the KWNG rows run once with the hand-written Triton
 kernels and once with the ``torch.compile``d PyTorch functions
-(:mod:`kwng.engine.gpu_paths`; each record names its ``gpu_path``): the whole step side
+(``KWNGConfig(gpu_solve=...)``; each record names its ``gpu_path``): the whole step side
 by side, for the rule that keeps a kernel only where it is measurably faster.
 
 Each row is timed after warm-up steps, with a device synchronisation after every step;
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from kwng.engine.capture import capture_step
-from kwng.engine.gpu_paths import GPU_PATHS, use_gpu_path
+from kwng.engine.gpu_paths import GPU_SOLVES
 from kwng.engine.precond import KWNGPreconditioner
 from studies.bench.timed import _warm_then_time, training_step
 from studies.cifar.nets import mlp, resnet18
@@ -80,7 +80,8 @@ _PLAIN = ("sgd", "sgd_graph", "fwd_bwd_N", "adam", "adam_graph")
 
 
 def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor,
-               num_basis: int, amp: torch.dtype | None, refresh_every: int = 1
+               num_basis: int, amp: torch.dtype | None, refresh_every: int = 1,
+               gpu_solve: str = "auto"
                ) -> tuple[Callable[[], None], KWNGPreconditioner | None]:
     graph = row.endswith("_graph")
     row = row.removesuffix("_graph")
@@ -99,6 +100,7 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor,
             mode="reference" if row == "kwng_reference" else "fast",
             diagonal_only=row == "diag_fast",
             refresh_every=refresh_every,
+            gpu_solve=gpu_solve,
         )
     if row == "fwd_bwd_RN":
         z = z.repeat((num_basis + 1,) + (1,) * (z.dim() - 1)).contiguous(
@@ -121,8 +123,8 @@ def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor,
 
 
 def _time_row(row: str, M: int, base: nn.Module, z: torch.Tensor, y: torch.Tensor,
-              amp: torch.dtype | None, steps: int, warmup: int, refresh_every: int = 1
-              ) -> dict:
+              amp: torch.dtype | None, steps: int, warmup: int, refresh_every: int = 1,
+              gpu_solve: str = "auto") -> dict:
     """One row's record (times in ms, peak memory, the preconditioner's counters); with
     ``refresh_every = k > 1`` a whole number of periods is timed."""
     device = z.device
@@ -130,7 +132,8 @@ def _time_row(row: str, M: int, base: nn.Module, z: torch.Tensor, y: torch.Tenso
     if device.type == "cuda":  # before the step is built: emptying the cache after a
         torch.cuda.empty_cache()  # capture also freed the cuBLAS workspace that the
         torch.cuda.reset_peak_memory_stats(device)  # graph replays (illegal access)
-    step, precond = _make_step(row, m, z, y, max(M, 1), amp, refresh_every)
+    step, precond = _make_step(row, m, z, y, max(M, 1), amp, refresh_every,
+                               gpu_solve)
     n = steps if row != "kwng_reference" else max(5, steps // 3)
     n = -(-n // refresh_every) * refresh_every
     times = _warm_then_time(step, device, n, warmup)
@@ -161,7 +164,7 @@ def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *,
                  refresh_every: tuple[int, ...] = (1,)) -> list[dict]:
     """Time every row in one configuration; returns records with ``ratio_to_sgd``
     (medians) and ``ratio_to_sgd_graph`` (means, where an ``sgd_graph`` row ran). The
-    KWNG rows run once per entry of ``gpu_paths`` (:mod:`kwng.engine.gpu_paths`: the
+    KWNG rows run once per entry of ``gpu_paths`` (``KWNGConfig.gpu_solve``: the
     hand-written kernels or ``torch.compile``) and of ``refresh_every``; their records
     name both."""
     base = copy.deepcopy(model).to(memory_format=memory_format)
@@ -173,8 +176,7 @@ def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *,
         for M in (basis_sizes if row not in _PLAIN else (0,)):
             for path in gpu_paths if kwng_row else gpu_paths[:1]:
                 for k in refresh_every if kwng_row else (1,):
-                    with use_gpu_path(path):
-                        rec = _time_row(row, M, base, z, y, amp, steps, warmup, k)
+                    rec = _time_row(row, M, base, z, y, amp, steps, warmup, k, path)
                     if kwng_row:
                         rec["gpu_path"] = path
                     out.append(rec)
@@ -271,7 +273,7 @@ def _lists(p: argparse.ArgumentParser, args: argparse.Namespace,
         "gpu_paths": tuple(g for g in args.gpu_paths.split(",") if g),
     }
     for name, allowed in (("configs", CONFIGS), ("rows", ROWS + EXTRA_ROWS),
-                          ("gpu_paths", GPU_PATHS)):
+                          ("gpu_paths", GPU_SOLVES)):
         got = lists[name]
         if set(got) - set(allowed) or not got:
             p.error(f"--{name.replace('_', '-')} must be a comma list of "
@@ -313,10 +315,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, di
                    f"{list(ROWS)}; on a CPU all but the *_graph rows, which need CUDA)")
     p.add_argument("--refresh-every", default="1",
                    help="comma list of k (refresh_every): the KWNG rows run once per "
-                   "k (kwng.engine.amortized)")
+                   "k (kwng.engine.precond.SystemCache)")
     p.add_argument("--gpu-paths", default="triton",
-                   help=f"comma list of {list(GPU_PATHS)}: the KWNG rows run once per "
-                   "path (kwng.engine.gpu_paths)")
+                   help=f"comma list of {list(GPU_SOLVES)}: the KWNG rows run once per "
+                   "path (KWNGConfig.gpu_solve)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--image-size", type=int, default=32)

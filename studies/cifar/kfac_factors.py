@@ -19,7 +19,7 @@ gradient, and that is what this module does with its own tensor ops:
 * :class:`FactorSchedule` is the host-side step counter that says which steps refresh
   (``s % update_freq == 0``, or no factors yet) and, for EKFAC, which steps between
   refreshes re-estimate the scalings (``s % diag_freq == 0``). It has the interface of
-  :class:`kwng.engine.amortized.SystemCache` that
+  :class:`kwng.engine.precond.RefreshSchedule` that
   :class:`~studies.cifar.steps.StepRunner` and
   :func:`kwng.engine.capture.capture_step` read, with ``refresh_capturable = False``:
   they record a graph of each kind of step between refreshes only (one, or two when the

@@ -275,7 +275,7 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     baseline is pending, else ``by_baseline``, and
     ``by_baseline``: every baseline's verdict so far in one phrase ("holds against
     SGD and Adam; pending against EKFAC"), ``queue_phrase`` (the queue in words,
-    :func:`studies.cifar.plans.queue_phrase`), ``so_far``: the mean final test
+    :func:`studies.fig3.plan.queue_phrase`), ``so_far``: the mean final test
     accuracy (%) at each selected step so far (``"<cond>_<method>"``) and of each
     ablation that has run (``"ab_<method>"``), ``kfac_drop``: whether KFAC drops from
     WC to IC by more than its seed spread (§4.2), ``ablation_verdict``

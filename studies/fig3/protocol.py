@@ -9,7 +9,7 @@ this module reads it and derives everything else from it and from the records on
   finished, which the early-stop rule stopped, the step selected so far and the steps
   still to run (the first window, and the next grid value whenever the best step sits
   at an inner edge of what was run); the queue made of it is
-  :func:`studies.cifar.plans.fig3_plan`;
+  :func:`studies.fig3.plan.fig3_plan`;
 * :func:`check_fig3` — every record against the protocol, with its provenance
   (``cifar check --suite fig3``: :func:`studies.fig3.plan.fig3_check`).
 

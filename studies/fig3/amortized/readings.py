@@ -1,8 +1,8 @@
 """The amortized-step study read as time to accuracy.
 
 KWNG with its kernel system rebuilt every ``k`` steps (``refresh_every``,
-:mod:`kwng.engine.amortized`) ran at KWNG's selected steps of the Fig. 3 protocol
-(:func:`studies.cifar.plans.amortized_plan`, records under
+:class:`kwng.engine.precond.SystemCache`) ran at KWNG's selected steps of the Fig. 3
+protocol (:func:`studies.fig3.amortized.plan.amortized_plan`, records under
 ``results/cifar/amortized``). Its runs are set here beside the protocol's runs at
 their selected steps (exact KWNG is ``k = 1``), as seconds and epochs to a test
 accuracy, on one clock: the Fig. 3 study's trainer timing where it exists
