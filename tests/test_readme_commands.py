@@ -1,8 +1,10 @@
-"""The README's commands on a fresh checkout write nothing that git would see: each runs
+"""The READMEs' commands on a fresh checkout write nothing that git would see: each runs
 (in its small form: the tiny network on the bundled CIFAR sample, one epoch, the CPU)
 in a temporary copy of the repository's files, committed to a new git repository, and
 ``git status --porcelain`` must stay empty afterwards (results go to the git-ignored
-``scratch/``, checkpoints to ``checkpoints/``).
+``scratch/``, checkpoints to ``checkpoints/``). The root ``README.md`` carries the two
+snippets; each study's commands live in its ``studies/<study>/README.md``, and every
+command below names the README that must show it.
 
 The synthetic sweeps (relerr, bandwidth, flow, fisher, the estimator timing) take
 minutes on a shared CPU and run only with ``KWNG_README_ALL=1``; their write paths are
@@ -24,6 +26,10 @@ from studies.bench.distributed_check import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+#: the READMEs that document commands, by path relative to the repository root
+READMES = {p.relative_to(ROOT).as_posix(): p.read_text()
+           for p in [ROOT / "README.md",
+                     *sorted((ROOT / "studies").rglob("README.md"))]}
 PY = sys.executable
 XP = [PY, "-m", "studies"]
 TINY = ["--source", "sample", "--model", "tiny", "--device", "cpu"]
@@ -36,46 +42,52 @@ def _snippet() -> str:
     return next(b for b in blocks if "kwng.kwng_gradient(" in b)
 
 
-#: (the README command it stands for, the small form run here, slow)
+SYN = "studies/synthetic/README.md"
+CLAIM = "studies/claim_suite/README.md"
+A100 = "studies/authors100/README.md"
+CIFAR = "studies/cifar/README.md"
+
+#: (the README that shows it, the command it stands for, the small form run here, slow)
 COMMANDS = [
-    ("kwng.kwng_gradient(lambda t: model.sample(t, Z)", [PY, "-c", _snippet()], False),
-    ("python -m studies cifar --conditioning ill --method kwng --seed 0",
+    ("README.md", "kwng.kwng_gradient(lambda t: model.sample(t, Z)",
+     [PY, "-c", _snippet()], False),
+    (CIFAR, "python -m studies cifar --conditioning ill --method kwng --seed 0",
      [*XP, "cifar", "--conditioning", "ill", "--method", "kwng", "--seed", "0",
       "--epochs", "1", "--schedule", "claim", "--lr", "1", "--out", "scratch/cifar",
       *TINY, "--train-subset", "200", "--no-progress"], False),
-    ("python -m studies cifar select", [*XP, "cifar", "select"], False),
-    ("python -m studies cifar timing --methods claim --out "
+    (CLAIM, "python -m studies cifar select", [*XP, "cifar", "select"], False),
+    (CLAIM, "python -m studies cifar timing --methods claim --out "
      "scratch/cifar/timing.json",
      [*XP, "cifar", "timing", "--methods", "sgd", "--model", "tiny", "--device", "cpu",
       "--steps", "1", "--warmup", "0", "--out", "scratch/cifar/timing.json"], False),
-    ("python -m studies cifar schedule --plan claim --budget-s 900",
+    (CLAIM, "python -m studies cifar schedule --plan claim --budget-s 900",
      [*XP, "cifar", "schedule", "--plan", "claim", "--budget-s", "900", "--gpus", "4",
       "--procs-per-gpu", "5", "--timing", "results/cifar/claim/timing/timing.json"],
      False),
-    ("python -m studies cifar check ", [*XP, "cifar", "check"], False),
-    ("python -m studies cifar check --suite authors100 --tiers 1,2,3",
+    (CLAIM, "python -m studies cifar check ", [*XP, "cifar", "check"], False),
+    (A100, "python -m studies cifar check --suite authors100 --tiers 1,2,3",
      [*XP, "cifar", "check", "--suite", "authors100", "--tiers", "1,2,3"], False),
-    ("python -m studies cifar trainer-timing --methods",
+    (A100, "python -m studies cifar trainer-timing --methods",
      [*XP, "cifar", "trainer-timing", "--methods", "sgd", "--precisions", "fp32",
       "--epochs", "1", "--trace-steps", "2", *TINY, "--train-subset", "200",
       "--out", "scratch/cifar/trainer_timing.json"], False),
-    ("torchrun --nproc-per-node=2 -m studies cifar ddp --device cpu --model "
+    (CIFAR, "torchrun --nproc-per-node=2 -m studies cifar ddp --device cpu --model "
      "tiny", [PY, "-m", "torch.distributed.run", "--nproc-per-node=2",
               "--master-port", "PORT", "-m", "studies", "cifar", "ddp",
               "--device", "cpu", "--model", "tiny", "--source", "sample", "--epochs",
               "1", "--subset", "256", "--batch", "16", "--no-progress"], False),
-    ("python -m studies relerr --scale small",
+    (SYN, "python -m studies relerr --scale small",
      [*XP, "relerr", "--scale", "small", "--model", "sphere", "--out",
       "scratch/relerr", "--no-progress"], True),
-    ("python -m studies bandwidth --scale small",
+    (SYN, "python -m studies bandwidth --scale small",
      [*XP, "bandwidth", "--scale", "small", "--model", "sphere", "--out",
       "scratch/bandwidth", "--no-progress"], True),
-    ("python -m studies flow --scale small",
+    (SYN, "python -m studies flow --scale small",
      [*XP, "flow", "--scale", "small", "--out", "scratch/flow", "--no-progress"], True),
-    ("python -m studies fisher --scale small",
+    ("studies/fisher/README.md", "python -m studies fisher --scale small",
      [*XP, "fisher", "--scale", "small", "--out", "scratch/fisher", "--no-progress"],
      True),
-    ("python -m studies.bench.estimator_time [--json "
+    ("studies/bench/README.md", "python -m studies.bench.estimator_time [--json "
      "scratch/estimator_time.json]",
      [PY, "-m", "studies.bench.estimator_time", "--json",
       "scratch/estimator_time.json"], True),
@@ -113,10 +125,10 @@ def _name(argv: list[str]) -> str:
     return " ".join(words[:3]) or "estimator example"
 
 
-@pytest.mark.parametrize("readme, argv, slow", COMMANDS,
-                         ids=[_name(c[1]) for c in COMMANDS])
-def test_readme_command_writes_nothing_git_sees(checkout, readme, argv, slow):
-    assert readme in README, f"the README no longer shows {readme!r}"
+@pytest.mark.parametrize("path, readme, argv, slow", COMMANDS,
+                         ids=[_name(c[2]) for c in COMMANDS])
+def test_readme_command_writes_nothing_git_sees(checkout, path, readme, argv, slow):
+    assert readme in READMES[path], f"{path} no longer shows {readme!r}"
     if slow and SLOW:
         pytest.skip("minutes on a shared CPU: KWNG_README_ALL=1 runs it")
     argv = [str(free_port()) if a == "PORT" else a for a in argv]
@@ -133,5 +145,5 @@ def test_readme_command_writes_nothing_git_sees(checkout, readme, argv, slow):
 
 
 def test_the_baseline_folder_of_the_step_cost_recheck_is_ignored(checkout):
-    assert "mkdir -p .baseline && git archive" in README
+    assert "mkdir -p .baseline && git archive" in READMES["studies/bench/README.md"]
     _git(checkout, "check-ignore", "-q", ".baseline/kwng/__init__.py")
