@@ -48,8 +48,8 @@ EXPERIMENTS: dict[str, str] = {
 
 #: name -> what the experiment is for (the help of ``python -m studies``)
 PURPOSES: dict[str, str] = {
-    "relerr": "relative error of KWNG against the exact WNG (Fig. 1, Fig. 5)",
-    "bandwidth": "relative error against a fixed Gaussian bandwidth (Fig. 6)",
+    "relerr": "relative error of KWNG against the exact WNG (Figs. 1 and 4)",
+    "bandwidth": "relative error against a fixed Gaussian bandwidth (Fig. 5)",
     "flow": "W2 flow of the normal model: exact WNG, KWNG, Euclidean (Fig. 2)",
     "cifar": "CIFAR-10/100 classification: one run, sweeps, selection, timing "
              "(§4.2, Fig. 3; `cifar --help` lists its commands)",
