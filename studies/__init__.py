@@ -13,16 +13,12 @@
 A study registers what the CIFAR kit calls by name (its plans, completeness checks and
 early-stop rule: :mod:`studies.cifar.hooks`) when it is imported; :func:`load_all`
 imports them all, as ``python -m studies`` does first. Each command writes its results
-under the one results root ``results/`` (:data:`RESULTS`) with a ``provenance.json``
+under the one results root ``results/`` (:data:`studies.kit.paths.RESULTS`) with a
+``provenance.json``
 (:mod:`studies.kit.provenance`).
 """
 
 import importlib
-from pathlib import Path
-
-#: the results root of every study, relative to the checkout (result files are
-#: committed there; no command overwrites them by default)
-RESULTS = Path("results")
 
 #: the study packages, in the order :func:`load_all` imports them
 STUDIES = ("studies.synthetic", "studies.fisher", "studies.fig3",

@@ -14,6 +14,7 @@ from typing import Any
 
 from kwng.scale_switch import REPO_ROOT
 from studies.bench.ddp_scaling import CAPTURES, PLAIN, PRECISIONS, SCALING_METHODS
+from studies.kit import paths
 from studies.kit.guard import write_json_guarded
 from studies.kit.provenance import make_provenance, read_json
 
@@ -110,7 +111,7 @@ def merge(parts: list[str | os.PathLike]) -> dict:
 #: machine, copied here)
 #:
 #: :meta hide-value:
-SCALING_PATH = REPO_ROOT / "results" / "benchmarks" / "ddp_scaling.json"
+SCALING_PATH = REPO_ROOT / paths.RESULTS / "benchmarks" / "ddp_scaling.json"
 
 
 _PROVENANCE = ("command", "config", "git_commit", "device", "date", "seeds")

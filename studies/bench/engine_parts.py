@@ -52,6 +52,7 @@ from kwng.engine import replicate_layers as rl
 from kwng.engine.precond import direction_into
 from kwng.engine.replicate_bn import bn_backward_torch
 from kwng.scale_switch import REPO_ROOT
+from studies.kit import paths
 from studies.kit.provenance import atomic_write_json, make_provenance
 
 CL = torch.channels_last
@@ -229,7 +230,8 @@ def verdict(part: dict, step_ms: float | None) -> dict | None:
 def captured_steps() -> dict[str, float]:
     """The captured KWNG step (M = 5, channels_last) of the committed table, per
     dtype."""
-    rec = json.loads((ROOT / "results" / "benchmarks" / "step_cost.json").read_text())
+    rec = json.loads((ROOT / paths.RESULTS / "benchmarks" / "step_cost.json")
+                     .read_text())
     return {("float32" if r["precision"] == "fp32" else "bfloat16"): r["median_ms"]
             for r in rec["rows"] if r["mode"] == "kwng_fast_graph"
             and r["num_basis"] == 5 and r["memory_format"] == "channels_last"}

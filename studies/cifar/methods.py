@@ -13,11 +13,12 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from studies.kit import paths
 
 CONDITIONINGS = ("well", "ill")
 #: the step sizes the selection runs try, as in the paper
@@ -186,11 +187,11 @@ INFO_KEYS = ("eps", "reduction_ratio", "clipped", "fallback", "floored_columns",
              "floored_share")
 
 
-RESULTS = Path("results") / "cifar"
+RESULTS = paths.RESULTS / "cifar"
 SELECTION = RESULTS / "selection"
 CLAIM = RESULTS / "claim"
 CLAIM_SELECTION = CLAIM / "selection"
-CHECKPOINTS = Path("checkpoints")
+CHECKPOINTS = paths.CHECKPOINTS
 AUTHORS100 = RESULTS / "authors100"
 
 

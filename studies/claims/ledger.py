@@ -28,6 +28,7 @@ from studies.fig3 import protocol as fig3
 from studies.fig3.amortized.readings import time_rows
 from studies.fig3.plan import queue_left, queue_phrase
 from studies.fig3.verdicts import ablation_rows, fig3_verdicts, seed_summary
+from studies.kit import paths
 from studies.kit.wording import fixed, name_list
 from studies.study6.records import study6_table
 from studies.toy.setup import load_flow, load_rows, summarise
@@ -37,7 +38,7 @@ __all__ = ["RESULTS", "relerr_numbers", "bandwidth_numbers", "flow_numbers",
            "mixed_verdict", "ablation_verdict", "ABLATION_WORSE", "momentum_verdict",
            "time_verdict", "flat"]
 
-RESULTS = Path("results")
+RESULTS = paths.RESULTS
 """The committed results folder, relative to the repository root."""
 
 

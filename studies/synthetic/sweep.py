@@ -35,6 +35,7 @@ import torch
 from kwng import scale_switch as _config
 from kwng.batched import batched_kwng
 from kwng.models import make_model
+from studies.kit import paths
 from studies.kit.cli_checks import device_problem, number_arg, path_problem
 from studies.kit.guard import ConfigMismatchError
 from studies.kit.guard_csv import write_csv_rows
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                    "sweeps; flow does not use them")
     if problem:
         ap.error(problem)
-    out = Path(args.out or Path("results") / args.name)
+    out = Path(args.out or paths.RESULTS / args.name)
     try:
         if args.name == "flow":
             prov = run_flow(flow_config(args.scale), out, args.device,
