@@ -17,7 +17,8 @@ from pathlib import Path
 from sphinx.util import logging
 
 LOG = logging.getLogger(__name__)
-EXTERNAL = ("torch.", "np.", "numpy.", "matplotlib.", "plt.", "scipy.")
+EXTERNAL = ("torch.", "np.", "numpy.", "matplotlib.", "plt.", "scipy.", "collections.",
+            "pathlib.", "typing.")
 
 
 def _locate(name: str):
@@ -48,7 +49,7 @@ def _canonical(target: str, module: str | None, klass: str | None) -> str | None
             continue
         owner = getattr(obj, "__module__", None)
         qual = getattr(obj, "__qualname__", None)
-        if owner and qual and owner.startswith("kwng"):
+        if owner and qual and owner.startswith(("kwng", "studies")):
             return f"{owner}.{qual}"
         if name.count(".") and not callable(obj):  # a module-level constant
             return name

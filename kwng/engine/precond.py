@@ -947,7 +947,7 @@ class SystemCache:
     host-side step counter that says when to refresh: the :class:`RefreshSchedule` of
     ``refresh_every = k`` (``every``).
 
-    The schedule. Step ``s`` (counted from 0 in :attr:`steps`) is a *refresh* step when
+    The schedule. Step ``s`` (counted from 0 in ``steps``) is a *refresh* step when
     ``s % k == 0``, when nothing is cached yet, or when the cached system does not fit
     the active parameters (one frozen since): the exact step, whose ``T``, ``CCᵀ``,
     ``K``, ``N`` and bandwidth are stored here. Each other step takes one ordinary
@@ -980,7 +980,8 @@ class SystemCache:
 
     #: a refresh step is a program of its own that a CUDA graph records
     refresh_capturable = True
-    #: the programs a captured loop records: a refresh step, a step between refreshes
+    #: the kinds of step a captured loop records as programs (a refresh step, a step
+    #: between refreshes)
     kinds = (True, False)
 
     def __init__(self, every: int, on_due: Callable[[bool], None] | None = None,

@@ -69,6 +69,7 @@ def early_stop_rule(name: str) -> EarlyStopRule:
 
 
 def early_stop_names() -> tuple[str, ...]:
+    """The names of the registered early-stop rules, sorted."""
     return tuple(sorted(_EARLY_STOP))
 
 
@@ -78,10 +79,12 @@ def register_plan(name: str, builder: Callable[..., list[dict]]) -> None:
 
 
 def plan_builder(name: str) -> Callable[..., list[dict]]:
+    """The builder of the plan registered as ``name``."""
     return _lookup(_PLANS, "plan", name)
 
 
 def plan_names() -> tuple[str, ...]:
+    """The names of the registered plans, sorted."""
     return tuple(sorted(_PLANS))
 
 
@@ -92,8 +95,10 @@ def register_check(name: str, check: Callable[[Any], int]) -> None:
 
 
 def check_of(name: str) -> Callable[[Any], int]:
+    """The completeness check registered as ``name``."""
     return _lookup(_CHECKS, "check suite", name)
 
 
 def check_names() -> tuple[str, ...]:
+    """The names of the registered completeness checks, sorted."""
     return tuple(sorted(_CHECKS))

@@ -39,7 +39,7 @@ __all__ = ["FIG3_AUDIT", "audit_groups", "check_audit", "audit_check", "edge_run
 #: :meta hide-value:
 FIG3_AUDIT = RESULTS / "fig3_audit"
 
-#: the audit's parts: folder name -> whether the early-stop rule is on
+#: for each part of the audit (its folder name), whether the early-stop rule is on
 PARTS = {"grid": True, "repro": False}
 
 
