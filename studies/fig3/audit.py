@@ -20,6 +20,7 @@ from pathlib import Path
 
 from studies.cifar.hooks import register_check
 from studies.cifar.methods import LR_GRID, METHODS, RESULTS
+from studies.fig3.groups import check_group
 from studies.fig3.protocol import (
     FIG3,
     grid_state,
@@ -56,19 +57,7 @@ def audit_groups(spec: dict) -> list[dict]:
         if not isinstance(g, dict) or g.get("part") not in PARTS:
             raise ValueError(f"each group needs part in {sorted(PARTS)}, "
                              f"got {g!r:.200}")
-        if g.get("conditioning") not in ("ill", "well"):
-            raise ValueError("each group needs conditioning 'ill' or 'well', "
-                             f"got {g!r:.200}")
-        unknown = sorted(set(g.get("methods") or []) - set(METHODS))
-        if unknown or not g.get("methods"):
-            raise ValueError(f"a group's methods must be names from {sorted(METHODS)}, "
-                             f"got {g.get('methods')!r}")
-        seeds = g.get("seeds")
-        if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
-                or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
-                       for s in seeds)):
-            raise ValueError(f"a group's seeds must be distinct integers >= 0, got "
-                             f"{seeds!r}")
+        check_group(g)
         if g["part"] == "grid":
             lrs = g.get("lrs")
             if (not isinstance(lrs, list) or not lrs or any(

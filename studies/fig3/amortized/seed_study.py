@@ -14,6 +14,7 @@ from pathlib import Path
 from studies.cifar.hooks import register_check
 from studies.cifar.methods import METHODS, RESULTS
 from studies.fig3.clocks import first_at, retime, step_ms, time_runs
+from studies.fig3.groups import check_group
 from studies.fig3.protocol import FIG3, load_protocol, record_problem, run_status
 from studies.fig3.verdicts import selected_runs
 from studies.kit.provenance import ResultFileError, read_json
@@ -51,19 +52,7 @@ def seed_study_groups(spec: dict) -> list[dict]:
                          f"got {spec!r:.200}")
     groups = [*spec["groups"], *spec.get("amendments", [])]
     for g in groups:
-        if not isinstance(g, dict) or g.get("conditioning") not in ("ill", "well"):
-            raise ValueError("each group needs conditioning 'ill' or 'well', got "
-                             f"{g!r}")
-        unknown = sorted(set(g.get("methods", [])) - set(METHODS))
-        if unknown or not g.get("methods"):
-            raise ValueError(f"a group's methods must be names from {sorted(METHODS)}, "
-                             f"got {g.get('methods')!r}")
-        seeds = g.get("seeds")
-        if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
-                or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
-                       for s in seeds)):
-            raise ValueError(f"a group's seeds must be distinct integers >= 0, got "
-                             f"{seeds!r}")
+        check_group(g)
         if g.get("lr_of") not in METHODS:
             raise ValueError(f"a group's lr_of must be a method name, got "
                              f"{g.get('lr_of')!r}")
