@@ -17,10 +17,9 @@ The library, in floors that import only downwards:
 
 The book's studies (experiments, figures, tables, benchmarks) live beside the library in
 the checkout's ``studies/`` folder and are not part of it. ``import kwng`` loads the
-core
-and the engine's preconditioner only; the theory and the GPU kernels load when imported.
-The names below are the curated public API; each is defined in the module named in its
-docstring.
+core and the engine's preconditioner only; the theory and the GPU kernels load when
+imported. The names below are the curated public API; each is defined in the module
+named in its docstring.
 """
 
 from importlib.metadata import PackageNotFoundError, version
