@@ -16,8 +16,9 @@ The library, in floors that import only downwards:
 * :mod:`kwng.theory`: the theory chapters' reference computations.
 
 The book's studies (experiments, figures, tables, benchmarks) live beside the library in
-the checkout's ``studies/`` folder and are not part of it. ``import kwng`` loads the core
-and the engine's preconditioner only; the theory and the GPU kernels load when imported.
+the checkout's ``studies/`` folder and are not part of it. ``import kwng`` loads the
+core and the engine's preconditioner only; the theory and the GPU kernels load when
+imported.
 The names below are the curated public API; each is defined in the module named in its
 docstring.
 """
@@ -27,6 +28,7 @@ from importlib.metadata import PackageNotFoundError, version
 from kwng.engine.capture import capture_step
 from kwng.engine.config import KWNGConfig, eps_from_authors
 from kwng.engine.distributed import DistributedKWNG
+from kwng.engine.expanded import ExpandedParameter
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.engine.precond import KWNGPreconditioner, RefreshSchedule
 from kwng.estimator import (
@@ -78,6 +80,7 @@ __all__ = [
     "RefreshSchedule",
     "eps_from_authors",
     "capture_step",
+    "ExpandedParameter",
     # the estimator (Props. 5 and 6)
     "KWNGResult",
     "DAMPINGS",
