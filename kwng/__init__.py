@@ -27,6 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from kwng.engine.capture import capture_step
 from kwng.engine.config import KWNGConfig, eps_from_authors
 from kwng.engine.distributed import DistributedKWNG
+from kwng.engine.expanded import ExpandedParameter
 from kwng.engine.lm import LevenbergMarquardt, LMSchedule
 from kwng.engine.precond import KWNGPreconditioner, RefreshSchedule
 from kwng.estimator import (
@@ -78,6 +79,7 @@ __all__ = [
     "RefreshSchedule",
     "eps_from_authors",
     "capture_step",
+    "ExpandedParameter",
     # the estimator (Props. 5 and 6)
     "KWNGResult",
     "DAMPINGS",

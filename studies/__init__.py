@@ -7,8 +7,8 @@
 * One package per study: :mod:`studies.synthetic`, :mod:`studies.fisher`,
   :mod:`studies.fig3` (with the amortized step, :mod:`studies.fig3.amortized`),
   :mod:`studies.authors100`, :mod:`studies.claim_suite`, :mod:`studies.study6`,
-  :mod:`studies.bench`; and the claims ledger, :mod:`studies.claims`, the one place that
-  reads several studies.
+  :mod:`studies.bench`, :mod:`studies.vit`; and the claims ledger,
+  :mod:`studies.claims`, the one place that reads several studies.
 
 A study registers what the CIFAR kit calls by name (its plans, completeness checks and
 early-stop rule: :mod:`studies.cifar.hooks`) when it is imported; :func:`load_all`
@@ -23,7 +23,7 @@ import importlib
 #: the study packages, in the order :func:`load_all` imports them
 STUDIES = ("studies.synthetic", "studies.fisher", "studies.fig3",
            "studies.fig3.amortized", "studies.authors100", "studies.claim_suite",
-           "studies.study6", "studies.bench")
+           "studies.study6", "studies.bench", "studies.vit")
 
 
 def load_all() -> None:

@@ -112,6 +112,21 @@ def test_bench_refuses_to_replace_a_result_and_checks_its_arguments(tmp_path, ca
     assert "--num-basis entries must lie in" in capsys.readouterr().err
 
 
+def test_bench_builds_the_vit_rows_with_every_parameter_batched(tmp_path):
+    """--model vit_tiny (the study's ViT at CPU size): SGD, Adam, the exact KWNG step
+    and the amortized one (k = 2), with no serial backward pass (the engine batches
+    the layer norms, the attention projections and the tokens)."""
+    args = ["--device", "cpu", "--model", "vit_tiny", "--batch", "8", "--steps", "2",
+            "--warmup", "1", "--num-basis", "2", "--configs", "fp32_nchw",
+            "--rows", "sgd,adam,kwng_fast", "--refresh-every", "1,2"]
+    rec = bench.main(args + ["--out", str(tmp_path / "vit.json")])
+    assert rec["model"] == "vit_tiny"
+    assert [(r["mode"], r.get("refresh_every")) for r in rec["rows"]] == [
+        ("sgd", None), ("adam", None), ("kwng_fast", 1), ("kwng_fast", 2)]
+    for r in rec["rows"][2:]:
+        assert r["counters"]["serial_steps"] == 0
+
+
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "benchmarks"
 
 

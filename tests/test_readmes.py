@@ -18,7 +18,7 @@ README = (ROOT / "README.md").read_text()
 #: the study folders and kits that carry a README (``kit/`` and ``toy/`` are described
 #: in ``studies/README.md``)
 FOLDERS = ("cifar", "synthetic", "fisher", "fig3", "fig3/amortized", "authors100",
-           "claim_suite", "study6", "bench", "claims")
+           "claim_suite", "study6", "bench", "vit", "claims")
 STUDY_READMES = {f"studies/{f}/README.md": (ROOT / "studies" / f / "README.md")
                  for f in FOLDERS}
 ALL = "\n".join([README, (ROOT / "studies" / "README.md").read_text(),

@@ -71,9 +71,10 @@ The two paths (``mode``) give the same directions:
   parameters (e.g. ``U · model(z)`` with a fixed ``U``). On a GPU make a
   convolutional model and its inputs channels_last (the record
   ``results/benchmarks/step_cost.json``). A model with parameters outside
-  ``Conv2d``/``Linear``/``BatchNorm``
-  (:func:`kwng.engine.replicate.unsupported_reason`), or a step whose ``outputs`` are
-  not the model's own output, takes serial passes (logged once, in ``serial_steps``).
+  ``Conv2d``/``Linear``/``BatchNorm``/``LayerNorm``/``ExpandedParameter``
+  (:func:`kwng.engine.replicate.unsupported_reason`: a ``UserWarning`` at
+  construction names the modules) or a step whose ``outputs`` are not the model's own
+  output takes serial passes (logged once, counted in ``serial_steps``).
 * ``"reference"`` (:class:`ReferencePath`) — as the authors' code: ``M + 1`` serial
   backward passes (``retain_graph``), the float64 eigendecomposition solve of
   :func:`kwng.nystrom_solve` and :func:`kwng.solve.safeguard`, bookkeeping on the host.
@@ -97,6 +98,7 @@ import functools
 import logging
 import math
 import numbers
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -221,7 +223,8 @@ class KWNGPreconditioner:
 
     def _new_path(self, cfg: KWNGConfig) -> FastPath | ReferencePath:
         """The path of ``self.mode``: the fast one replicates the forward where the
-        model allows it (else serial passes, logged once)."""
+        model allows it (else serial passes, with a ``UserWarning`` naming the modules
+        the engine cannot batch, also logged)."""
         if self.mode == "reference":
             return ReferencePath(None, cfg.gpu_solve)
         if self.accumulation_steps > 1:
@@ -235,8 +238,10 @@ class KWNGPreconditioner:
         if reason is not None and "already carries" in reason:
             raise ValueError(f"model: {reason}")
         if reason is not None:
-            self._warn_once("unsupported", "KWNG fast mode: %s; this model uses "
-                            "serial backward passes", reason)
+            msg = (f"KWNG fast mode: {reason}; this model uses M + 1 = "
+                   f"{cfg.num_basis + 1} serial backward passes a step")
+            warnings.warn(msg, UserWarning, stacklevel=3)
+            self._warn_once("unsupported", "%s", msg)
             return FastPath(None, cfg.gpu_solve)
         return FastPath(ReplicatedEngine(self.model, cfg.num_basis + 1, self.output_fn,
                                          cfg.gpu_solve), cfg.gpu_solve)

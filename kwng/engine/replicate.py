@@ -46,11 +46,17 @@ replicated forward still leaves the true gradient in ``p.grad``), copies ``1..M`
 ``torch.autograd.grad`` calls.
 
 Supported: every trainable parameter must be the ``weight``/``bias`` of a ``Conv2d``
-(``groups = 1``, zero padding), ``Linear`` or ``BatchNorm1d/2d``; other modules (ReLU,
-pooling, residual additions, any parameter-free function) run unchanged at batch
-``R·N``. Dropout in training mode would draw different masks per copy and is refused.
-:func:`unsupported_reason` says why a model cannot use the engine; the preconditioner
-then falls back to serial passes.
+(``groups = 1``, zero padding), ``Linear``, ``BatchNorm1d/2d`` or ``LayerNorm``
+(:mod:`kwng.engine.replicate_norms`: normalised on one copy, γ and β per copy), or the
+``weight`` of a :class:`kwng.engine.expanded.ExpandedParameter` (a tensor shared by
+every sample, such as a transformer's class token or position embedding); the exact
+types, not subclasses. Other modules (ReLU, GELU, pooling, residual additions,
+``F.scaled_dot_product_attention``, any parameter-free function of each sample) run
+unchanged at batch ``R·N``: a transformer whose attention projects with ``nn.Linear``
+layers is batched whole (``nn.MultiheadAttention``, whose input projection is a bare
+parameter, is not). Dropout in training mode would draw different masks per copy and is
+refused. :func:`unsupported_reason` names the modules that keep a model off the engine;
+the preconditioner then warns (``UserWarning``) and falls back to serial passes.
 """
 
 from __future__ import annotations
@@ -62,16 +68,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from kwng.engine.expanded import ExpandedParameter, _Expand
 from kwng.engine.replicate_bn import _BatchNorm
 from kwng.engine.replicate_layers import _Conv, _Linear, _State
+from kwng.engine.replicate_norms import _LayerNorm
 
 __all__ = ["ReplicatedEngine", "disabled_engine", "unsupported_reason"]
 
 
 def unsupported_reason(model: nn.Module, params: list[torch.Tensor]) -> str | None:
     """``None`` if every parameter of ``params`` lives in a layer the engine batches,
-    else why not."""
-    owned: set[int] = set()
+    else why not (every module that holds such a parameter is named)."""
     taken = [name or "model" for name, mod in model.named_modules()
              if isinstance(mod, _Swapped)]
     if taken:
@@ -80,30 +87,36 @@ def unsupported_reason(model: nn.Module, params: list[torch.Tensor]) -> str | No
             f"{taken[0]} is patched): one fast-mode preconditioner per model; call "
             "remove_hooks() on the old one first"
         )
+    wanted = {id(p) for p in params}
+    owned: set[int] = set()
+    foreign, bad_conv = [], []
     for name, mod in model.named_modules():
-        own = list(mod.parameters(recurse=False))
+        own = [p for p in mod.parameters(recurse=False) if id(p) in wanted]
         if type(mod) not in _SWAP:
             if own:
-                return (
-                    f"{name or 'model'}: parameters of a {type(mod).__name__} "
-                    "(the engine batches the exact types Conv2d, Linear, BatchNorm1d "
-                    "and BatchNorm2d)"
-                )
+                foreign.append(f"{name or 'model'} ({type(mod).__name__})")
             continue
         if isinstance(mod, nn.Conv2d) and (
             mod.groups != 1
             or mod.padding_mode != "zeros"
             or isinstance(mod.padding, str)
         ):
-            return (
-                f"{name}: Conv2d with groups={mod.groups}, "
-                f"padding_mode={mod.padding_mode!r}, padding={mod.padding!r} "
-                "(the engine takes groups=1 and numeric zero padding)"
+            bad_conv.append(
+                f"{name} (Conv2d with groups={mod.groups}, "
+                f"padding_mode={mod.padding_mode!r}, padding={mod.padding!r})"
             )
         owned.update(id(p) for p in own)
-    for p in params:
-        if id(p) not in owned:
-            return "a trainable parameter that no Conv2d/Linear/BatchNorm owns"
+    if foreign:
+        return (
+            "parameters of " + ", ".join(foreign) + " (the engine batches the exact "
+            f"types {SUPPORTED}; a tensor used directly in forward goes into a "
+            "kwng.engine.expanded.ExpandedParameter)"
+        )
+    if bad_conv:
+        return ", ".join(bad_conv) + " (the engine takes groups=1 and numeric zero "\
+            "padding)"
+    if wanted - owned:
+        return f"a trainable parameter that none of {SUPPORTED} owns"
     return None
 
 
@@ -330,10 +343,24 @@ class _RBatchNorm2d(_Swapped, nn.BatchNorm2d):
     _replicated = _RBatchNorm1d._replicated
 
 
+class _RLayerNorm(_Swapped, nn.LayerNorm):
+    def _replicated(self, x: torch.Tensor, st: _State) -> torch.Tensor:
+        return _LayerNorm.apply(x, self.weight, self.bias, self, st)
+
+
+class _RExpandedParameter(_Swapped, ExpandedParameter):
+    def _replicated(self, x: torch.Tensor, st: _State) -> torch.Tensor:
+        return _Expand.apply(self.weight, st)
+
+
 _SWAP = {
     nn.Conv2d: _RConv2d,
     nn.Linear: _RLinear,
     nn.BatchNorm1d: _RBatchNorm1d,
     nn.BatchNorm2d: _RBatchNorm2d,
+    nn.LayerNorm: _RLayerNorm,
+    ExpandedParameter: _RExpandedParameter,
 }
 _ORIGINAL = {v: k for k, v in _SWAP.items()}
+#: the layer types whose parameters the engine batches (exact types, not subclasses)
+SUPPORTED = ", ".join(k.__name__ for k in _SWAP)

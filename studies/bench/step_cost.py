@@ -19,6 +19,12 @@ configuration the rows
 * on request (``--rows``, not in the default set): ``adam`` / ``adam_graph`` (Adam,
   eager and captured) and ``diag_fast_graph`` (the diagonal variant captured).
 
+``--model vit`` times the Vision Transformer of :mod:`studies.cifar.vit` instead (every
+parameter batched by the engine); its rows for the target "a captured KWNG step ≤ 4× a
+captured SGD step" are ``--configs bf16_channels_last --rows
+sgd,sgd_graph,adam,adam_graph,kwng_fast,kwng_fast_graph --num-basis 5 --refresh-every
+1,20``.
+
 With ``--refresh-every 1,5,20,100`` every KWNG row runs once per ``k``
 (``refresh_every``, :class:`kwng.engine.precond.SystemCache`; records name it): a
 captured row with ``k > 1`` records two graphs and replays the refresh graph every
@@ -58,14 +64,14 @@ from kwng.engine.capture import capture_step
 from kwng.engine.gpu_paths import GPU_SOLVES
 from kwng.engine.precond import KWNGPreconditioner
 from studies.bench.timed import _warm_then_time, training_step
-from studies.cifar.nets import mlp, resnet18
+from studies.cifar.nets import NETWORKS, mlp
 from studies.kit.provenance import (
     atomic_write_json,
     index_provenance,
     make_provenance,
 )
 
-__all__ = ["bench_config", "CONFIGS", "EXTRA_ROWS", "ROWS", "main"]
+__all__ = ["bench_config", "CONFIGS", "EXTRA_ROWS", "MODELS", "ROWS", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,8 @@ ROWS = ("sgd", "sgd_graph", "fwd_bwd_N", "fwd_bwd_RN", "kwng_fast", "kwng_refere
 #: rows run only when ``--rows`` names them (the committed table holds :data:`ROWS`)
 EXTRA_ROWS = ("adam", "adam_graph", "diag_fast_graph")
 _PLAIN = ("sgd", "sgd_graph", "fwd_bwd_N", "adam", "adam_graph")
+#: ``--model``: the CIFAR kit's networks (10 classes) and an MLP on 784 inputs
+MODELS = {**NETWORKS, "mlp": lambda k: mlp(784, k, hidden=256, depth=2)}
 
 
 def _make_step(row: str, model: nn.Module, z: torch.Tensor, y: torch.Tensor,
@@ -180,15 +188,9 @@ def bench_config(model: nn.Module, z: torch.Tensor, y: torch.Tensor, *,
                     if kwng_row:
                         rec["gpu_path"] = path
                     out.append(rec)
-                    log.info(
-                        "  %-15s M=%-3s k=%-4s %-8s %8.2f ms (mean %.2f)",
-                        row,
-                        M or "-",
-                        rec.get("refresh_every", "-"),
-                        rec.get("gpu_path", ""),
-                        rec["median_ms"],
-                        rec["mean_ms"],
-                    )
+                    log.info("  %-15s M=%-3s k=%-4s %-8s %8.2f ms (mean %.2f)", row,
+                             M or "-", rec.get("refresh_every", "-"),
+                             rec.get("gpu_path", ""), rec["median_ms"], rec["mean_ms"])
     sgd = next((r["median_ms"] for r in out if r["mode"] == "sgd"), None)
     sgd_graph = next((r["mean_ms"] for r in out if r["mode"] == "sgd_graph"), None)
     for r in out:
@@ -305,7 +307,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, di
     p = argparse.ArgumentParser(prog="python -m studies.bench.step_cost",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", default="resnet18", choices=("resnet18", "mlp"))
+    p.add_argument("--model", default="resnet18", choices=tuple(MODELS))
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--num-basis", default="5,20", help="comma list of M")
     p.add_argument("--configs", default=",".join(CONFIGS),
@@ -341,12 +343,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    if args.model == "resnet18":
-        model = resnet18(10).to(device)
-        z = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
-    else:
-        model = mlp(784, 10, hidden=256, depth=2).to(device)
-        z = torch.randn(args.batch, 784, device=device)
+    model = MODELS[args.model](10).to(device)
+    shape = (784,) if args.model == "mlp" else (3, args.image_size, args.image_size)
+    z = torch.randn((args.batch,) + shape, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
     config = vars(args).copy()
     log.info("studies.bench.step_cost: %s", config)

@@ -15,6 +15,8 @@ App. D.2, Table 1), and small models for the benchmarks, tests and the book.
 * :func:`last_linear` — the last ``nn.Linear`` of a network (the layer that ``U``
   reparametrises).
 * :func:`tiny_cnn`, :func:`mlp` — small models for tests and CPU examples.
+* :data:`NETWORKS` — the networks a run names, the Vision Transformer of
+  :mod:`studies.cifar.vit` among them (``vit``, and ``vit_tiny`` for the CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from kwng._checks import check_int, check_positive
+from studies.cifar.vit import vit, vit_tiny
 
 __all__ = [
     "BasicBlock",
@@ -33,6 +36,7 @@ __all__ = [
     "last_linear",
     "tiny_cnn",
     "mlp",
+    "NETWORKS",
 ]
 
 
@@ -204,4 +208,4 @@ def mlp(d_in: int, d_out: int, hidden: int = 32, depth: int = 2) -> nn.Sequentia
 
 
 #: the networks a run's ``model`` setting names: name -> ``(num_classes) -> nn.Module``
-NETWORKS = {"resnet18": resnet18, "tiny": tiny_cnn}
+NETWORKS = {"resnet18": resnet18, "tiny": tiny_cnn, "vit": vit, "vit_tiny": vit_tiny}
