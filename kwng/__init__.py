@@ -5,7 +5,7 @@ The library, in floors that import only downwards:
 
 * ``kwng`` (this folder): the estimator core. Kernels (:mod:`kwng.kernels`), the linear
   algebra of Props. 5 and 6 (:mod:`kwng.solve`), the estimator (:mod:`kwng.estimator`,
-  sync-free variant :mod:`kwng.nosync`, batched sweeps :mod:`kwng.batched`), the models
+  sync-free variant :mod:`kwng.nosync`), the models
   with closed-form WNG (:mod:`kwng.models`, on the normal closed forms of
   :mod:`kwng.gaussian`), the kernel Fisher–Rao estimator (:mod:`kwng.fisher`) and the
   book's scale switch (:mod:`kwng.scale_switch`).

@@ -13,9 +13,9 @@ import torch
 
 import kwng
 from kwng import solve
-from kwng.batched import batched_kwng
 from kwng.jacobians import jacobian_from_sampler
 from kwng.nosync import nystrom_solve_nosync
+from studies.toy.batched import batched_kwng
 
 
 def _matrices(p):

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import kwng
-from kwng.batched import batched_kwng, sample_and_jacobian
 from kwng.models import MODELS, model_names
 from studies.kit import provenance
 from studies.kit.guard_csv import write_csv_rows
 from studies.synthetic import sweep as syn
 from studies.toy import flow as synflow
 from studies.toy import setup as synthetic_setup
+from studies.toy.batched import batched_kwng, sample_and_jacobian
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from kwng import scale_switch as _config
-from kwng.batched import batched_kwng
 from kwng.models import make_model
 from studies.kit import paths
 from studies.kit.cli_checks import device_problem, number_arg, path_problem
@@ -41,6 +40,7 @@ from studies.kit.guard import ConfigMismatchError
 from studies.kit.guard_csv import write_csv_rows
 from studies.kit.provenance import ResultFileError, read_json, write_provenance
 from studies.kit.result_dir import prepare_result_dir
+from studies.toy.batched import batched_kwng
 from studies.toy.flow import run_flow
 from studies.toy.grid import keyed_seed, parse_bandwidth
 from studies.toy.setup import (

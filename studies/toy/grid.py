@@ -44,7 +44,8 @@ class BandwidthSpec(NamedTuple):
 
     @property
     def bandwidth(self) -> float | str:
-        """The ``bandwidth`` of :func:`kwng.batched.batched_kwng`: σ or the rule."""
+        """The ``bandwidth`` of :func:`studies.toy.batched.batched_kwng`: σ or the
+        rule."""
         return self.rule if self.fixed is None else self.fixed
 
     def kernel(self) -> GaussianKernel:
