@@ -5,9 +5,8 @@ Arbel, Gretton, Li & Montúfar (ICLR 2020), §3.2–3.3. Every caller of the est
 through this module: the validated :func:`kwng.nystrom_solve` (host-side diagnostics),
 the sync-free :func:`kwng.estimator.nystrom_solve_nosync` of the preconditioner, the
 batched synthetic sweeps of the studies (``studies/toy/batched.py``) and the Fisher–Rao
-estimator of
-``kwng.fisher``. The functions here do not validate their inputs (the callers do) and
-never wait for the device, except where a function says so.
+estimator of ``kwng.fisher``. The functions here do not validate their inputs (the
+callers do) and never wait for the device, except where a function says so.
 
 Shapes: ``T`` is ``(..., M, q)``, ``CCt`` and ``K`` are ``(..., M, M)``, ``grad`` is
 ``(..., q)``; the leading dimensions ``...`` (runs of a sweep) may be empty. Symbols:
