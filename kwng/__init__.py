@@ -5,10 +5,10 @@ The library, in floors that import only downwards:
 
 * ``kwng`` (this folder): the estimator core. Kernels (:mod:`kwng.kernels`), the linear
   algebra of Props. 5 and 6 (:mod:`kwng.solve`), the estimator (:mod:`kwng.estimator`,
-  sync-free variant :mod:`kwng.nosync`), the models
-  with closed-form WNG (:mod:`kwng.models`, on the normal closed forms of
-  :mod:`kwng.gaussian`), the kernel Fisher–Rao estimator (:mod:`kwng.fisher`) and the
-  book's scale switch (:mod:`kwng.scale_switch`).
+  sync-free variant :mod:`kwng.nosync`), the models with closed-form WNG
+  (:mod:`kwng.models`, on the normal closed forms of :mod:`kwng.gaussian`), the kernel
+  Fisher–Rao estimator (:mod:`kwng.fisher`) and the book's scale switch
+  (:mod:`kwng.scale_switch`).
 * :mod:`kwng.engine`: the deep-learning engine, :class:`KWNGPreconditioner` (class,
   state and step in :mod:`kwng.engine.precond`) with its :class:`KWNGConfig`, drop-in
   before ``optimizer.step`` (its ``step(loss, X)`` runs the backward passes), and
