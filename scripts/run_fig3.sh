@@ -43,7 +43,7 @@ PLANS=${PLANS:-fig3}
 TAG=${TAG:-q0}
 DATA=${DATA:-.data/cifar10_jpeg.npz}
 PY=${PY:-python3}
-: "${KWNG_PROTOCOL_COMMIT:?set KWNG_PROTOCOL_COMMIT (git log -1 --format=%H -- results/cifar/fig3/protocol.json)}"
+: "${KWNG_PROTOCOL_COMMIT:?set KWNG_PROTOCOL_COMMIT (git log -1 --format=%H -- results/cifar/fig3/protocol.json results/cifar/fig3/amendments.json)}"
 export KWNG_GIT_COMMIT=${KWNG_GIT_COMMIT:-unknown} KWNG_PROTOCOL_COMMIT KWNG_SCALE=full
 export PYTHONUNBUFFERED=1
 ROOT=$PWD
@@ -56,14 +56,19 @@ case "$MODE" in throughput|start|wait|timing) ;;
   *) echo "MODE must be throughput, start, wait or timing"; exit 2;; esac
 TIMING_METHODS=${TIMING_METHODS:-sgd,sgd_momentum,sgd_momentum_wd,adam,kfac,ekfac_s10,kwng,kwng_mom,kwng_k5,kwng_k20,kwng_k100,diag_k20}
 . "$ROOT/scripts/nngeometry_site.sh" && nngeometry_site "$ROOT"
-# a queue or timing call with KFAC/EKFAC refuses to start without nngeometry (the GPU
-# machine has none: it comes as a wheel in .whl/, which the call must carry), instead of
-# each of its runs failing on import
+# a queue or timing call with KFAC/EKFAC refuses to start without nngeometry, one with
+# SOAP/Shampoo without pytorch-optimizer (the GPU machine has neither: they come as wheels
+# in .whl/, which the call must carry), instead of each of its runs failing on import
 NEED=$METHODS; [ "$MODE" = timing ] && NEED=$TIMING_METHODS
 if [ "$MODE" = start ] || [ "$MODE" = timing ]; then
   if echo ",$NEED," | grep -qE ',e?kfac[^,]*,' && ! $PY -c "import nngeometry" 2>/dev/null; then
     echo "METHODS name KFAC/EKFAC but nngeometry cannot be imported: run 'pip download" \
          "--no-deps nngeometry==0.4 -d .whl' here and carry .whl in the call"; exit 2
+  fi
+  if echo ",$NEED," | grep -qE ',(soap|shampoo),' \
+      && ! $PY -c "import pytorch_optimizer" 2>/dev/null; then
+    echo "METHODS name SOAP/Shampoo but pytorch_optimizer cannot be imported: run 'pip" \
+         "download --no-deps pytorch-optimizer==4.1.0 -d .whl' here and carry .whl"; exit 2
   fi
 fi
 mkdir -p "$OUT" "$LOGS" "$WORK/results/cifar"

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+import torch
 
 from studies.cifar import runtime, train
 from studies.cifar.methods import LR_GRID
@@ -28,6 +29,10 @@ P = fig3.load_protocol(FIG3 / "protocol.json")
 def test_the_protocol_windows_follow_its_rule_from_the_committed_selections():
     for key, src in P["window_sources"].items():
         cond, m = key.split("/")
+        if "default_lr" in src:  # an added method: centred on its library's default
+            assert src["default_lr"] == _library_default_lr(m), key
+            assert P["windows"][key] == fig3.window_for(src["default_lr"] / 10), key
+            continue
         path, _, alias = src["from"].partition(" (")
         sel = json.loads((ROOT / path).read_text())["selected"]
         name = alias.rstrip(")") or m
@@ -35,6 +40,17 @@ def test_the_protocol_windows_follow_its_rule_from_the_committed_selections():
         assert P["windows"][key] == fig3.window_for(src["short_lr"]), key
     assert set(P["windows"]) == {f"{c}/{m}" for c in P["conditionings"]
                                  for m in fig3._methods(P, c)}
+
+
+def _library_default_lr(method: str) -> float:
+    """The ``lr`` default in the signature of the library optimizer ``method`` uses."""
+    import inspect
+
+    import pytorch_optimizer
+
+    cls = {"muon": torch.optim.Muon, "soap": pytorch_optimizer.SOAP,
+           "shampoo": pytorch_optimizer.Shampoo}[method]
+    return inspect.signature(cls).parameters["lr"].default
 
 
 def test_window_rule():
@@ -78,7 +94,7 @@ def test_amendments_are_applied_and_committed_before_the_runs_they_change():
     assert amendments == P["amendments"]
     for a in amendments:
         assert a["why"] and (ROOT / a["evidence"]).exists()
-        for old, new in a["substitute"].items():
+        for old, new in a.get("substitute", {}).items():
             assert old not in P["order"] and new in P["order"]
             try:
                 dates = _git("log", "--format=%cI", "-S", f'"{new}"', "--",
@@ -108,6 +124,91 @@ def test_an_amendment_substitutes_only_a_method_of_the_protocol(tmp_path):
         else:
             with pytest.raises(ResultFileError, match="amendment"):
                 fig3.load_protocol(tmp_path / "protocol.json")
+
+
+ADDED = ("muon", "soap", "shampoo")
+
+
+def test_the_added_methods_run_by_the_protocols_rules():
+    a = [a for a in P["amendments"] if "add" in a]
+    assert [x["add"] for x in a] == [{"both": list(ADDED)}]
+    assert all(m in P["methods"]["both"] and m in P["order"] for m in ADDED)
+    base = json.loads((FIG3 / "protocol.json").read_text())
+    for k in ("grid", "settings", "split", "extension_rule", "selection_rule",
+              "early_stop", "early_stop_rule", "seeds", "verdict_rule", "ablations"):
+        assert P[k] == base[k], k
+
+
+@pytest.mark.parametrize("bad", ["an old method", "no window", "both kinds"])
+def test_an_amendment_adds_only_new_methods_with_their_windows(tmp_path, bad):
+    shutil.copy(FIG3 / "protocol.json", tmp_path / "protocol.json")
+    w = {"ill/muon": [0.01], "well/muon": [0.01]}
+    a = {"add": {"both": ["muon"]}, "windows": w, "window_sources": w}
+    if bad == "an old method":
+        a["add"] = {"both": ["sgd"]}
+    elif bad == "no window":
+        a["windows"] = {"ill/muon": [0.01]}
+    else:
+        a["substitute"] = {"ekfac": "ekfac_s10"}
+    (tmp_path / "amendments.json").write_text(json.dumps({"amendments": [a]}))
+    with pytest.raises(ResultFileError, match="amendment"):
+        fig3.load_protocol(tmp_path / "protocol.json")
+
+
+def test_the_plan_queues_the_added_first_windows_and_nothing_else(tmp_path):
+    """On the committed records, the protocol without the addition has nothing left
+    to run; with it, the plan holds each added method's first-window grid runs."""
+    shutil.copy(FIG3 / "protocol.json", tmp_path / "protocol.json")
+    before = [a for a in P["amendments"] if "add" not in a]
+    (tmp_path / "amendments.json").write_text(json.dumps({"amendments": before}))
+    old = plans.fig3_plan({}, fig3.load_protocol(tmp_path / "protocol.json"), FIG3,
+                          commit="c")
+    new = plans.fig3_plan({}, P, FIG3, commit="c")
+    added = [j for j in new if j not in old]
+    assert len(new) == len(old) + len(added)
+    assert sorted((j["conditioning"], j["method"], j["lr"]) for j in added) == sorted(
+        (c, m, lr) for c in P["conditionings"] for m in ADDED
+        for lr in P["windows"][f"{c}/{m}"])
+    assert all(Path(j["out"]).parent.name == "grid" and j["seed"] == 0
+               and j["early_stop"] == "fig3" for j in added)
+    assert plans.queue_left(P, FIG3)["grid"] >= len(added) == 18
+
+
+def _records_before(root: Path, methods: tuple[str, ...], added: str) -> list[str]:
+    """The records of ``methods`` under ``root`` whose protocol commit is not
+    ``added`` or a descendant of it (an unknown commit counts as one before)."""
+    bad = []
+    for m in methods:
+        for prov in sorted(root.glob(f"*/lr*/cifar10/*/{m}/seed*/provenance.json")):
+            c = json.loads(prov.read_text())["config"].get("protocol") or "none"
+            git = ["git", "merge-base", "--is-ancestor", added, c]
+            if subprocess.run(git, cwd=ROOT, capture_output=True).returncode != 0:
+                bad.append(str(prov))
+    return bad
+
+
+def test_the_addition_precedes_every_record_of_its_methods(tmp_path):
+    """Every record of an added method names a protocol commit at or after the commit
+    that added it to the amendments (``protocol_commit`` counts the amendments file);
+    a record naming the protocol's first commit is caught."""
+    try:
+        first = {m: _git("log", "--format=%H", "-S", f'"{m}"', "--",
+                         "results/cifar/fig3/amendments.json").split() for m in ADDED}
+        protocol0 = _git("log", "--format=%H", "--",
+                         "results/cifar/fig3/protocol.json").split()[-1]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        pytest.skip("no git history")
+    for m, commits in first.items():
+        if not commits:  # not committed yet: no run may exist
+            assert not list(FIG3.glob(f"*/lr*/cifar10/*/{m}/seed*/provenance.json"))
+        else:
+            assert _records_before(FIG3, (m,), commits[-1]) == [], m
+    added = first["muon"][-1] if first["muon"] else _git("rev-parse", "HEAD")
+    for commit, caught in ((protocol0, True), (added, False)):
+        d = tmp_path / commit / "grid" / "lr0.01" / "cifar10" / "ill" / "muon" / "seed0"
+        d.mkdir(parents=True)
+        (d / "provenance.json").write_text(json.dumps({"config": {"protocol": commit}}))
+        assert bool(_records_before(tmp_path / commit, ("muon",), added)) == caught
 
 
 # ------------------------------------------------------------------ the stop rule

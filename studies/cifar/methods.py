@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from studies.cifar.modern import muon_adamw, shampoo, soap
 from studies.kit import paths
 
 CONDITIONINGS = ("well", "ill")
@@ -84,6 +85,10 @@ def _m(opt: str, settings: dict, color: str, style: str, label: str, order: int,
 
 
 _T = {"lr_from": "kwng"}
+# pytorch-optimizer's SOAP and Shampoo count their steps on the host and branch on the
+# count (SOAP: its first step, the refresh every 10 steps, the bias correction)
+_HOST_STEPS = ("pytorch-optimizer counts the steps in a Python integer and branches "
+               "on it, which a CUDA graph cannot replay")
 #: the training methods, name -> :class:`Method`
 METHODS: dict[str, Method] = {
     # the claim suite
@@ -137,6 +142,13 @@ METHODS: dict[str, Method] = {
     # assumes a tenth of that re-estimate per step
     "ekfac_s10": _m("sgd", {"precond": "ekfac", "diag_freq": 10}, "#d95f02", "--",
                     "EKFAC (scalings every 10 steps)", 28, 3.0, 0.1),
+    # today's preconditioned optimizers (studies.cifar.modern), each at its library's
+    # defaults but the step size; rel_cost is a planning guess until a GPU timing,
+    # timing_lr the library's default step
+    "muon": _m("muon", {}, "#e377c2", "-", "Muon", 30, 1.5, 1e-3),
+    "soap": Method("soap", {}, "#7f7f7f", "-", "SOAP", 31, 3.0, 3e-3, _HOST_STEPS),
+    "shampoo": Method("shampoo", {}, "#8c6d31", "-", "Shampoo", 32, 6.0, 1e-3,
+                      _HOST_STEPS + "; the inverse roots are SVDs every step"),
 }
 #: the methods of the claim suite, each in both conditionings
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U",
@@ -275,7 +287,8 @@ def _adam(model: nn.Module, lr: float, spec: dict) -> torch.optim.Optimizer:
 
 
 #: the optimizers a method's ``"optimizer"`` names: name -> ``(model, lr, spec) ->
-#: torch.optim.Optimizer``
-OPTIMIZERS = {"sgd": _sgd, "adam": _adam}
+#: torch.optim.Optimizer`` (Muon, SOAP and Shampoo: :mod:`studies.cifar.modern`)
+OPTIMIZERS = {"sgd": _sgd, "adam": _adam, "muon": muon_adamw, "soap": soap,
+              "shampoo": shampoo}
 #: the preconditioners a method's ``"precond"`` names (absent: the optimizer alone)
 PRECONDITIONERS = ("kfac", "ekfac", "kwng")

@@ -32,6 +32,7 @@ from studies.cifar.methods import (
     CONDITION_NUMBER,
     EPS_AUTHORS,
     EPS_BOUNDS_AUTHORS,
+    METHODS,
     OPTIMIZERS,
     drawn_in,
 )
@@ -234,7 +235,9 @@ def make_step(
     method's family)."""
     kind = cfg.spec.get("precond")
     if kind is None:
-        return MethodStep(model, optimizer)
+        step = MethodStep(model, optimizer)
+        step.capturable = METHODS[cfg.method].not_capturable is None
+        return step
     if kind in ("kfac", "ekfac"):
         from studies.cifar.baselines import KFACPreconditioner
 

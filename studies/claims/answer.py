@@ -124,7 +124,9 @@ DROP_HEADER = ("baseline", "drop WC → IC (points)", "KWNG's drop", "verdict")
 
 def drop_table(q: dict) -> list[tuple]:
     """One row per baseline of :func:`cifar_fig3_verdict` ``q``: its drop from well- to
-    ill-conditioned ± spread, KWNG's beside it, and the verdict of the rule."""
+    ill-conditioned ± spread, KWNG's beside it, and the verdict of the rule ("–" for
+    the drops of a baseline whose verdict waits for runs)."""
     return [(METHODS[m].label, f"{pct(v['drop'])} ± {pct(v['spread'])}",
              f"{pct(v['drop_kwng'])} ± {pct(v['spread_kwng'])}", v["verdict"])
+            if "drop" in v else (METHODS[m].label, "–", "–", v["verdict"])
             for m, v in q["per_baseline"].items()]

@@ -54,6 +54,7 @@ from studies.cifar.records import (
     read_record,
     rows_problem,
 )
+from studies.fig3.amendments import apply_amendment
 from studies.kit.provenance import ResultFileError, read_json
 
 __all__ = ["FIG3", "PROTOCOL_FILE", "AMENDMENTS_NAME", "CHANCE_MARGIN", "CHANCE_EPOCH",
@@ -93,9 +94,9 @@ RULE = {"chance_margin": CHANCE_MARGIN, "chance_epoch": CHANCE_EPOCH, "gap": GAP
 def load_protocol(path: str | os.PathLike = PROTOCOL_FILE) -> dict:
     """The protocol file, checked: its grid is the paper's, its early-stop constants
     are :data:`RULE`, its methods are known; with the amendments of
-    :data:`AMENDMENTS_NAME` beside it applied (listed under ``"amendments"``). An
-    amendment ``{"substitute": {old: new}, ...}`` runs the method ``new`` wherever the
-    protocol names ``old``."""
+    :data:`AMENDMENTS_NAME` beside it applied (listed under ``"amendments"``;
+    :func:`studies.fig3.amendments.apply_amendment`: a substitution or added
+    methods)."""
     p = read_json(path)
     if not isinstance(p, dict) or "settings" not in p:
         raise ResultFileError(f"{path}: not a protocol file (no 'settings')")
@@ -107,28 +108,13 @@ def load_protocol(path: str | os.PathLike = PROTOCOL_FILE) -> dict:
     amend = Path(path).with_name(AMENDMENTS_NAME)
     p["amendments"] = read_json(amend)["amendments"] if amend.exists() else []
     for a in p["amendments"]:
-        for old, new in a["substitute"].items():
-            _substitute(p, old, new)
+        apply_amendment(p, a)
     names = [m for ms in p["methods"].values() for m in ms]
     names += list(p["ablations"]["runs"])
     unknown = sorted(set(names) - set(METHODS))
     if unknown:
         raise ResultFileError(f"{path}: unknown methods {unknown}")
     return p
-
-
-def _substitute(p: dict, old: str, new: str) -> None:
-    """An amendment's substitution: the method ``new`` takes ``old``'s place in the
-    protocol ``p`` (its lists, windows, window sources and order)."""
-    if old not in p["order"] or new in p["order"]:
-        raise ResultFileError(f"amendment: {old!r} must be a method of the protocol "
-                              f"and {new!r} not yet one")
-    for part, ms in p["methods"].items():
-        p["methods"][part] = [new if m == old else m for m in ms]
-    p["order"] = [new if m == old else m for m in p["order"]]
-    for table in ("windows", "window_sources"):
-        p[table] = {(k.split("/")[0] + "/" + new if k.split("/")[1] == old else k): v
-                    for k, v in p[table].items()}
 
 
 def window_for(short_lr: float, grid: tuple[float, ...] = LR_GRID) -> list[float]:
@@ -143,13 +129,17 @@ def window_for(short_lr: float, grid: tuple[float, ...] = LR_GRID) -> list[float
 
 
 def protocol_commit(path: str | os.PathLike = PROTOCOL_FILE) -> str:
-    """The commit that last changed the protocol file: ``KWNG_PROTOCOL_COMMIT`` (a
-    copied tree without ``.git``), else ``git log``. Raises if neither tells."""
+    """The commit that last changed the protocol file or its amendments
+    (:data:`AMENDMENTS_NAME` beside it), so that a run records the protocol as amended
+    when it started: ``KWNG_PROTOCOL_COMMIT`` (a copied tree without ``.git``), else
+    ``git log``. Raises if neither tells."""
     env = os.environ.get("KWNG_PROTOCOL_COMMIT")
     if env:
         return env
+    amend = Path(path).with_name(AMENDMENTS_NAME)
     try:
-        out = subprocess.run(["git", "log", "-1", "--format=%H", "--", str(path)],
+        out = subprocess.run(["git", "log", "-1", "--format=%H", "--", str(path),
+                              str(amend)],
                              capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError) as exc:
         raise RuntimeError(f"the commit of {path} is unknown ({exc}); set "
