@@ -285,21 +285,26 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     faster at each threshold from 70 % to the best final accuracy in IC,
     :func:`~studies.fig3.clocks.thresholds_phrase`), ``time_clock``
     (where its seconds come from, :func:`~studies.fig3.clocks.time_runs`)
-    and ``time_s85``: the mean training seconds to 85 % test accuracy in IC of each
+    ``time_s85``: the mean training seconds to 85 % test accuracy in IC of each
     method that gets there, the amortized study's (``k > 1``, one seed each,
-    :func:`~studies.fig3.amortized.readings.time_rows`, same clock) included."""
+    :func:`~studies.fig3.amortized.readings.time_rows`, same clock) included. The
+    verdict and the queue are the paper's baselines'; the baselines an amendment added
+    beyond the paper's (``p["added"]``) have their own ``beyond`` (verdict per method),
+    ``beyond_phrase`` and ``beyond_queue``."""
     base = Path(root) / "cifar" / "fig3"
     p = fig3.load_protocol(base / "protocol.json")
-    ver = fig3_verdicts(p, base)
+    every, added = fig3_verdicts(p, base), set(p.get("added", []))
+    ver = {m: v for m, v in every.items() if m not in added}  # the paper's baselines
     counts: dict[str, int] = {}
     for v in ver.values():
         counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
     by_baseline = _phrase({m: v["verdict"] for m, v in ver.items()})
     word = "pending" if "pending" in counts else by_baseline
+    paper = [m for m in p["order"] if m not in added]
     timed, clock = fig3_time.time_runs(p, base)
     tv = time_verdict(fig3_time.seconds_to_accuracy(p, base, runs=timed), ver)
     curve = fig3_time.time_to_thresholds(p, base, runs=timed)
-    queue = queue_left(p, base)
+    queue = queue_left(p, base, methods=paper)
     summ = seed_summary(p, base)
     so_far = {k.replace("/", "_"): 100 * v["mean"] for k, v in summ.items()}
     so_far.update({f"ab_{r['method']}": 100 * r["test"]
@@ -322,7 +327,18 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
                 r["method"]: r["s_to_85"] for r in time_rows(
                     p, base, base.parent / "amortized") if r["cond"] == "ill"
                 and r["k"] > 1 and r["s_to_85"] is not None},
-            "settled": word != "pending" and not any(queue.values())}
+            "settled": word != "pending" and not any(queue.values()),
+            **_beyond(p, base, every)}
+
+
+def _beyond(p: dict, base: Path, every: dict) -> dict:
+    """The baselines an amendment added beyond the paper's: verdict per method, in one
+    phrase, and their runs left in the queue."""
+    added = list(p.get("added", []))
+    beyond = {m: v for m, v in every.items() if m in added}
+    return {"beyond": beyond,
+            "beyond_phrase": _phrase({m: v["verdict"] for m, v in beyond.items()}),
+            "beyond_queue": queue_left(p, base, methods=added)}
 
 
 def _phrase(per: dict[str, str]) -> str:

@@ -11,7 +11,9 @@ Two kinds, one key each:
   methods to a part of the protocol's ``methods`` (``both``, ``ill_only``,
   ``well_only``), each with its grid window per conditioning and the window's source,
   at the end of the order; everything else (grid, split, horizon, schedule, early stop,
-  extension and selection rules, seeds, verdict rule) is the protocol's.
+  extension and selection rules, seeds, verdict rule) is the protocol's. They are
+  listed in ``p["added"]``: baselines beyond the paper's, whose verdicts the book
+  reports beside the paper's claim, not inside it.
 """
 
 from __future__ import annotations
@@ -62,3 +64,4 @@ def _add(p: dict, part: str, new: list[str], windows: dict, sources: dict) -> No
         p[name].update({k: table[k] for k in sorted(keys)})
     p["methods"][part] = list(p["methods"].get(part, [])) + new
     p["order"] = list(p["order"]) + new
+    p["added"] = list(p.get("added", [])) + new

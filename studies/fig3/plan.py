@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from studies.cifar.hooks import register_check, register_plan
@@ -74,14 +75,16 @@ def fig3_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG
     return jobs
 
 
-def queue_left(p: dict, root: str | os.PathLike = FIG3) -> dict[str, int]:
-    """Runs the protocol still needs, by part (grid, seeds, ablation); grid values
-    added by the extension rule and seeds of selections not yet final are counted
-    once they are known."""
+def queue_left(p: dict, root: str | os.PathLike = FIG3,
+               methods: Sequence[str] | None = None) -> dict[str, int]:
+    """Runs the protocol still needs, by part (grid, seeds, ablation), of ``methods``
+    (default: all); grid values added by the extension rule and seeds of selections not
+    yet final are counted once they are known."""
     jobs = fig3_plan({}, p, root, commit="(count only)")
     out = {"grid": 0, "seeds": 0, "ablation": 0}
     for j in jobs:
-        out[Path(j["out"]).parent.name] += 1
+        if methods is None or j["method"] in methods:
+            out[Path(j["out"]).parent.name] += 1
     return out
 
 
