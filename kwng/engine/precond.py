@@ -35,7 +35,8 @@ Wasserstein natural gradient of Prop. 6, then any ``torch.optim`` optimizer step
 >>> for _ in range(2):
 ...     optimizer.zero_grad()
 ...     X = model(z)                                  # (N, d): the samples
-...     info = precond.step(nn.functional.cross_entropy(X, y), X)  # into p.grad
+...     loss = nn.functional.cross_entropy(X, y)
+...     info = precond.step(loss, X)                 # into p.grad
 ...     optimizer.step()
 >>> precond.num_steps, sorted(info)[:3]
 (2, ['bandwidth', 'clipped', 'direction_norm'])
@@ -51,7 +52,7 @@ Algorithm (one call of :meth:`KWNGPreconditioner.step`; symbols ↔ arguments)::
     (refresh_every = k > 1: the lines above only every k steps; in between, g from
      one plain backward pass and ĝ from the cached T, CCᵀ, K at this step's ε:
      SystemCache)
-    if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g                             (counted fallback)
+    if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g                (counted fallback)
     if ‖ĝ‖ > clip_norm:  ĝ ← clip_norm · ĝ / ‖ĝ‖                       (clip_norm)
     p.grad ← ĝ
     Levenberg-Marquardt (App. D.2, eps_schedule = LMSchedule(interval, omega, low,
@@ -788,8 +789,10 @@ def device_direction(out: torch.Tensor, T: torch.Tensor, CCt: torch.Tensor,
 
     >>> T, g, out = torch.randn(2, 5), torch.randn(5), torch.empty(5)
     >>> CCt = torch.eye(2) + 0.1
-    >>> info = device_direction(out, T, CCt, None, g, 8, eps=torch.tensor(1e-3),
-    ...                         lam=0.0, damping="T_tilde", rcond=None, clip_norm=None)
+    >>> info = device_direction(out, T, CCt, None, g, 8,
+    ...                         eps=torch.tensor(1e-3), lam=0.0,
+    ...                         damping="T_tilde", rcond=None,
+    ...                         clip_norm=None)
     >>> bool(info["dot"] > 0), sorted(info) == sorted(INFO_KEYS)
     (True, True)
     """
@@ -978,7 +981,8 @@ class SystemCache:
     >>> cache = SystemCache(2)
     >>> [cache.due, cache.refresh_now(4, torch.device("cpu"))]
     [True, True]
-    >>> cache.store(torch.ones(3, 4), torch.eye(3), torch.eye(3), 8, torch.tensor(1.))
+    >>> T, I3 = torch.ones(3, 4), torch.eye(3)
+    >>> cache.store(T, I3, I3, 8, torch.tensor(1.))
     >>> cache.advance(); cache.due, cache.refresh_now(4, torch.device("cpu"))
     (False, False)
     """
@@ -1449,9 +1453,9 @@ def upgrade_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
     ``refresh_guard`` or ``gpu_solve`` gets their defaults; a current ``hp`` is
     returned unchanged.
 
-    >>> upgrade_hyperparameters({"num_basis": 5, "adapt_eps": False})
-    {'num_basis': 5, 'refresh_every': 1, 'refresh_guard': False, 'gpu_solve': 'auto', \
-'eps_schedule': None}
+    >>> hp = upgrade_hyperparameters({"num_basis": 5, "adapt_eps": False})
+    >>> hp["refresh_every"], hp["gpu_solve"], hp["eps_schedule"]
+    (1, 'auto', None)
     """
     hp = {**hp, **{k: v for k, v in _ADDED.items() if k not in hp}}
     if "eps_schedule" in hp or not any(k in hp for k in (*_OLD_LM_KEYS, "adapt_eps")):

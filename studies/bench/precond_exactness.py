@@ -7,8 +7,8 @@ backward vs serial ``torch.autograd.grad`` calls of the same model in fp32, and 
 final KWNG direction of both modes with the same basis. Prints relative errors and the
 cosine; ``--json`` writes them::
 
-    python -m studies.bench.precond_exactness [--device cuda] [--batch 128] \
-        [--num-basis 5]
+    python -m studies.bench.precond_exactness [--device cuda] \\
+        [--batch 128] [--num-basis 5]
 """
 
 from __future__ import annotations

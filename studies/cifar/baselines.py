@@ -48,8 +48,8 @@ Usage, in the same loop shape as :class:`kwng.engine.precond.KWNGPreconditioner`
 
     precond = KFACPreconditioner(model, kind="ekfac", output_fn=U, clip_norm=1.0)
     optimizer.zero_grad(); outputs = model(z); loss = loss_fn(U(outputs), y)
-    info = precond.step(loss, outputs, inputs=z)   # backward, precondition, clip, into
-    p.grad optimizer.step()
+    info = precond.step(loss, outputs, inputs=z)  # backward, precondition,
+    optimizer.step()                              # clip, into p.grad
 """
 
 from __future__ import annotations
