@@ -43,22 +43,25 @@ Wasserstein natural gradient of Prop. 6, then any ``torch.optim`` optimizer step
 
 Algorithm (one call of :meth:`KWNGPreconditioner.step`; symbols ↔ arguments)::
 
-    draw M = num_basis indices Y_m = X_{b_m} and coordinates i_m     (draw_basis)
-    σ ← σ0 · mean ‖X_n − Y_m‖²   (bandwidth="mean_sq", sigma0)        (§3.3)
-    C, K, CCᵀ of Prop. 5 from X and the kernel                        (path.kernels)
-    g ← ∇_θ L,  T_m ← (C_m / N)ᵀ ∂X/∂θ   (m = 1..M)                   (path.gradients)
-    ĝ ← (1/ε)[D⁻¹ − D⁻¹T̃ᵀ(T̃D⁻¹T̃ᵀ + (ε/N) I)⁻¹T̃D⁻¹] g,  D = diag ‖T̃_{·,i}‖
-        (diagonal_only: ĝ ← D⁻¹ g, "diagonal conditioning")            (path.direction)
-    (refresh_every = k > 1: the lines above only every k steps; in between, g from
-     one plain backward pass and ĝ from the cached T, CCᵀ, K at this step's ε:
-     SystemCache)
-    if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g                (counted fallback)
-    if ‖ĝ‖ > clip_norm:  ĝ ← clip_norm · ĝ / ‖ĝ‖                       (clip_norm)
+    draw M = num_basis samples Y_m = X_{b_m}, coords i_m  (draw_basis)
+    σ ← σ0 · mean ‖X_n − Y_m‖²  (bandwidth="mean_sq", sigma0; §3.3)
+    C, K, CCᵀ of Prop. 5 from X and the kernel           (path.kernels)
+    g ← ∇_θ L,  T_m ← (C_m / N)ᵀ ∂X/∂θ  (m = 1..M)       (path.gradients)
+    ĝ ← (1/ε)[D⁻¹ − D⁻¹T̃ᵀ(T̃D⁻¹T̃ᵀ + (ε/N) I)⁻¹T̃D⁻¹] g
+        with D = diag ‖T̃_{·,i}‖                     (path.direction)
+        (diagonal_only: ĝ ← D⁻¹ g, "diagonal conditioning")
+    (refresh_every = k > 1: the lines above only every k steps; in
+     between, g from one plain backward pass and ĝ from the cached
+     T, CCᵀ, K at this step's ε: SystemCache)
+    if ⟨g, ĝ⟩ ≤ 0 or ĝ not finite:  ĝ ← g       (counted fallback)
+    if ‖ĝ‖ > clip_norm:  ĝ ← clip_norm · ĝ / ‖ĝ‖         (clip_norm)
     p.grad ← ĝ
-    Levenberg-Marquardt (App. D.2, eps_schedule = LMSchedule(interval, omega, low,
-    high, eps_min, eps_max): every interval steps, with r the largest reduction ratio
-    r_t = 2 (L_{t-1} − L_t) / (lr ⟨g, ĝ⟩_{t-1}) seen since the last update):
-        ε ← omega · ε if r > high;   ε ← ε / omega if r < low;   ε ∈ [eps_min, eps_max]
+    Levenberg-Marquardt (App. D.2; eps_schedule = LMSchedule(interval,
+    omega, low, high, eps_min, eps_max)): every interval steps, with r
+    the largest reduction ratio seen since the last update,
+        r_t = 2 (L_{t-1} − L_t) / (lr ⟨g, ĝ⟩_{t-1}),
+        ε ← omega · ε if r > high;  ε ← ε / omega if r < low;
+        ε ∈ [eps_min, eps_max]
 
 The two paths (``mode``) give the same directions:
 
