@@ -201,11 +201,20 @@ class _BatchNorm(torch.autograd.Function):
         _, st, weight, bias, _ = ctx.meta
         if not ctx.needs_input_grad[0]:
             dx = None
-        gw = gb = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            st.grads[id(weight)] = dgamma.to(weight.dtype)
-            gw = st.grads[id(weight)][0]
-        if bias is not None and ctx.needs_input_grad[2]:
-            st.grads[id(bias)] = dbeta.to(bias.dtype)
-            gb = st.grads[id(bias)][0]
-        return dx, gw, gb, None, None
+        return (dx, *record_affine_grads(st, ctx.needs_input_grad, weight, bias,
+                                         dgamma, dbeta), None, None)
+
+
+def record_affine_grads(st: Any, needs: tuple, weight, bias, dgamma: torch.Tensor,
+                        dbeta: torch.Tensor) -> tuple:
+    """Record a normalisation layer's per-copy ``(R, …)`` gradients of its scale and
+    shift in ``st.grads`` (where ``needs``, autograd's ``needs_input_grad``, asks for
+    them); return what autograd gets for each: copy 0, or ``None``."""
+    gw = gb = None
+    if weight is not None and needs[1]:
+        st.grads[id(weight)] = dgamma.to(weight.dtype)
+        gw = st.grads[id(weight)][0]
+    if bias is not None and needs[2]:
+        st.grads[id(bias)] = dbeta.to(bias.dtype)
+        gb = st.grads[id(bias)][0]
+    return gw, gb

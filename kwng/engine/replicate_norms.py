@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kwng.engine.gpu_paths import compile_on_cuda
+from kwng.engine.replicate_bn import record_affine_grads
 from kwng.engine.replicate_layers import _repeat, _State
 
 __all__ = ["ln_backward_torch"]
@@ -100,11 +101,5 @@ class _LayerNorm(torch.autograd.Function):
             ctx.needs_input_grad[0], gpu_solve=st.gpu_solve)
         if dx is not None:
             dx = dx.reshape(dy.shape).to(xdtype)
-        gw = gb = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            st.grads[id(weight)] = dgamma.to(weight.dtype)
-            gw = st.grads[id(weight)][0]
-        if bias is not None and ctx.needs_input_grad[2]:
-            st.grads[id(bias)] = dbeta.to(bias.dtype)
-            gb = st.grads[id(bias)][0]
-        return dx, gw, gb, None, None
+        return (dx, *record_affine_grads(st, ctx.needs_input_grad, weight, bias,
+                                         dgamma, dbeta), None, None)

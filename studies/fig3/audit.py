@@ -20,17 +20,16 @@ from pathlib import Path
 
 from studies.cifar.hooks import register_check
 from studies.cifar.methods import LR_GRID, METHODS, RESULTS
-from studies.fig3.groups import check_group
+from studies.fig3.groups import check_group, record_verdict
 from studies.fig3.protocol import (
     FIG3,
     grid_state,
     load_protocol,
-    record_problem,
     run_status,
     stop_reason,
 )
 from studies.fig3.verdicts import selected_runs
-from studies.kit.provenance import ResultFileError, read_json
+from studies.kit.provenance import read_json
 
 __all__ = ["FIG3_AUDIT", "audit_groups", "check_audit", "audit_check", "edge_runs",
            "repro_runs"]
@@ -93,16 +92,11 @@ def check_audit(root: str | os.PathLike = FIG3_AUDIT,
                    for m in g["methods"] for s in g["seeds"]}
         for mp, lr, cond, m, seed in _records(root, part, p["dataset"]):
             name = f"{part}/lr{lr:g}/{cond}/{m}/seed{seed}"
-            try:
-                problem = record_problem(p, mp, part)
-            except (ResultFileError, KeyError, TypeError, ValueError) as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-            if problem is None and (cond, m, seed) not in planned:
-                problem = "not a run of the plan (plan.json)"
+            problem, status = record_verdict(p, mp, part, (cond, m, seed), planned,
+                                             epochs)
             if problem:
                 res["bad"].append((name, problem))
                 continue
-            status = run_status(read_json(mp), epochs)
             res[{"finished": "ok", "stopped": "stopped"}.get(status,
                                                              "incomplete")].append(name)
     return res

@@ -3,9 +3,13 @@ study, the audit): the checks its ``conditioning``, ``methods`` and ``seeds`` sh
 
 from __future__ import annotations
 
-from studies.cifar.methods import METHODS
+from pathlib import Path
 
-__all__ = ["check_group"]
+from studies.cifar.methods import METHODS
+from studies.fig3.protocol import record_problem, run_status
+from studies.kit.provenance import ResultFileError, read_json
+
+__all__ = ["check_group", "record_verdict"]
 
 
 def check_group(g: object) -> dict:
@@ -26,3 +30,18 @@ def check_group(g: object) -> dict:
         raise ValueError(f"a group's seeds must be distinct integers >= 0, got "
                          f"{seeds!r}")
     return g
+
+
+def record_verdict(p: dict, mp: Path, part: str, key: tuple, planned: set,
+                   epochs: int) -> tuple[str | None, str | None]:
+    """``(problem, status)`` of the record ``mp`` of a group plan: the problem against
+    the protocol ``p`` (its part ``part``), or that ``key`` (conditioning, method, seed)
+    is not a run of the plan; else ``None`` and its run status
+    (:func:`~studies.fig3.protocol.run_status`)."""
+    try:
+        problem = record_problem(p, mp, part)
+    except (ResultFileError, KeyError, TypeError, ValueError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is None and key not in planned:
+        problem = "not a run of the plan (plan.json)"
+    return (problem, None) if problem else (None, run_status(read_json(mp), epochs))

@@ -14,8 +14,8 @@ from pathlib import Path
 from studies.cifar.hooks import register_check
 from studies.cifar.methods import METHODS, RESULTS
 from studies.fig3.clocks import first_at, retime, step_ms, time_runs
-from studies.fig3.groups import check_group
-from studies.fig3.protocol import FIG3, load_protocol, record_problem, run_status
+from studies.fig3.groups import check_group, record_verdict
+from studies.fig3.protocol import FIG3, load_protocol, record_problem
 from studies.fig3.verdicts import selected_runs
 from studies.kit.provenance import ResultFileError, read_json
 
@@ -74,17 +74,11 @@ def check_seed_study(root: str | os.PathLike = AMORTIZED_SEEDS,
     for mp in sorted(root.glob(f"lr*/{p['dataset']}/*/*/seed*/metrics.json")):
         cond, m, seed = mp.parts[-4], mp.parts[-3], int(mp.parts[-2][4:])
         name = "/".join((mp.parts[-6], *mp.parts[-4:-1]))
-        try:
-            problem = record_problem(p, mp, "")
-        except (ResultFileError, KeyError, TypeError, ValueError) as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem is None and (cond, m, seed) not in planned:
-            problem = "not a run of the plan (plan.json)"
+        problem, status = record_verdict(p, mp, "", (cond, m, seed), planned, epochs)
         if problem:
             res["bad"].append((name, problem))
             continue
-        ok = run_status(read_json(mp), epochs) == "finished"
-        res["ok" if ok else "incomplete"].append(name)
+        res["ok" if status == "finished" else "incomplete"].append(name)
     return res
 
 
