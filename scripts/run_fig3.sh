@@ -21,7 +21,8 @@
 # under results/cifar/fig3_audit), START_BY
 # (seconds from now after which no run starts), FINISH_BY (seconds from now by which a
 # run must end: a run whose estimated duration, from the finished runs of its method,
-# ends later is not started), LIMIT (seconds this call may take, 560),
+# ends later is not started; EST_FACTOR, 1, multiplies that estimate of a run alone for
+# runs that share a GPU), LIMIT (seconds this call may take, 560),
 # DATA (.data/cifar10_jpeg.npz), TAG (the queue's name, for its log and pid),
 # TIMING_METHODS (the methods MODE=timing times: the protocol's eight and the amortized
 # study's four), TIMING_ARGS (more
@@ -107,7 +108,7 @@ while [ \$(date +%s) -lt $END ]; do
     CUDA_VISIBLE_DEVICES=$GPU_IDS $PY -m studies cifar sweep --plan \$plan \
         --methods $METHODS --gpus $(echo "$GPU_IDS" | tr ',' '\n' | wc -l) \
         --procs-per-gpu $PROCS --data-root "$DATA" --start-by-s \$left \
-        --finish-by-s \$fin || true
+        --finish-by-s \$fin --est-factor ${EST_FACTOR:-1} || true
   done
   n=\$($PY -c "import studies; studies.load_all(); from studies.cifar.plans import build_plan; print(sum(len(build_plan(p, methods='$METHODS'.split(','))) for p in '$PLANS'.split(',')))")
   echo "queue $TAG: \$n run(s) left"

@@ -300,6 +300,10 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--finish-by-s", type=number_arg(0), default=None,
         help="start no run whose estimated duration (a plan's est_s) would end it "
              "after this many seconds")
+    add("--est-factor", type=number_arg(0), default=1.0,
+        help="factor on each run's estimated duration (est_s: a run alone on its GPU) "
+             "for --finish-by-s, for runs that share a GPU (several processes per "
+             "GPU, or queues side by side): about processes / throughput gain")
     add("--select-epochs", type=int_arg(1), default=2,
         help="claim_select: epochs of each run")
     add("--select-subset", type=int_arg(1), default=None, help="claim_select: "
@@ -361,6 +365,9 @@ def _main_sweep(a: argparse.Namespace) -> int:
         plan = build_plan(a.plan, a.dataset, int(epochs), data_root=a.data_root,
                           methods=only)
     plan = [{**j, **_overrides(a.set)} for j in plan]
+    if a.est_factor != 1.0:
+        plan = [{**j, "est_s": j["est_s"] * a.est_factor} if j.get("est_s") else j
+                for j in plan]
     # sweeps of one plan over disjoint method lists may run side by side: one plan
     # file each
     tag = ("-" + hashlib.sha1(",".join(sorted(only)).encode()).hexdigest()[:8]
