@@ -990,3 +990,28 @@ def test_a_new_optimizer_is_one_optimizers_entry_and_one_methods_entry(
         plans.job_cost({"method": "nope"})
     with pytest.raises(ValueError, match="no method 'nope'"):
         pcf._look("nope")
+
+
+def test_a_step_that_cannot_invert_its_factor_ends_the_run_as_diverged(tmp_path,
+                                                                         monkeypatch):
+    # KFAC at step 100 (the Fig. 3 audit's grid edge) raised LinAlgError from its
+    # factor inverse in epoch 4, and the trainer of that commit left no finished
+    # record; now the run ends as diverged, the failing step named
+    real, calls = train.Run._step, {"n": 0}
+
+    def step(self, z, yb):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first step of the second epoch
+            raise torch.linalg.LinAlgError("linalg.inv: The diagonal element 1 is zero")
+        return real(self, z, yb)
+
+    monkeypatch.setattr(train.Run, "_step", step)
+    rec = train.run(_run_cfg(tmp_path, method="sgd", epochs=3), progress=False)
+    assert rec["complete"] and rec["diverged"] and len(rec["epochs"]) == 2
+    fail = rec["failure"]
+    assert (fail["epoch"], fail["step"]) == (2, 3)
+    assert fail["error"].endswith("LinAlgError: linalg.inv: The diagonal element 1 is "
+                                  "zero")
+    assert rec["epochs"][1]["steps"] == 2  # the failed step is not counted
+    cfg = _run_cfg(tmp_path, method="sgd", epochs=3)
+    assert not runtime.checkpoint_path_for(cfg).is_file()

@@ -111,6 +111,8 @@ class Run:
         self.trace: torch.Tensor | None = None  # per-step losses (trainer_timing)
         self.record = self._new_record(lr, identity, milestones)
         self.start_epoch, self.steps, self.time_train, self.partial = 0, 0, 0.0, None
+        #: the step that raised a numerical error (train_epoch), or None
+        self.failure: dict | None = None
 
     def _step(self, z: torch.Tensor, yb: torch.Tensor) -> None:
         """The whole training step, sums included (what a CUDA graph records)."""
@@ -216,7 +218,17 @@ class Run:
                 return False
             if cl:
                 z = z.contiguous(memory_format=torch.channels_last)
-            self.runner(z, yb)
+            try:
+                self.runner(z, yb)
+            except torch.linalg.LinAlgError as exc:
+                # a preconditioner whose factor cannot be inverted (KFAC at a step
+                # so large that the activations collapsed): the run has diverged,
+                # recorded as such by end_epoch instead of failing without a record
+                self.failure = {"epoch": epoch + 1, "step": self.steps + 1,
+                                "error": f"{type(exc).__name__}: {exc}"}
+                log.warning("%s: step %d of epoch %d failed (%s): recorded as "
+                            "diverged", self.rdir, self.steps + 1, epoch + 1, exc)
+                break
             stats.count(len(yb))
             self.steps += 1
             if bar is not None:
@@ -272,8 +284,10 @@ class Run:
         row.update(self.method.epoch_fields(record["epochs"]))
         record["epochs"].append(row)
         finished = epoch + 1 == cfg.epochs or self.steps >= total_steps
-        if not math.isfinite(row["train_loss"]):
+        if not math.isfinite(row["train_loss"]) or self.failure is not None:
             record["diverged"] = finished = True
+        if self.failure is not None:
+            record["failure"] = self.failure
         if cfg.early_stop and (not finished or record["diverged"]):
             finished = self._early_stop(row, k) or finished
         record["complete"] = finished
