@@ -118,3 +118,39 @@ def test_check_audit_refuses_a_record_outside_the_plan(tmp_path):
     res = fig3_audit.check_audit(tmp_path, P)
     assert [name for name, _ in res["bad"]] == ["repro/lr10/ill/kwng/seed7"]
     assert not res["ok"]
+
+
+def test_the_phrases_say_whether_an_edge_step_beats_the_selection(tmp_path):
+    src = FIG3 / "grid" / "lr10" / "cifar10" / "ill" / "kwng" / "seed0"
+
+    def better(rec):
+        for r in rec["epochs"]:
+            r["val_acc"] = 0.95
+        return rec
+    _copy(src, tmp_path / "grid" / "lr30" / "cifar10" / "ill" / "kwng" / "seed0",
+          better)
+    runs = fig3_audit.edge_runs(P, root=tmp_path, fig3_root=FIG3)
+    assert "lower bound and the verdict must be read" in fig3_audit.edge_phrase(runs)
+    assert fig3_audit.edge_short(runs).endswith("the selection is a lower bound")
+    assert fig3_audit.edge_short([]) == "not run yet"
+
+
+def test_the_committed_edge_runs_leave_the_selections_standing():
+    """The audit's round (results/cifar/fig3_audit): KWNG and KFAC at steps 30 and 100
+    in IC; none beats its selected step 10, the step-100 runs stopped at chance (KWNG,
+    live) or diverged (KFAC: its factor inverse failed in epoch 4)."""
+    runs = {(r["method"], r["lr"]): r for r in fig3_audit.edge_runs(P)}
+    assert set(runs) == {("kwng", 30.0), ("kwng", 100.0), ("kfac", 30.0),
+                         ("kfac", 100.0)}
+    assert runs[("kwng", 100.0)]["live"]["reason"] == "at chance"
+    assert runs[("kfac", 100.0)]["diverged"] and runs[("kfac", 100.0)][
+        "failed_epoch"] == 4
+    assert all(r["best_val"] < r["selected_val"] for r in runs.values())
+    assert fig3_audit.edge_short(list(runs.values())).endswith("the selections stand")
+    rows = fig3_audit.repro_runs(P)
+    kwng = [r for r in rows if r["method"] == "kwng"]
+    assert len(kwng) == 1 and kwng[0]["within"] is True and kwng[0]["complete"]
+    pending = fig3_audit.repro_pending()
+    assert set(pending) <= {"ill/kwng_D_T/seed0"}  # the one rerun not yet run
+    phrase = fig3_audit.repro_phrase(rows, pending)
+    assert ("not yet run: ill/kwng_D_T/seed0" in phrase) == bool(pending)

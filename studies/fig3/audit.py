@@ -30,9 +30,11 @@ from studies.fig3.protocol import (
 )
 from studies.fig3.verdicts import selected_runs
 from studies.kit.provenance import read_json
+from studies.kit.wording import fixed, name_list
 
 __all__ = ["FIG3_AUDIT", "audit_groups", "check_audit", "audit_check", "edge_runs",
-           "repro_runs"]
+           "repro_runs", "edge_table", "edge_phrase", "edge_short", "repro_pending",
+           "repro_table", "repro_phrase"]
 
 #: the audit's plan and records, ``results/cifar/fig3_audit`` of the checkout
 #:
@@ -116,7 +118,9 @@ def audit_check(root: str | None) -> int:
 def edge_runs(p: dict | None = None, root: str | os.PathLike = FIG3_AUDIT,
               fig3_root: str | os.PathLike = FIG3, num_classes: int = 10) -> list[dict]:
     """The grid-edge runs, one dict each: ``cond``, ``method``, ``lr``, ``epochs``
-    run, ``final`` (test accuracy at the last epoch run), ``best_val`` (the best
+    run, ``diverged`` (a non-finite loss or a failed step ended it),
+    ``failed_epoch`` (the epoch of a failed step, not among those run), ``final`` (test
+    accuracy at the last epoch run), ``best_val`` (the best
     validation accuracy, what the selection reads), ``live`` (the stop the record
     names, or ``None``), ``posthoc`` (:func:`~studies.fig3.protocol.stop_reason`
     at the first epoch the rule condemns it with every step of the method as a
@@ -143,6 +147,8 @@ def edge_runs(p: dict | None = None, root: str | os.PathLike = FIG3_AUDIT,
             hit = next((s for row in rows
                         if (s := stop_reason(row, own, num_classes)) is not None), None)
             out.append({"cond": cond, "method": m, "lr": lr, "epochs": len(rows),
+                        "diverged": bool(rec.get("diverged")),
+                        "failed_epoch": (rec.get("failure") or {}).get("epoch"),
                         "final": float(rows[-1]["test_acc"]),
                         "best_val": max(float(r["val_acc"]) for r in rows),
                         "live": rec.get("early_stop"), "posthoc": hit,
@@ -197,6 +203,131 @@ def repro_runs(p: dict | None = None, root: str | os.PathLike = FIG3_AUDIT,
                     "within": (spread[0] <= final <= spread[-1]) if len(spread) >= 2
                     else None})
     return out
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else fixed(100 * x)
+
+
+def _ended(r: dict) -> str:
+    """How an edge run ended, in a few words."""
+    if r["live"]:
+        return f"stopped live, {r['live']['reason']}, after epoch {r['live']['epoch']}"
+    if r["diverged"]:
+        return f"diverged in epoch {r.get('failed_epoch') or r['epochs']}"
+    return f"ran {r['epochs']} epochs"
+
+
+def edge_table(rows: list[dict]) -> tuple[tuple[str, ...], list[tuple]]:
+    """``(header, rows)`` of the grid-edge table: each edge run beside its method's
+    selected step, with how it ended and the post-hoc verdict of the early-stop rule."""
+    header = ("cond.", "method", "step", "ended", "best val. (%)", "final test (%)",
+              "post hoc", "selected step: best val. (%)")
+    table = [(r["cond"], METHODS[r["method"]].label if r["method"] in METHODS
+              else r["method"], f"{r['lr']:g}", _ended(r), _pct(r["best_val"]),
+              _pct(r["final"]),
+              f"{r['posthoc']['reason']} @ {r['posthoc']['epoch']}" if r["posthoc"]
+              else "–",
+              f"{r['selected']:g}: {_pct(r['selected_val'])}" if r["selected"] else "–")
+             for r in rows]
+    return header, table
+
+
+def edge_phrase(rows: list[dict]) -> str:
+    """What the edge runs say about the selection: for each method, its best edge
+    step against its selected step (validation accuracy, what the selection reads),
+    and whether an edge step would have been selected instead."""
+    if not rows:
+        return "no grid-edge run has a record yet"
+    parts, better = [], []
+    by = {}
+    for r in rows:
+        by.setdefault((r["cond"], r["method"]), []).append(r)
+    for (cond, m), rs in sorted(by.items()):
+        sel, sel_val = rs[0]["selected"], rs[0]["selected_val"]
+        each = " and ".join(f"{_pct(r['best_val'])} % at step {r['lr']:g}"
+                            + ("" if r["epochs"] >= 100 else f" ({_ended(r)})")
+                            for r in sorted(rs, key=lambda r: r["lr"]))
+        name = METHODS[m].label if m in METHODS else m
+        parts.append(f"{name} ({cond}) reaches a best validation accuracy of {each}, "
+                     f"against {_pct(sel_val)} % at its selected step {sel:g}")
+        if sel_val is not None and any(r["best_val"] > sel_val for r in rs):
+            better.append(name)
+    top = max(r["lr"] for r in rows)
+    verdict = ("an edge step beats the selected step of " + name_list(better)
+               + ": the selection there is a lower bound and the verdict must be read "
+               "with it" if better else
+               "no edge step does better than its method's selected step, so the "
+               "selections, and the verdicts built on them, stand: on the grid "
+               f"extended to step {top:g}, each method's selected step is still its "
+               "best, not a lower bound")
+    return "; ".join(parts) + "; " + verdict
+
+
+def edge_short(rows: list[dict]) -> str:
+    """:func:`edge_phrase` for a table cell: per method, each edge step's best
+    validation accuracy (or how it ended) against the selected step's, and whether
+    the selections stand."""
+    if not rows:
+        return "not run yet"
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["cond"], r["method"]), []).append(r)
+    parts, better = [], False
+    for (cond, m), rs in sorted(by.items()):
+        name = METHODS[m].label if m in METHODS else m
+        each = ", ".join(
+            f"step {r['lr']:g} " + (_pct(r["best_val"]) + " %" if r["epochs"] >= 100
+                                    else "at chance" if r["live"] else "diverged")
+            for r in sorted(rs, key=lambda r: r["lr"]))
+        parts.append(f"{name} ({cond}) {each} against step {rs[0]['selected']:g} "
+                     f"{_pct(rs[0]['selected_val'])} %")
+        better = better or any(rs[0]["selected_val"] is not None
+                               and r["best_val"] > rs[0]["selected_val"] for r in rs)
+    return ("; ".join(parts) + " (best validation accuracy): "
+            + ("an edge step does better, the selection is a lower bound" if better
+               else "the selections stand"))
+
+
+def repro_pending(root: str | os.PathLike = FIG3_AUDIT,
+                  dataset: str = "cifar10") -> list[str]:
+    """The reruns the audit's plan lists that have no record yet
+    (``cond/method/seed``)."""
+    root = Path(root)
+    groups = audit_groups(read_json(root / "plan.json"))
+    done = {(c, m, s) for _, _, c, m, s in _records(root, "repro", dataset)}
+    return [f"{g['conditioning']}/{m}/seed{s}" for g in groups if g["part"] == "repro"
+            for m in g["methods"] for s in g["seeds"]
+            if (g["conditioning"], m, s) not in done]
+
+
+def repro_table(rows: list[dict]) -> tuple[tuple[str, ...], list[tuple]]:
+    """``(header, rows)`` of the reruns: the rerun's final test accuracy beside the
+    committed run of the same seed and the committed spread."""
+    header = ("cond.", "method", "step", "seed", "rerun (%)", "committed (%)",
+              "committed runs (%)", "inside")
+    table = [(r["cond"], METHODS[r["method"]].label if r["method"] in METHODS
+              else r["method"], f"{r['lr']:g}", str(r["seed"]), _pct(r["final"]),
+              _pct(r["committed"]), ", ".join(_pct(v) for v in r["spread"]) or "–",
+              {True: "yes", False: "no", None: "–"}[r["within"]]) for r in rows]
+    return header, table
+
+
+def repro_phrase(rows: list[dict], pending: list[str]) -> str:
+    """The reruns in one sentence: each inside or outside the committed spread, and
+    the reruns of the plan still to run."""
+    said = []
+    for r in rows:
+        name = METHODS[r["method"]].label if r["method"] in METHODS else r["method"]
+        where = {True: "inside", False: "outside", None: "beside"}[r["within"]]
+        said.append(f"{name} (step {r['lr']:g}, seed {r['seed']}) ends at "
+                    f"{_pct(r['final'])} %, {where} the committed runs' "
+                    f"{_pct(r['spread'][0]) if r['spread'] else '–'}–"
+                    f"{_pct(r['spread'][-1]) if r['spread'] else '–'} %")
+    text = "; ".join(said) if said else "no rerun has a record yet"
+    if pending:
+        text += (f"; not yet run: {name_list(pending)}")
+    return text
 
 
 register_check("fig3_audit", lambda a: audit_check(a.root))
