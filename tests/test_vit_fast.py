@@ -175,3 +175,22 @@ def test_the_study_vit_has_the_stated_size():
     model = vit(10)
     assert sum(p.numel() for p in model.parameters()) == 2_693_578
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_the_committed_vit_step_cost_meets_the_target_on_its_gpu():
+    """The step-cost record of the ViT (bf16, batch 128, M = 5, one GPU, every row
+    side by side in one run): provenance names the command, the GPU and the date, and a
+    captured exact KWNG step costs at most 4 captured SGD steps."""
+    import json
+
+    from studies.vit import cost
+
+    rec = json.loads(cost.STEP_COST.read_text())
+    prov = rec["provenance"]
+    assert "step_cost" in prov["command"] and "--model vit" in prov["command"]
+    assert prov["device"].startswith("NVIDIA") and prov["date"] and prov["git_commit"]
+    assert rec["model"] == "vit" and rec["batch_size"] == 128
+    ratios = cost.captured_ratios()
+    assert set(ratios) == {"adam", "kwng_k1", "kwng_k20"}
+    assert ratios["kwng_k1"] <= cost.TARGET
+    assert ratios["kwng_k20"] < ratios["kwng_k1"]

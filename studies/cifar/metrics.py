@@ -3,6 +3,7 @@ each update on the last layer (book chapter :ref:`experiments-cifar`)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -12,6 +13,8 @@ from torch import nn
 
 from studies.cifar.images import GPUAugmentedData
 from studies.cifar.methods import INFO_KEYS
+
+log = logging.getLogger(__name__)
 
 
 def full_precision(t: torch.Tensor) -> torch.Tensor:
@@ -242,3 +245,24 @@ class UpdateShare:
         last = torch.where(self.mask, sq, torch.zeros_like(sq)).sum()
         return torch.where(total > 0, last / total.clamp(min=1e-300),
                            torch.zeros_like(total))
+
+
+def agree_ranks(stats: EpochStats, model: nn.Module, precond, world: int,
+                name: object) -> float | None:
+    """With several ranks, before an epoch's evaluation: the epoch's training sums
+    ``stats`` summed over the ranks, rank 0's batch-norm statistics (and the
+    preconditioner's buffers) on every rank; returns how far the replicas' parameters
+    differ (:func:`kwng.engine.distributed.replica_spread`, 0 when they agree, a
+    warning naming the run ``name`` otherwise). ``None`` with one rank."""
+    if world == 1:
+        return None
+    from kwng.engine.distributed import replica_spread
+
+    stats.sum_over_ranks()
+    if precond is not None:
+        precond.broadcast_buffers()
+    spread = replica_spread(model)
+    if spread != 0.0:
+        log.warning("%s: the replicas differ by %.3g (sum/sum of squares)", name,
+                    spread)
+    return spread

@@ -37,7 +37,7 @@ from studies.cifar.methods import (
     device_for,
     milestones_for,
 )
-from studies.cifar.metrics import EpochStats, UpdateShare, evaluate_full
+from studies.cifar.metrics import EpochStats, UpdateShare, agree_ranks, evaluate_full
 from studies.cifar.runtime import (
     checkpoint_path_for,
     fast_cuda,
@@ -249,12 +249,12 @@ class Run:
         cfg, record = self.cfg, self.record
         lr_epoch = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
-        spread = self._agree_ranks()
+        spread = agree_ranks(self.stats, self.model, self.method.precond, self.world,
+                             self.rdir)
         te = time.perf_counter()
         k = NUM_CLASSES[cfg.dataset]
-        val = None
-        if self.test_set is not None:
-            val = evaluate_full(self.model, self.test, cfg.eval_batch_size, k)
+        val = (evaluate_full(self.model, self.test, cfg.eval_batch_size, k)
+               if self.test_set is not None else None)
         ev = evaluate_full(self.model, self.test_set or self.test,
                            cfg.eval_batch_size, k)
         w = last_linear(self.model).weight.detach()
@@ -286,8 +286,7 @@ class Run:
         finished = epoch + 1 == cfg.epochs or self.steps >= total_steps
         if not math.isfinite(row["train_loss"]) or self.failure is not None:
             record["diverged"] = finished = True
-        if self.failure is not None:
-            record["failure"] = self.failure
+            record.update({"failure": self.failure} if self.failure else {})
         if cfg.early_stop and (not finished or record["diverged"]):
             finished = self._early_stop(row, k) or finished
         record["complete"] = finished
@@ -303,24 +302,6 @@ class Run:
             with contextlib.suppress(FileNotFoundError):
                 self.ckpt.unlink()
         return finished
-
-    def _agree_ranks(self) -> float | None:
-        """With several ranks, before the evaluation: the epoch's training sums
-        summed over the ranks, rank 0's batch-norm statistics on every rank; returns
-        how far the replicas' parameters differ
-        (:func:`kwng.engine.distributed.replica_spread`, 0 when they agree)."""
-        if self.world == 1:
-            return None
-        from kwng.engine.distributed import replica_spread
-
-        self.stats.sum_over_ranks()
-        if self.method.precond is not None:
-            self.method.precond.broadcast_buffers()
-        spread = replica_spread(self.model)
-        if spread != 0.0:
-            log.warning("%s: the replicas differ by %.3g (sum/sum of squares)",
-                        self.rdir, spread)
-        return spread
 
     def _early_stop(self, row: dict, num_classes: int) -> bool:
         """Apply the run's early-stop rule (registered by its study:
