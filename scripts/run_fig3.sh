@@ -18,7 +18,7 @@
 # list: the methods of this queue; queues on other GPUs take other methods), PLANS
 # (comma list of sweep plans the queue takes in turn, "fig3"; "amortized" and
 # "amortized_seeds" write under results/cifar/amortized and .../amortized_seeds, "fig3_audit"
-# under results/cifar/fig3_audit), START_BY
+# under results/cifar/fig3_audit, "vit" (the ViT study) under results/vit), START_BY
 # (seconds from now after which no run starts), FINISH_BY (seconds from now by which a
 # run must end: a run whose estimated duration, from the finished runs of its method,
 # ends later is not started; EST_FACTOR, 1, multiplies that estimate of a run alone for
@@ -87,6 +87,7 @@ fi
 if [ ! -f "$WORK/.seeded" ]; then
   cp -rn "$ROOT/results/cifar/fig3" "$ROOT/results/cifar/authors100" \
       $(ls -d "$ROOT"/results/cifar/amortized* "$ROOT"/results/cifar/fig3_audit 2>/dev/null) "$WORK/results/cifar/" \
+    && { [ ! -d "$ROOT/results/vit" ] || cp -rn "$ROOT/results/vit" "$WORK/results/"; } \
     && touch "$WORK/.seeded"
 fi
 cd "$WORK"
@@ -149,7 +150,7 @@ while [ $SECONDS -lt $((LIMIT - 30)) ]; do
 done
 grep -hE "Error|Traceback|failed|early stop|left" "$LOGS"/q*.log 2>/dev/null | tail -12
 tar czf "$OUT/fig3.tar.gz" -C "$WORK" results/cifar/fig3 \
-    $(cd "$WORK" && ls -d results/cifar/amortized* results/cifar/fig3_audit 2>/dev/null) && say "tarred $(du -h "$OUT/fig3.tar.gz" | cut -f1)"
+    $(cd "$WORK" && ls -d results/cifar/amortized* results/cifar/fig3_audit results/vit 2>/dev/null) && say "tarred $(du -h "$OUT/fig3.tar.gz" | cut -f1)"
 cp "$LOGS"/q*.log "$OUT/" 2>/dev/null
 $PY -m studies cifar check --suite fig3 | tail -20
 exit 0

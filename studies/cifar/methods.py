@@ -149,6 +149,9 @@ METHODS: dict[str, Method] = {
     "soap": Method("soap", {}, "#7f7f7f", "-", "SOAP", 31, 3.0, 3e-3, _HOST_STEPS),
     "shampoo": Method("shampoo", {}, "#8c6d31", "-", "Shampoo", 32, 6.0, 1e-3,
                       _HOST_STEPS + "; the inverse roots are SVDs every step"),
+    # the transformer default (the ViT study): Adam with decoupled weight decay 0.05
+    "adamw": _m("adamw", {"weight_decay": 0.05}, "#98df8a", "--", "AdamW", 33, 1.4,
+                1e-3),
 }
 #: the methods of the claim suite, each in both conditionings
 CLAIM_METHODS = ("sgd", "sgd_momentum", "adam", "kfac", "kwng", "kwng_samples_before_U",
@@ -161,8 +164,10 @@ CLAIM_ABLATIONS = ("kwng_lm_same_batch",)
 #: every method of the claim suite, its ablation included (the order of its tables)
 CLAIM_ALL = CLAIM_METHODS + CLAIM_ABLATIONS
 #: the step-size schedules, "claim" ×0.1 for the last ~15 % (one milestone, like the
-#: paper's first), "constant" (selection runs), "authors" (:data:`AUTHORS_MILESTONES`)
-SCHEDULES = ("claim", "constant", "authors")
+#: paper's first), "constant" (selection runs), "authors" (:data:`AUTHORS_MILESTONES`),
+#: "half" (×0.1 after half the epochs: the authors' shape at a shorter horizon, the
+#: ViT study's)
+SCHEDULES = ("claim", "constant", "authors", "half")
 #: The authors' milestones, from configs/cifar10_KWNG.yml of MichaelArbel/KWNG. The step
 #: is multiplied by 0.1 after each of these epochs that comes before the last one
 #: (schedule ``authors``).
@@ -234,7 +239,7 @@ def milestones_for(epochs: int, schedule: str) -> list[int]:
     """Epochs after which the step size is multiplied by 0.1: ``claim`` — one
     milestone so that the last ``max(1, round(0.15 E))`` epochs run at 0.1× (for
     ``E ≥ 2``); ``authors`` — :data:`AUTHORS_MILESTONES` before the last epoch;
-    ``constant`` — none."""
+    ``half`` — one milestone after ``E // 2`` epochs; ``constant`` — none."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
     if schedule not in SCHEDULES:
@@ -243,6 +248,8 @@ def milestones_for(epochs: int, schedule: str) -> list[int]:
         return []
     if schedule == "authors":
         return [m for m in AUTHORS_MILESTONES if m < epochs]
+    if schedule == "half":
+        return [epochs // 2]
     return [epochs - max(1, round(0.15 * epochs))]
 
 
@@ -286,9 +293,17 @@ def _adam(model: nn.Module, lr: float, spec: dict) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=lr, capturable=cuda)
 
 
+def _adamw(model: nn.Module, lr: float, spec: dict) -> torch.optim.Optimizer:
+    # decoupled weight decay (each step multiplies the weights by 1 - lr * wd), on
+    # every parameter, as Adam above capturable on CUDA
+    cuda = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(model.parameters(), lr=lr,
+                             weight_decay=spec["weight_decay"], capturable=cuda)
+
+
 #: the optimizers a method's ``"optimizer"`` names: name -> ``(model, lr, spec) ->
 #: torch.optim.Optimizer`` (Muon, SOAP and Shampoo: :mod:`studies.cifar.modern`)
-OPTIMIZERS = {"sgd": _sgd, "adam": _adam, "muon": muon_adamw, "soap": soap,
-              "shampoo": shampoo}
+OPTIMIZERS = {"sgd": _sgd, "adam": _adam, "adamw": _adamw, "muon": muon_adamw,
+              "soap": soap, "shampoo": shampoo}
 #: the preconditioners a method's ``"precond"`` names (absent: the optimizer alone)
 PRECONDITIONERS = ("kfac", "ekfac", "kwng")

@@ -8,6 +8,12 @@ parameters), inside :class:`studies.cifar.nets.ConditionedNetwork` with the same
 It lives in the kit, beside the ResNet-18, so that the kit's trainer and timing and the
 step-cost benchmark (``python -m studies.bench.step_cost --model vit``) build it by
 name; the fast KWNG step batches every one of its parameters
-(:mod:`kwng.engine.replicate`). The study's protocol, plan and records come here, in
-this package, before its first run.
+(:mod:`kwng.engine.replicate`).
+
+* :mod:`studies.vit.cost` — the ViT's committed step cost on one GPU;
+* :mod:`studies.vit.protocol` — the protocol (``results/vit/protocol.json``, the Fig. 3
+  protocol on the ViT at 50 epochs), its plan ``vit`` and check ``cifar check --suite
+  vit``.
 """
+
+from studies.vit import protocol  # noqa: F401  (it registers)
