@@ -97,8 +97,8 @@ def protocol_spec(fig3_p: dict | None = None,
     return {
         "name": "vit",
         "what": "Beyond the paper: the Fig. 3 comparison on a Vision Transformer "
-                "(studies.cifar.vit: patch 4, width 192, depth 6, 3 heads, MLP ratio 4, "
-                "pre-norm; 2.69 M parameters) with the same data, augmentation, "
+                "(studies.cifar.vit: patch 4, width 192, depth 6, 3 heads, MLP "
+                "ratio 4, pre-norm; 2.69 M parameters) with the same data, augmentation, "
                 "ill-conditioned output (DiagonalConditioning, condition 1e7), grid, "
                 "validation split, selection, extension, early-stop and verdict rules "
                 "and seeds as the ResNet-18's Fig. 3 protocol, at 50 epochs.",
@@ -110,7 +110,8 @@ def protocol_spec(fig3_p: dict | None = None,
         "window_rule": "The first steps tried for a method: the step the ResNet-18's "
                        "Fig. 3 selection chose for it in the same conditioning (AdamW: "
                        "Adam's; KWNG every 20 steps: KWNG's) with its two grid "
-                       "neighbours (the two nearest inner values at an end of the grid).",
+                       "neighbours (the two nearest inner values at an end of the "
+                       "grid).",
         "horizon": "50 epochs, the step x0.1 after epoch 25 (the authors' schedule "
                    "shape at half its length): on one H200 a captured exact KWNG step "
                    "of the ViT takes 10.9 ms and a captured SGD step 3.2 ms "
