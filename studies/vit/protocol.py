@@ -99,7 +99,8 @@ def protocol_spec(fig3_p: dict | None = None,
         "what": "Beyond the paper: the Fig. 3 comparison on a Vision Transformer "
                 "(studies.cifar.vit: patch 4, width 192, depth 6, 3 heads, MLP "
                 "ratio 4, pre-norm; 2.69 M parameters) with the same data, "
-                "augmentation, ill-conditioned output (DiagonalConditioning, condition 1e7), grid, "
+                "augmentation, ill-conditioned output (DiagonalConditioning, "
+                "condition 1e7), grid, "
                 "validation split, selection, extension, early-stop and verdict rules "
                 "and seeds as the ResNet-18's Fig. 3 protocol, at 50 epochs.",
         "dataset": f["dataset"], "conditionings": list(f["conditionings"]),
