@@ -1,9 +1,11 @@
 """Does a training loop built on :func:`kwng.capture_step` train as the eager loop does?
 
 python -m studies.bench.capture_check [--steps 40] [--config
-bf16_channels_last] [--methods sgd,kwng,kfac,ekfac,ekfac_s10] [--json PATH]
+bf16_channels_last] [--methods sgd,kwng,kfac,ekfac,ekfac_s10] [--model vit]
+[--json PATH]
 
-On a GPU, the paper's ResNet-18 (batch 128) is trained on four fixed random batches in
+On a GPU, the paper's ResNet-18 (batch 128; ``--model vit``: the Vision Transformer of
+:mod:`studies.cifar.vit`) is trained on four fixed random batches in
 turn, each copied into the captured step's static inputs before the replay, as a real
 loop would: (1) SGD eagerly and graph-captured from the same initialisation (with
 ``--deterministic`` cuDNN algorithms the parameters must agree bit for bit; without, two
@@ -36,7 +38,7 @@ from torch import nn
 
 from kwng import KWNGPreconditioner, capture_step
 from studies.bench.step_cost import CONFIGS
-from studies.cifar.nets import resnet18
+from studies.cifar.nets import NETWORKS
 from studies.kit.provenance import atomic_write_json, make_provenance
 
 __all__ = ["KFAC_STEPS", "CAPTURE_METHODS", "main", "make_loop", "train",
@@ -132,6 +134,7 @@ def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--config", default="bf16_channels_last", choices=list(CONFIGS))
+    p.add_argument("--model", default="resnet18", choices=("resnet18", "vit"))
     p.add_argument("--methods", default="sgd,kwng",
                    help=f"comma-separated, of {','.join(CAPTURE_METHODS)}")
     p.add_argument(
@@ -167,7 +170,7 @@ def main() -> None:
     torch.backends.cudnn.benchmark = not a.deterministic  # the capture searches none
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    base = resnet18(10).to(dev).to(memory_format=fmt).train()
+    base = NETWORKS[a.model](10).to(dev).to(memory_format=fmt).train()
     g = torch.Generator(device=dev).manual_seed(1)
     batches = [
         (
@@ -212,6 +215,7 @@ def main() -> None:
         )
     if a.json is not None:
         write_record(a.json, rows, diffs, {"config": a.config, "steps": a.steps,
+                                           "model": a.model,
                                            "methods": methods,
                                            "deterministic": a.deterministic,
                                            "tf32": not a.no_tf32})
