@@ -25,7 +25,8 @@
 # runs that share a GPU), LIMIT (seconds this call may take, 560),
 # DATA (.data/cifar10_jpeg.npz), TAG (the queue's name, for its log and pid),
 # TIMING_METHODS (the methods MODE=timing times: the protocol's eight and the amortized
-# study's four), TIMING_ARGS (more
+# study's four), TIMING_OUT (its record, results/cifar/fig3/timing/trainer_timing.json;
+# another name for another call: an existing record is never overwritten), TIMING_ARGS (more
 # arguments of `cifar trainer-timing`, e.g. "--model tiny --train-subset 256" for a CPU
 # check of the script).
 # KWNG_PROTOCOL_COMMIT and KWNG_GIT_COMMIT must be set (the copied tree has no .git).
@@ -134,7 +135,7 @@ if [ "$MODE" = timing ]; then
   else
     setsid nohup env CUDA_VISIBLE_DEVICES="${TP_GPU:-0}" $PY -m studies cifar \
         trainer-timing --methods "$TIMING_METHODS" --precisions bf16 --epochs 2 \
-        --data-root "$DATA" --out results/cifar/fig3/timing/trainer_timing.json \
+        --data-root "$DATA" --out "${TIMING_OUT:-results/cifar/fig3/timing/trainer_timing.json}" \
         ${TIMING_ARGS:-} > "$LOGS/qtiming.log" 2>&1 < /dev/null &
     echo $! > "$LOGS/timing.pid"
     say "trainer timing started on GPU ${TP_GPU:-0}: $TIMING_METHODS"
