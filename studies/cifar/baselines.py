@@ -11,8 +11,16 @@ represents the Monte-Carlo Fisher of a classifier in both forms (``PMatKFAC``,
   nngeometry's ``FIM_MonteCarlo`` with ``variant="classif_logits"`` and one sampled
   label per input, evaluated on the current mini-batch, with the output transform ``U``
   (``output_fn``) included;
-* only ``Conv2d`` and ``Linear`` layers are preconditioned; BatchNorm parameters keep
-  the plain gradient;
+* only ``Conv2d`` and ``Linear`` layers are preconditioned; every other parameter
+  (BatchNorm's; on the ViT the layer norms, the class token and the position
+  embedding) keeps the plain gradient, clipped jointly with the directions: plain SGD
+  on them, as ``kfac`` / ``ekfac`` train without momentum;
+* a ``Linear`` layer applied to token sequences (the ViT's ``qkv``, ``proj`` and MLP
+  layers; its patch embedding is a ``Conv2d`` and its head reads the class token)
+  counts every token as a row of its factors, KFAC-expand (Eschenhagen et al. 2023),
+  with ``G`` divided by the tokens per image to KFAC-expand's normalisation (nngeometry
+  divides by the images only): :mod:`studies.cifar.kfac_tokens`; EKFAC's scalings use
+  the per-image gradients, summed over the tokens;
 * the Kronecker factors (KFAC) or the Kronecker-factored eigenbasis (EKFAC) are
   recomputed every ``update_freq`` (100) updates by nngeometry's pass; EKFAC's diagonal
   scalings are re-estimated every ``diag_freq`` steps (1: every step; between
@@ -68,6 +76,7 @@ from studies.cifar.ekfac_factors import (
     fisher_output_grads,
 )
 from studies.cifar.kfac_factors import FactorSchedule, InverseFactors
+from studies.cifar.kfac_tokens import expand_scale, token_rows
 
 __all__ = ["KFACPreconditioner", "clip_grad_norm", "bn_state", "restore_bn_state"]
 
@@ -210,16 +219,18 @@ class KFACPreconditioner:
     def _refresh(self, inputs: torch.Tensor) -> None:
         _, FIM_MonteCarlo, PMatKFAC, PMatEKFAC, _ = _nngeometry()
         rep = PMatKFAC if self.kind == "kfac" else PMatEKFAC
-        self.fim = FIM_MonteCarlo(
-            model=self.model,
-            loader=self._examples(inputs),
-            representation=rep,
-            variant="classif_logits",
-            device=self.device,
-            function=lambda *d: self._function(d[0]),
-            layer_collection=self.layer_collection,
-        )
+        with token_rows(self.modules) as rows:  # Linear layers on token sequences
+            self.fim = FIM_MonteCarlo(
+                model=self.model,
+                loader=self._examples(inputs),
+                representation=rep,
+                variant="classif_logits",
+                device=self.device,
+                function=lambda *d: self._function(d[0]),
+                layer_collection=self.layer_collection,
+            )
         if self.kind == "kfac":
+            expand_scale(self.fim.data, rows)  # KFAC-expand's G (kfac_tokens)
             self.factors.store(self.fim.inverse(regul=self.damping).data)
         else:  # the eigenbasis, and its initial scalings (the factors' eigenvalues)
             self.eigen.store(self.fim.data)

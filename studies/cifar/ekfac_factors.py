@@ -23,7 +23,10 @@ scalings of every step and the direction are computed here:
   :meth:`EigenFactors.update` writes the new scalings into them: nngeometry's
   ``get_kfe_diag``, i.e. ``s = (1/n) Σᵢ (U_Gᵀ gᵢ xᵢᵀ U_A)²`` over the ``n`` examples,
   with ``xᵢ`` the layer input (a convolution's unfolded patches, summed over the
-  locations with the output gradients ``gᵢ``). :meth:`EigenFactors.apply` replaces each
+  locations with the output gradients ``gᵢ``; a ``Linear`` layer's input on token
+  sequences, summed over the tokens in the same way: the gradient of example ``i``,
+  where nngeometry's ``get_kfe_diag`` would square each token's share on its own).
+  :meth:`EigenFactors.apply` replaces each
   gradient ``∇W`` by ``U_G ((U_Gᵀ ∇W U_A) / (s + damping)) U_Aᵀ``: nngeometry's
   ``solvePVec(regul=damping)``, the same products in the same order. A non-finite
   direction leaves every gradient plain (a device-side choice, no host sync).
@@ -148,21 +151,30 @@ def fisher_output_grads(logits: torch.Tensor,
 
 def _square_grads(mod: nn.Module, x: torch.Tensor, gy: torch.Tensor,
                   evecs_a: torch.Tensor, evecs_g: torch.Tensor) -> torch.Tensor:
-    """``Σᵢ (U_Gᵀ gᵢ xᵢᵀ U_A)²`` of one layer, an ``(out, in·k·k [+ 1])`` matrix."""
+    """``Σᵢ (U_Gᵀ gᵢ xᵢᵀ U_A)²`` of one layer, an ``(out, in·k·k [+ 1])`` matrix. A
+    ``Linear`` layer on token sequences (``(batch, tokens..., features)``) is treated
+    as a convolution's locations: ``gᵢ xᵢᵀ`` sums over the tokens of example ``i``."""
     bias = mod.bias is not None
     x, gy = x.to(evecs_a.dtype), gy.to(evecs_a.dtype)
     if isinstance(mod, nn.Linear):
-        if x.dim() != 2:
-            raise ValueError(f"a Linear layer's input must be (batch, features) for "
-                             f"EKFAC, got shape {tuple(x.shape)}")
-        if bias:
-            x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-        return torch.mm(torch.mm(gy, evecs_g).t() ** 2, torch.mm(x, evecs_a) ** 2)
-    cols = F.unfold(x, kernel_size=mod.kernel_size, dilation=mod.dilation,
-                    padding=mod.padding, stride=mod.stride).transpose(1, 2)
+        if x.dim() < 2 or x.shape[:-1] != gy.shape[:-1]:
+            raise ValueError(f"a Linear layer's input must be (batch, [tokens...,] "
+                             f"features) for EKFAC, matching its output gradient "
+                             f"{tuple(gy.shape)}, got shape {tuple(x.shape)}")
+        if x.dim() == 2:
+            if bias:
+                x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+            return torch.mm(torch.mm(gy, evecs_g).t() ** 2,
+                            torch.mm(x, evecs_a) ** 2)
+        cols = x.reshape(x.shape[0], -1, x.shape[-1])  # (batch, tokens, in)
+        gy = gy.reshape(gy.shape[0], -1, gy.shape[-1])  # (batch, tokens, out)
+    else:
+        cols = F.unfold(x, kernel_size=mod.kernel_size, dilation=mod.dilation,
+                        padding=mod.padding, stride=mod.stride).transpose(1, 2)
+        gy = gy.flatten(2).transpose(1, 2)  # (batch, locations, out)
     if bias:  # (batch, locations, in·k·k + 1)
         cols = torch.cat([cols, torch.ones_like(cols[:, :, :1])], dim=2)
-    g_kfe = torch.matmul(gy.flatten(2).transpose(1, 2), evecs_g).transpose(1, 2)
+    g_kfe = torch.matmul(gy, evecs_g).transpose(1, 2)
     if cols.shape[1] <= g_kfe.shape[1]:  # locations <= channels: patches first
         per_example = torch.bmm(g_kfe, torch.matmul(cols, evecs_a))
     else:
