@@ -58,7 +58,7 @@ def test_the_fig3_code_reads_the_written_protocol_and_plans_its_grid(tmp_path,
     p = vp.load_vit_protocol(out)
     monkeypatch.setenv("KWNG_PROTOCOL_COMMIT", "c0ffee")
     jobs = vp.vit_plan({"data_root": "DATA"}, root=tmp_path / "vit", path=out)
-    assert len(jobs) == sum(len(w) for w in p["windows"].values()) == 30
+    assert len(jobs) == sum(len(w) for w in p["windows"].values()) == 36
     for j in jobs:
         assert (j["model"], j["epochs"], j["schedule"]) == ("vit", 50, "half")
         assert j["protocol"] == "c0ffee" and j["early_stop"] == "fig3"
