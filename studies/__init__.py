@@ -40,6 +40,7 @@ EXPERIMENTS: dict[str, str] = {
     "flow": "studies.synthetic.sweep",
     "cifar": "studies.cifar.cli",
     "fisher": "studies.fisher.cli",
+    "vit-protocol": "studies.vit.protocol",
 }
 
 #: name -> what the experiment is for (the help of ``python -m studies``)
@@ -50,4 +51,5 @@ PURPOSES: dict[str, str] = {
     "cifar": "CIFAR-10/100 classification: one run, sweeps, selection, timing "
              "(§4.2, Fig. 3; `cifar --help` lists its commands)",
     "fisher": "Fisher-Rao beside Wasserstein with the same kernel estimator",
+    "vit-protocol": "write the ViT study's protocol once (results/vit/protocol.json)",
 }

@@ -43,6 +43,13 @@ FLOORS = {"engine": 1, "theory": 2}  # core: 0; every studies module is above th
 STUDY_FLOOR = 10
 KITS = ("studies.cifar", "studies.toy")
 LEDGER = "studies.claims"
+#: a study built on another study's protocol code (study -> the study it reads), with
+#: the reason; every other arrow between two studies is refused
+STUDIES_BUILT_ON: dict[tuple[str, str], str] = {
+    ("vit", "fig3"): "the Fig. 3 protocol run on another network: the Fig. 3 code "
+    "selects, extends, stops early, queues, checks and judges the ViT protocol's runs "
+    "unchanged (studies.vit.protocol)",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -339,6 +346,9 @@ def never(a: str, b: str) -> str | None:
         return "a kit imports no study"
     if ra in KITS and rb in KITS:
         return "a kit imports no other kit"
+    if ra.startswith("study:") and rb.startswith("study:") \
+            and (ra[6:], rb[6:]) in STUDIES_BUILT_ON:
+        return None
     if ra.startswith("study:") and rb != "kit" and rb not in KITS:
         return "a study imports no other study (only the ledger reads several)"
     return None
@@ -358,6 +368,8 @@ def test_the_never_rule_sees_each_kind_of_arrow():
     assert never("studies.cifar.train", "studies.fig3.protocol")
     assert never("studies.cifar.train", "studies.toy.setup")
     assert never("studies.fig3.protocol", "studies.authors100.plan")
+    assert never("studies.vit.protocol", "studies.fig3.plan") is None  # declared
+    assert never("studies.fig3.plan", "studies.vit.protocol")  # not the other way
     assert never("studies.synthetic.tables", "studies.claims.ledger")
     assert never("studies.fig3.amortized.plan", "studies.fig3.plan") is None
     assert never("studies.claims.ledger", "studies.fig3.verdicts") is None

@@ -55,6 +55,33 @@ def fig3_sentence(root: str | os.PathLike = RESULTS, q: dict | None = None) -> s
             f"{fixed(kw)}{' (a gain)' if kw < 0 else ''}.")
 
 
+def _edge_negatives(p: dict, root: Path, fig3: Path) -> list[str]:
+    """The grid-edge part of :func:`fig3_negatives`."""
+    out: list[str] = []
+    top = max(LR_GRID)
+    edge = [m for k, st in grid_state(p, fig3).items() if k.startswith("ill/")
+            and st["selected"] == top for m in [k.split("/")[1]]]
+    # the audit's runs above the grid (studies.fig3.audit) settle a method whose edge
+    # steps all did worse than its selection; one that did better stays a negative
+    tried: dict[str, bool] = {}
+    for r in (r for r in audit.edge_runs(p, root / "cifar" / "fig3_audit", fig3)
+              if r["cond"] == "ill"):
+        tried[r["method"]] = tried.get(r["method"]) or r["best_val"] > (
+            r["selected_val"] or 0.0)
+    beyond = [m for m in edge if tried.get(m)]
+    edge = [m for m in edge if m not in tried]
+    if beyond:
+        out.append(f"{name_list([METHODS[m].label for m in beyond])} did better above "
+                   f"the paper's grid (step {top:g}) in the ill-conditioned case than "
+                   "at their selected step")
+    if edge:
+        out.append(f"{name_list([METHODS[m].label for m in edge])} "
+                   f"{'were' if len(edge) > 1 else 'was'} selected at step {top:g} in "
+                   "the ill-conditioned case, the top of the paper's grid, so "
+                   f"{'their' if len(edge) > 1 else 'its'} best step may lie beyond it")
+    return out
+
+
 def fig3_negatives(root: str | os.PathLike = RESULTS, q: dict | None = None) -> str:
     """The Fig. 3 results that go against KWNG, in one sentence (``q``: the verdict of
     :func:`cifar_fig3_verdict`): the baselines that reach 85 % test accuracy in the
@@ -92,27 +119,7 @@ def fig3_negatives(root: str | os.PathLike = RESULTS, q: dict | None = None) -> 
     if rank == 0:
         out.append(f"in the well-conditioned case KWNG ends lowest of the {len(well)} "
                    f"methods ({pct(well[0][0])} %)")
-    top = max(LR_GRID)
-    edge = [m for k, st in grid_state(p, fig3).items() if k.startswith("ill/")
-            and st["selected"] == top for m in [k.split("/")[1]]]
-    # the audit's runs above the grid (studies.fig3.audit) settle a method whose edge
-    # steps all did worse than its selection; one that did better stays a negative
-    tried: dict[str, bool] = {}
-    for r in audit.edge_runs(p, Path(root) / "cifar" / "fig3_audit", fig3):
-        if r["cond"] == "ill":
-            tried[r["method"]] = tried.get(r["method"], False) or (
-                r["best_val"] > (r["selected_val"] or 0.0))
-    beyond = [m for m in edge if tried.get(m)]
-    edge = [m for m in edge if m not in tried]
-    if beyond:
-        out.append(f"{name_list([METHODS[m].label for m in beyond])} did better above "
-                   f"the paper's grid (step {top:g}) in the ill-conditioned case than "
-                   "at their selected step")
-    if edge:
-        out.append(f"{name_list([METHODS[m].label for m in edge])} "
-                   f"{'were' if len(edge) > 1 else 'was'} selected at step {top:g} in "
-                   "the ill-conditioned case, the top of the paper's grid, so "
-                   f"{'their' if len(edge) > 1 else 'its'} best step may lie beyond it")
+    out += _edge_negatives(p, Path(root), fig3)
     if not out:
         return "No Fig. 3 result goes against KWNG."
     return "Against KWNG: " + "; ".join(out) + "."

@@ -12,7 +12,7 @@ the network (``model="vit"``), the horizon (50 epochs, step ×0.1 after epoch 25
 method, which is centred on the step the ResNet-18's Fig. 3 selection chose for that
 method, or for the method named in :data:`WINDOW_OF`, in the same conditioning
 (:func:`vit_windows`). :func:`protocol_spec` builds the file from the committed Fig. 3
-records; ``python -m studies.vit.protocol --out results/vit/protocol.json`` writes it
+records; ``python -m studies vit-protocol --out results/vit/protocol.json`` writes it
 once (an existing file is never overwritten), and it is committed before the study's
 first run.
 
@@ -171,8 +171,12 @@ def vit_check(root: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m studies.vit.protocol --out FILE``: write the protocol once."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """``python -m studies vit-protocol --out FILE``: write the protocol once."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["vit-protocol"]:
+        argv = argv[1:]
+    ap = argparse.ArgumentParser(prog="python -m studies vit-protocol",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(PROTOCOL_FILE))
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -186,6 +190,3 @@ def main(argv: list[str] | None = None) -> int:
 
 register_plan("vit", lambda common, **_: vit_plan(common))
 register_check("vit", lambda a: vit_check(a.root))
-
-if __name__ == "__main__":
-    sys.exit(main())
