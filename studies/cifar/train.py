@@ -224,6 +224,9 @@ class Run:
                 # a preconditioner whose factor cannot be inverted (KFAC at a step
                 # so large that the activations collapsed): the run has diverged,
                 # recorded as such by end_epoch instead of failing without a record
+                # (one process only: a rank leaving the loop alone would hang the rest)
+                if W > 1:
+                    raise
                 self.failure = {"epoch": epoch + 1, "step": self.steps + 1,
                                 "error": f"{type(exc).__name__}: {exc}"}
                 log.warning("%s: step %d of epoch %d failed (%s): recorded as "
