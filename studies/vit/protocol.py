@@ -56,10 +56,10 @@ VIT = paths.RESULTS / "vit"
 PROTOCOL_FILE = VIT / "protocol.json"
 #: the study's horizon in epochs
 EPOCHS = 50
-#: the methods of the study, each in both conditionings, cheapest first: SGD +
-#: momentum, Adam, AdamW (the transformer default), KFAC (its factors on the ViT's
-#: linear layers by :mod:`studies.cifar.kfac_tokens`), the amortized KWNG step that
-#: the seed study recommends (``refresh_every=20``) and exact KWNG
+#: the study's methods, each in both conditionings and cheapest first (SGD +
+#: momentum, Adam, AdamW as the transformer default, KFAC with its factors on the
+#: ViT's linear layers by :mod:`studies.cifar.kfac_tokens`, the amortized KWNG step
+#: that the seed study recommends with ``refresh_every=20``, and exact KWNG)
 METHODS_VIT = ("sgd_momentum", "adam", "adamw", "kfac", "kwng_k20", "kwng")
 #: a method without a Fig. 3 selection of its own takes its first window from this one
 WINDOW_OF = {"adamw": "adam", "kwng_k20": "kwng"}
