@@ -260,3 +260,26 @@ def test_summary_values_print_one_number_for_one_run_and_a_range_for_more():
     assert v["ill_kwng_k5_s85"] == ss.seconds_text(54.0)
     assert v["ill_kwng_k20_range"] == "88.6–88.9"
     assert v["ill_kwng_k20_s85"] == f"{ss.seconds_text(54.0)} / {ss.seconds_text(60.0)}"
+
+
+def test_a_setting_that_stalled_in_ic_loses_its_wc_runs(tmp_path):
+    """The issue's rule: WC seeds only for the settings still in the running. A
+    finished ill-conditioned run below the plan's stall bar takes its method's
+    well-conditioned runs out of the plan, and no other run."""
+    from studies.fig3 import protocol as fig3
+    from studies.fig3.amortized import plan as plans
+
+    p = fig3.load_protocol(ROOT / "results" / "cifar" / "fig3" / "protocol.json")
+    fig3_root = ROOT / "results" / "cifar" / "fig3"
+    spec = json.loads((ROOT / "results" / "cifar" / "amortized_seeds" / "plan.json")
+                      .read_text())
+    before = plans.amortized_seeds_plan({}, p, fig3_root, out=tmp_path, spec=spec)
+    rdir = tmp_path / "lr10" / "cifar10" / "ill" / "kwng_k5" / "seed4"
+    rdir.mkdir(parents=True)
+    rows = [{"epoch": e, "test_acc": 0.3} for e in range(1, 101)]
+    (rdir / "metrics.json").write_text(json.dumps({"complete": True, "epochs": rows}))
+    assert plans.out_of_running(spec, tmp_path, 100) == {"kwng_k5"}
+    after = plans.amortized_seeds_plan({}, p, fig3_root, out=tmp_path, spec=spec)
+    gone = {(j["conditioning"], j["method"], j["seed"]) for j in before} - {
+        (j["conditioning"], j["method"], j["seed"]) for j in after}
+    assert gone == {("ill", "kwng_k5", 4)} | {("well", "kwng_k5", s) for s in (0, 1, 2)}

@@ -27,7 +27,25 @@ from studies.fig3.protocol import (
 )
 from studies.kit.provenance import read_json
 
-__all__ = ["amortized_plan", "amortized_seeds_plan"]
+__all__ = ["amortized_plan", "amortized_seeds_plan", "out_of_running"]
+
+
+def out_of_running(spec: dict, out: str | os.PathLike, epochs: int) -> set[str]:
+    """The settings out of the running: a method with a finished ill-conditioned run
+    under ``out`` that stalled (final test accuracy below ``spec["stall_below"]``).
+    The study runs the well-conditioned seeds of the settings still in the running
+    only (issue: "then WC at step 1: 3 seeds of the settings still in the running"), so
+    the plan leaves out a stalled setting's well-conditioned runs."""
+    below = float(spec.get("stall_below", 0.0))
+    out_ = set()
+    for mp in Path(out).glob("lr*/*/ill/*/seed*/metrics.json"):
+        rec = read_json(mp)
+        if run_status(rec, epochs) != "finished":
+            continue
+        final = rec["epochs"][-1].get("test_acc")
+        if final is not None and float(final) < below:
+            out_.add(mp.parts[-3])
+    return out_
 
 
 def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FIG3,
@@ -46,19 +64,22 @@ def amortized_seeds_plan(common: dict, p: dict | None = None,
                          spec: dict | None = None) -> list[dict]:
     """The seed study's runs not finished yet (:mod:`studies.fig3.amortized.seed_study`;
     ``spec`` default ``out/plan.json``), in its order, each group at the Fig. 3 step of
-    its ``lr_of`` method (left out while not final); estimates read the amortized
-    studies' own records first."""
+    its ``lr_of`` method (left out while not final), without the well-conditioned
+    runs of a setting out of the running (:func:`out_of_running`); estimates read the
+    amortized studies' own records first."""
     p, out = load_protocol() if p is None else p, Path(out)
     spec = read_json(out / "plan.json") if spec is None else spec
     state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
     times, commit, jobs = run_seconds(root), protocol_commit(), []
     for m, t in {**wall_times(AMORTIZED), **wall_times(out)}.items():
         times[m] = min(times.get(m, math.inf), t * RUN_MARGIN + START_S)
+    dropped = out_of_running(spec, out, epochs)
     for g in seed_study_groups(spec):
         st, cond = state.get(f"{g['conditioning']}/{g['lr_of']}"), g["conditioning"]
         jobs += [fig3_job(p, "", cond, m, st["selected"], s, out, commit, times,
                       early_stop=None, **common)
                  for s in g["seeds"] for m in g["methods"] if st and st["final"]
+                 and not (cond == "well" and m in dropped)
                  and run_status(record_at(out, "", st["selected"], cond, m, s),
                                 epochs) in ("missing", "running")]
     return jobs
