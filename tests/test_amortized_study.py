@@ -217,6 +217,19 @@ def test_a_traced_run_takes_the_untraced_runs_steps_and_traces_every_step(tmp_pa
     assert (tmp_path / "traced" / "provenance.json").exists()
     with pytest.raises(FileExistsError, match="never overwritten"):
         stale_trace.trace_run(settings, tmp_path / "traced")
+    # the reader, the summary by the system's age and the figure
+    read = stale_trace.read_trace(tmp_path / "traced" / "trace.csv")
+    assert [r["refresh"] for r in read] == [1, 0, 0, 0, 0, 1, 0, 0]
+    ages = stale_trace.by_age(read)
+    assert [(a["age"], a["steps"]) for a in ages] == [(1, 2), (2, 2), (3, 1), (4, 1)]
+    assert all(-1 - 1e-9 <= a["cos_fresh"] <= 1 + 1e-9 for a in ages)
+    from studies.fig3.amortized.figures import fig_trace
+
+    fig = fig_trace(read, ages, title="tiny CNN, k = 5")
+    assert len(fig.axes) == 3
+    (tmp_path / "bad.csv").write_text("step,loss\n0,1.0\n")
+    with pytest.raises(ValueError, match="lacks the trace columns"):
+        stale_trace.read_trace(tmp_path / "bad.csv")
 
 
 def test_the_committed_seed_study_records_follow_its_plan_and_name_their_round():

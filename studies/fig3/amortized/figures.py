@@ -1,6 +1,7 @@
-"""The figure of the amortized step's seed study (chapter :ref:`cifar-amortized`): how
+"""The figures of the amortized step's seed study (chapter :ref:`cifar-amortized`): how
 the runs of one setting that stalled differ, epoch by epoch, from those that did not
-(:func:`fig_stalls`)."""
+(:func:`fig_stalls`), and a traced run step by step (:func:`fig_trace`, from
+:mod:`studies.fig3.amortized.stale_trace`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 
 from studies.kit.style import FIG_WIDTH_IN, book_figure
 
-__all__ = ["fig_stalls"]
+__all__ = ["fig_stalls", "fig_trace"]
 
 #: the per-epoch fields drawn, with their panel titles
 #:
@@ -48,6 +49,51 @@ def fig_stalls(runs: dict[int, dict], stall_below: float, title: str = ""):
         ax.set_xlabel("epoch")
     axes[0, 0].axhline(stall_below, color="k", lw=0.6, ls=":")
     axes[0, 0].legend(loc="lower right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+@book_figure
+def fig_trace(rows: list[dict[str, float]], ages: list[dict[str, float]],
+              title: str = ""):
+    """A traced amortized run (``rows`` of
+    :func:`~studies.fig3.amortized.stale_trace.read_trace`, ``ages`` its
+    :func:`~studies.fig3.amortized.stale_trace.by_age`) in three panels: the loss per
+    step with the refresh steps marked; the cosine of each reused direction with a
+    fresh system's, against the cosine of two fresh ones (basis noise alone); and, by
+    the system's age, the median of both cosines and the share of steps that fell
+    back to ``g``."""
+    import matplotlib.pyplot as plt
+
+    if not rows or not ages:
+        raise ValueError("rows and ages must each hold at least one entry")
+    fig, axes = plt.subplots(3, 1, figsize=(FIG_WIDTH_IN, 1.0 * FIG_WIDTH_IN))
+    step = np.array([r["step"] for r in rows])
+    refresh = np.array([bool(r["refresh"]) for r in rows])
+    axes[0].plot(step, [r["loss"] for r in rows], color="#525252", lw=0.6)
+    axes[0].plot(step[refresh], [r["loss"] for r, f in zip(rows, refresh) if f], "|",
+                 color="#2171b5", ms=6, label="refresh")
+    axes[0].set_ylabel("training loss")
+    axes[0].legend(loc="upper right")
+    for field, look in (("cos_fresh", {"color": "#cb181d", "label":
+                                       "reused vs fresh"}),
+                        ("cos_fresh_pair", {"color": "#737373", "label":
+                                            "fresh vs fresh (basis noise)"})):
+        axes[1].plot(step, [r[field] for r in rows], ".", ms=1.5, **look)
+    axes[1].set_ylabel("cosine")
+    axes[1].set_xlabel("step")
+    axes[1].legend(loc="lower right", markerscale=6)
+    age = np.array([a["age"] for a in ages])
+    axes[2].plot(age, [a["cos_fresh"] for a in ages], color="#cb181d",
+                 label="reused vs fresh (median)")
+    axes[2].plot(age, [a["cos_fresh_pair"] for a in ages], color="#737373",
+                 label="fresh vs fresh (median)")
+    axes[2].plot(age, [a["fallback"] for a in ages], color="#2171b5", ls="--",
+                 label="share of steps falling back to g")
+    axes[2].set_xlabel("steps since the refresh (age of the system)")
+    axes[2].legend(loc="lower left")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -48,7 +48,7 @@ from studies.cifar.steps import autocast_for
 from studies.cifar.train import Run
 from studies.kit.provenance import atomic_write_text, write_provenance
 
-__all__ = ["FIELDS", "StaleTrace", "trace_run", "main"]
+__all__ = ["FIELDS", "StaleTrace", "trace_run", "read_trace", "by_age", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,45 @@ def trace_run(settings: dict[str, Any], out: str | Path) -> StaleTrace:
                      what="per-step trace of an amortized KWNG run "
                           "(studies.fig3.amortized.stale_trace)")
     return tr
+
+
+def read_trace(path: str | Path) -> list[dict[str, float]]:
+    """The rows of a committed ``trace.csv`` (:data:`FIELDS`, every value a float;
+    the fresh-direction cosines are NaN on refresh steps). Raises ``ValueError`` when
+    the file lacks a column of :data:`FIELDS`."""
+    with Path(path).open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = sorted(set(FIELDS) - set(reader.fieldnames or ()))
+        if missing:
+            raise ValueError(f"{path} lacks the trace columns {missing}")
+        return [{k: float(r[k]) for k in FIELDS} for r in reader]
+
+
+def by_age(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Per age of the system (steps since its refresh: 1, 2, ...), over the steps
+    between refreshes of ``rows``: ``age``, ``steps``, the median cosine of the reused
+    direction with a fresh one (``cos_fresh``) and of two fresh ones of different basis
+    draws (``cos_fresh_pair``, what basis noise alone leaves), and the share of steps
+    that fell back to ``g`` (``fallback``)."""
+    ages: dict[int, list[dict[str, float]]] = {}
+    age = 0
+    for r in rows:
+        age = 0 if r["refresh"] else age + 1
+        if age:
+            ages.setdefault(age, []).append(r)
+
+    def med(vals: list[float]) -> float:
+        vals = sorted(v for v in vals if math.isfinite(v))
+        if not vals:
+            return math.nan
+        n = len(vals)
+        return vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
+
+    return [{"age": a, "steps": len(rs),
+             "cos_fresh": med([r["cos_fresh"] for r in rs]),
+             "cos_fresh_pair": med([r["cos_fresh_pair"] for r in rs]),
+             "fallback": sum(r["fallback"] for r in rs) / len(rs)}
+            for a, rs in sorted(ages.items())]
 
 
 def main(argv: list[str] | None = None) -> int:
