@@ -109,3 +109,57 @@ def test_the_committed_protocol_precedes_every_record():
         rec = json.loads(prov.read_text())
         assert rec["config"]["protocol"] == commit, prov
         assert datetime.fromisoformat(rec["date"]) > date, prov
+
+
+def _fake_record(path: Path, p: dict, cond: str, method: str, lr: float,
+                 final_val: float) -> None:
+    """A record of the protocol's settings whose validation and test accuracy climb
+    to ``final_val`` over the horizon (what the selection and verdicts read)."""
+    E = int(p["settings"]["epochs"])
+    rows = [{"epoch": e, "steps": 352 * e, "train_loss": 1.0 / e,
+             "val_acc": final_val * e / E, "test_acc": final_val * e / E,
+             "time_train": 2.0 * e} for e in range(1, E + 1)]
+    path.mkdir(parents=True)
+    (path / "metrics.json").write_text(json.dumps({
+        "config": {**p["settings"], "dataset": p["dataset"], "conditioning": cond,
+                   "method": method}, "lr": lr, "complete": True, "diverged": False,
+        "epochs": rows}))
+
+
+def test_the_fig3_readers_select_and_judge_a_vit_record_tree(tmp_path, spec):
+    """The Fig. 3 code reads the ViT protocol unchanged: with a grid whose middle step
+    wins for every method, the selection is final there, the plan asks for the seeds,
+    and with those seeds in, every baseline has a verdict by the Fig. 3 rule (KWNG
+    made to keep its accuracy, the baselines to drop 20 points)."""
+    from studies.fig3 import plan as fig3_plan
+    from studies.fig3 import verdicts
+
+    out = tmp_path / "vit" / "protocol.json"
+    out.parent.mkdir(parents=True)
+    out.write_text(json.dumps(spec))
+    p = vp.load_vit_protocol(out)
+    root = out.parent
+
+    def acc(cond, m):
+        return 0.85 if cond == "well" or m.startswith("kwng") else 0.65
+
+    for key, win in p["windows"].items():
+        cond, m = key.split("/")
+        for lr in win:
+            best = lr == win[1]
+            _fake_record(root / "grid" / f"lr{lr:g}" / "cifar10" / cond / m / "seed0",
+                         p, cond, m, lr, acc(cond, m) if best else 0.5)
+    state = fig3.grid_state(p, root)
+    assert all(st["final"] and st["selected"] == p["windows"][k][1]
+               for k, st in state.items())
+    seeds = fig3_plan.fig3_plan({}, p, root, commit="c0ffee")
+    assert len(seeds) == len(vp.METHODS_VIT) * (3 - 1 + 2 - 1)
+    assert {j["out"].split("/")[-2] for j in seeds} == {"seeds"}
+    for j in seeds:
+        _fake_record(Path(j["out"]) / "cifar10" / j["conditioning"] / j["method"]
+                     / f"seed{j['seed']}", p, j["conditioning"], j["method"], j["lr"],
+                     acc(j["conditioning"], j["method"]))
+    got = verdicts.fig3_verdicts(p, root)
+    assert set(got) == set(vp.METHODS_VIT) - {"kwng"}
+    assert got["kwng_k20"]["verdict"] == "within spread"  # keeps its accuracy as KWNG
+    assert all(got[m]["verdict"] == "holds" for m in got if m != "kwng_k20")
