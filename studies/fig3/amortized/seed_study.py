@@ -24,7 +24,8 @@ __all__ = ["AMORTIZED_METHODS", "AMORTIZED", "AMORTIZED_SEEDS", "BAR",
            "SEED_SUMMARY_HEADER", "amortized_runs", "bar_phrase", "check_seed_study",
            "seed_bar", "seed_check", "seed_run_table", "seed_study_groups",
            "seed_study_runs", "seed_summary_rows", "seed_summary_table",
-           "failure_rows", "seconds_text", "summary_values", "failure_values"]
+           "failure_rows", "seconds_text", "summary_values", "failure_values",
+           "rounds_phrase"]
 
 #: the test accuracies a run reports the time to
 TARGETS = (0.80, 0.85)
@@ -283,6 +284,15 @@ def bar_phrase(bar: dict[str, dict]) -> str:
                else f"{v['missing']} more runs needed")
         parts.append(f"{METHODS[m].label}: {runs}, {why}")
     return "No setting meets the bar: " + "; ".join(parts) + "."
+
+
+def rounds_phrase(rounds: list[dict]) -> str:
+    """The GPU rounds of ``rounds.json`` in a phrase: each round's machine, device
+    seconds and whether its runs had a GPU each or shared one."""
+    return "; ".join(f"{r['machine']}, {r['device_s']} device seconds, "
+                     + ("one run per GPU" if r["runs_per_gpu"] == 1
+                        else f"up to {r['runs_per_gpu']} runs sharing a GPU")
+                     for r in rounds)
 
 
 def seconds_text(v: float | None) -> str:
