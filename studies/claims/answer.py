@@ -63,11 +63,9 @@ def _edge_negatives(p: dict, root: Path, fig3: Path) -> list[str]:
             and st["selected"] == top for m in [k.split("/")[1]]]
     # the audit's runs above the grid (studies.fig3.audit) settle a method whose edge
     # steps all did worse than its selection; one that did better stays a negative
-    tried: dict[str, bool] = {}
-    for r in (r for r in audit.edge_runs(p, root / "cifar" / "fig3_audit", fig3)
-              if r["cond"] == "ill"):
-        tried[r["method"]] = tried.get(r["method"]) or r["best_val"] > (
-            r["selected_val"] or 0.0)
+    tried = {m: beat for (cond, m), (_, beat) in audit.edge_groups(
+        audit.edge_runs(p, root / "cifar" / "fig3_audit", fig3)).items()
+        if cond == "ill"}
     beyond = [m for m in edge if tried.get(m)]
     edge = [m for m in edge if m not in tried]
     if beyond:

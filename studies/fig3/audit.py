@@ -30,10 +30,11 @@ from studies.fig3.protocol import (
 )
 from studies.fig3.verdicts import selected_runs
 from studies.kit.provenance import read_json
-from studies.kit.wording import fixed, name_list
+from studies.kit.wording import name_list, pct
 
 __all__ = ["FIG3_AUDIT", "audit_groups", "check_audit", "audit_check", "edge_runs",
-           "repro_runs", "edge_table", "edge_phrase", "edge_short", "repro_pending",
+           "repro_runs", "edge_groups", "edge_table", "edge_phrase", "edge_short",
+           "repro_pending",
            "repro_table", "repro_phrase"]
 
 #: the audit's plan and records, ``results/cifar/fig3_audit`` of the checkout
@@ -205,8 +206,26 @@ def repro_runs(p: dict | None = None, root: str | os.PathLike = FIG3_AUDIT,
     return out
 
 
-def _pct(x: float | None) -> str:
-    return "–" if x is None else fixed(100 * x)
+def _label(m: str) -> str:
+    return METHODS[m].label if m in METHODS else m
+
+
+def _ran(r: dict) -> bool:
+    """Whether an edge run trained to its end (neither stopped nor diverged)."""
+    return not r["live"] and not r["diverged"]
+
+
+def edge_groups(rows: list[dict]) -> dict[tuple[str, str], tuple[list[dict], bool]]:
+    """The edge runs of :func:`edge_runs` by ``(conditioning, method)``, sorted by
+    step, each with whether one of them beat the method's selected step on the
+    validation accuracy the selection reads."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["cond"], r["method"]), []).append(r)
+    return {k: (sorted(rs, key=lambda r: r["lr"]),
+                any(r["selected_val"] is not None and r["best_val"] > r["selected_val"]
+                    for r in rs))
+            for k, rs in sorted(by.items())}
 
 
 def _ended(r: dict) -> str:
@@ -223,12 +242,12 @@ def edge_table(rows: list[dict]) -> tuple[tuple[str, ...], list[tuple]]:
     selected step, with how it ended and the post-hoc verdict of the early-stop rule."""
     header = ("cond.", "method", "step", "ended", "best val. (%)", "final test (%)",
               "post hoc", "selected step: best val. (%)")
-    table = [(r["cond"], METHODS[r["method"]].label if r["method"] in METHODS
-              else r["method"], f"{r['lr']:g}", _ended(r), _pct(r["best_val"]),
-              _pct(r["final"]),
+    table = [(r["cond"], _label(r["method"]), f"{r['lr']:g}", _ended(r),
+              pct(r["best_val"]),
+              pct(r["final"]),
               f"{r['posthoc']['reason']} @ {r['posthoc']['epoch']}" if r["posthoc"]
               else "–",
-              f"{r['selected']:g}: {_pct(r['selected_val'])}" if r["selected"] else "–")
+              f"{r['selected']:g}: {pct(r['selected_val'])}" if r["selected"] else "–")
              for r in rows]
     return header, table
 
@@ -240,19 +259,14 @@ def edge_phrase(rows: list[dict]) -> str:
     if not rows:
         return "no grid-edge run has a record yet"
     parts, better = [], []
-    by = {}
-    for r in rows:
-        by.setdefault((r["cond"], r["method"]), []).append(r)
-    for (cond, m), rs in sorted(by.items()):
-        sel, sel_val = rs[0]["selected"], rs[0]["selected_val"]
-        each = " and ".join(f"{_pct(r['best_val'])} % at step {r['lr']:g}"
-                            + ("" if r["epochs"] >= 100 else f" ({_ended(r)})")
-                            for r in sorted(rs, key=lambda r: r["lr"]))
-        name = METHODS[m].label if m in METHODS else m
-        parts.append(f"{name} ({cond}) reaches a best validation accuracy of {each}, "
-                     f"against {_pct(sel_val)} % at its selected step {sel:g}")
-        if sel_val is not None and any(r["best_val"] > sel_val for r in rs):
-            better.append(name)
+    for (cond, m), (rs, beat) in edge_groups(rows).items():
+        each = " and ".join(f"{pct(r['best_val'])} % at step {r['lr']:g}"
+                            + ("" if _ran(r) else f" ({_ended(r)})") for r in rs)
+        parts.append(f"{_label(m)} ({cond}) reaches a best validation accuracy of "
+                     f"{each}, against {pct(rs[0]['selected_val'])} % at its selected "
+                     f"step {rs[0]['selected']:g}")
+        if beat:
+            better.append(_label(m))
     top = max(r["lr"] for r in rows)
     verdict = ("an edge step beats the selected step of " + name_list(better)
                + ": the selection there is a lower bound and the verdict must be read "
@@ -270,20 +284,16 @@ def edge_short(rows: list[dict]) -> str:
     the selections stand."""
     if not rows:
         return "not run yet"
-    by: dict[tuple, list[dict]] = {}
-    for r in rows:
-        by.setdefault((r["cond"], r["method"]), []).append(r)
-    parts, better = [], False
-    for (cond, m), rs in sorted(by.items()):
-        name = METHODS[m].label if m in METHODS else m
+    groups = edge_groups(rows)
+    parts = []
+    for (cond, m), (rs, _) in groups.items():
         each = ", ".join(
-            f"step {r['lr']:g} " + (_pct(r["best_val"]) + " %" if r["epochs"] >= 100
+            f"step {r['lr']:g} " + (pct(r["best_val"]) + " %" if _ran(r)
                                     else "at chance" if r["live"] else "diverged")
-            for r in sorted(rs, key=lambda r: r["lr"]))
-        parts.append(f"{name} ({cond}) {each} against step {rs[0]['selected']:g} "
-                     f"{_pct(rs[0]['selected_val'])} %")
-        better = better or any(rs[0]["selected_val"] is not None
-                               and r["best_val"] > rs[0]["selected_val"] for r in rs)
+            for r in rs)
+        parts.append(f"{_label(m)} ({cond}) {each} against step "
+                     f"{rs[0]['selected']:g} {pct(rs[0]['selected_val'])} %")
+    better = any(beat for _, beat in groups.values())
     return ("; ".join(parts) + " (best validation accuracy): "
             + ("an edge step does better, the selection is a lower bound" if better
                else "the selections stand"))
@@ -306,9 +316,9 @@ def repro_table(rows: list[dict]) -> tuple[tuple[str, ...], list[tuple]]:
     committed run of the same seed and the committed spread."""
     header = ("cond.", "method", "step", "seed", "rerun (%)", "committed (%)",
               "committed runs (%)", "inside")
-    table = [(r["cond"], METHODS[r["method"]].label if r["method"] in METHODS
-              else r["method"], f"{r['lr']:g}", str(r["seed"]), _pct(r["final"]),
-              _pct(r["committed"]), ", ".join(_pct(v) for v in r["spread"]) or "–",
+    table = [(r["cond"], _label(r["method"]), f"{r['lr']:g}", str(r["seed"]),
+              pct(r["final"]),
+              pct(r["committed"]), ", ".join(pct(v) for v in r["spread"]) or "–",
               {True: "yes", False: "no", None: "–"}[r["within"]]) for r in rows]
     return header, table
 
@@ -318,12 +328,12 @@ def repro_phrase(rows: list[dict], pending: list[str]) -> str:
     the reruns of the plan still to run."""
     said = []
     for r in rows:
-        name = METHODS[r["method"]].label if r["method"] in METHODS else r["method"]
+        name = _label(r["method"])
         where = {True: "inside", False: "outside", None: "beside"}[r["within"]]
         said.append(f"{name} (step {r['lr']:g}, seed {r['seed']}) ends at "
-                    f"{_pct(r['final'])} %, {where} the committed runs' "
-                    f"{_pct(r['spread'][0]) if r['spread'] else '–'}–"
-                    f"{_pct(r['spread'][-1]) if r['spread'] else '–'} %")
+                    f"{pct(r['final'])} %, {where} the committed runs' "
+                    f"{pct(r['spread'][0]) if r['spread'] else '–'}–"
+                    f"{pct(r['spread'][-1]) if r['spread'] else '–'} %")
     text = "; ".join(said) if said else "no rerun has a record yet"
     if pending:
         text += (f"; not yet run: {name_list(pending)}")

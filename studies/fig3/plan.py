@@ -133,19 +133,22 @@ def audit_plan(common: dict, p: dict | None = None, root: str | os.PathLike = FI
     return jobs
 
 
-def fig3_check(root: str | None) -> int:
-    """``cifar check --suite fig3``: every record of the Fig. 3 protocol against the
-    protocol (:func:`check_fig3`), then the selection so far and the queue left. Exit 1
-    if a record is bad or unfinished."""
-    p = load_protocol()
-    res = check_fig3(root or FIG3, p)
+def fig3_check(root: str | None, p: dict | None = None,
+               home: str | os.PathLike = FIG3) -> int:
+    """``cifar check --suite fig3``: every record of the Fig. 3 protocol (or of ``p``,
+    whose records live under ``home``: the ViT study's) against the protocol
+    (:func:`check_fig3`), then the selection so far and the queue left. Exit 1 if a
+    record is bad or unfinished."""
+    p = load_protocol() if p is None else p
+    root = root or home
+    res = check_fig3(root, p)
     for name, problem in res["bad"]:
         print("bad:", name, "-", problem)
     for name, note in res["differs"]:
         print("ran otherwise than its identity says:", name, "-", note)
     print(json.dumps({k: len(v) for k, v in res.items()}),
           "incomplete:", json.dumps(res["incomplete"]))
-    for key, st in grid_state(p, root or FIG3).items():
+    for key, st in grid_state(p, root).items():
         runs = " ".join(f"{lr:g}:{s}" for lr, s in sorted(st["runs"].items()))
         print(f"{key:22s} selected {st['selected']} final {st['final']} "
               f"next {st['next']}  [{runs}]")

@@ -25,16 +25,14 @@ the slowest method about 200 s, the length of a Fig. 3 run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 from studies.cifar.hooks import register_check, register_plan
-from studies.fig3.plan import fig3_plan
+from studies.fig3.plan import fig3_check, fig3_plan
 from studies.fig3.protocol import (
     FIG3,
-    check_fig3,
     grid_state,
     load_protocol,
     protocol_commit,
@@ -156,18 +154,10 @@ def vit_plan(common: dict, root: str | os.PathLike = VIT,
 
 
 def vit_check(root: str | None) -> int:
-    """``cifar check --suite vit``: every record against the ViT protocol; exit 1 if a
-    record is bad or unfinished."""
-    p = load_vit_protocol()
-    res = check_fig3(root or VIT, p)
-    for name, problem in res["bad"]:
-        print("bad:", name, "-", problem)
-    print(json.dumps({k: len(v) for k, v in res.items()}),
-          "incomplete:", json.dumps(res["incomplete"]))
-    for key, st in grid_state(p, root or VIT).items():
-        print(f"{key:16s} selected {st['selected']} final {st['final']} "
-              f"next {st['next']}")
-    return 1 if res["bad"] or res["incomplete"] else 0
+    """``cifar check --suite vit``: the Fig. 3 check
+    (:func:`studies.fig3.plan.fig3_check`) on the ViT protocol and its records; exit 1
+    if a record is bad or unfinished."""
+    return fig3_check(root, load_vit_protocol(), VIT)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ import csv
 import io
 import logging
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -205,11 +206,8 @@ def by_age(rows: list[dict[str, float]]) -> list[dict[str, float]]:
             ages.setdefault(age, []).append(r)
 
     def med(vals: list[float]) -> float:
-        vals = sorted(v for v in vals if math.isfinite(v))
-        if not vals:
-            return math.nan
-        n = len(vals)
-        return vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
+        vals = [v for v in vals if math.isfinite(v)]
+        return statistics.median(vals) if vals else math.nan
 
     return [{"age": a, "steps": len(rs),
              "cos_fresh": med([r["cos_fresh"] for r in rs]),
