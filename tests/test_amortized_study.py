@@ -296,3 +296,69 @@ def test_a_setting_that_stalled_in_ic_loses_its_wc_runs(tmp_path):
     gone = {(j["conditioning"], j["method"], j["seed"]) for j in before} - {
         (j["conditioning"], j["method"], j["seed"]) for j in after}
     assert gone == {("ill", "kwng_k5", 4)} | {("well", "kwng_k5", s) for s in (0, 1, 2)}
+
+
+def _row(step: int, refresh: int, loss: float, fallback: int, cos: float) -> dict:
+    return {"step": step, "refresh": refresh, "loss": loss, "eps": 1e-3 / (step + 1),
+            "ratio": 0.5, "fallback": fallback, "clipped": 1, "rank": 5, "cos_g": 0.1,
+            "cos_fresh": float("nan") if refresh else cos, "cos_g_fresh": 0.2,
+            "cos_fresh_pair": float("nan") if refresh else 0.5}
+
+
+def test_a_trace_reads_by_epoch_and_counts_loss_jumps_after_fallbacks():
+    from studies.fig3.amortized import stale_trace
+
+    rows = [_row(0, 1, 2.0, 0, 0.0), _row(1, 0, 2.0, 1, 0.1), _row(2, 0, 5.0, 0, 0.3),
+            _row(3, 1, 5.0, 0, 0.0), _row(4, 0, 6.0, 1, 0.2), _row(5, 0, 1.0, 0, 0.4)]
+    ep = stale_trace.by_epoch(rows, 2)
+    assert [(e["epoch"], e["steps"], e["fallbacks"]) for e in ep] == [(1, 3, 1),
+                                                                       (2, 3, 1)]
+    assert ep[0]["loss"] == 2.0 and ep[1]["loss"] == 5.0
+    assert ep[0]["cos_fresh"] == pytest.approx(0.2) and ep[1]["eps"] == rows[5]["eps"]
+    header, table = stale_trace.trace_table(ep)
+    assert header == stale_trace.TRACE_HEADER and table[0][:3] == ("1", "2.00", "1")
+    # 2.0 -> 5.0 after a fallback; 5.0 -> 5.0, 5.0 -> 6.0 and 2.0 -> 2.0 not jumps;
+    # 6.0 -> 1.0 after a fallback is a fall
+    assert stale_trace.loss_jumps(rows) == {"after_fallback": 1, "fallback_steps": 2,
+                                            "after_other": 0, "other_steps": 3}
+    with pytest.raises(ValueError, match="epochs must be >= 1 and divide the 6 rows"):
+        stale_trace.by_epoch(rows, 4)
+    with pytest.raises(ValueError, match="factor must be > 1"):
+        stale_trace.loss_jumps(rows, 1.0)
+
+
+def test_the_committed_trace_is_a_stalling_k100_run_read_by_the_chapter():
+    """results/cifar/amortized_seeds/trace: kwng_k100 seed 2 (a seed that stalled in the
+    study), 4 epochs; the chapter's reading holds: the loss stays near chance (ln 10)
+    in epochs 1-2 and rises after, the fallbacks grow, and the reused direction's
+    cosine with a fresh one lies far below two fresh ones' at every epoch."""
+    import math
+
+    from studies.fig3.amortized import stale_trace
+
+    tr = ROOT / "results" / "cifar" / "amortized_seeds" / "trace" / "kwng_k100_seed2"
+    prov = json.loads((tr / "provenance.json").read_text())
+    assert prov["config"]["method"] == "kwng_k100" and prov["config"]["seed"] == 2
+    n = prov["config"]["stop_after_epoch"]
+    ep = stale_trace.by_epoch(stale_trace.read_trace(tr / "trace.csv"), n)
+    assert abs(ep[0]["loss"] - math.log(10)) < 0.2
+    assert ep[-1]["loss"] > 2 * ep[0]["loss"]
+    assert ep[-1]["fallbacks"] > ep[0]["fallbacks"]
+    assert all(e["cos_fresh"] < e["cos_fresh_pair"] / 4 for e in ep)
+
+
+def test_guard_values_put_each_guarded_seed_beside_its_unguarded_run():
+    def rec(final: float, fallbacks: int) -> dict:
+        return {"epochs": [{"epoch": e, "test_acc": final, "fallbacks": fallbacks * e}
+                           for e in range(1, 7)]}
+
+    runs = {("ill", "kwng_k100", 0): rec(0.88, 0),
+            ("ill", "kwng_k100", 2): rec(0.2, 40),
+            ("ill", "kwng_k100_guard", 0): rec(0.88, 0),
+            ("ill", "kwng_k100_guard", 2): rec(0.1, 5)}
+    v = amortized.guard_values(runs, 0.8)
+    assert v["guard_seeds"] == ("Without the guard seed 2 stalled (of seeds 0 and 2); "
+                                "with it seed 2 (of seeds 0 and 2).")
+    assert v["guard_fall"] == "30 (seed 2)" and v["unguarded_fall"] == "240 (seed 2)"
+    healthy = {k: rec(0.88, 0) for k in runs}
+    assert amortized.guard_values(healthy)["guard_fall"] == "–"

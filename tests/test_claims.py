@@ -136,3 +136,26 @@ def test_the_sentence_sizes_each_baseline_drop_and_the_negatives_name_results():
     # KWNG and KFAC were selected at the top of the grid in IC; the audit's runs at
     # steps 30 and 100 did worse for both, which settles it (studies.fig3.audit)
     assert "top of the paper's grid" not in neg and "did better above" not in neg
+
+
+def test_ablation_sides_name_each_variant_by_the_ledgers_rule():
+    """Below, level and above by the ablation rule (the larger seed range), with each
+    run's final accuracy where a variant has several: a variant level only through its
+    spread shows its runs."""
+    from studies.claims.answer import ablation_sides
+
+    def row(m, finals):
+        return {"method": m, "runs": len(finals), "wanted": 3, "finals": finals,
+                "test": sum(finals) / len(finals) if finals else None,
+                "train": None, "range": max(finals) - min(finals) if finals else None}
+
+    rows = [row("kwng", [0.88, 0.882]), row("kwng_D_identity", [0.10]),
+            row("kwng_D_T", [0.64, 0.888, 0.69]), row("kwng_diag_T", [0.875]),
+            row("diag_Ttilde", [0.89, 0.894])]
+    text = ablation_sides(rows)
+    assert text.startswith("below KWNG: KWNG, D = 1 at 10.0 % (1 run)")
+    assert ("level with KWNG: KWNG, D = ‖T‖ at 73.9 % (3 runs: 64.0, 88.8, 69.0 %)"
+            in text)
+    assert "above KWNG: diagonal T̃ at 89.2 % (2 runs: 89.0, 89.4 %)" in text
+    assert text.endswith("KWNG at 88.1 % (2 runs, range 0.2)")
+    assert ablation_sides([row("kwng", [0.88])]) == "no variant has run yet"

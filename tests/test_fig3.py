@@ -479,13 +479,41 @@ def test_ablation_runs_are_finished_ablations_beside_kwng_at_its_selected_step()
     p = fig3.load_protocol()
     ab = p["ablations"]
     runs = verdicts.ablation_runs(p)
+    extra = verdicts.ablation_seeds(p, fig3.FIG3.parent / "amortized_seeds")
     lr = fig3.grid_state(p)[f"{ab['conditioning']}/{ab['lr_of']}"]["selected"]
     assert any(m == ab["lr_of"] for _, m, _ in runs)
     for (cond, m, s), rec in runs.items():
         assert cond == ab["conditioning"]
-        assert m == ab["lr_of"] or s < ab["runs"][m]
+        assert m == ab["lr_of"] or s < ab["runs"][m] or s in extra[m]
         assert float(rec["lr"]) == lr
         assert len(rec["epochs"]) == p["settings"]["epochs"]
+    alone = verdicts.ablation_runs(p, seeds_root=False)
+    assert all(m == ab["lr_of"] or s < ab["runs"][m] for _, m, s in alone)
+    assert set(alone) <= set(runs)
+
+
+def test_the_seed_studys_ablation_seeds_join_the_protocols_runs(tmp_path):
+    """A variant's seeds from the seed study's plan (groups and amendments at KWNG's
+    step in the ablation conditioning) count in ``wanted`` and, once finished, in the
+    rows; seeds the protocol already runs are not counted twice."""
+    import json
+
+    from studies.fig3 import verdicts
+
+    p = fig3.load_protocol()
+    ab = p["ablations"]
+    m = next(iter(ab["runs"]))
+    plan = {"groups": [{"conditioning": ab["conditioning"], "lr_of": ab["lr_of"],
+                        "methods": [m, "adam"], "seeds": [0, 5]}],
+            "amendments": [{"conditioning": "well", "lr_of": ab["lr_of"],
+                            "methods": [m], "seeds": [7]}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert verdicts.ablation_seeds(p, tmp_path) == {m: [0, 5]}
+    assert verdicts.ablation_seeds(p, tmp_path / "none") == {}
+    rows = {r["method"]: r for r in verdicts.ablation_rows(p, seeds_root=tmp_path)}
+    # seed 5 counts; seed 0 is the protocol's own
+    assert rows[m]["wanted"] == int(ab["runs"][m]) + 1
+    assert len(rows[m]["finals"]) == rows[m]["runs"]
 
 
 def test_an_eager_run_does_not_time_a_method_with_captured_runs(monkeypatch):

@@ -154,3 +154,19 @@ def test_the_committed_edge_runs_leave_the_selections_standing():
     assert set(pending) <= {"ill/kwng_D_T/seed0"}  # the one rerun not yet run
     phrase = fig3_audit.repro_phrase(rows, pending)
     assert ("not yet run: ill/kwng_D_T/seed0" in phrase) == bool(pending)
+    d_t = [r for r in rows if r["method"] == "kwng_D_T"]
+    if d_t:  # its committed seed 0 ended at 64.25 %; the rerun 24 points higher
+        assert d_t[0]["committed"] == 0.6425 and d_t[0]["final"] > 0.85
+        said = "above" if d_t[0]["within"] is False else "inside"
+        assert f"points {said}" in phrase or said == "inside"
+
+
+def test_a_rerun_outside_the_committed_runs_says_by_how_much():
+    row = {"cond": "ill", "method": "kwng", "lr": 10.0, "seed": 0, "final": 0.90,
+           "complete": True, "committed": 0.80, "spread": [0.80, 0.85],
+           "within": False}
+    phrase = fig3_audit.repro_phrase([row], [])
+    assert "5.00 points above the committed runs' 80.00–85.00 %" in phrase
+    assert "its own seed's committed run: 80.00 %" in phrase
+    low = {**row, "final": 0.70}
+    assert "10.00 points below" in fig3_audit.repro_phrase([low], [])

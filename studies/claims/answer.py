@@ -9,13 +9,13 @@ import os
 from pathlib import Path
 
 from studies.cifar.methods import LR_GRID, METHODS
-from studies.claims.ledger import RESULTS, cifar_fig3_verdict
+from studies.claims.ledger import RESULTS, ablation_verdict, cifar_fig3_verdict
 from studies.fig3 import audit, verdicts
 from studies.fig3.protocol import grid_state, load_protocol
 from studies.kit.wording import fixed, name_list, pct
 
-__all__ = ["DRASTIC", "DROP_HEADER", "drop_table", "fig3_drops", "fig3_negatives",
-           "fig3_sentence"]
+__all__ = ["DRASTIC", "DROP_HEADER", "ablation_sides", "drop_table", "fig3_drops",
+           "fig3_negatives", "fig3_sentence"]
 
 
 #: a baseline's drop from well- to ill-conditioned that the verdict sentence calls
@@ -150,3 +150,29 @@ def drop_table(q: dict) -> list[tuple]:
              f"{pct(v['drop_kwng'])} ± {pct(v['spread_kwng'])}", v["verdict"])
             if "drop" in v else (METHODS[m].label, "–", "–", v["verdict"])
             for m, v in q["per_baseline"].items()]
+
+
+def ablation_sides(rows: list[dict]) -> str:
+    """Where each ablation variant ends against KWNG by the ledger's rule
+    (:func:`studies.claims.ledger.ablation_verdict` of ``rows``, from
+    :func:`studies.fig3.verdicts.ablation_rows`): the variants below, level (inside
+    the larger seed range) and above, each with its mean and runs (each run's final
+    accuracy where it has several: a variant level only through its spread shows it),
+    then KWNG's."""
+    by, side = {r["method"]: r for r in rows}, ablation_verdict(rows)["side"]
+    if not side:
+        return "no variant has run yet"
+
+    def one(m: str) -> str:
+        r = by[m]
+        each = (": " + ", ".join(pct(v) for v in r["finals"]) + " %"
+                if r["runs"] > 1 else "")
+        return (f"{METHODS[m].label} at {pct(r['test'])} % ({r['runs']} "
+                f"run{'s' * (r['runs'] != 1)}{each})")
+
+    said = [f"{where} KWNG: " + name_list([one(m) for m, w in side.items() if w == key])
+            for key, where in (("below", "below"), ("level", "level with"),
+                               ("above", "above")) if key in side.values()]
+    kw = by["kwng"]
+    return "; ".join(said) + (f"; KWNG at {pct(kw['test'])} % ({kw['runs']} runs, "
+                              f"range {pct(kw['range'])})")

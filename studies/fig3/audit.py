@@ -330,10 +330,16 @@ def repro_phrase(rows: list[dict], pending: list[str]) -> str:
     for r in rows:
         name = _label(r["method"])
         where = {True: "inside", False: "outside", None: "beside"}[r["within"]]
+        if r["within"] is False:
+            d = r["final"] - (r["spread"][-1] if r["final"] > r["spread"][-1]
+                              else r["spread"][0])
+            where = f"{pct(abs(d), 2)} points {'above' if d > 0 else 'below'}"
         said.append(f"{name} (step {r['lr']:g}, seed {r['seed']}) ends at "
-                    f"{pct(r['final'])} %, {where} the committed runs' "
-                    f"{pct(r['spread'][0]) if r['spread'] else '–'}–"
-                    f"{pct(r['spread'][-1]) if r['spread'] else '–'} %")
+                    f"{pct(r['final'], 2)} %, {where} the committed runs' "
+                    f"{pct(r['spread'][0], 2) if r['spread'] else '–'}–"
+                    f"{pct(r['spread'][-1], 2) if r['spread'] else '–'} %"
+                    + (f" (its own seed's committed run: {pct(r['committed'], 2)} %)"
+                       if r["committed"] is not None else ""))
     text = "; ".join(said) if said else "no rerun has a record yet"
     if pending:
         text += (f"; not yet run: {name_list(pending)}")

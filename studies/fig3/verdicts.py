@@ -25,8 +25,8 @@ from studies.fig3.protocol import (
 from studies.kit.provenance import read_json
 
 __all__ = ["selection_rows", "selected_runs", "seed_summary", "fig3_verdicts",
-           "alone_runs", "ablation_runs", "ablation_rows", "posthoc_stops",
-           "captured_epoch_seconds"]
+           "alone_runs", "ablation_seeds", "ablation_runs", "ablation_rows",
+           "posthoc_stops", "captured_epoch_seconds"]
 
 
 def selection_rows(p: dict, root: str | os.PathLike = FIG3) -> list[dict]:
@@ -137,10 +137,42 @@ def alone_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
     return {k: r for k, r in out.items() if r.get("capture") or k[:2] not in captured}
 
 
-def ablation_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
+def ablation_seeds(p: dict, seeds_root: str | os.PathLike | None
+                   ) -> dict[str, list[int]]:
+    """``{variant: [seed, ...]}``: the seeds of the protocol's ablation variants that
+    the seed study's plan (``seeds_root/plan.json``, its groups and amendments) adds
+    at KWNG's step in the ablation conditioning; empty without that plan."""
+    plan = Path(seeds_root) / "plan.json" if seeds_root is not None else None
+    if plan is None or not plan.is_file():
+        return {}
+    ab, out = p["ablations"], {}
+    doc = read_json(plan)
+    for g in [*doc.get("groups", []), *doc.get("amendments", [])]:
+        if g["conditioning"] == ab["conditioning"] and g["lr_of"] == ab["lr_of"]:
+            for m in g["methods"]:
+                if m in ab["runs"]:
+                    out.setdefault(m, []).extend(int(s) for s in g["seeds"])
+    return {m: sorted(set(v)) for m, v in out.items()}
+
+
+def _seeds_root(root: Path, seeds_root: str | os.PathLike | None | bool) -> Path | None:
+    """The seed study beside ``root`` (``results/cifar/amortized_seeds``) by default;
+    ``False`` for none."""
+    if seeds_root is False:
+        return None
+    return root.parent / "amortized_seeds" if seeds_root is None else Path(seeds_root)
+
+
+def ablation_runs(p: dict, root: str | os.PathLike = FIG3,
+                  seeds_root: str | os.PathLike | None | bool = None
+                  ) -> dict[tuple, dict]:
     """``{(conditioning, method, seed): record}``: the finished ablation runs (at
     KWNG's selected step in the protocol's ablation conditioning) and, beside them, the
-    finished runs of KWNG itself at that step, every seed."""
+    finished runs of KWNG itself at that step, every seed. The protocol's ablation
+    runs (``root/ablation``, its seeds ``0 .. n-1``) are joined by the seeds that the
+    seed study adds to a variant (:func:`ablation_seeds`; ``seeds_root`` defaults to
+    ``results/cifar/amortized_seeds`` beside ``root``, ``False`` reads the protocol's
+    runs alone)."""
     root, ab = Path(root), p["ablations"]
     cond, epochs = ab["conditioning"], int(p["settings"]["epochs"])
     lr = grid_state(p, root).get(f"{cond}/{ab['lr_of']}", {}).get("selected")
@@ -148,29 +180,40 @@ def ablation_runs(p: dict, root: str | os.PathLike = FIG3) -> dict[tuple, dict]:
         return {}
     out = {k: r for k, r in selected_runs(p, root).items()
            if k[:2] == (cond, ab["lr_of"])}
+    extra_root = _seeds_root(root, seeds_root)
+    extra = ablation_seeds(p, extra_root)
     for m, n in ab["runs"].items():
-        for s in range(int(n)):
-            rec = record_at(root, "ablation", lr, cond, m, s)
+        places = [(root, "ablation", s) for s in range(int(n))]
+        places += [(extra_root, "", s) for s in extra.get(m, []) if s >= int(n)]
+        for base, part, s in places:
+            rec = record_at(base, part, lr, cond, m, s)  # part "": the study's own tree
             if run_status(rec, epochs) == "finished":
                 out[(cond, m, s)] = rec
     return out
 
 
-def ablation_rows(p: dict, root: str | os.PathLike = FIG3) -> list[dict]:
+def ablation_rows(p: dict, root: str | os.PathLike = FIG3,
+                  seeds_root: str | os.PathLike | None | bool = None) -> list[dict]:
     """One row per method of the ablation figure (KWNG first, then the protocol's
-    variants): ``method``, ``runs`` (finished) and ``wanted``, and the mean final
-    ``test`` and ``train`` accuracy and the ``range`` of the test accuracy over its
-    runs (``None`` while it has none)."""
-    ab, runs, rows = p["ablations"], ablation_runs(p, root), []
-    wanted = {ab["lr_of"]: int(p["seeds"][ab["conditioning"]]), **ab["runs"]}
+    variants): ``method``, ``runs`` (finished) and ``wanted`` (the protocol's runs and
+    the seed study's, :func:`ablation_runs`), the mean final ``test`` and ``train``
+    accuracy, the ``range`` of the test accuracy over its runs (``None`` while it has
+    none) and ``finals`` (each run's final test accuracy, by seed)."""
+    root, ab = Path(root), p["ablations"]
+    runs, rows = ablation_runs(p, root, seeds_root), []
+    extra = ablation_seeds(p, _seeds_root(root, seeds_root))
+    wanted = {ab["lr_of"]: int(p["seeds"][ab["conditioning"]]),
+              **{m: int(n) + len([s for s in extra.get(m, []) if s >= int(n)])
+                 for m, n in ab["runs"].items()}}
     for m, n in wanted.items():
         recs = [r["epochs"][-1] for k, r in sorted(runs.items()) if k[1] == m]
         test = [e["test_acc"] for e in recs]
-        rows.append({"method": m, "runs": len(recs), "wanted": int(n),
+        rows.append({"method": m, "runs": len(recs), "wanted": n,
                      "test": statistics.fmean(test) if recs else None,
                      "train": statistics.fmean(e["train_acc"] for e in recs)
                      if recs else None,
-                     "range": max(test) - min(test) if recs else None})
+                     "range": max(test) - min(test) if recs else None,
+                     "finals": test})
     return rows
 
 

@@ -75,8 +75,9 @@ def fig_trace(rows: list[dict[str, float]], ages: list[dict[str, float]],
     axes[0].plot(step, [r["loss"] for r in rows], color="#525252", lw=0.6)
     axes[0].plot(step[refresh], [r["loss"] for r, f in zip(rows, refresh) if f], "|",
                  color="#2171b5", ms=6, label="refresh")
+    axes[0].set_yscale("log")
     axes[0].set_ylabel("training loss")
-    axes[0].legend(loc="upper right")
+    axes[0].legend(loc="upper left")
     for field, look in (("cos_fresh", {"color": "#cb181d", "label":
                                        "reused vs fresh"}),
                         ("cos_fresh_pair", {"color": "#737373", "label":
@@ -84,7 +85,7 @@ def fig_trace(rows: list[dict[str, float]], ages: list[dict[str, float]],
         axes[1].plot(step, [r[field] for r in rows], ".", ms=1.5, **look)
     axes[1].set_ylabel("cosine")
     axes[1].set_xlabel("step")
-    axes[1].legend(loc="lower right", markerscale=6)
+    axes[1].legend(loc="upper right", markerscale=6, framealpha=0.9)
     age = np.array([a["age"] for a in ages])
     axes[2].plot(age, [a["cos_fresh"] for a in ages], color="#cb181d",
                  label="reused vs fresh (median)")
@@ -93,7 +94,8 @@ def fig_trace(rows: list[dict[str, float]], ages: list[dict[str, float]],
     axes[2].plot(age, [a["fallback"] for a in ages], color="#2171b5", ls="--",
                  label="share of steps falling back to g")
     axes[2].set_xlabel("steps since the refresh (age of the system)")
-    axes[2].legend(loc="lower left")
+    axes[2].set_ylim(0, 1)
+    axes[2].legend(loc="upper right", framealpha=0.9)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

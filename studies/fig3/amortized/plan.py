@@ -27,7 +27,7 @@ from studies.fig3.protocol import (
 )
 from studies.kit.provenance import read_json
 
-__all__ = ["amortized_plan", "amortized_seeds_plan", "out_of_running"]
+__all__ = ["amortized_plan", "amortized_seeds_plan", "runs_left", "out_of_running"]
 
 
 def out_of_running(spec: dict, out: str | os.PathLike, epochs: int) -> set[str]:
@@ -58,31 +58,40 @@ def amortized_plan(common: dict, p: dict | None = None, root: str | os.PathLike 
     return amortized_seeds_plan(common, p, root, out, spec)
 
 
+def runs_left(p: dict | None = None, root: str | os.PathLike = FIG3,
+              out: str | os.PathLike = AMORTIZED_SEEDS,
+              spec: dict | None = None) -> list[tuple[str, str, int, float]]:
+    """The seed study's runs not finished yet, ``(conditioning, method, seed, step)``
+    in its order (``spec`` default ``out/plan.json``): each group at the Fig. 3 step
+    of its ``lr_of`` method (left out while not final), without the
+    well-conditioned runs of a setting out of the running (:func:`out_of_running`)."""
+    p, out = load_protocol() if p is None else p, Path(out)
+    spec = read_json(out / "plan.json") if spec is None else spec
+    state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
+    dropped = out_of_running(spec, out, epochs)
+    left = []
+    for g in seed_study_groups(spec):
+        st, cond = state.get(f"{g['conditioning']}/{g['lr_of']}"), g["conditioning"]
+        left += [(cond, m, s, st["selected"]) for s in g["seeds"] for m in g["methods"]
+                 if st and st["final"] and not (cond == "well" and m in dropped)
+                 and run_status(record_at(out, "", st["selected"], cond, m, s),
+                                epochs) in ("missing", "running")]
+    return left
+
+
 def amortized_seeds_plan(common: dict, p: dict | None = None,
                          root: str | os.PathLike = FIG3,
                          out: str | os.PathLike = AMORTIZED_SEEDS,
                          spec: dict | None = None) -> list[dict]:
-    """The seed study's runs not finished yet (:mod:`studies.fig3.amortized.seed_study`;
-    ``spec`` default ``out/plan.json``), in its order, each group at the Fig. 3 step of
-    its ``lr_of`` method (left out while not final), without the well-conditioned
-    runs of a setting out of the running (:func:`out_of_running`); estimates read the
-    amortized studies' own records first."""
+    """The seed study's runs not finished yet (:mod:`studies.fig3.amortized.seed_study`,
+    :func:`runs_left`) as run settings; estimates read the amortized studies' own
+    records first."""
     p, out = load_protocol() if p is None else p, Path(out)
-    spec = read_json(out / "plan.json") if spec is None else spec
-    state, epochs = grid_state(p, root), int(p["settings"]["epochs"])
-    times, commit, jobs = run_seconds(root), protocol_commit(), []
+    times, commit = run_seconds(root), protocol_commit()
     for m, t in {**wall_times(AMORTIZED), **wall_times(out)}.items():
         times[m] = min(times.get(m, math.inf), t * RUN_MARGIN + START_S)
-    dropped = out_of_running(spec, out, epochs)
-    for g in seed_study_groups(spec):
-        st, cond = state.get(f"{g['conditioning']}/{g['lr_of']}"), g["conditioning"]
-        jobs += [fig3_job(p, "", cond, m, st["selected"], s, out, commit, times,
-                      early_stop=None, **common)
-                 for s in g["seeds"] for m in g["methods"] if st and st["final"]
-                 and not (cond == "well" and m in dropped)
-                 and run_status(record_at(out, "", st["selected"], cond, m, s),
-                                epochs) in ("missing", "running")]
-    return jobs
+    return [fig3_job(p, "", cond, m, lr, s, out, commit, times, early_stop=None,
+                     **common) for cond, m, s, lr in runs_left(p, root, out, spec)]
 
 
 register_plan("amortized", lambda common, **_: amortized_plan(common))

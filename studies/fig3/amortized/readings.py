@@ -28,10 +28,11 @@ from studies.fig3.clocks import first_at, retime, step_ms, time_runs
 from studies.fig3.protocol import FIG3, grid_state
 from studies.fig3.verdicts import alone_runs, seed_summary
 from studies.kit.provenance import read_json
+from studies.kit.wording import name_list
 
 __all__ = ["TARGETS", "TIME_HEADER", "TIME_ANSWER", "clock_runs", "time_rows",
            "time_table", "time_values", "amortized_goal", "GOAL_HEADER", "goal_table",
-           "goal_values"]
+           "goal_values", "guard_values"]
 
 #: the test accuracies a row reports the time to
 TARGETS = (0.80, 0.85)
@@ -220,3 +221,38 @@ def goal_values(goal: dict, rows: list[dict]) -> dict[str, str]:
             "goal_floor": f"{100 * goal['floor']:.2f}",
             "goal_met": ", ".join(goal["met"]) or "none",
             "k_spread": f"{100 * (max(finals) - min(finals)):.1f}" if finals else "–"}
+
+
+def _seed_list(seeds: list[int]) -> str:
+    if not seeds:
+        return "none"
+    word = "seed " if len(seeds) == 1 else "seeds "
+    return word + name_list([str(s) for s in seeds])
+
+
+def guard_values(runs: dict[tuple, dict], stall_below: float = 0.8,
+                 cond: str = "ill", by_epoch: int = 6) -> dict[str, str]:
+    """The guarded ``k = 100`` runs beside the unguarded ones of the same seeds
+    (``runs``: :func:`~studies.fig3.amortized.seed_study.amortized_runs`), as text:
+    ``guard_seeds`` (which seeds stalled with and without the guard), ``guard_fall`` and
+    ``unguarded_fall`` (the fallback counter of the records at the end of epoch
+    ``by_epoch``, for each seed whose guarded run stalled; "–" when none did)."""
+    def stalled(m: str) -> tuple[list[int], list[int]]:
+        seeds = sorted(s for (c, mm, s) in runs if (c, mm) == (cond, m))
+        return seeds, [s for s in seeds if runs[(cond, m, s)]["epochs"][-1]["test_acc"]
+                       < stall_below]
+
+    def fall(m: str, s: int) -> str:
+        at = {e["epoch"]: e for e in runs.get((cond, m, s), {"epochs": []})["epochs"]}
+        return str(at[by_epoch]["fallbacks"]) if by_epoch in at else "no run"
+
+    plain, plain_bad = stalled("kwng_k100")
+    guard, guard_bad = stalled("kwng_k100_guard")
+    seeds = (f"Without the guard {_seed_list(plain_bad)} stalled (of "
+             f"{_seed_list(plain)}); with it {_seed_list(guard_bad)} (of "
+             f"{_seed_list(guard)}).")
+    return {"guard_seeds": seeds,
+            "guard_fall": ", ".join(f"{fall('kwng_k100_guard', s)} (seed {s})"
+                                    for s in guard_bad) or "–",
+            "unguarded_fall": ", ".join(f"{fall('kwng_k100', s)} (seed {s})"
+                                        for s in guard_bad) or "–"}

@@ -49,7 +49,8 @@ from studies.cifar.steps import autocast_for
 from studies.cifar.train import Run
 from studies.kit.provenance import atomic_write_text, write_provenance
 
-__all__ = ["FIELDS", "StaleTrace", "trace_run", "read_trace", "by_age", "main"]
+__all__ = ["FIELDS", "StaleTrace", "trace_run", "read_trace", "by_age", "by_epoch",
+           "TRACE_HEADER", "trace_table", "loss_jumps", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -205,15 +206,63 @@ def by_age(rows: list[dict[str, float]]) -> list[dict[str, float]]:
         if age:
             ages.setdefault(age, []).append(r)
 
-    def med(vals: list[float]) -> float:
-        vals = [v for v in vals if math.isfinite(v)]
-        return statistics.median(vals) if vals else math.nan
-
     return [{"age": a, "steps": len(rs),
-             "cos_fresh": med([r["cos_fresh"] for r in rs]),
-             "cos_fresh_pair": med([r["cos_fresh_pair"] for r in rs]),
+             "cos_fresh": _median([r["cos_fresh"] for r in rs]),
+             "cos_fresh_pair": _median([r["cos_fresh_pair"] for r in rs]),
              "fallback": sum(r["fallback"] for r in rs) / len(rs)}
             for a, rs in sorted(ages.items())]
+
+
+def _median(vals: list[float]) -> float:
+    vals = [v for v in vals if math.isfinite(v)]
+    return statistics.median(vals) if vals else math.nan
+
+
+def by_epoch(rows: list[dict[str, float]], epochs: int) -> list[dict[str, float]]:
+    """``rows`` cut into ``epochs`` equal epochs (the trace's ``stop_after_epoch``): per
+    epoch its ``steps``, the median ``loss``, the ``fallbacks`` (steps whose direction
+    fell back to ``g``), the last ``eps``, and the medians of ``cos_fresh`` and
+    ``cos_fresh_pair`` over its steps between refreshes."""
+    if epochs < 1 or len(rows) % epochs:
+        raise ValueError(f"epochs must be >= 1 and divide the {len(rows)} rows, "
+                         f"got {epochs}")
+    n = len(rows) // epochs
+    out = []
+    for e in range(epochs):
+        rs = rows[e * n:(e + 1) * n]
+        out.append({"epoch": e + 1, "steps": n,
+                    "loss": _median([r["loss"] for r in rs]),
+                    "fallbacks": int(sum(r["fallback"] for r in rs)),
+                    "eps": rs[-1]["eps"],
+                    "cos_fresh": _median([r["cos_fresh"] for r in rs]),
+                    "cos_fresh_pair": _median([r["cos_fresh_pair"] for r in rs])})
+    return out
+
+
+#: the columns of :func:`trace_table`
+TRACE_HEADER = ("epoch", "median loss", "fallbacks", "ε at its end",
+                "cos reused–fresh (median)", "cos fresh–fresh (median)")
+
+
+def trace_table(epochs: list[dict[str, float]]) -> tuple[tuple[str, ...], list[tuple]]:
+    """``(header, rows)`` of :func:`by_epoch`'s epochs, for a page."""
+    return TRACE_HEADER, [(str(e["epoch"]), f"{e['loss']:.2f}", str(e["fallbacks"]),
+                           f"{e['eps']:.1e}", f"{e['cos_fresh']:.3f}",
+                           f"{e['cos_fresh_pair']:.3f}") for e in epochs]
+
+
+def loss_jumps(rows: list[dict[str, float]], factor: float = 2.0) -> dict[str, int]:
+    """How often the next step's loss is at least ``factor`` times this step's, after
+    a step that fell back to ``g`` and after one that did not: ``after_fallback`` of
+    ``fallback_steps``, ``after_other`` of ``other_steps``."""
+    if factor <= 1:
+        raise ValueError(f"factor must be > 1, got {factor}")
+    out = {"after_fallback": 0, "fallback_steps": 0, "after_other": 0, "other_steps": 0}
+    for a, b in zip(rows, rows[1:]):
+        kind = "fallback" if a["fallback"] else "other"
+        out[f"{kind}_steps"] += 1
+        out[f"after_{kind}"] += int(b["loss"] >= factor * a["loss"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
