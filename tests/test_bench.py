@@ -244,3 +244,29 @@ def test_the_kernel_verdicts_are_the_code():
     paths = path_rows(json.loads((RESULTS / "step_gpu_paths.json").read_text()))
     assert set(paths) == {(p, g) for p in ("fp32", "bf16_autocast")
                           for g in ("triton", "compile")}
+
+
+def test_the_amortized_values_set_the_reuse_step_beside_captured_sgd():
+    """The committed amortized step cost: the reuse step's ratio is its median over
+    captured SGD's (the floor that hiding the refresh could reach), below every mean
+    ratio of k > 1, which carries the refreshes."""
+    from studies.bench import figures as pb
+
+    base = RESULTS / "amortized"
+    am = json.loads((base / "step_cost_amortized.json").read_text())
+    old = json.loads((base / "step_cost_amortized_bf16.json").read_text())
+    v = pb.amortized_values(am, old)
+    for tag in ("bf16", "fp32"):
+        ratio = float(v[f"am_{tag}_reuse_ratio"])
+        assert ratio == pytest.approx(float(v[f"am_{tag}_reuse"])
+                                      / float(v[f"am_{tag}_sgd"]), abs=0.01)
+        assert ratio < float(v[f"am_{tag}_k20"]) < float(v[f"am_{tag}_k1"])
+
+
+def test_profile_step_refuses_a_refresh_interval_below_one_and_unknown_modes():
+    from studies.bench import profile_step
+
+    with pytest.raises(SystemExit, match="--refresh-every must be >= 1, got 0"):
+        profile_step.main(["--refresh-every", "0"])
+    with pytest.raises(SystemExit, match="--modes entries must be among"):
+        profile_step.main(["--modes", "sgd,nothing"])

@@ -172,7 +172,8 @@ def _bf16_ratios(record: dict) -> dict[tuple, float]:
 def amortized_values(record: dict, earlier: dict) -> dict[str, str]:
     """Formatted to two decimals: ``am_<prec>_k<k>`` (the captured amortized KWNG step
     over captured SGD, mean, for ``k`` = 1, 5, 20, 100), ``am_<prec>_reuse`` and
-    ``am_<prec>_sgd`` (median ms at ``k`` = 100 and of captured SGD), and
+    ``am_<prec>_sgd`` (median ms at ``k`` = 100 and of captured SGD),
+    ``am_<prec>_reuse_ratio`` (the first over the second), and
     ``am_old_diff``: the largest change of a bf16 ratio from the ``earlier`` record."""
     sgd_g, out = _sgd_graph(record), {}
     for prec, tag in (("bf16_autocast", "bf16"), ("fp32", "fp32")):
@@ -183,5 +184,6 @@ def amortized_values(record: dict, earlier: dict) -> dict[str, str]:
                 for k in (1, 5, 20, 100)}
         out[f"am_{tag}_reuse"] = f"{kw[100]['median_ms']:.2f}"
         out[f"am_{tag}_sgd"] = f"{base['median_ms']:.2f}"
+        out[f"am_{tag}_reuse_ratio"] = f"{kw[100]['median_ms'] / base['median_ms']:.2f}"
     new_r, old_r = _bf16_ratios(record), _bf16_ratios(earlier)
     return out | {"am_old_diff": f"{max(abs(new_r[k] - old_r[k]) for k in old_r):.2f}"}

@@ -2,14 +2,18 @@
 
 python -m studies.bench.profile_step [--configs
 bf16_channels_last,fp32_channels_last] [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis
-5] [--top 12] [--gpu-path triton]
+5] [--top 12] [--gpu-path triton] [--refresh-every 1000] [--json OUT]
 
 For every (configuration, mode) it profiles a few steps of
 ``studies.bench.step_cost._make_step`` (the rows of ``python -m
 studies.bench.step_cost``) with ``torch.profiler`` and prints the summed kernel
 time per step (the GPU work, whatever the host adds), split into kinds named from the
 kernel names (convolution forward, data and weight gradients, GEMM, batch norm,
-elementwise, reductions, copies), and the most expensive kernels. A tuning aid: the
+elementwise, reductions, copies), and the most expensive kernels. With
+``--refresh-every k`` (k larger than the warm-up and profiled steps, e.g. 1000) the KWNG
+modes build their kernel system once, in the warm-up, and every profiled step reuses
+it: the kernels of a step between refreshes (``KWNGConfig.refresh_every``), to set
+beside SGD's. ``--json`` also writes the per-step kernel times. A tuning aid: the
 numbers to report come from ``python -m studies.bench.step_cost``.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import json
 import re
 
 import torch
@@ -59,7 +64,7 @@ def kernel_times(prof, steps: int) -> dict[str, float]:
 
 def profile_one(
     config: str, mode: str, num_basis: int, batch: int, steps: int,
-    gpu_solve: str = "auto",
+    gpu_solve: str = "auto", refresh_every: int = 1,
 ) -> dict[str, float]:
     prec, fmt = CONFIGS[config]
     dev = torch.device("cuda")
@@ -73,7 +78,7 @@ def profile_one(
         mode = "fwd_bwd_N"
     step, _ = _make_step(
         mode, model, z, y, num_basis, None if prec == torch.float32 else prec,
-        gpu_solve=gpu_solve,
+        refresh_every=refresh_every, gpu_solve=gpu_solve,
     )
     for _ in range(5):
         step()
@@ -85,7 +90,7 @@ def profile_one(
     return kernel_times(prof, steps)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="bf16_channels_last")
     p.add_argument("--modes", default="sgd,fwd_bwd_RN,kwng_fast")
@@ -96,16 +101,24 @@ def main() -> None:
     p.add_argument("--gpu-path", default="triton", choices=GPU_SOLVES,
                    help="kernels or torch.compile for the fast path "
                    "(KWNGConfig.gpu_solve)")
-    a = p.parse_args()
+    p.add_argument("--refresh-every", type=int, default=1,
+                   help="KWNGConfig.refresh_every of the KWNG modes (above 5 + "
+                   "--steps: every profiled step reuses the system)")
+    p.add_argument("--json", default=None, help="also write the kernel times here")
+    a = p.parse_args(argv)
     modes = a.modes.split(",")
     for m in modes:
         if m not in ROWS and m != "fwd_bwd_RN":
             raise SystemExit(f"--modes entries must be among {list(ROWS)}, got {m!r}")
+    if a.refresh_every < 1:
+        raise SystemExit(f"--refresh-every must be >= 1, got {a.refresh_every}")
+    record = {"refresh_every": a.refresh_every, "num_basis": a.num_basis,
+              "batch": a.batch, "steps": a.steps, "rows": []}
     torch.backends.cudnn.benchmark = True
     for config in a.configs.split(","):
         for mode in modes:
             times = profile_one(config, mode, a.num_basis, a.batch, a.steps,
-                                a.gpu_path)
+                                a.gpu_path, a.refresh_every)
             by_kind: dict[str, float] = collections.defaultdict(float)
             for name, t in times.items():
                 by_kind[kind_of(name)] += t
@@ -120,6 +133,15 @@ def main() -> None:
             )
             for name, t in sorted(times.items(), key=lambda kv: -kv[1])[: a.top]:
                 print(f"   {t / 1e3:7.3f} ms  {kind_of(name):11s} {name[:110]}")
+            record["rows"].append({"config": config, "mode": mode,
+                                   "total_us": total, "by_kind_us": dict(by_kind),
+                                   "kernels_us": dict(times)})
+    if a.json:
+        from studies.kit.provenance import atomic_write_text
+
+        record["device"] = torch.cuda.get_device_name()
+        record["torch"] = torch.__version__
+        atomic_write_text(a.json, json.dumps(record, indent=1, sort_keys=True))
 
 
 if __name__ == "__main__":
