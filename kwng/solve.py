@@ -40,7 +40,7 @@ import torch
 __all__ = ["DAMPINGS", "SOLVE_METHODS", "WHITENINGS", "DAMPING_FLOOR", "default_rcond",
            "eig_whitening", "cholesky_whitening", "damping_diagonal", "stable_solve",
            "plain_solve", "combine", "loss_only_columns", "kwng_direction", "Direction",
-           "safeguard", "Safeguarded"]
+           "safeguard", "Safeguarded", "FALLBACKS"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ SOLVE_METHODS = ("stable", "plain")
 #: ``"eig_truncate"``: the same with the dropped rows removed (one problem, smaller
 #: system); ``"cholesky"``: ``L⁻¹`` with a regularised ``CCᵀ`` (no host sync).
 WHITENINGS = ("eig", "eig_truncate", "cholesky")
+#: a failed direction in :func:`safeguard`: ``g`` (the authors' code) or no step
+FALLBACKS = ("gradient", "skip")
 DAMPING_FLOOR = (
     1e-12  # relative: columns below this fraction of the largest are degenerate
 )
@@ -364,20 +366,27 @@ class Safeguarded(NamedTuple):
 
 
 def safeguard(
-    g: torch.Tensor, direction: torch.Tensor, clip_norm: float | None
+    g: torch.Tensor, direction: torch.Tensor, clip_norm: float | None,
+    fallback: str = "gradient",
 ) -> Safeguarded:
     """The step's direction from the KWNG direction ``ĝ`` (``direction``) and the
-    Euclidean gradient ``g`` (both ``(q,)``): ``g`` where ``⟨g, ĝ⟩ ≤ 0`` or ``ĝ`` is not
-    finite (a failed solve of :func:`kwng_direction` without fallback is NaN), then
+    Euclidean gradient ``g`` (both ``(q,)``): where ``⟨g, ĝ⟩ ≤ 0`` or ``ĝ`` is not
+    finite (a failed solve of :func:`kwng_direction` without fallback is NaN), ``g``
+    (``fallback="gradient"``) or zero (``"skip"``: no step, :data:`FALLBACKS`); then
     scaled down to norm ``clip_norm`` if longer (``None``: no clipping). No host sync.
 
-    Returns the direction, ``⟨g, ĝ⟩`` after both (float64), whether the fallback and
-    the clipping happened, ``‖g‖`` and the final ``‖ĝ‖``.
-    """
+    Returns the direction, ``⟨g, ĝ⟩`` after both (float64; 0 if skipped), whether the
+    fallback (either kind) and the clipping happened, ``‖g‖``, the final ``‖ĝ‖``."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     dot = torch.dot(g.to(_F64), direction.to(_F64))
     bad = ~(dot > 0) | ~torch.isfinite(direction).all()
-    direction = torch.where(bad, g, direction)
-    dot = torch.where(bad, torch.dot(g.to(_F64), g.to(_F64)), dot)
+    if fallback == "skip":
+        direction = torch.where(bad, torch.zeros_like(direction), direction)
+        dot = torch.where(bad, torch.zeros_like(dot), dot)
+    else:
+        direction = torch.where(bad, g, direction)
+        dot = torch.where(bad, torch.dot(g.to(_F64), g.to(_F64)), dot)
     grad_norm = torch.linalg.vector_norm(g)
     norm = torch.linalg.vector_norm(direction)
     clipped = torch.zeros((), dtype=torch.bool, device=g.device)

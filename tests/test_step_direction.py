@@ -75,6 +75,105 @@ def test_a_failed_solve_falls_back_to_the_gradient():
     assert bool(info["fallback"]) and torch.equal(out, g)
 
 
+@pytest.mark.parametrize(
+    "bad", [[-1.0, 0.0], [0.0, 0.0], [math.nan, 1.0], [math.inf, 1.0]]
+)
+def test_safeguard_with_skip_takes_no_step(bad):
+    """``fallback="skip"``: a failing direction becomes zero (no step, ⟨g, ĝ⟩ = 0,
+    not clipped), counted as a fallback; a good direction is the same as with the
+    default."""
+    g = torch.tensor([3.0, 4.0])
+    s = solve.safeguard(g, torch.tensor(bad), clip_norm=1.0, fallback="skip")
+    assert bool(s.fallback) and torch.equal(s.direction, torch.zeros(2))
+    assert float(s.dot) == 0.0 and float(s.direction_norm) == 0.0
+    assert not bool(s.clipped) and float(s.grad_norm) == 5.0
+    good = torch.tensor([6.0, 8.0])
+    a, b = (solve.safeguard(g, good, 5.0, fb) for fb in solve.FALLBACKS)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(ValueError, match=r"fallback must be one of \('gradient', "
+                       r"'skip'\), got 'none'"):
+        solve.safeguard(g, good, 5.0, fallback="none")
+
+
+def test_a_failed_solve_with_skip_writes_no_step_on_every_path(monkeypatch):
+    """A failed factorisation (ε < 0) with ``fallback="skip"``: zeros in ``out`` on the
+    eager path and the CPU dispatcher; on the float64 reference path (whose solve
+    cannot fail here: an ascent direction stands in for a failed one) too."""
+    import types
+
+    import kwng.engine.precond as precond_mod
+    from kwng.engine.precond import reference_direction
+
+    T, CCt, K, g, N = _problem()
+    kw = dict(lam=0.0, damping="T_tilde", rcond=None, clip_norm=1.0, fallback="skip")
+    for fn, eps in ((direction_into, torch.tensor(-1e12, dtype=torch.float64)),
+                    (device_direction, torch.tensor(-1e12, dtype=torch.float64))):
+        out = torch.full_like(g, 7.0)
+        info = fn(out, T, CCt, K, g, N, eps=eps, **kw)
+        assert bool(info["fallback"]) and torch.equal(out, torch.zeros_like(g))
+        assert float(info["dot"]) == 0.0
+    from kwng.estimator import nystrom_solve as real
+
+    def ascent(*args, **kwargs):
+        res = real(*args, **kwargs)
+        return types.SimpleNamespace(direction=-args[3], diagnostics=res.diagnostics)
+
+    monkeypatch.setattr(precond_mod, "nystrom_solve", ascent)
+    out = torch.full_like(g, 7.0)
+    info = reference_direction(out, T, CCt, K, g, N, eps=1e-2, **kw)
+    assert bool(info["fallback"]) and torch.equal(out, torch.zeros_like(g))
+
+
+def test_the_preconditioner_skips_the_step_its_direction_fails(monkeypatch):
+    """``KWNGConfig(fallback="skip")`` through a training step: a step whose solve
+    fails writes a zero gradient, counts a fallback, and the next step (solve healthy
+    again) writes the KWNG direction; the default writes ``g`` instead."""
+    from torch import nn
+
+    import kwng.engine.precond as precond_mod
+    from kwng.engine.precond import KWNGPreconditioner
+
+    real = precond_mod.device_direction
+    fail = {"on": True}
+
+    def flaky(out, T, CCt, K, g, N, **kw):
+        if fail["on"]:
+            kw["eps"] = torch.full_like(kw["eps"], -1e12)  # the system's factor fails
+        return real(out, T, CCt, K, g, N, **kw)
+
+    monkeypatch.setattr(precond_mod, "device_direction", flaky)
+    grads = {}
+    for fb in ("skip", "gradient"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        pc = KWNGPreconditioner(net, lr=0.1, num_basis=3, fallback=fb,
+                                eps_schedule=None,
+                                generator=torch.Generator().manual_seed(1))
+        z, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        fail["on"] = True
+        out = net(z)
+        pc.step(nn.functional.cross_entropy(out, y), out)
+        grads[fb] = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        assert pc.counters()["fallbacks"] == 1
+        fail["on"] = False
+        for p in net.parameters():
+            p.grad = None
+        out = net(z)
+        pc.step(nn.functional.cross_entropy(out, y), out)
+        assert pc.counters()["fallbacks"] == 1
+        after = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        assert float(after.norm()) > 0
+    assert torch.equal(grads["skip"], torch.zeros_like(grads["skip"]))
+    assert float(grads["gradient"].norm()) > 0
+
+
+def test_the_config_names_the_fallbacks():
+    assert KWNGConfig().fallback == "gradient"
+    assert KWNGConfig(fallback="skip").fallback == "skip"
+    with pytest.raises(ValueError, match="fallback must be one of"):
+        KWNGConfig(fallback="zero")
+
+
 def _traced(fn):
     """``fn`` traced by dynamo into one graph (fails on a graph break), run eagerly."""
     torch._dynamo.reset()

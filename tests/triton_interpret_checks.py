@@ -244,17 +244,19 @@ def _fused_case(damping, case):
     return T, g, C @ C.T, K, N, torch.tensor(eps, dtype=torch.float64), lam, clip
 
 
+@pytest.mark.parametrize("fallback", solve.FALLBACKS)
 @pytest.mark.parametrize("damping", solve.DAMPINGS)
 @pytest.mark.parametrize(
     "case", ["plain", "degenerate", "lam", "nan_eps", "failed", "noclip"]
 )
-def test_fused_direction_equals_the_pytorch_path(damping, case):
+def test_fused_direction_equals_the_pytorch_path(damping, case, fallback):
     """The four kernels of kwng.engine.triton_solve against their one definition,
     kwng.engine.precond.direction_into (nystrom_solve_nosync, then
     solve.safeguard), for every damping of solve.DAMPINGS (a new one must be
     implemented or refused by the kernels): same direction (float32 rounding), same
     diagnostics. A non-finite direction (ε = NaN) and a failed Cholesky factorisation
-    of the system (ε < 0) fall back to the clipped g on both paths."""
+    of the system (ε < 0) fall back to the clipped g on both paths, or to no step
+    with ``fallback="skip"``."""
     from kwng.engine.triton_solve import (
         FUSED_DAMPINGS,
         fused_available,
@@ -266,10 +268,16 @@ def test_fused_direction_equals_the_pytorch_path(damping, case):
         assert not fused_available(T, g, damping)
         return
     assert fused_available(T, g, damping)
-    kw = dict(eps=eps, lam=lam, damping=damping, rcond=None, clip_norm=clip)
+    kw = dict(eps=eps, lam=lam, damping=damping, rcond=None, clip_norm=clip,
+              fallback=fallback)
     d, out = torch.empty_like(g), torch.empty_like(g)
     ref = direction_into(d, T, CCt, K, g, N, **kw)
     f = fused_direction(T, CCt, K, g, N, out=out, **kw)
+    if fallback == "skip" and case in ("nan_eps", "failed"):  # no step on both paths
+        assert bool(f["fallback"]) and bool(ref["fallback"])
+        assert torch.equal(out, torch.zeros_like(g)) and torch.equal(d, out)
+        assert float(f["dot"]) == 0.0 and float(f["direction_norm"]) == 0.0
+        return
     assert float((out - d).norm() / d.norm()) < 1e-5
     if case == "failed":  # only the fallback's values: the solve's sums are meaningless
         assert bool(f["fallback"]) and bool(ref["fallback"])

@@ -17,7 +17,7 @@ from kwng._checks import check_choice, check_int, check_positive
 from kwng.engine.gpu_paths import GPU_SOLVES
 from kwng.engine.lm import LMSchedule
 from kwng.kernels import BANDWIDTH_RULES, Kernel, make_kernel
-from kwng.solve import DAMPINGS
+from kwng.solve import DAMPINGS, FALLBACKS
 
 __all__ = ["AUTO_MODES", "FIXED_FIELDS", "KWNGConfig", "MODES", "auto_mode",
            "authors_eps_factor", "config_with", "eps_from_authors", "live_changes",
@@ -119,6 +119,13 @@ class KWNGConfig:
       and apply the cached system to each step's fresh gradient in between
       (:class:`kwng.engine.precond.SystemCache`); ``1`` (the default) is the exact
       step of every step.
+    * ``fallback`` — what a step does when its direction fails the descent test
+      (``⟨g, ĝ⟩ ≤ 0``) or is not finite, one of :data:`kwng.solve.FALLBACKS`:
+      ``"gradient"`` (the default, the authors' code) takes the Euclidean gradient,
+      ``"skip"`` takes no step (a zero direction; the ε rule then sees no decrease and
+      raises ``ε``). Counted in ``counters()["fallbacks"]`` either way. With an
+      ill-conditioned model the Euclidean gradient at KWNG's step size can be the step
+      that ruins a run (:ref:`cifar-amortized`, the traced run).
     * ``refresh_guard`` — with ``refresh_every > 1``, also refresh two steps after a
       step whose system was rank deficient or whose direction fell back to ``g``
       (:class:`kwng.engine.precond.SystemCache`, "The guard"); ``False`` (the default):
@@ -149,6 +156,7 @@ class KWNGConfig:
     refresh_every: int = 1
     refresh_guard: bool = False
     gpu_solve: str = "auto"
+    fallback: str = "gradient"
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -197,6 +205,7 @@ class KWNGConfig:
             raise ValueError("refresh_guard=True needs refresh_every > 1 (with "
                              "refresh_every = 1 every step refreshes)")
         check_choice(self.gpu_solve, "gpu_solve", GPU_SOLVES)
+        check_choice(self.fallback, "fallback", FALLBACKS)
 
     def replace(self, **changes: Any) -> KWNGConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -714,7 +714,7 @@ class FastPath:
         return device_direction(out, T, CCt, K, g, N,
                                 eps=torch.as_tensor(eps, device=T.device),
                                 lam=cfg.lam, damping=cfg.damping, rcond=cfg.rcond,
-                                clip_norm=cfg.clip_norm,
+                                clip_norm=cfg.clip_norm, fallback=cfg.fallback,
                                 diagonal_only=cfg.diagonal_only,
                                 gpu_solve=self.gpu_solve)
 
@@ -750,23 +750,24 @@ class ReferencePath(FastPath):
         else:
             f = reference_direction(out, T, CCt, K, g, N, eps=float(eps), lam=cfg.lam,
                                     damping=cfg.damping, rcond=cfg.rcond,
-                                    clip_norm=cfg.clip_norm)
+                                    clip_norm=cfg.clip_norm, fallback=cfg.fallback)
         if bool(f["fallback"]):  # it syncs anyway
-            log.info("KWNG: ⟨g, ĝ⟩ ≤ 0 or ĝ not finite: Euclidean gradient used")
+            log.info("KWNG: ⟨g, ĝ⟩ ≤ 0 or ĝ not finite: %s", "step skipped"
+                     if cfg.fallback == "skip" else "Euclidean gradient used")
         return f
 
 
 def direction_into(out: torch.Tensor, T: torch.Tensor, CCt: torch.Tensor,
                     K: torch.Tensor | None, g: torch.Tensor, N: int, *,
                     eps: torch.Tensor, lam: float, damping: str, rcond: float | None,
-                    clip_norm: float | None, diagonal_only: bool = False
-                    ) -> dict[str, torch.Tensor]:
+                    clip_norm: float | None, diagonal_only: bool = False,
+                    fallback: str = "gradient") -> dict[str, torch.Tensor]:
     """:func:`device_direction`'s one definition, eager (what CUDA compiles and the
     Triton kernels of :mod:`kwng.engine.triton_solve` are checked against)."""
     direction, dg = nystrom_solve_nosync(T, CCt, K, g, N, eps=eps, lam=lam,
                                          damping=damping, rcond=rcond,
                                          diagonal_only=diagonal_only)
-    safe = solve.safeguard(g, direction, clip_norm)
+    safe = solve.safeguard(g, direction, clip_norm, fallback)
     out.copy_(safe.direction)
     return {"rank": dg["rank"], "ill_conditioned": dg["ill_conditioned"],
             "damping_floored": dg["damping_floored"],
@@ -786,7 +787,8 @@ def device_direction(out: torch.Tensor, T: torch.Tensor, CCt: torch.Tensor,
     solve :func:`kwng.nystrom_solve_nosync` (``diagonal_only``: ``D⁻¹ g``), then
     :func:`kwng.solve.safeguard` with ``clip_norm``, written into ``out`` (``q``, any
     float dtype); returns the 0-dim tensors of :data:`INFO_KEYS`. ``settings``: ``eps``
-    (a 0-dim tensor), ``lam``, ``damping``, ``rcond``, ``clip_norm``. On CUDA it runs
+    (a 0-dim tensor), ``lam``, ``damping``, ``rcond``, ``clip_norm``, optionally
+    ``fallback`` (:data:`kwng.solve.FALLBACKS`, default ``"gradient"``). On CUDA it runs
     compiled, or as the Triton kernels of :mod:`kwng.engine.triton_solve` (the same
     values up to float32 rounding) where ``gpu_solve`` lets them; eagerly on the CPU.
 
@@ -811,13 +813,15 @@ def device_direction(out: torch.Tensor, T: torch.Tensor, CCt: torch.Tensor,
 def reference_direction(out: torch.Tensor, T: torch.Tensor, CCt: torch.Tensor,
                         K: torch.Tensor | None, g: torch.Tensor, N: int, *,
                         eps: float, lam: float, damping: str, rcond: float | None,
-                        clip_norm: float | None) -> dict[str, torch.Tensor]:
+                        clip_norm: float | None, fallback: str = "gradient"
+                        ) -> dict[str, torch.Tensor]:
     """The direction of a ``mode="reference"`` step: Prop. 6 through the float64 solve
-    :func:`kwng.nystrom_solve` (host diagnostics), then :func:`kwng.solve.safeguard`,
-    written into ``out``; the :data:`INFO_KEYS` as 0-dim tensors on ``T``'s device."""
+    :func:`kwng.nystrom_solve` (host diagnostics), then :func:`kwng.solve.safeguard`
+    (``clip_norm``, ``fallback``), written into ``out``; the :data:`INFO_KEYS` as 0-dim
+    tensors on ``T``'s device."""
     res = nystrom_solve(T, CCt, K, g, N, eps=eps, lam=lam, damping=damping,
                         method="stable", rcond=rcond)
-    safe = solve.safeguard(g, res.direction, clip_norm)
+    safe = solve.safeguard(g, res.direction, clip_norm, fallback)
     out.copy_(safe.direction)
     diag = res.diagnostics
     info = {"rank": diag["rank"], "ill_conditioned": diag["rank"] < T.shape[0],
@@ -1446,19 +1450,20 @@ _OLD_LM_KEYS = {"lm_interval": "interval", "lm_omega": "omega", "lm_low": "low",
                 "lm_high": "high", "eps_min": "eps_min", "eps_max": "eps_max",
                 "lm_rule": "rule"}
 # the fields added since, with the value an older state had in effect
-_ADDED = {"refresh_every": 1, "refresh_guard": False, "gpu_solve": "auto"}
+_ADDED = {"refresh_every": 1, "refresh_guard": False, "gpu_solve": "auto",
+          "fallback": "gradient"}
 
 
 def upgrade_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
     """``hp`` in the current form: the ``lm_*``, ``eps_min``, ``eps_max`` and
     ``adapt_eps`` entries of an older state become ``eps_schedule`` (a dict, or ``None``
     for ``adapt_eps=False``), and a state saved before ``refresh_every``,
-    ``refresh_guard`` or ``gpu_solve`` gets their defaults; a current ``hp`` is
-    returned unchanged.
+    ``refresh_guard``, ``gpu_solve`` or ``fallback`` gets their defaults; a current
+    ``hp`` is returned unchanged.
 
     >>> hp = upgrade_hyperparameters({"num_basis": 5, "adapt_eps": False})
-    >>> hp["refresh_every"], hp["gpu_solve"], hp["eps_schedule"]
-    (1, 'auto', None)
+    >>> hp["refresh_every"], hp["gpu_solve"], hp["fallback"], hp["eps_schedule"]
+    (1, 'auto', 'gradient', None)
     """
     hp = {**hp, **{k: v for k, v in _ADDED.items() if k not in hp}}
     if "eps_schedule" in hp or not any(k in hp for k in (*_OLD_LM_KEYS, "adapt_eps")):

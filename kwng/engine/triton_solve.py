@@ -29,8 +29,9 @@ columns, ``⟨g, ĝ⟩``, the fallback and the clipping) are a handful of 0-dim 
 host synchronisation. The kernels implement the dampings :data:`FUSED_DAMPINGS` and
 refuse any other (:func:`fused_available` raises), and they follow the fallback rule of
 the PyTorch path: a failed Cholesky factorisation of the system gives the Euclidean
-gradient. The results equal those of the PyTorch path up to float32 rounding, for every
-damping of ``kwng.solve.DAMPINGS`` (``tests/triton_interpret_checks.py``).
+gradient, or no step with ``fallback="skip"``. The results equal those of the PyTorch
+path up to float32 rounding, for every damping of ``kwng.solve.DAMPINGS``
+(``tests/triton_interpret_checks.py``).
 """
 
 from __future__ import annotations
@@ -147,11 +148,15 @@ def fused_direction(
     rcond: float | None,
     clip_norm: float | None,
     out: torch.Tensor,
+    fallback: str = "gradient",
 ) -> dict[str, torch.Tensor]:
     """The clipped KWNG direction written into ``out`` (``q``, any float dtype), and
     the 0-dim tensors of :data:`kwng.engine.precond.INFO_KEYS` (the same
     values as :func:`kwng.engine.precond.direction_into`, see the module
-    docstring). Needs :func:`fused_available`; ``eps`` is a 0-dim tensor."""
+    docstring; ``fallback`` as :func:`kwng.solve.safeguard`'s). Needs
+    :func:`fused_available`; ``eps`` is a 0-dim tensor."""
+    if fallback not in solve.FALLBACKS:
+        raise ValueError(f"fallback must be one of {solve.FALLBACKS}, got {fallback!r}")
     if not fused_available(T, g, damping):
         raise ValueError(
             "fused_direction needs contiguous float32 T (M <= "
@@ -167,7 +172,7 @@ def fused_direction(
     norms, thr = _norms(W32, T, damping)
     sol, failed = _solution(W, W32, T, K, g, norms, thr, eps.to(_F64), N, lam, ident)
     d, sums = _raw(W32, T, g, norms, thr, sol, eps, ident)
-    info_out, coef = _epilogue(sums, failed, clip_norm)
+    info_out, coef = _epilogue(sums, failed, clip_norm, fallback == "skip")
     BW = 2048
     _write_kernel[(triton.cdiv(q, BW),)](d, g, norms, thr, coef, out, q, BQ=BW,
                                          IDENT=ident)
@@ -176,11 +181,13 @@ def fused_direction(
 
 
 def _epilogue(
-    s: dict[str, torch.Tensor], failed: torch.Tensor, clip_norm: float | None
+    s: dict[str, torch.Tensor], failed: torch.Tensor, clip_norm: float | None,
+    skip: bool = False,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """From the sums of pass 3: the scale of the degenerate columns (``‖ĝ_rest‖ /
-    ‖g_rest‖``), ``⟨g, ĝ⟩``, the fallback, the clipping; and ``(scale, ratio, bad)`` for
-    pass 4. 0-dim tensors only."""
+    ‖g_rest‖``), ``⟨g, ĝ⟩``, the fallback, the clipping; and ``(scale, ratio,
+    code)`` for pass 4 (``code``: 0 the direction, 1 ``g``, 2 zero, a failed direction
+    with ``skip``). 0-dim tensors only."""
     tiny32 = torch.finfo(torch.float32).tiny
     ratio = s["rest_d2"].sqrt() / s["rest_g2"].sqrt().clamp(min=tiny32)
     ratio = ratio.to(torch.float32).to(_F64)  # the float32 factor pass 4 applies
@@ -190,15 +197,17 @@ def _epilogue(
     dot = s["gd"] + ratio * s["hit_g2"]
     bad = ~(dot > 0) | (s["nonfinite"] > 0) | failed
     bad = bad | ((s["hit"] > 0) & ~torch.isfinite(ratio))
-    dot = torch.where(bad, s["g2"], dot)
     grad_norm = s["g2"].sqrt()
-    norm = torch.where(bad, grad_norm, sq.sqrt())
+    dot = torch.where(bad, torch.zeros_like(dot) if skip else s["g2"], dot)
+    norm = torch.where(bad, torch.zeros_like(grad_norm) if skip else grad_norm,
+                       sq.sqrt())
     clipped = torch.zeros((), dtype=torch.bool, device=dot.device)
     scale = torch.ones_like(norm)
     if clip_norm is not None:
         clipped = norm > clip_norm
         scale = torch.where(clipped, clip_norm / norm.clamp(min=1e-30), scale)
-    coef = torch.stack([scale, ratio, bad.to(_F64)]).to(torch.float32)
+    coef = torch.stack([scale, ratio, bad.to(_F64) * (2 if skip else 1)]
+                       ).to(torch.float32)
     info = {
         "damping_floored": s["low"].long(),
         "floored_share": share,

@@ -242,7 +242,8 @@ if triton is not None:
         d = tl.load(d_ptr + cols, mask=cm, other=0.0)
         scale = tl.load(coef_ptr)
         ratio = tl.load(coef_ptr + 1)
-        bad = tl.load(coef_ptr + 2) != 0
+        code = tl.load(coef_ptr + 2)  # 0 the direction, 1 g, 2 zero (a skipped step)
         x = tl.where(low & (g != 0), g * ratio, d)
-        x = tl.where(bad, g, x) * scale
+        x = tl.where(code == 1, g, x)
+        x = tl.where(code == 2, 0.0, x) * scale
         tl.store(out_ptr + cols, x.to(out_ptr.dtype.element_ty), mask=cm)

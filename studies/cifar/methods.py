@@ -137,6 +137,12 @@ METHODS: dict[str, Method] = {
     # system or a fallback to g
     "kwng_k100_guard": _m("sgd", {**_KWNG, "refresh_every": 100, "refresh_guard": True},
                           "#fd8d3c", "-", "KWNG, k = 100, guarded", 29, 2.1, 10.0),
+    # the same, and a direction that fails the descent test takes no step instead of
+    # the Euclidean gradient (KWNGConfig.fallback="skip"): the traced k = 100 run's
+    # first fallback, an SGD step at KWNG's step size, took the loss from 2.2 to 107
+    "kwng_k100_skip": _m("sgd", {**_KWNG, "refresh_every": 100, "refresh_guard": True,
+                                 "fallback": "skip"},
+                         "#a63603", "-", "KWNG, k = 100, guarded, skip", 34, 2.1, 10.0),
     # EKFAC with its scalings re-estimated every 10 steps (the Fig. 3 protocol's
     # amendment: every step costs about 9 captured KFAC steps); the planning weight
     # assumes a tenth of that re-estimate per step

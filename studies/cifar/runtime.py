@@ -247,8 +247,10 @@ def estimate_seconds(times: dict[str, float], method: str) -> float | None:
     method's, twice that for KFAC/EKFAC."""
     precond = METHODS[method].spec.get("precond")
     own = [times[k] for k in (method,) if k in times]
-    # the same method without the refresh guard (a guard adds refreshes, not steps)
-    bare = {k: v for k, v in METHODS[method].spec.items() if k != "refresh_guard"}
+    # the same method without the refresh guard (a guard adds refreshes, not steps) and
+    # with the default fallback (a skipped step costs what a fallback does)
+    bare = {k: v for k, v in METHODS[method].spec.items()
+            if k not in ("refresh_guard", "fallback")}
     twin = [t for k, t in times.items() if k in METHODS and METHODS[k].spec == bare]
     if precond == "kwng" and "kwng" in times:
         own.append(times["kwng"])

@@ -86,7 +86,8 @@ def _kwng_preconditioner(cfg: RunConfig, model: nn.Module, optimizer):
                     damping=spec["damping"], eps_schedule=schedule, clip_norm=CLIP_NORM,
                     diagonal_only=spec["diagonal_only"],
                     refresh_every=spec.get("refresh_every", 1),
-                    refresh_guard=spec.get("refresh_guard", False))
+                    refresh_guard=spec.get("refresh_guard", False),
+                    fallback=spec.get("fallback", "gradient"))
     if cfg.world_size == 1:
         return KWNGPreconditioner(net, **settings)
     from kwng.engine.distributed import DistributedKWNG

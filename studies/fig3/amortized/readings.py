@@ -236,7 +236,9 @@ def guard_values(runs: dict[tuple, dict], stall_below: float = 0.8,
     (``runs``: :func:`~studies.fig3.amortized.seed_study.amortized_runs`), as text:
     ``guard_seeds`` (which seeds stalled with and without the guard), ``guard_fall`` and
     ``unguarded_fall`` (the fallback counter of the records at the end of epoch
-    ``by_epoch``, for each seed whose guarded run stalled; "–" when none did)."""
+    ``by_epoch``, for each seed whose guarded run stalled; "–" when none did) and
+    ``skip_runs`` (the runs of ``kwng_k100_skip``, the guard with
+    ``fallback="skip"``: how many, how many stalled, their final accuracies)."""
     def stalled(m: str) -> tuple[list[int], list[int]]:
         seeds = sorted(s for (c, mm, s) in runs if (c, mm) == (cond, m))
         return seeds, [s for s in seeds if runs[(cond, m, s)]["epochs"][-1]["test_acc"]
@@ -251,7 +253,12 @@ def guard_values(runs: dict[tuple, dict], stall_below: float = 0.8,
     seeds = (f"Without the guard {_seed_list(plain_bad)} stalled (of "
              f"{_seed_list(plain)}); with it {_seed_list(guard_bad)} (of "
              f"{_seed_list(guard)}).")
-    return {"guard_seeds": seeds,
+    skip, skip_bad = stalled("kwng_k100_skip")
+    finals = [runs[(cond, "kwng_k100_skip", s)]["epochs"][-1]["test_acc"] for s in skip]
+    skip_runs = ("none of its runs is among the records yet" if not skip else
+                 f"{len(skip)} run{'s' * (len(skip) > 1)}, {len(skip_bad)} stalled "
+                 f"(final accuracies {', '.join(f'{100 * v:.1f}' for v in finals)} %)")
+    return {"guard_seeds": seeds, "skip_runs": skip_runs,
             "guard_fall": ", ".join(f"{fall('kwng_k100_guard', s)} (seed {s})"
                                     for s in guard_bad) or "–",
             "unguarded_fall": ", ".join(f"{fall('kwng_k100', s)} (seed {s})"

@@ -50,7 +50,7 @@ from studies.cifar.train import Run
 from studies.kit.provenance import atomic_write_text, write_provenance
 
 __all__ = ["FIELDS", "StaleTrace", "trace_run", "read_trace", "by_age", "by_epoch",
-           "TRACE_HEADER", "trace_table", "loss_jumps", "main"]
+           "TRACE_HEADER", "trace_table", "loss_jumps", "first_fallbacks", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +262,21 @@ def loss_jumps(rows: list[dict[str, float]], factor: float = 2.0) -> dict[str, i
         kind = "fallback" if a["fallback"] else "other"
         out[f"{kind}_steps"] += 1
         out[f"after_{kind}"] += int(b["loss"] >= factor * a["loss"])
+    return out
+
+
+def first_fallbacks(rows: list[dict[str, float]], n: int = 3) -> list[dict[str, float]]:
+    """The first ``n`` steps that fell back to ``g``: ``step``, the step's ``loss``
+    (its batch, before the update), ``next_loss`` (the next batch's, after it; NaN for
+    the last row) and whether the fallback direction was ``clipped``."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    out = []
+    for i, r in enumerate(rows):
+        if r["fallback"] and len(out) < n:
+            nxt = rows[i + 1]["loss"] if i + 1 < len(rows) else math.nan
+            out.append({"step": int(r["step"]), "loss": r["loss"], "next_loss": nxt,
+                        "clipped": bool(r["clipped"])})
     return out
 
 
