@@ -325,6 +325,12 @@ def test_a_trace_reads_by_epoch_and_counts_loss_jumps_after_fallbacks():
         stale_trace.by_epoch(rows, 4)
     with pytest.raises(ValueError, match="factor must be > 1"):
         stale_trace.loss_jumps(rows, 1.0)
+    first = stale_trace.first_fallbacks(rows, 5)
+    assert [(f["step"], f["loss"], f["next_loss"]) for f in first] == [(1, 2.0, 5.0),
+                                                                        (4, 6.0, 1.0)]
+    assert first[0]["clipped"] is True
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        stale_trace.first_fallbacks(rows, 0)
 
 
 def test_the_committed_trace_is_a_stalling_k100_run_read_by_the_chapter():
@@ -345,6 +351,9 @@ def test_the_committed_trace_is_a_stalling_k100_run_read_by_the_chapter():
     assert ep[-1]["loss"] > 2 * ep[0]["loss"]
     assert ep[-1]["fallbacks"] > ep[0]["fallbacks"]
     assert all(e["cos_fresh"] < e["cos_fresh_pair"] / 4 for e in ep)
+    # the first fallback, an unclipped Euclidean step, multiplies the next loss by 40+
+    first = stale_trace.first_fallbacks(stale_trace.read_trace(tr / "trace.csv"), 1)[0]
+    assert not first["clipped"] and first["next_loss"] > 40 * first["loss"]
 
 
 def test_guard_values_put_each_guarded_seed_beside_its_unguarded_run():
@@ -360,5 +369,9 @@ def test_guard_values_put_each_guarded_seed_beside_its_unguarded_run():
     assert v["guard_seeds"] == ("Without the guard seed 2 stalled (of seeds 0 and 2); "
                                 "with it seed 2 (of seeds 0 and 2).")
     assert v["guard_fall"] == "30 (seed 2)" and v["unguarded_fall"] == "240 (seed 2)"
+    assert v["skip_runs"] == "none of its runs is among the records yet"
+    runs[("ill", "kwng_k100_skip", 2)] = rec(0.881, 0)
+    assert amortized.guard_values(runs, 0.8)["skip_runs"] == (
+        "1 run, 0 stalled (final accuracies 88.1 %)")
     healthy = {k: rec(0.88, 0) for k in runs}
     assert amortized.guard_values(healthy)["guard_fall"] == "–"
