@@ -375,3 +375,27 @@ def test_guard_values_put_each_guarded_seed_beside_its_unguarded_run():
         "1 run, 0 stalled (final accuracies 88.1 %)")
     healthy = {k: rec(0.88, 0) for k in runs}
     assert amortized.guard_values(healthy)["guard_fall"] == "–"
+
+
+def test_the_readmes_recommendation_counts_the_seed_studys_runs():
+    """The root README's one line on the amortized step gives the run and stall counts
+    of the seed study's records (k = 20 in both conditionings, k = 100 unguarded and
+    guarded, ill-conditioned): a new record that changes them fails here until the
+    README says the same."""
+    import re
+
+    runs = seed_study.seed_study_runs(P, FIG3, ROOT / "results" / "cifar"
+                                      / "amortized_seeds")
+
+    def count(method, conds=("ill",)):
+        rs = [r for r in runs if r["method"] == method and r["cond"] in conds
+              and r["complete"]]
+        return sum(r["stalled"] for r in rs), len(rs)
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    line = re.search(r"\*\*The amortized step\*\*: (.*?)Chapter", readme).group(1)
+    k20, k100, guard = (count("kwng_k20", ("ill", "well")), count("kwng_k100"),
+                        count("kwng_k100_guard"))
+    assert f"{k20[0]} of {k20[1]} runs stalled" in line
+    assert f"`k = 100`: {k100[0]} of {k100[1]}," in line
+    assert f"guarded {guard[0]} of {guard[1]})" in line
