@@ -1462,8 +1462,10 @@ def upgrade_hyperparameters(hp: dict[str, Any]) -> dict[str, Any]:
     ``hp`` is returned unchanged.
 
     >>> hp = upgrade_hyperparameters({"num_basis": 5, "adapt_eps": False})
-    >>> hp["refresh_every"], hp["gpu_solve"], hp["fallback"], hp["eps_schedule"]
-    (1, 'auto', 'gradient', None)
+    >>> hp["refresh_every"], hp["gpu_solve"], hp["eps_schedule"]
+    (1, 'auto', None)
+    >>> hp["fallback"]
+    'gradient'
     """
     hp = {**hp, **{k: v for k, v in _ADDED.items() if k not in hp}}
     if "eps_schedule" in hp or not any(k in hp for k in (*_OLD_LM_KEYS, "adapt_eps")):
