@@ -101,7 +101,7 @@ def fig3_negatives(root: str | os.PathLike = RESULTS, q: dict | None = None) -> 
                    "ill-conditioned case sooner than exact KWNG ("
                    + ", ".join(f"{s85[m]:.0f} s" for m in faster)
                    + f" against {s85['kwng']:.0f} s)")
-    ab = {r["method"]: r for r in verdicts.ablation_rows(p, fig3)}
+    ab = {r["method"]: r for r in q["ablation_rows"]}
     above = [m for m, r in ab.items() if m != "kwng" and r["test"] is not None
              and r["test"] > ab["kwng"]["test"]]
     if above:

@@ -280,11 +280,11 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     accuracy (%) at each selected step so far (``"<cond>_<method>"``) and of each
     ablation that has run (``"ab_<method>"``), ``kfac_drop``: whether KFAC drops from
     WC to IC by more than its seed spread (§4.2), ``ablation_verdict``
-    (:func:`ablation_verdict`), ``momentum`` (:func:`momentum_verdict`), ``time`` and
-    ``time_by_baseline`` (:func:`time_verdict` at 85 %), ``time_thresholds`` (who is
-    faster at each threshold from 70 % to the best final accuracy in IC,
-    :func:`~studies.fig3.clocks.thresholds_phrase`), ``time_clock``
-    (where its seconds come from, :func:`~studies.fig3.clocks.time_runs`)
+    (:func:`ablation_verdict` of ``ablation_rows``, the rows it reads), ``momentum``
+    (:func:`momentum_verdict`), ``time`` and ``time_by_baseline`` (:func:`time_verdict`
+    at 85 %), ``time_thresholds`` (who is faster at each threshold from 70 % to the
+    best final accuracy in IC, :func:`~studies.fig3.clocks.thresholds_phrase`),
+    ``time_clock`` (where its seconds come from, :func:`~studies.fig3.clocks.time_runs`)
     ``time_s85``: the mean training seconds to 85 % test accuracy in IC of each
     method that gets there, the amortized study's (``k > 1``, one seed each,
     :func:`~studies.fig3.amortized.readings.time_rows`, same clock) included. The
@@ -307,15 +307,15 @@ def cifar_fig3_verdict(root: str | os.PathLike = RESULTS) -> dict:
     queue = queue_left(p, base, methods=paper)
     summ = seed_summary(p, base)
     so_far = {k.replace("/", "_"): 100 * v["mean"] for k, v in summ.items()}
-    so_far.update({f"ab_{r['method']}": 100 * r["test"]
-                   for r in ablation_rows(p, base) if r["runs"]})
+    ab = ablation_rows(p, base)
+    so_far.update({f"ab_{r['method']}": 100 * r["test"] for r in ab if r["runs"]})
     kf = ver.get("kfac", {"verdict": "pending"})
     kfac_drop = "pending" if kf["verdict"] == "pending" else (
         "holds" if kf["drop"] > kf["spread"] else "fails")
     return {"per_baseline": ver, "counts": counts, "verdict": word, "queue": queue,
             "queue_phrase": queue_phrase(queue),
             "so_far": so_far, "kfac_drop": kfac_drop,
-            "ablation_verdict": ablation_verdict(ablation_rows(p, base))["verdict"],
+            "ablation_verdict": ablation_verdict(ab)["verdict"], "ablation_rows": ab,
             "by_baseline": by_baseline,
             "momentum": momentum_verdict(summ), "time": tv["verdict"],
             "time_by_baseline": tv["by_baseline"],
