@@ -15,7 +15,8 @@
 #                                              # comes back in the tar
 #
 # Knobs: GPU_IDS (the GPUs of this queue, "0"), PROCS (runs per GPU, 1), METHODS (comma
-# list: the methods of this queue; queues on other GPUs take other methods), PLANS
+# list: the methods of this queue; queues on other GPUs take other methods), SEEDS (comma
+# list: only these seeds' runs, all when empty), PLANS
 # (comma list of sweep plans the queue takes in turn, "fig3"; "amortized" and
 # "amortized_seeds" write under results/cifar/amortized and .../amortized_seeds, "fig3_audit"
 # under results/cifar/fig3_audit, "vit" (the ViT study) under results/vit), START_BY
@@ -42,6 +43,7 @@ START_BY=${START_BY:-1200}
 FINISH_BY=${FINISH_BY:-1560}
 METHODS=${METHODS:-sgd,sgd_momentum,sgd_momentum_wd,adam}
 PLANS=${PLANS:-fig3}
+SEEDS=${SEEDS:-}
 TAG=${TAG:-q0}
 DATA=${DATA:-.data/cifar10_jpeg.npz}
 PY=${PY:-python3}
@@ -110,9 +112,9 @@ while [ \$(date +%s) -lt $END ]; do
     CUDA_VISIBLE_DEVICES=$GPU_IDS $PY -m studies cifar sweep --plan \$plan \
         --methods $METHODS --gpus $(echo "$GPU_IDS" | tr ',' '\n' | wc -l) \
         --procs-per-gpu $PROCS --data-root "$DATA" --start-by-s \$left \
-        --finish-by-s \$fin --est-factor ${EST_FACTOR:-1} || true
+        --finish-by-s \$fin --est-factor ${EST_FACTOR:-1} ${SEEDS:+--seeds $SEEDS} || true
   done
-  n=\$($PY -c "import studies; studies.load_all(); from studies.cifar.plans import build_plan; print(sum(len(build_plan(p, methods='$METHODS'.split(','))) for p in '$PLANS'.split(',')))")
+  n=\$($PY -c "import studies; studies.load_all(); from studies.cifar.plans import build_plan; s = '$SEEDS'; print(sum(1 for p in '$PLANS'.split(',') for j in build_plan(p, methods='$METHODS'.split(',')) if not s or str(j['seed']) in s.split(',')))")
   echo "queue $TAG: \$n run(s) left"
   [ "\$n" = 0 ] && break
   # a pass that began no run (every run left would end after FINISH_BY) ends the

@@ -6,6 +6,7 @@ a sweep's help lists no option of its workers."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -50,3 +51,17 @@ def test_options_come_from_the_fields(capsys):
     for worker_only in ("--session", "--offset", "--deadline ", "--start-by ",
                         "--finish-by "):
         assert worker_only not in out
+
+
+def test_a_sweep_takes_only_the_seeds_asked(tmp_path, monkeypatch):
+    from studies.cifar import sweep as cifar_sweep
+    runs = [RunConfig(method="sgd", model="tiny", seed=s).to_dict() for s in (0, 1, 2)]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(runs))
+    seen = []
+    monkeypatch.setattr(cifar_sweep, "sweep",
+                        lambda jobs, *a, **k: seen.extend(j["seed"] for j in jobs) or 0)
+    assert cli.main(["cifar", "sweep", "--plan", str(plan), "--seeds", "2,0"]) == 0
+    assert seen == [0, 2]  # the plan's order, without seed 1
+    with pytest.raises(SystemExit):
+        cli.main(["cifar", "sweep", "--plan", str(plan), "--seeds", "1,x"])

@@ -37,6 +37,8 @@ CASES = [
      "argument --procs-per-gpu: must be an integer >= 1"),
     (["cifar", "sweep", "--plan", "claim", "--epochs", "x"],
      "argument --epochs: must be an integer >= 1 or 'auto', got 'x'"),
+    (["cifar", "sweep", "--plan", "claim", "--seeds", "1,-2"],
+     "argument --seeds: must be a comma list of integers >= 0, got '1,-2'"),
     (["cifar", "sweep", "--plan", "claim", "--set", "nope=1"],
      "--set takes KEY=VALUE with KEY one of"),
     (["cifar", "trainer-timing", "--precisions", "fp16"],

@@ -32,7 +32,7 @@ from studies.cifar.runtime import (
 )
 from studies.cifar.train import run
 from studies.kit import guard
-from studies.kit.cli_checks import int_arg, number_arg
+from studies.kit.cli_checks import int_arg, int_list_arg, number_arg
 from studies.kit.provenance import ResultFileError, atomic_write_json, read_json
 from studies.kit.run_lock import run_lock
 
@@ -313,6 +313,8 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     add("--timing", default=None, help="a timing file (`cifar timing`) to balance the "
         "GPUs")
     add("--methods", default=None, help="comma list: only these methods' runs")
+    add("--seeds", default=None, type=int_list_arg(0), help="comma list: only these "
+        "seeds' runs")
     add("--force", action="store_true", help="back up what is in a run's way (a "
         "finished run of another configuration, a cut run whose checkpoint is gone) "
         "and run it")
@@ -364,14 +366,15 @@ def _main_sweep(a: argparse.Namespace) -> int:
     else:
         plan = build_plan(a.plan, a.dataset, int(epochs), data_root=a.data_root,
                           methods=only)
-    plan = [{**j, **_overrides(a.set)} for j in plan]
+    plan = [{**j, **_overrides(a.set)} for j in plan
+            if a.seeds is None or j.get("seed") in a.seeds]
     if a.est_factor != 1.0:
         plan = [{**j, "est_s": j["est_s"] * a.est_factor} if j.get("est_s") else j
                 for j in plan]
     # sweeps of one plan over disjoint method lists may run side by side: one plan
     # file each
-    tag = ("-" + hashlib.sha1(",".join(sorted(only)).encode()).hexdigest()[:8]
-           if only else "")
+    key = ",".join(sorted(only or [])) + (f"@{a.seeds}" if a.seeds else "")
+    tag = "-" + hashlib.sha1(key.encode()).hexdigest()[:8] if key else ""
     plan_file = CHECKPOINTS / "plans" / f"{Path(a.plan).stem}{tag}.json"
     timing_rec = read_json(a.timing)["methods"] if a.timing else None
     log.info("sweep %s: %d runs on %d GPU(s) × %d processes", a.plan, len(plan), a.gpus,

@@ -7,8 +7,8 @@ import argparse
 import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["lr_arg", "int_arg", "number_arg", "names_arg", "path_problem",
-           "device_problem"]
+__all__ = ["lr_arg", "int_arg", "int_list_arg", "number_arg", "names_arg",
+           "path_problem", "device_problem"]
 
 
 def lr_arg(text: str) -> str | float:
@@ -36,6 +36,21 @@ def int_arg(lo: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(
                 f"must be an integer >= {lo}, got {text!r}")
         return value
+    return parse
+
+
+def int_list_arg(lo: int) -> Callable[[str], list[int]]:
+    """An argparse ``type``: a comma list of integers ``>= lo``.
+
+    >>> int_list_arg(0)("2,3")
+    [2, 3]
+    """
+    def parse(text: str) -> list[int]:
+        try:
+            return [int_arg(lo)(t) for t in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"must be a comma list of integers >= {lo}, got {text!r}") from None
     return parse
 
 
