@@ -357,8 +357,12 @@ def test_the_committed_trace_is_a_stalling_k100_run_read_by_the_chapter():
 
 
 def test_guard_values_put_each_guarded_seed_beside_its_unguarded_run():
+    """``guard_values``: which seeds stalled with and without the guard, the fallback
+    counters of a stalled seed, the skip runs, their failed directions, and which skip
+    runs took the unguarded run's steps (the same losses in every epoch)."""
     def rec(final: float, fallbacks: int) -> dict:
-        return {"epochs": [{"epoch": e, "test_acc": final, "fallbacks": fallbacks * e}
+        return {"epochs": [{"epoch": e, "test_acc": final, "fallbacks": fallbacks * e,
+                            "train_loss": 1 / e + final, "test_loss": 2 - final}
                            for e in range(1, 7)]}
 
     runs = {("ill", "kwng_k100", 0): rec(0.88, 0),
@@ -370,9 +374,17 @@ def test_guard_values_put_each_guarded_seed_beside_its_unguarded_run():
                                 "with it seed 2 (of seeds 0 and 2).")
     assert v["guard_fall"] == "30 (seed 2)" and v["unguarded_fall"] == "240 (seed 2)"
     assert v["skip_runs"] == "none of its runs is among the records yet"
-    runs[("ill", "kwng_k100_skip", 2)] = rec(0.881, 0)
-    assert amortized.guard_values(runs, 0.8)["skip_runs"] == (
-        "1 run, 0 stalled (final accuracies 88.1 %)")
+    runs[("ill", "kwng_k100_skip", 2)] = rec(0.881, 1)
+    v = amortized.guard_values(runs, 0.8)
+    assert v["skip_runs"] == "1 run, 0 stalled (final accuracies 88.1 %)"
+    assert v["skip_fall"] == "6 (seed 2)"  # the counter at the last epoch
+    assert v["skip_same"] == (
+        "no pair of runs took the same steps; at seed 2 the pair's losses differ from "
+        "the first epoch on: those pairs did not take the same steps, fallback or not")
+    runs[("ill", "kwng_k100", 0)] = runs[("ill", "kwng_k100_skip", 0)] = rec(0.88, 0)
+    assert amortized.guard_values(runs, 0.8)["skip_same"].startswith(
+        "at seed 0 the skip run and the unguarded run have the same losses in all 6 "
+        "epochs, to the last digit; at seed 2")
     healthy = {k: rec(0.88, 0) for k in runs}
     assert amortized.guard_values(healthy)["guard_fall"] == "–"
 
@@ -393,9 +405,51 @@ def test_the_readmes_recommendation_counts_the_seed_studys_runs():
         return sum(r["stalled"] for r in rs), len(rs)
 
     readme = " ".join((ROOT / "README.md").read_text().split())
-    line = re.search(r"\*\*The amortized step\*\*: (.*?)Chapter", readme).group(1)
-    k20, k100, guard = (count("kwng_k20", ("ill", "well")), count("kwng_k100"),
-                        count("kwng_k100_guard"))
+    line = re.search(r"\*\*The amortized step\*\*: (.*?)`studies/", readme).group(1)
+    k20, k100, guard, skip = (count("kwng_k20", ("ill", "well")), count("kwng_k100"),
+                              count("kwng_k100_guard"), count("kwng_k100_skip"))
     assert f"{k20[0]} of {k20[1]} runs stalled" in line
     assert f"`k = 100`: {k100[0]} of {k100[1]}," in line
-    assert f"guarded {guard[0]} of {guard[1]})" in line
+    assert f"guarded {guard[0]} of {guard[1]}," in line
+    assert f'guarded with `fallback="skip"` {skip[0]} of {skip[1]})' in line
+
+
+def test_fallback_values_split_the_runs_by_stall_and_read_every_kwng_record(tmp_path):
+    """``fallback_records`` keeps the complete step-10 ill-conditioned runs of the KWNG
+    family (not KFAC, not a cut run); ``fallback_values`` lists each stalled run with
+    its fallback count, the fewest of them, and the most of a healthy run."""
+    def put(method, seed, final, fb, epochs=3, complete=True):
+        d = tmp_path / "st" / "lr10" / "cifar10" / "ill" / method / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "metrics.json").write_text(json.dumps({
+            "complete": complete, "config": {"epochs": 3},
+            "epochs": [{"epoch": e, "test_acc": final, "fallbacks": fb}
+                       for e in range(1, epochs + 1)]}))
+
+    put("kwng", 0, 0.88, 0)
+    put("kwng_k100_skip", 2, 0.88, 1)
+    put("kwng_k100", 2, 0.2, 2239)
+    put("kwng_D_T", 0, 0.64, 1690)
+    put("kfac", 0, 0.70, 0)
+    put("kwng", 1, 0.5, 0, epochs=2, complete=False)
+    recs = amortized.fallback_records([tmp_path / "st"])
+    assert sorted(label for label, _ in recs) == [
+        "st/kwng seed0", "st/kwng_D_T seed0", "st/kwng_k100 seed2",
+        "st/kwng_k100_skip seed2"]
+    v = amortized.fallback_values(recs, 0.8)
+    assert v == {"fb_runs": "4", "fb_stalled": "st/kwng_k100 seed2 (2,239), "
+                 "st/kwng_D_T seed0 (1,690)", "fb_stalled_min": "1,690",
+                 "fb_healthy": "2", "fb_healthy_max": "1"}
+    assert amortized.fallback_values([])["fb_stalled"] == "none"
+
+
+def test_own_step_ms_leaves_out_the_first_epoch():
+    """A run's own steady clock: the median seconds per step after the first epoch,
+    so a cold start (compiling, capturing) does not count; one epoch is refused."""
+    rec = {"epochs": [{"steps": 100, "time_train": 40.0},
+                      {"steps": 200, "time_train": 41.6},
+                      {"steps": 300, "time_train": 43.3},
+                      {"steps": 400, "time_train": 44.9}]}
+    assert seed_study.own_step_ms(rec) == pytest.approx(16.0)
+    with pytest.raises(ValueError, match="at least 2 epochs"):
+        seed_study.own_step_ms({"epochs": rec["epochs"][:1]})

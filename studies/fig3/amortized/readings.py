@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from pathlib import Path
 
 from studies.cifar.methods import METHODS
 from studies.fig3.amortized.seed_study import (
@@ -32,7 +33,7 @@ from studies.kit.wording import name_list
 
 __all__ = ["TARGETS", "TIME_HEADER", "TIME_ANSWER", "clock_runs", "time_rows",
            "time_table", "time_values", "amortized_goal", "GOAL_HEADER", "goal_table",
-           "goal_values", "guard_values"]
+           "goal_values", "guard_values", "fallback_records", "fallback_values"]
 
 #: the test accuracies a row reports the time to
 TARGETS = (0.80, 0.85)
@@ -230,6 +231,31 @@ def _seed_list(seeds: list[int]) -> str:
     return word + name_list([str(s) for s in seeds])
 
 
+def _skip_pairs(runs: dict[tuple, dict], seeds: list[int], cond: str) -> dict[str, str]:
+    """``skip_fall``: each skip run's failed directions; ``skip_same``: the seeds at
+    which the skip run and the unguarded ``k = 100`` run have the same loss in every
+    epoch (the same steps), and those whose first epochs differ already."""
+    fall = [str(runs[(cond, "kwng_k100_skip", s)]["epochs"][-1]["fallbacks"])
+            for s in seeds]
+    same, other = [], []
+    for s in seeds:
+        a, b = (runs.get((cond, m, s), {}).get("epochs", [])
+                for m in ("kwng_k100_skip", "kwng_k100"))
+        if a and b:
+            key = [(e["train_loss"], e["test_loss"]) for e in a]
+            (same if key == [(e["train_loss"], e["test_loss"]) for e in b]
+             else other).append(s)
+    n = len(runs[(cond, "kwng_k100_skip", same[0])]["epochs"]) if same else 0
+    text = (f"at {_seed_list(same)} the skip run and the unguarded run have the same "
+            f"losses in all {n} epochs, to the last digit" if same
+            else "no pair of runs took the same steps")
+    if other:
+        text += (f"; at {_seed_list(other)} the pair's losses differ from the first "
+                 "epoch on: those pairs did not take the same steps, fallback or not")
+    return {"skip_fall": f"{name_list(fall)} ({_seed_list(seeds)})" if seeds else "–",
+            "skip_same": text}
+
+
 def guard_values(runs: dict[tuple, dict], stall_below: float = 0.8,
                  cond: str = "ill", by_epoch: int = 6) -> dict[str, str]:
     """The guarded ``k = 100`` runs beside the unguarded ones of the same seeds
@@ -238,7 +264,8 @@ def guard_values(runs: dict[tuple, dict], stall_below: float = 0.8,
     ``unguarded_fall`` (the fallback counter of the records at the end of epoch
     ``by_epoch``, for each seed whose guarded run stalled; "–" when none did) and
     ``skip_runs`` (the runs of ``kwng_k100_skip``, the guard with
-    ``fallback="skip"``: how many, how many stalled, their final accuracies)."""
+    ``fallback="skip"``: how many, how many stalled, their final accuracies), with
+    ``skip_fall`` and ``skip_same`` (:func:`_skip_pairs`)."""
     def stalled(m: str) -> tuple[list[int], list[int]]:
         seeds = sorted(s for (c, mm, s) in runs if (c, mm) == (cond, m))
         return seeds, [s for s in seeds if runs[(cond, m, s)]["epochs"][-1]["test_acc"]
@@ -259,7 +286,44 @@ def guard_values(runs: dict[tuple, dict], stall_below: float = 0.8,
                  f"{len(skip)} run{'s' * (len(skip) > 1)}, {len(skip_bad)} stalled "
                  f"(final accuracies {', '.join(f'{100 * v:.1f}' for v in finals)} %)")
     return {"guard_seeds": seeds, "skip_runs": skip_runs,
+            **_skip_pairs(runs, skip, cond),
             "guard_fall": ", ".join(f"{fall('kwng_k100_guard', s)} (seed {s})"
                                     for s in guard_bad) or "–",
             "unguarded_fall": ", ".join(f"{fall('kwng_k100', s)} (seed {s})"
                                         for s in guard_bad) or "–"}
+
+
+def fallback_records(roots: list[str | os.PathLike], step: float = 10.0,
+                     cond: str = "ill") -> list[tuple[str, dict]]:
+    """Every complete run of the KWNG family (methods ``kwng*`` and ``diag*``: exact,
+    amortized, diagonal, the ablations) under ``roots`` at ``step`` in conditioning
+    ``cond``, as ``(label, record)`` with label ``"root/method seed
+    s"``; runs cut short (early-stopped or diverged) are left out."""
+    out = []
+    for root in map(Path, roots):
+        for f in sorted(root.rglob(f"lr{step:g}/cifar10/{cond}/*/seed*/metrics.json")):
+            rec = read_json(f)
+            eps = rec.get("epochs") or []
+            kwng = f.parent.parent.name.startswith(("kwng", "diag"))
+            if (kwng and rec.get("complete") and eps and "fallbacks" in eps[-1]
+                    and len(eps) == rec.get("config", {}).get("epochs", len(eps))):
+                out.append((f"{root.name}/{f.parent.parent.name} {f.parent.name}", rec))
+    return out
+
+
+def fallback_values(recs: list[tuple[str, dict]],
+                    stall_below: float = 0.8) -> dict[str, str]:
+    """How the safeguard's fallbacks split the runs of :func:`fallback_records`:
+    ``fb_runs`` (how many), ``fb_stalled`` (each run that ended below ``stall_below``
+    with its fallback count), ``fb_stalled_min`` (the fewest fallbacks of a stalled
+    run), ``fb_healthy`` (how many did not stall) and ``fb_healthy_max`` (the most
+    fallbacks of one of them)."""
+    stalled = sorted(((rec["epochs"][-1]["fallbacks"], label) for label, rec in recs
+                      if rec["epochs"][-1]["test_acc"] < stall_below), reverse=True)
+    healthy = [rec["epochs"][-1]["fallbacks"] for _, rec in recs
+               if rec["epochs"][-1]["test_acc"] >= stall_below]
+    return {"fb_runs": str(len(recs)),
+            "fb_stalled": ", ".join(f"{lab} ({n:,})" for n, lab in stalled) or "none",
+            "fb_stalled_min": f"{min(n for n, _ in stalled):,}" if stalled else "–",
+            "fb_healthy": str(len(healthy)),
+            "fb_healthy_max": f"{max(healthy):,}" if healthy else "–"}

@@ -18,12 +18,13 @@ from studies.fig3.groups import check_group, record_verdict
 from studies.fig3.protocol import FIG3, load_protocol, record_problem
 from studies.fig3.verdicts import selected_runs
 from studies.kit.provenance import ResultFileError, read_json
+from studies.kit.wording import name_list
 
 __all__ = ["AMORTIZED_METHODS", "AMORTIZED", "AMORTIZED_SEEDS", "BAR",
            "SEED_RUN_HEADER",
            "SEED_SUMMARY_HEADER", "amortized_runs", "bar_phrase", "check_seed_study",
            "seed_bar", "seed_check", "seed_run_table", "seed_study_groups",
-           "seed_study_runs", "seed_summary_rows", "seed_summary_table",
+           "own_step_ms", "seed_study_runs", "seed_summary_rows", "seed_summary_table",
            "failure_rows", "seconds_text", "summary_values", "failure_values",
            "rounds_phrase"]
 
@@ -110,6 +111,19 @@ def amortized_runs(p: dict, root: str | os.PathLike = AMORTIZED) -> dict[tuple, 
 
 
 # ----------------------------------------------------------- the seed study read
+def own_step_ms(rec: dict) -> float:
+    """A run's own steady step time in milliseconds: the median over its epochs after
+    the first of training seconds per step (the first epoch also compiles kernels and
+    records graphs, which a run that starts a machine hold pays in full), the run's
+    own counterpart of the trainer timing's ``steady_ms_per_step``."""
+    e = rec["epochs"]
+    per = [(b["time_train"] - a["time_train"]) / (b["steps"] - a["steps"])
+           for a, b in zip(e, e[1:]) if b["steps"] > a["steps"]]
+    if not per:
+        raise ValueError("own_step_ms needs a record with at least 2 epochs")
+    return 1e3 * statistics.median(per)
+
+
 def seed_study_runs(p: dict, fig3_root: str | os.PathLike = FIG3,
                     root: str | os.PathLike = AMORTIZED_SEEDS,
                     timing_path: str | os.PathLike | None = None) -> list[dict]:
@@ -120,8 +134,8 @@ def seed_study_runs(p: dict, fig3_root: str | os.PathLike = FIG3,
     ``complete``, ``stalled`` (a finished run below the plan's ``stall_below``),
     ``epochs_to_80``/``_85`` and ``s_to_80``/``_85`` (``None``: never reached) on the
     Fig. 3 trainer timing's clock (``clock`` ``"trainer-timing"``) where it timed the
-    method, else the run's own training seconds (``"own"``, the GPU it ran on,
-    ``device``)."""
+    method, else on the run's own steady step time (``"own-steady"``,
+    :func:`own_step_ms`; the GPU it ran on is ``device``)."""
     epochs, root = int(p["settings"]["epochs"]), Path(root)
     stall = float(read_json(root / "plan.json")["stall_below"])
     runs = {**{(c, m, s): (r, "study") for (c, m, s), r in
@@ -136,11 +150,12 @@ def seed_study_runs(p: dict, fig3_root: str | os.PathLike = FIG3,
             runs.items(), key=lambda kv: (kv[0][0] != "ill", METHODS[kv[0][1]].order,
                                           kv[0][2])):
         rows = rec["epochs"]
-        clocked = retime({(cond, m, seed): rec}, ms).get((cond, m, seed))
+        own = {} if m in ms else {m: own_step_ms(rec)}
+        clocked = retime({(cond, m, seed): rec}, {**ms, **own}).get((cond, m, seed))
         row = {"cond": cond, "method": m, "seed": seed, "source": src,
                "epochs": len(rows), "final": float(rows[-1]["test_acc"]),
                "complete": bool(rec.get("complete")) and len(rows) == epochs,
-               "clock": "trainer-timing" if clocked else "own",
+               "clock": "trainer-timing" if m in ms else "own-steady",
                "device": _device(root if src == "study" else None, p, rec, cond, m,
                                  seed)}
         row["stalled"] = row["complete"] and row["final"] < stall
@@ -343,9 +358,9 @@ def summary_values(rows: list[dict], runs: list[dict]) -> dict[str, str]:
         s85 = (r["median_s_to_85"],) if one else (r["median_s_to_85"],
                                                   r["worst_s_to_85"])
         out[f"{key}_s85"] = " / ".join(map(seconds_text, s85))
-    out["k100_ok_s85"] = " and ".join(
+    out["k100_ok_s85"] = name_list([
         seconds_text(r["s_to_85"]) for r in runs if r["method"] == "kwng_k100"
-        and r["cond"] == "ill" and r["complete"] and not r["stalled"])
+        and r["cond"] == "ill" and r["complete"] and not r["stalled"]])
     return out
 
 
