@@ -270,3 +270,29 @@ def test_profile_step_refuses_a_refresh_interval_below_one_and_unknown_modes():
         profile_step.main(["--refresh-every", "0"])
     with pytest.raises(SystemExit, match="--modes entries must be among"):
         profile_step.main(["--modes", "sgd,nothing"])
+
+
+def test_the_reuse_breakdown_splits_the_excess_over_sgd_into_parts():
+    """``reuse_breakdown``: each kernel's time beyond SGD's goes to the first part whose
+    pattern it matches, the rest to "everything else"; the parts and the rest sum to
+    the excess; the committed profile (a reuse step, bf16) has provenance and its
+    excess is the difference of its totals."""
+    from studies.bench import figures as pb
+
+    rec = {"rows": [
+        {"config": "c", "mode": "sgd", "total_us": 100.0,
+         "kernels_us": {"conv": 80.0, "copy": 20.0}},
+        {"config": "c", "mode": "kwng_fast", "total_us": 160.0,
+         "kernels_us": {"conv": 80.0, "copy": 25.0, "_norms_kernel": 10.0,
+                        "_system_kernel": 20.0, "CatArrayBatchedCopy_x": 15.0,
+                        "getrf_wo_pivot": 10.0}}]}
+    header, rows, v = pb.reuse_breakdown(rec, "c")
+    assert [r[1] for r in rows[:4]] == ["30", "15", "10", "5"] and rows[4][1] == "60"
+    assert v["rp_target"] == "35" and v["rp_bound"] == "45" and v["rp_ratio"] == "1.60"
+    committed = json.loads((RESULTS / "amortized" / "profile_reuse.json").read_text())
+    assert committed["refresh_every"] > 5 + committed["steps"]  # every step reuses
+    assert committed["provenance"]["git_commit"] and committed["provenance"]["device"]
+    _, _, cv = pb.reuse_breakdown(committed)
+    rows_c = {r["mode"]: r for r in committed["rows"]}
+    assert float(cv["rp_excess"]) == pytest.approx(
+        rows_c["kwng_fast"]["total_us"] - rows_c["sgd"]["total_us"], abs=0.5)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 __all__ = ["step_key", "step_rows", "compare_steps", "kernel_verdicts", "path_rows",
            "exactness_table", "exactness_values", "step_table", "step_values",
-           "amortized_table", "amortized_values"]
+           "amortized_table", "amortized_values", "REUSE_PARTS", "reuse_breakdown"]
 
 #: the order of the precisions and memory formats in the tables
 _ORDER = {"fp32": 0, "bf16_autocast": 1, "nchw": 0, "channels_last": 1}
@@ -187,3 +187,55 @@ def amortized_values(record: dict, earlier: dict) -> dict[str, str]:
         out[f"am_{tag}_reuse_ratio"] = f"{kw[100]['median_ms'] / base['median_ms']:.2f}"
     new_r, old_r = _bf16_ratios(record), _bf16_ratios(earlier)
     return out | {"am_old_diff": f"{max(abs(new_r[k] - old_r[k]) for k in old_r):.2f}"}
+
+
+#: the parts of a reuse step's kernel time beyond SGD's (:func:`reuse_breakdown`):
+#: a name and the regular expression its kernels' names match (first match wins)
+REUSE_PARTS = (
+    ("the four passes over the cached T (Triton: norms, system, direction, write)",
+     r"^_(norms|system|raw|write)_kernel$"),
+    ("flattening g into one vector (torch.cat)", r"CatArrayBatchedCopy"),
+    ("the M × M solve (float64 LU)", r"getrf|getrs|trsm|potrf"),
+)
+
+
+def reuse_breakdown(record: dict, config: str = "bf16_channels_last"
+                    ) -> tuple[tuple[str, ...], list[tuple], dict[str, str]]:
+    """A ``profile_step --refresh-every`` record read as where a reuse step's kernel
+    time goes beyond an SGD step's: ``(header, rows, values)`` with one row per part of
+    :data:`REUSE_PARTS` (its microseconds a step and share of the excess), the rest
+    of the excess, the excess and both totals; ``values``: ``rp_sgd``, ``rp_reuse``
+    (ms a step), ``rp_ratio``, ``rp_excess`` (µs), ``rp_target`` (the µs a reuse step
+    must lose to cost 1.25 SGD steps), ``rp_<i>`` (µs of part ``i``) and
+    ``rp_norms_kernel``, ``rp_system_kernel`` (µs of those two passes) and ``rp_bound``
+    (their sum with the flattening's: the most that caching them and a flat gradient
+    buffer could remove)."""
+    import re
+
+    rows = {r["mode"]: r for r in record["rows"] if r["config"] == config}
+    sgd, kw = rows["sgd"], rows["kwng_fast"]
+    excess = kw["total_us"] - sgd["total_us"]
+    left = {k: v - sgd["kernels_us"].get(k, 0.0) for k, v in kw["kernels_us"].items()}
+    out, values = [], {}
+    for i, (name, pattern) in enumerate(REUSE_PARTS):
+        us = sum(v for k, v in left.items() if re.search(pattern, k))
+        left = {k: v for k, v in left.items() if not re.search(pattern, k)}
+        out.append((name, f"{us:.0f}", f"{100 * us / excess:.0f} %"))
+        values[f"rp_{i}"] = f"{us:.0f}"
+    rest = sum(left.values())
+    out += [("everything else (copies, additions, small reductions)", f"{rest:.0f}",
+             f"{100 * rest / excess:.0f} %"),
+            ("**beyond SGD, in all**", f"{excess:.0f}", "100 %"),
+            ("an SGD step / a reuse step",
+             f"{sgd['total_us']:.0f} / {kw['total_us']:.0f}", "")]
+    values |= {"rp_sgd": f"{sgd['total_us'] / 1e3:.2f}",
+               "rp_reuse": f"{kw['total_us'] / 1e3:.2f}",
+               "rp_ratio": f"{kw['total_us'] / sgd['total_us']:.2f}",
+               "rp_excess": f"{excess:.0f}",
+               "rp_target": f"{kw['total_us'] - 1.25 * sgd['total_us']:.0f}",
+               **{f"rp_{k.strip('_')}": f"{kw['kernels_us'].get(k, 0.0):.0f}"
+                  for k in ("_norms_kernel", "_system_kernel")}}
+    bound = sum(float(values[k])
+                for k in ("rp_norms_kernel", "rp_system_kernel", "rp_1"))
+    values["rp_bound"] = f"{bound:.0f}"
+    return ("part of the reuse step", "µs a step", "share of the excess"), out, values

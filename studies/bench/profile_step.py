@@ -137,10 +137,11 @@ def main(argv: list[str] | None = None) -> None:
                                    "total_us": total, "by_kind_us": dict(by_kind),
                                    "kernels_us": dict(times)})
     if a.json:
-        from studies.kit.provenance import atomic_write_text
+        from studies.kit.provenance import atomic_write_text, make_provenance
 
         record["device"] = torch.cuda.get_device_name()
         record["torch"] = torch.__version__
+        record["provenance"] = make_provenance(vars(a), device="cuda")
         atomic_write_text(a.json, json.dumps(record, indent=1, sort_keys=True))
 
 
