@@ -129,9 +129,9 @@ class KWNGConfig:
     * ``refresh_guard`` — with ``refresh_every > 1``, also refresh two steps after a
       step whose system was rank deficient or whose direction fell back to ``g``
       (:class:`kwng.engine.precond.SystemCache`, "The guard"); ``False`` (the default):
-      the counter alone. It does not make a ``k`` too large for a network safe: on the
-      book's CIFAR-10 study guarded ``k = 100`` runs stalled too
-      (:ref:`cifar-amortized`).
+      the counter alone. Alone it does not make a ``k`` too large for a network safe:
+      on the book's CIFAR-10 study guarded ``k = 100`` runs stalled too; with
+      ``fallback="skip"`` none of five did (:ref:`cifar-amortized`).
     * ``gpu_solve`` — which implementation runs the fast step's solve and per-copy
       batch-norm backward on CUDA, one of :data:`kwng.engine.gpu_paths.GPU_SOLVES`:
       ``"auto"`` (the default: the Triton kernels where they run, else the compiled
