@@ -28,7 +28,7 @@ from studies.fig3.protocol import (
     run_status,
     stop_reason,
 )
-from studies.fig3.verdicts import selected_runs
+from studies.fig3.verdicts import ablation_runs, selected_runs
 from studies.kit.provenance import read_json
 from studies.kit.wording import name_list, pct
 
@@ -181,21 +181,15 @@ def repro_runs(p: dict | None = None, root: str | os.PathLike = FIG3_AUDIT,
     p = load_protocol() if p is None else p
     root, fig3_root = Path(root), Path(fig3_root)
     epochs, out = int(p["settings"]["epochs"]), []
-    sel = {k: r for k, r in selected_runs(p, fig3_root).items()}
+    # the committed runs: the protocol's at their selected steps, and the ablations'
+    # (the protocol's and the seed study's seeds of them, verdicts.ablation_runs)
+    known = {**selected_runs(p, fig3_root),
+             **ablation_runs(p, fig3_root, False if seeds_root is None else seeds_root)}
     for mp, lr, cond, m, seed in _records(root, "repro", p["dataset"]):
         rec = read_json(mp)
-        committed: dict[int, float] = {}
-        for (c, mm, s), r in sel.items():
-            if (c, mm) == (cond, m) and float(r["lr"]) == lr:
-                committed[s] = float(r["epochs"][-1]["test_acc"])
-        extra = [fig3_root / "ablation"] + ([Path(seeds_root)] if seeds_root else [])
-        for base in extra:
-            for s_mp in sorted((base / f"lr{lr:g}" / p["dataset"] / cond / m)
-                               .glob("seed*/metrics.json")):
-                r = read_json(s_mp)
-                if run_status(r, epochs) == "finished":
-                    committed.setdefault(int(s_mp.parts[-2][4:]),
-                                         float(r["epochs"][-1]["test_acc"]))
+        committed = {s: float(r["epochs"][-1]["test_acc"])
+                     for (c, mm, s), r in known.items()
+                     if (c, mm) == (cond, m) and float(r["lr"]) == lr}
         final = float(rec["epochs"][-1]["test_acc"])
         spread = sorted(committed.values())
         out.append({"cond": cond, "method": m, "lr": lr, "seed": seed, "final": final,
