@@ -3,6 +3,7 @@ completeness."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -1015,3 +1016,38 @@ def test_a_step_that_cannot_invert_its_factor_ends_the_run_as_diverged(tmp_path,
     assert rec["epochs"][1]["steps"] == 2  # the failed step is not counted
     cfg = _run_cfg(tmp_path, method="sgd", epochs=3)
     assert not runtime.checkpoint_path_for(cfg).is_file()
+
+
+def test_a_run_killed_between_checkpoints_resumes_from_the_last_to_the_same_record(
+        tmp_path, monkeypatch):
+    """End-of-epoch checkpoints follow ``CheckpointClock``: the first epoch of a process
+    checkpoints, later ones only after ``CHECKPOINT_EVERY_S`` (here never). A run killed
+    after its third epoch's record was written holds a record of 3 epochs and the
+    checkpoint of epoch 1; run again, it resumes from epoch 1 and ends with the
+    uninterrupted run's record."""
+    from studies.cifar import train as cifar_train
+
+    cfg = dict(method="kwng", epochs=4, batch_size=50)
+    full = train.run(_run_cfg(tmp_path / "a", **cfg), progress=False)
+    monkeypatch.setattr(runtime, "CHECKPOINT_EVERY_S", 1e9)
+    written = cifar_train.atomic_write_json
+
+    def write_then_die(path, obj):
+        written(path, obj)
+        if len(obj.get("epochs", [])) == 3:
+            raise KeyboardInterrupt  # killed after the record of epoch 3
+    monkeypatch.setattr(cifar_train, "atomic_write_json", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(_run_cfg(tmp_path / "b", **cfg), progress=False)
+    monkeypatch.setattr(cifar_train, "atomic_write_json", written)
+    b = _run_cfg(tmp_path / "b", **cfg)
+    on_disk = json.loads((runtime.run_dir_for(b) / "metrics.json").read_text())
+    ck = torch.load(runtime.checkpoint_path_for(b), weights_only=False)
+    assert len(on_disk["epochs"]) == 3 and ck["epoch"] == 1
+    resumed = train.run(b, progress=False)
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
+
+    assert resumed["complete"] and strip(resumed["epochs"]) == strip(full["epochs"])
+    assert not runtime.checkpoint_path_for(b).is_file()

@@ -1,11 +1,10 @@
 """One CIFAR run: the training loop, evaluation, checkpoints and the per-epoch record
 (book chapter :ref:`experiments-cifar`).
 
-:func:`run` trains one :class:`~studies.cifar.config.RunConfig` to completion
-(or to ``stop_after_epoch`` / ``max_steps`` / ``deadline``), resuming exactly from its
-checkpoint; every method takes its step through
-:class:`~studies.cifar.steps.MethodStep`
-(:func:`~studies.cifar.steps.train_step`).
+:func:`run` trains a :class:`~studies.cifar.config.RunConfig` to completion (or to
+``stop_after_epoch`` / ``max_steps`` / ``deadline``), resuming exactly from its last
+checkpoint (:class:`~studies.cifar.runtime.CheckpointClock`); each method steps through
+:class:`~studies.cifar.steps.MethodStep` (:func:`~studies.cifar.steps.train_step`).
 
 The same loop serves one process and ``world_size`` processes under torchrun
 (:func:`studies.cifar.cli.ddp_main`): every rank draws the same global batch of
@@ -39,6 +38,7 @@ from studies.cifar.methods import (
 )
 from studies.cifar.metrics import EpochStats, UpdateShare, agree_ranks, evaluate_full
 from studies.cifar.runtime import (
+    CheckpointClock,
     checkpoint_path_for,
     fast_cuda,
     past,
@@ -111,6 +111,7 @@ class Run:
         self.trace: torch.Tensor | None = None  # per-step losses (trainer_timing)
         self.record = self._new_record(lr, identity, milestones)
         self.start_epoch, self.steps, self.time_train, self.partial = 0, 0, 0.0, None
+        self.ckpt_clock = CheckpointClock()  # end-of-epoch checkpoints, by time
         #: the step that raised a numerical error (train_epoch), or None
         self.failure: dict | None = None
 
@@ -297,7 +298,8 @@ class Run:
         log.info("%s epoch %d: train %.4f/%.3f test %.4f/%.3f (%.1fs)", self.rdir,
                  epoch + 1, row["train_loss"], row["train_acc"], test_loss, test_acc,
                  self.time_train)
-        if not finished:
+        if not finished and self.ckpt_clock.due(
+                stopping=epoch + 1 >= (cfg.stop_after_epoch or math.inf)):
             self.checkpoint(epoch + 1)
         if self.rank == 0:
             atomic_write_json(self.rdir / "metrics.json", record)
