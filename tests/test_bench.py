@@ -296,3 +296,29 @@ def test_the_reuse_breakdown_splits_the_excess_over_sgd_into_parts():
     rows_c = {r["mode"]: r for r in committed["rows"]}
     assert float(cv["rp_excess"]) == pytest.approx(
         rows_c["kwng_fast"]["total_us"] - rows_c["sgd"]["total_us"], abs=0.5)
+
+
+def test_profile_step_attributes_each_kernel_to_the_innermost_line_of_ours():
+    """``source_of`` walks up the profile's op tree to the innermost frame under
+    ``kwng/`` or ``studies/``; an op of the autograd engine is the backward pass;
+    anything else is named by its outermost op. ``source_times`` sums the kernels."""
+    from types import SimpleNamespace as E
+
+    from studies.bench import profile_step as ps
+
+    top = E(name="/x/site/torch/nn/module.py(10): _call", cpu_parent=None)
+    ours = E(name="/w/main/kwng/engine/precond.py(450): _step", cpu_parent=top)
+    inner = E(name="/w/main/kwng/solve.py(12): safeguard", cpu_parent=ours)
+    op = E(name="aten::cat", cpu_parent=inner,
+           kernels=[E(duration=30.0), E(duration=10.0)])
+    bwd = E(name="aten::convolution_backward",
+            cpu_parent=E(name="autograd::engine::evaluate_function: Conv",
+                         cpu_parent=None), kernels=[E(duration=50.0)])
+    other = E(name="aten::add_", cpu_parent=top, kernels=[E(duration=4.0)])
+    assert ps.source_of(op) == "kwng/solve.py:12 safeguard"
+    assert ps.source_of(bwd) == "backward pass (autograd)"
+    assert ps.source_of(other).startswith("outside kwng/, studies/: /x/site/torch")
+    prof = E(events=lambda: [top, ours, inner, op, bwd, other])
+    assert ps.source_times(prof, steps=2) == {
+        "kwng/solve.py:12 safeguard": 20.0, "backward pass (autograd)": 25.0,
+        ps.source_of(other): 2.0}

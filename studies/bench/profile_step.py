@@ -2,7 +2,7 @@
 
 python -m studies.bench.profile_step [--configs
 bf16_channels_last,fp32_channels_last] [--modes sgd,fwd_bwd_RN,kwng_fast] [--num-basis
-5] [--top 12] [--gpu-path triton] [--refresh-every 1000] [--json OUT]
+5] [--top 12] [--gpu-path triton] [--refresh-every 1000] [--json OUT] [--by-source]
 
 For every (configuration, mode) it profiles a few steps of
 ``studies.bench.step_cost._make_step`` (the rows of ``python -m
@@ -13,7 +13,8 @@ elementwise, reductions, copies), and the most expensive kernels. With
 ``--refresh-every k`` (k larger than the warm-up and profiled steps, e.g. 1000) the KWNG
 modes build their kernel system once, in the warm-up, and every profiled step reuses
 it: the kernels of a step between refreshes (``KWNGConfig.refresh_every``), to set
-beside SGD's. ``--json`` also writes the per-step kernel times. A tuning aid: the
+beside SGD's. ``--json`` also writes the per-step kernel times; ``--by-source`` sums
+them by the line of ``kwng/`` or ``studies/`` that launched them. A tuning aid: the
 numbers to report come from ``python -m studies.bench.step_cost``.
 """
 
@@ -62,10 +63,45 @@ def kernel_times(prof, steps: int) -> dict[str, float]:
     return out
 
 
+#: a Python frame of a profile taken with ``with_stack=True``: ``path.py(line): name``
+FRAME = re.compile(r"^(?P<path>.*\.py)\((?P<line>\d+)\): (?P<func>.+)$")
+#: the source trees a kernel is attributed to (the innermost frame in one of them)
+OURS = ("kwng/", "studies/")
+
+
+def source_of(event) -> str:
+    """Where the code that launched ``event``'s kernels is: ``file:line function`` of
+    the innermost frame of :data:`OURS` among its ancestors in the profile
+    (``cpu_parent``), else ``"backward pass (autograd)"`` for an op of the autograd
+    engine, else the outermost op's name."""
+    node, root = event, event
+    while node is not None:
+        m = FRAME.match(node.name)
+        if m and any(o in m["path"] for o in OURS):
+            path = m["path"]
+            short = path[max(path.rfind(o) for o in OURS if o in path):]
+            return f"{short}:{m['line']} {m['func']}"
+        root, node = node, node.cpu_parent
+    if root.name.startswith("autograd::"):
+        return "backward pass (autograd)"
+    return f"outside {', '.join(OURS)}: {root.name[:60]}"
+
+
+def source_times(prof, steps: int) -> dict[str, float]:
+    """Summed kernel time (µs per step) by the source line that launched it
+    (:func:`source_of`), from a profile taken with CPU and CUDA activities and
+    ``with_stack=True``."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for e in prof.events():
+        for k in getattr(e, "kernels", ()) or ():
+            out[source_of(e)] += k.duration / steps
+    return dict(out)
+
+
 def profile_one(
     config: str, mode: str, num_basis: int, batch: int, steps: int,
-    gpu_solve: str = "auto", refresh_every: int = 1,
-) -> dict[str, float]:
+    gpu_solve: str = "auto", refresh_every: int = 1, by_source: bool = False,
+) -> tuple[dict[str, float], dict[str, float] | None]:
     prec, fmt = CONFIGS[config]
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -83,11 +119,12 @@ def profile_one(
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * by_source
+    with profile(activities=acts, with_stack=by_source) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    return kernel_times(prof, steps)
+    return kernel_times(prof, steps), source_times(prof, steps) if by_source else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="KWNGConfig.refresh_every of the KWNG modes (above 5 + "
                    "--steps: every profiled step reuses the system)")
     p.add_argument("--json", default=None, help="also write the kernel times here")
+    p.add_argument("--by-source", action="store_true",
+                   help="also sum the kernel time by the kwng/studies source line "
+                   "that launched it (a profile with Python stacks)")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
     for m in modes:
@@ -117,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cudnn.benchmark = True
     for config in a.configs.split(","):
         for mode in modes:
-            times = profile_one(config, mode, a.num_basis, a.batch, a.steps,
-                                a.gpu_path, a.refresh_every)
+            times, by_src = profile_one(config, mode, a.num_basis, a.batch, a.steps,
+                                        a.gpu_path, a.refresh_every, a.by_source)
             by_kind: dict[str, float] = collections.defaultdict(float)
             for name, t in times.items():
                 by_kind[kind_of(name)] += t
@@ -133,9 +173,13 @@ def main(argv: list[str] | None = None) -> None:
             )
             for name, t in sorted(times.items(), key=lambda kv: -kv[1])[: a.top]:
                 print(f"   {t / 1e3:7.3f} ms  {kind_of(name):11s} {name[:110]}")
+            ranked = sorted((by_src or {}).items(), key=lambda kv: -kv[1])
+            for src, t in ranked[: a.top]:
+                print(f"   {t / 1e3:7.3f} ms  from {src}")
             record["rows"].append({"config": config, "mode": mode,
                                    "total_us": total, "by_kind_us": dict(by_kind),
-                                   "kernels_us": dict(times)})
+                                   "kernels_us": dict(times),
+                                   **({"by_source_us": by_src} if by_src else {})})
     if a.json:
         from studies.kit.provenance import atomic_write_text, make_provenance
 
