@@ -453,3 +453,19 @@ def test_own_step_ms_leaves_out_the_first_epoch():
     assert seed_study.own_step_ms(rec) == pytest.approx(16.0)
     with pytest.raises(ValueError, match="at least 2 epochs"):
         seed_study.own_step_ms({"epochs": rec["epochs"][:1]})
+
+
+def test_the_fallback_figure_draws_one_panel_per_variant_and_refuses_an_empty_one():
+    from studies.fig3.amortized.figures import fig_fallback_variants
+
+    def rec(final, fb):
+        return {"epochs": [{"epoch": e, "test_acc": final, "fallbacks": fb}
+                           for e in (1, 2)]}
+
+    fig = fig_fallback_variants({"a": {0: rec(0.9, 0), 2: rec(0.2, 40)},
+                                 "b": {0: rec(0.9, 1)}}, 0.8)
+    assert [ax.get_title() for ax in fig.axes] == ["a", "b"]
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["seed 0: 0 failed", "seed 2: 40 failed"]
+    with pytest.raises(ValueError, match="each with a run"):
+        fig_fallback_variants({"a": {}}, 0.8)

@@ -1,7 +1,8 @@
 """The figures of the amortized step's seed study (chapter :ref:`cifar-amortized`): how
 the runs of one setting that stalled differ, epoch by epoch, from those that did not
-(:func:`fig_stalls`), and a traced run step by step (:func:`fig_trace`, from
-:mod:`studies.fig3.amortized.stale_trace`)."""
+(:func:`fig_stalls`), a traced run step by step (:func:`fig_trace`, from
+:mod:`studies.fig3.amortized.stale_trace`), and one setting's runs under the guard and
+the fallbacks side by side (:func:`fig_fallback_variants`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from studies.kit.style import FIG_WIDTH_IN, book_figure
 
-__all__ = ["fig_stalls", "fig_trace"]
+__all__ = ["fig_stalls", "fig_trace", "fig_fallback_variants"]
 
 #: the per-epoch fields drawn, with their panel titles
 #:
@@ -96,6 +97,37 @@ def fig_trace(rows: list[dict[str, float]], ages: list[dict[str, float]],
     axes[2].set_xlabel("steps since the refresh (age of the system)")
     axes[2].set_ylim(0, 1)
     axes[2].legend(loc="upper right", framealpha=0.9)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+@book_figure
+def fig_fallback_variants(groups: dict[str, dict[int, dict]], stall_below: float,
+                          title: str = ""):
+    """Test accuracy against the epoch, one panel per variant (``groups``: ``{panel
+    title: {seed: record}}``, in order), one line per run: red for a run that ends
+    below ``stall_below``, grey otherwise, each labelled with its seed and the steps
+    whose direction failed (the record's last ``fallbacks`` count)."""
+    import matplotlib.pyplot as plt
+
+    if not groups or not all(groups.values()):
+        raise ValueError("groups must hold at least one panel, each with a run")
+    fig, axes = plt.subplots(1, len(groups), sharey=True, squeeze=False,
+                             figsize=(FIG_WIDTH_IN, 0.42 * FIG_WIDTH_IN))
+    for ax, (name, runs) in zip(axes[0], groups.items()):
+        for seed, rec in sorted(runs.items()):
+            rows = rec["epochs"]
+            bad = rows[-1]["test_acc"] < stall_below
+            ax.plot([r["epoch"] for r in rows], [r["test_acc"] for r in rows],
+                    color="#cb181d" if bad else "#737373", ls="-" if bad else "--",
+                    lw=1.2, label=f"seed {seed}: {rows[-1]['fallbacks']:,} failed")
+        ax.axhline(stall_below, color="k", lw=0.6, ls=":")
+        ax.set_title(name)
+        ax.set_xlabel("epoch")
+        ax.legend(loc="center right", fontsize="x-small")
+    axes[0, 0].set_ylabel("test accuracy")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
