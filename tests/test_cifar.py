@@ -1030,16 +1030,17 @@ def test_a_run_killed_between_checkpoints_resumes_from_the_last_to_the_same_reco
     cfg = dict(method="kwng", epochs=4, batch_size=50)
     full = train.run(_run_cfg(tmp_path / "a", **cfg), progress=False)
     monkeypatch.setattr(runtime, "CHECKPOINT_EVERY_S", 1e9)
-    written = cifar_train.atomic_write_json
+    end_epoch = cifar_train.Run.end_epoch
 
-    def write_then_die(path, obj):
-        written(path, obj)
-        if len(obj.get("epochs", [])) == 3:
+    def end_then_die(self, epoch, total_steps):
+        finished = end_epoch(self, epoch, total_steps)
+        if epoch == 2:
             raise KeyboardInterrupt  # killed after the record of epoch 3
-    monkeypatch.setattr(cifar_train, "atomic_write_json", write_then_die)
+        return finished
+    monkeypatch.setattr(cifar_train.Run, "end_epoch", end_then_die)
     with pytest.raises(KeyboardInterrupt):
         train.run(_run_cfg(tmp_path / "b", **cfg), progress=False)
-    monkeypatch.setattr(cifar_train, "atomic_write_json", written)
+    monkeypatch.setattr(cifar_train.Run, "end_epoch", end_epoch)
     b = _run_cfg(tmp_path / "b", **cfg)
     on_disk = json.loads((runtime.run_dir_for(b) / "metrics.json").read_text())
     ck = torch.load(runtime.checkpoint_path_for(b), weights_only=False)

@@ -160,13 +160,14 @@ CHECKPOINT_EVERY_S = 60.0
 
 
 class CheckpointClock:
-    """When a run checkpoints at the end of an epoch: the first time it is asked in
-    this process (so that a record on disk always has a checkpoint beside it), when the
-    run stops after this epoch (``stopping``), and otherwise once
-    :data:`CHECKPOINT_EVERY_S` seconds have passed since the last checkpoint.
+    """When a run checkpoints at the end of epoch ``done`` (counted from 1): the first
+    time it is asked in this process (so that a record on disk always has a checkpoint
+    beside it), when the run stops after this epoch (``done`` reaches ``stop_after``),
+    and otherwise once :data:`CHECKPOINT_EVERY_S` seconds have passed since the last
+    checkpoint.
 
     >>> clock = CheckpointClock(every_s=3600)
-    >>> clock.due(stopping=False), clock.due(stopping=False), clock.due(stopping=True)
+    >>> clock.due(1, None), clock.due(2, None), clock.due(3, 3)
     (True, False, True)
     """
 
@@ -174,8 +175,8 @@ class CheckpointClock:
         self.every_s = CHECKPOINT_EVERY_S if every_s is None else every_s
         self.last: float | None = None
 
-    def due(self, stopping: bool) -> bool:
-        now = time.monotonic()
+    def due(self, done: int, stop_after: int | None) -> bool:
+        now, stopping = time.monotonic(), stop_after is not None and done >= stop_after
         if stopping or self.last is None or now - self.last >= self.every_s:
             self.last = now
             return True

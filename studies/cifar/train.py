@@ -298,8 +298,7 @@ class Run:
         log.info("%s epoch %d: train %.4f/%.3f test %.4f/%.3f (%.1fs)", self.rdir,
                  epoch + 1, row["train_loss"], row["train_acc"], test_loss, test_acc,
                  self.time_train)
-        if not finished and self.ckpt_clock.due(
-                stopping=epoch + 1 >= (cfg.stop_after_epoch or math.inf)):
+        if not finished and self.ckpt_clock.due(epoch + 1, cfg.stop_after_epoch):
             self.checkpoint(epoch + 1)
         if self.rank == 0:
             atomic_write_json(self.rdir / "metrics.json", record)
