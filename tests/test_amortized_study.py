@@ -437,8 +437,8 @@ def test_fallback_values_split_the_runs_by_stall_and_read_every_kwng_record(tmp_
         "st/kwng seed0", "st/kwng_D_T seed0", "st/kwng_k100 seed2",
         "st/kwng_k100_skip seed2"]
     v = amortized.fallback_values(recs, 0.8)
-    assert v == {"fb_runs": "4", "fb_stalled": "st/kwng_k100 seed2 (2,239), "
-                 "st/kwng_D_T seed0 (1,690)", "fb_stalled_min": "1,690",
+    assert v == {"fb_runs": "4", "fb_stalled": "KWNG, k = 100, seed 2 (st): 2,239; "
+                 "KWNG, D = ‖T‖, seed 0 (st): 1,690", "fb_stalled_min": "1,690",
                  "fb_healthy": "2", "fb_healthy_max": "1"}
     assert amortized.fallback_values([])["fb_stalled"] == "none"
 

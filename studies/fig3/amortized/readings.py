@@ -311,6 +311,19 @@ def fallback_records(roots: list[str | os.PathLike], step: float = 10.0,
     return out
 
 
+#: the record folders of :func:`fallback_records`, in words
+WHERE = {"fig3": "protocol", "fig3_audit": "audit", "amortized": "amortized study",
+         "amortized_seeds": "seed study"}
+
+
+def _run_words(label: str) -> str:
+    """``"folder/method seedN"`` as ``"<method label>, seed N (<folder in words>)"``."""
+    folder, rest = label.split("/", 1)
+    m, seed = rest.rsplit(" ", 1)
+    name = METHODS[m].label if m in METHODS else m
+    return f"{name}, seed {seed[4:]} ({WHERE.get(folder, folder)})"
+
+
 def fallback_values(recs: list[tuple[str, dict]],
                     stall_below: float = 0.8) -> dict[str, str]:
     """How the safeguard's fallbacks split the runs of :func:`fallback_records`:
@@ -323,7 +336,8 @@ def fallback_values(recs: list[tuple[str, dict]],
     healthy = [rec["epochs"][-1]["fallbacks"] for _, rec in recs
                if rec["epochs"][-1]["test_acc"] >= stall_below]
     return {"fb_runs": str(len(recs)),
-            "fb_stalled": ", ".join(f"{lab} ({n:,})" for n, lab in stalled) or "none",
+            "fb_stalled": "; ".join(f"{_run_words(lab)}: {n:,}" for n, lab in stalled)
+            or "none",
             "fb_stalled_min": f"{min(n for n, _ in stalled):,}" if stalled else "–",
             "fb_healthy": str(len(healthy)),
             "fb_healthy_max": f"{max(healthy):,}" if healthy else "–"}
