@@ -189,7 +189,7 @@ def amortized_values(record: dict, earlier: dict) -> dict[str, str]:
     return out | {"am_old_diff": f"{max(abs(new_r[k] - old_r[k]) for k in old_r):.2f}"}
 
 
-#: the parts of a reuse step's kernel time beyond SGD's (:func:`reuse_breakdown`):
+#: the parts of a reuse step's kernel time beyond SGD's (:func:`reuse_breakdown`), each
 #: a name and the regular expression its kernels' names match (first match wins)
 REUSE_PARTS = (
     ("the four passes over the cached T (Triton: norms, system, direction, write)",

@@ -151,11 +151,11 @@ def save_checkpoint(path: Path, ck: dict) -> None:
     os.replace(tmp, path)
 
 
-#: seconds of training between two end-of-epoch checkpoints of a run: a checkpoint
+#: The seconds that pass between two end-of-epoch checkpoints of a run. A checkpoint
 #: of an amortized KWNG run holds the cached M × q system (about 220 MB for the
 #: ResNet-18), and writing it after every epoch cost about 0.5 s an epoch, a third of
-#: an epoch of training; a run killed outright loses at most this much (a deadline, a
-#: stop after an epoch and the first epoch of a process still checkpoint at once)
+#: an epoch of training. A run killed outright loses at most this much; a deadline, a
+#: stop after an epoch and the first epoch of a process still checkpoint at once.
 CHECKPOINT_EVERY_S = 60.0
 
 
