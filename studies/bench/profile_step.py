@@ -63,7 +63,7 @@ def kernel_times(prof, steps: int) -> dict[str, float]:
     return out
 
 
-#: a Python frame of a profile taken with ``with_stack=True``, as in ``f.py(12) g``
+#: a Python frame of a profile with ``with_stack=True`` (its file, line and function)
 FRAME = re.compile(r"^(?P<path>.*\.py)\((?P<line>\d+)\): (?P<func>.+)$")
 #: the source trees a kernel is attributed to (the innermost frame in one of them)
 OURS = ("kwng/", "studies/")
