@@ -64,6 +64,8 @@ def kernel_times(prof, steps: int) -> dict[str, float]:
 
 
 #: a Python frame of a profile with ``with_stack=True`` (its file, line and function)
+#:
+#: :meta hide-value:
 FRAME = re.compile(r"^(?P<path>.*\.py)\((?P<line>\d+)\): (?P<func>.+)$")
 #: the source trees a kernel is attributed to (the innermost frame in one of them)
 OURS = ("kwng/", "studies/")

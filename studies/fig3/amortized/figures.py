@@ -106,17 +106,17 @@ def fig_trace(rows: list[dict[str, float]], ages: list[dict[str, float]],
 @book_figure
 def fig_fallback_variants(groups: dict[str, dict[int, dict]], stall_below: float,
                           title: str = ""):
-    """Test accuracy against the epoch, one panel per variant (``groups``: ``{panel
-    title: {seed: record}}``, in order), one line per run: red for a run that ends
-    below ``stall_below``, grey otherwise, each labelled with its seed and the steps
-    whose direction failed (the record's last ``fallbacks`` count)."""
+    """Test accuracy against the epoch, one panel per variant, stacked (``groups``:
+    ``{panel title: {seed: record}}``, in order), one line per run: red for a run that
+    ends below ``stall_below``, grey otherwise, each labelled with its seed and the
+    steps whose direction failed (the record's last ``fallbacks`` count)."""
     import matplotlib.pyplot as plt
 
     if not groups or not all(groups.values()):
         raise ValueError("groups must hold at least one panel, each with a run")
-    fig, axes = plt.subplots(1, len(groups), sharey=True, squeeze=False,
-                             figsize=(FIG_WIDTH_IN, 0.42 * FIG_WIDTH_IN))
-    for ax, (name, runs) in zip(axes[0], groups.items()):
+    fig, axes = plt.subplots(len(groups), 1, sharex=True, squeeze=False,
+                             figsize=(FIG_WIDTH_IN, 0.3 * FIG_WIDTH_IN * len(groups)))
+    for ax, (name, runs) in zip(axes[:, 0], groups.items()):
         for seed, rec in sorted(runs.items()):
             rows = rec["epochs"]
             bad = rows[-1]["test_acc"] < stall_below
@@ -125,9 +125,9 @@ def fig_fallback_variants(groups: dict[str, dict[int, dict]], stall_below: float
                     lw=1.2, label=f"seed {seed}: {rows[-1]['fallbacks']:,} failed")
         ax.axhline(stall_below, color="k", lw=0.6, ls=":")
         ax.set_title(name)
-        ax.set_xlabel("epoch")
-        ax.legend(loc="center right", fontsize="x-small")
-    axes[0, 0].set_ylabel("test accuracy")
+        ax.set_ylabel("test accuracy")
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    axes[-1, 0].set_xlabel("epoch")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
