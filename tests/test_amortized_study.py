@@ -441,6 +441,9 @@ def test_fallback_values_split_the_runs_by_stall_and_read_every_kwng_record(tmp_
                  "KWNG, D = ‖T‖, seed 0 (st): 1,690", "fb_stalled_min": "1,690",
                  "fb_healthy": "2", "fb_healthy_max": "1"}
     assert amortized.fallback_values([])["fb_stalled"] == "none"
+    assert amortized.method_fallbacks(recs, "kwng_D_T") == (
+        "seed 0 (st): 64.0 %, 1,690 fallbacks")
+    assert amortized.method_fallbacks(recs, "kwng_D_identity") == "none"
 
 
 def test_own_step_ms_leaves_out_the_first_epoch():

@@ -11,6 +11,8 @@ the numbers the appendix quotes, ``{name: value}`` under the names it glues them
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["step_key", "step_rows", "compare_steps", "kernel_verdicts", "path_rows",
            "exactness_table", "exactness_values", "step_table", "step_values",
            "amortized_table", "amortized_values", "REUSE_PARTS", "reuse_breakdown"]
@@ -210,8 +212,6 @@ def reuse_breakdown(record: dict, config: str = "bf16_channels_last"
     ``rp_norms_kernel``, ``rp_system_kernel`` (µs of those two passes) and ``rp_bound``
     (their sum with the flattening's: the most that caching them and a flat gradient
     buffer could remove)."""
-    import re
-
     rows = {r["mode"]: r for r in record["rows"] if r["config"] == config}
     sgd, kw = rows["sgd"], rows["kwng_fast"]
     excess = kw["total_us"] - sgd["total_us"]

@@ -29,11 +29,12 @@ from studies.fig3.clocks import first_at, retime, step_ms, time_runs
 from studies.fig3.protocol import FIG3, grid_state
 from studies.fig3.verdicts import alone_runs, seed_summary
 from studies.kit.provenance import read_json
-from studies.kit.wording import name_list
+from studies.kit.wording import name_list, pct
 
 __all__ = ["TARGETS", "TIME_HEADER", "TIME_ANSWER", "clock_runs", "time_rows",
            "time_table", "time_values", "amortized_goal", "GOAL_HEADER", "goal_table",
-           "goal_values", "guard_values", "fallback_records", "fallback_values"]
+           "goal_values", "guard_values", "fallback_records", "fallback_values",
+           "method_fallbacks"]
 
 #: the test accuracies a row reports the time to
 TARGETS = (0.80, 0.85)
@@ -316,12 +317,32 @@ WHERE = {"fig3": "protocol", "fig3_audit": "audit", "amortized": "amortized stud
          "amortized_seeds": "seed study"}
 
 
-def _run_words(label: str) -> str:
-    """``"folder/method seedN"`` as ``"<method label>, seed N (<folder in words>)"``."""
+def _label_parts(label: str) -> tuple[str, str, str]:
+    """A :func:`fallback_records` label ``"folder/method seedN"`` as ``(folder in
+    words, method, seed)``."""
     folder, rest = label.split("/", 1)
     m, seed = rest.rsplit(" ", 1)
-    name = METHODS[m].label if m in METHODS else m
-    return f"{name}, seed {seed[4:]} ({WHERE.get(folder, folder)})"
+    return WHERE.get(folder, folder), m, seed[4:]
+
+
+def _run_words(label: str) -> str:
+    """A label as ``"<method label>, seed N (<folder in words>)"``."""
+    where, m, seed = _label_parts(label)
+    return f"{METHODS[m].label if m in METHODS else m}, seed {seed} ({where})"
+
+
+def method_fallbacks(recs: list[tuple[str, dict]], method: str) -> str:
+    """Each run of ``method`` among :func:`fallback_records`' ``recs`` with its final
+    test accuracy and fallback count: ``"seed 0 (protocol): 64.2 %, 1,690 fallbacks;
+    ..."``; ``"none"`` without a run."""
+    out = []
+    for label, rec in recs:
+        where, m, seed = _label_parts(label)
+        last = rec["epochs"][-1]
+        if m == method:
+            out.append(f"seed {seed} ({where}): {pct(last['test_acc'])} %, "
+                       f"{last['fallbacks']:,} fallbacks")
+    return "; ".join(out) or "none"
 
 
 def fallback_values(recs: list[tuple[str, dict]],
