@@ -155,9 +155,11 @@ def test_an_amendment_adds_only_new_methods_with_their_windows(tmp_path, bad):
         fig3.load_protocol(tmp_path / "protocol.json")
 
 
-def test_the_plan_queues_the_added_first_windows_and_nothing_else(tmp_path):
-    """On the committed records, the protocol without the addition has nothing left
-    to run; with it, the plan holds each added method's first-window grid runs."""
+def test_the_plan_queues_the_added_methods_runs_and_nothing_else(tmp_path):
+    """On the committed records, the protocol without the addition queues nothing
+    beyond what it queued before; with it, the plan adds only the added methods' runs:
+    every first-window grid step not yet recorded (seed 0, early stop on), and the
+    other seeds at a final selection, whatever part of the grid has run."""
     shutil.copy(FIG3 / "protocol.json", tmp_path / "protocol.json")
     before = [a for a in P["amendments"] if "add" not in a]
     (tmp_path / "amendments.json").write_text(json.dumps({"amendments": before}))
@@ -166,12 +168,22 @@ def test_the_plan_queues_the_added_first_windows_and_nothing_else(tmp_path):
     new = plans.fig3_plan({}, P, FIG3, commit="c")
     added = [j for j in new if j not in old]
     assert len(new) == len(old) + len(added)
-    assert sorted((j["conditioning"], j["method"], j["lr"]) for j in added) == sorted(
-        (c, m, lr) for c in P["conditionings"] for m in ADDED
-        for lr in P["windows"][f"{c}/{m}"])
-    assert all(Path(j["out"]).parent.name == "grid" and j["seed"] == 0
-               and j["early_stop"] == "fig3" for j in added)
-    assert plans.queue_left(P, FIG3)["grid"] >= len(added) == 18
+    assert {j["method"] for j in added} <= set(ADDED)
+    state = fig3.grid_state(P, FIG3)
+    grid = {(j["conditioning"], j["method"], j["lr"]) for j in added
+            if Path(j["out"]).parent.name == "grid"}
+    done = {(k.split("/")[0], k.split("/")[1], lr) for k, st in state.items()
+            if k.split("/")[1] in ADDED for lr, how in st["runs"].items()
+            if how != "missing"}
+    windows = {(c, m, lr) for c in P["conditionings"] for m in ADDED
+               for lr in P["windows"][f"{c}/{m}"]}
+    assert len(windows) == 18 and windows <= grid | done and not grid & done
+    assert all(j["seed"] == 0 and j["early_stop"] == "fig3" for j in added
+               if Path(j["out"]).parent.name == "grid")
+    for j in (j for j in added if Path(j["out"]).parent.name == "seeds"):
+        st = state[f"{j['conditioning']}/{j['method']}"]
+        assert st["final"] and j["lr"] == st["selected"] and j["seed"] > 0
+    assert plans.queue_left(P, FIG3)["grid"] >= len(grid)
 
 
 def _records_before(root: Path, methods: tuple[str, ...], added: str) -> list[str]:
