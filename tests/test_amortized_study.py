@@ -13,8 +13,8 @@ from studies.cifar.methods import METHODS
 from studies.fig3 import clocks as fig3_time
 from studies.fig3 import protocol as fig3
 from studies.fig3 import verdicts
+from studies.fig3.amortized import fallbacks, seed_study
 from studies.fig3.amortized import readings as amortized
-from studies.fig3.amortized import seed_study
 from studies.fig3.amortized.seed_study import AMORTIZED_METHODS
 from studies.kit.provenance import ResultFileError
 
@@ -391,9 +391,9 @@ def test_guard_values_put_each_guarded_seed_beside_its_unguarded_run():
 
 def test_the_readmes_recommendation_counts_the_seed_studys_runs():
     """The root README's one line on the amortized step gives the run and stall counts
-    of the seed study's records (k = 20 in both conditionings, k = 100 unguarded and
-    guarded, ill-conditioned): a new record that changes them fails here until the
-    README says the same."""
+    of the seed study's records (k = 20 and the diagonal metric at k = 20 in both
+    conditionings; k = 5, k = 100 unguarded, guarded and skipping, ill-conditioned):
+    a new record that changes them fails here until the README says the same."""
     import re
 
     runs = seed_study.seed_study_runs(P, FIG3, ROOT / "results" / "cifar"
@@ -408,10 +408,13 @@ def test_the_readmes_recommendation_counts_the_seed_studys_runs():
     line = re.search(r"\*\*The amortized step\*\*: (.*?)`studies/", readme).group(1)
     k20, k100, guard, skip = (count("kwng_k20", ("ill", "well")), count("kwng_k100"),
                               count("kwng_k100_guard"), count("kwng_k100_skip"))
+    k5, diag = count("kwng_k5"), count("diag_k20", ("ill", "well"))
     assert f"{k20[0]} of {k20[1]} runs stalled" in line
+    assert f"`k = 5`: {k5[0]} of {k5[1]};" in line
+    assert f"`refresh_every=20`: {diag[0]} of {diag[1]}," in line
     assert f"`k = 100`: {k100[0]} of {k100[1]}," in line
     assert f"guarded {guard[0]} of {guard[1]}," in line
-    assert f'guarded with `fallback="skip"` {skip[0]} of {skip[1]})' in line
+    assert f'guarded with `fallback="skip"` {skip[0]} of {skip[1]};' in line
 
 
 def test_fallback_values_split_the_runs_by_stall_and_read_every_kwng_record(tmp_path):
@@ -430,20 +433,24 @@ def test_fallback_values_split_the_runs_by_stall_and_read_every_kwng_record(tmp_
     put("kwng_k100_skip", 2, 0.88, 1)
     put("kwng_k100", 2, 0.2, 2239)
     put("kwng_D_T", 0, 0.64, 1690)
+    put("kwng_diag_T", 1, 0.54, 0)
     put("kfac", 0, 0.70, 0)
     put("kwng", 1, 0.5, 0, epochs=2, complete=False)
-    recs = amortized.fallback_records([tmp_path / "st"])
+    recs = fallbacks.fallback_records([tmp_path / "st"])
     assert sorted(label for label, _ in recs) == [
-        "st/kwng seed0", "st/kwng_D_T seed0", "st/kwng_k100 seed2",
-        "st/kwng_k100_skip seed2"]
-    v = amortized.fallback_values(recs, 0.8)
-    assert v == {"fb_runs": "4", "fb_stalled": "KWNG, k = 100, seed 2 (st): 2,239; "
+        "st/kwng seed0", "st/kwng_D_T seed0", "st/kwng_diag_T seed1",
+        "st/kwng_k100 seed2", "st/kwng_k100_skip seed2"]
+    v = fallbacks.fallback_values(recs, 0.8)
+    assert v == {"fb_runs": "5", "fb_stalls": "3", "fb_fell": "2",
+                 "fb_stalled": "KWNG, k = 100, seed 2 (st): 2,239; "
                  "KWNG, D = ‖T‖, seed 0 (st): 1,690", "fb_stalled_min": "1,690",
+                 "fb_quiet": "diagonal T, seed 1 (st): 0",
                  "fb_healthy": "2", "fb_healthy_max": "1"}
-    assert amortized.fallback_values([])["fb_stalled"] == "none"
-    assert amortized.method_fallbacks(recs, "kwng_D_T") == (
+    empty = fallbacks.fallback_values([])
+    assert empty["fb_stalled"] == empty["fb_quiet"] == "none"
+    assert fallbacks.method_fallbacks(recs, "kwng_D_T") == (
         "seed 0 (st): 64.0 %, 1,690 fallbacks")
-    assert amortized.method_fallbacks(recs, "kwng_D_identity") == "none"
+    assert fallbacks.method_fallbacks(recs, "kwng_D_identity") == "none"
 
 
 def test_own_step_ms_leaves_out_the_first_epoch():

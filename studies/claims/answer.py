@@ -83,12 +83,13 @@ def _edge_negatives(p: dict, root: Path, fig3: Path) -> list[str]:
 def fig3_negatives(root: str | os.PathLike = RESULTS, q: dict | None = None) -> str:
     """The Fig. 3 results that go against KWNG, in one sentence (``q``: the verdict of
     :func:`cifar_fig3_verdict`): the baselines that reach 85 % test accuracy in the
-    ill-conditioned case sooner than exact KWNG on the time figure's clock, the
-    ablation variants that end above full KWNG, KWNG's rank among the methods settled
-    in the well-conditioned case (a final selection with all its seeds), and the methods selected at the top of the paper's grid in
-    the ill-conditioned case (their best step may lie beyond it) unless the audit's
-    runs above the grid (:func:`studies.fig3.audit.edge_runs`) all did worse; a method
-    whose run there did better is named as such."""
+    ill-conditioned case sooner than exact KWNG on the time figure's clock, the ablation
+    variants that end above full KWNG, KWNG's rank among the methods settled in the
+    well-conditioned case (a final selection with all its seeds), and the methods
+    selected at the top of the paper's grid in the ill-conditioned case (their best step
+    may lie beyond it) unless the audit's runs above the grid
+    (:func:`studies.fig3.audit.edge_runs`) all did worse; a method whose run there did
+    better is named as such."""
     q = cifar_fig3_verdict(root) if q is None else q
     fig3 = Path(root) / "cifar" / "fig3"
     p = load_protocol(fig3 / "protocol.json")
@@ -158,9 +159,9 @@ def ablation_sides(rows: list[dict]) -> str:
     """Where each ablation variant ends against KWNG by the ledger's rule
     (:func:`studies.claims.ledger.ablation_verdict` of ``rows``, from
     :func:`studies.fig3.verdicts.ablation_rows`): the variants below, level (inside
-    the larger seed range) and above, each with its mean and runs (each run's final
-    accuracy where it has several: a variant level only through its spread shows it),
-    then KWNG's."""
+    the larger seed range), above and unstable (some runs stalled, others not), each
+    with its mean and runs (each run's final accuracy where it has several), then
+    KWNG's."""
     by, side = {r["method"]: r for r in rows}, ablation_verdict(rows)["side"]
     if not side:
         return "no variant has run yet"
@@ -172,9 +173,11 @@ def ablation_sides(rows: list[dict]) -> str:
         return (f"{METHODS[m].label} at {pct(r['test'])} % ({r['runs']} "
                 f"run{'s' * (r['runs'] != 1)}{each})")
 
-    said = [f"{where} KWNG: " + name_list([one(m) for m, w in side.items() if w == key])
-            for key, where in (("below", "below"), ("level", "level with"),
-                               ("above", "above")) if key in side.values()]
+    said = [f"{where}: " + name_list([one(m) for m, w in side.items() if w == key])
+            for key, where in (("below", "below KWNG"), ("level", "level with KWNG"),
+                               ("above", "above KWNG"),
+                               ("unstable", "unstable (stalled in some runs, not in "
+                                "others)")) if key in side.values()]
     kw = by["kwng"]
     return "; ".join(said) + (f"; KWNG at {pct(kw['test'])} % ({kw['runs']} runs, "
                               f"range {pct(kw['range'])})")

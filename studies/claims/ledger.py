@@ -54,12 +54,13 @@ def mixed_verdict(oks: dict[str, bool]) -> str:
 ABLATION_WORSE = ("kwng_D_identity", "kwng_D_T", "kwng_diag_T", "diag_Ttilde")
 
 
-def ablation_verdict(rows: list[dict]) -> dict:
+def ablation_verdict(rows: list[dict], stall_below: float = 0.8) -> dict:
     """The Fig. 7 claim from the ablation rows of the Fig. 3 protocol
-    (:func:`studies.fig3.verdicts.ablation_rows`). A variant lies
-    ``"below"`` or ``"above"`` KWNG when its mean final test accuracy differs from
-    KWNG's by more than the larger of the two seed ranges (0 for one run), else
-    ``"level"``; the claim :func:`mixed_verdict` of "every variant of
+    (:func:`studies.fig3.verdicts.ablation_rows`). A variant some of whose runs
+    stalled (final test accuracy below ``stall_below``) and others not is
+    ``"unstable"``; else it lies ``"below"`` or ``"above"`` KWNG when its mean final
+    test accuracy differs from KWNG's by more than the larger seed range (0 for one
+    run), else ``"level"``. The claim is :func:`mixed_verdict` of "every variant of
     :data:`ABLATION_WORSE` lies below", ``"pending"`` until all of them have run."""
     by = {r["method"]: r for r in rows}
     if not by.get("kwng", {}).get("runs") or any(
@@ -69,7 +70,9 @@ def ablation_verdict(rows: list[dict]) -> dict:
     for m, r in by.items():
         if m != "kwng" and r["runs"]:
             d, tol = r["test"] - kw["test"], max(r["range"], kw["range"])
-            side[m] = "level" if abs(d) <= tol else "above" if d > 0 else "below"
+            low = [v < stall_below for v in r["finals"]]
+            side[m] = ("unstable" if any(low) and not all(low) else "level"
+                       if abs(d) <= tol else "above" if d > 0 else "below")
     return {"verdict": mixed_verdict({m: side[m] == "below" for m in ABLATION_WORSE}),
             "side": side}
 

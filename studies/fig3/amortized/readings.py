@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import statistics
-from pathlib import Path
 
 from studies.cifar.methods import METHODS
 from studies.fig3.amortized.seed_study import (
@@ -29,12 +28,11 @@ from studies.fig3.clocks import first_at, retime, step_ms, time_runs
 from studies.fig3.protocol import FIG3, grid_state
 from studies.fig3.verdicts import alone_runs, seed_summary
 from studies.kit.provenance import read_json
-from studies.kit.wording import name_list, pct
+from studies.kit.wording import name_list
 
 __all__ = ["TARGETS", "TIME_HEADER", "TIME_ANSWER", "clock_runs", "time_rows",
            "time_table", "time_values", "amortized_goal", "GOAL_HEADER", "goal_table",
-           "goal_values", "guard_values", "fallback_records", "fallback_values",
-           "method_fallbacks"]
+           "goal_values", "guard_values"]
 
 #: the test accuracies a row reports the time to
 TARGETS = (0.80, 0.85)
@@ -292,73 +290,3 @@ def guard_values(runs: dict[tuple, dict], stall_below: float = 0.8,
                                     for s in guard_bad) or "–",
             "unguarded_fall": ", ".join(f"{fall('kwng_k100', s)} (seed {s})"
                                         for s in guard_bad) or "–"}
-
-
-def fallback_records(roots: list[str | os.PathLike], step: float = 10.0,
-                     cond: str = "ill") -> list[tuple[str, dict]]:
-    """Every complete run of the KWNG family (methods ``kwng*`` and ``diag*``: exact,
-    amortized, diagonal, the ablations) under ``roots`` at ``step`` in conditioning
-    ``cond``, as ``(label, record)`` with label ``"root/method seed
-    s"``; runs cut short (early-stopped or diverged) are left out."""
-    out = []
-    for root in map(Path, roots):
-        for f in sorted(root.rglob(f"lr{step:g}/cifar10/{cond}/*/seed*/metrics.json")):
-            rec = read_json(f)
-            eps = rec.get("epochs") or []
-            kwng = f.parent.parent.name.startswith(("kwng", "diag"))
-            if (kwng and rec.get("complete") and eps and "fallbacks" in eps[-1]
-                    and len(eps) == rec.get("config", {}).get("epochs", len(eps))):
-                out.append((f"{root.name}/{f.parent.parent.name} {f.parent.name}", rec))
-    return out
-
-
-#: the record folders of :func:`fallback_records`, in words
-WHERE = {"fig3": "protocol", "fig3_audit": "audit", "amortized": "amortized study",
-         "amortized_seeds": "seed study"}
-
-
-def _label_parts(label: str) -> tuple[str, str, str]:
-    """A :func:`fallback_records` label ``"folder/method seedN"`` as ``(folder in
-    words, method, seed)``."""
-    folder, rest = label.split("/", 1)
-    m, seed = rest.rsplit(" ", 1)
-    return WHERE.get(folder, folder), m, seed[4:]
-
-
-def _run_words(label: str) -> str:
-    """A label as ``"<method label>, seed N (<folder in words>)"``."""
-    where, m, seed = _label_parts(label)
-    return f"{METHODS[m].label if m in METHODS else m}, seed {seed} ({where})"
-
-
-def method_fallbacks(recs: list[tuple[str, dict]], method: str) -> str:
-    """Each run of ``method`` among :func:`fallback_records`' ``recs`` with its final
-    test accuracy and fallback count: ``"seed 0 (protocol): 64.2 %, 1,690 fallbacks;
-    ..."``; ``"none"`` without a run."""
-    out = []
-    for label, rec in recs:
-        where, m, seed = _label_parts(label)
-        last = rec["epochs"][-1]
-        if m == method:
-            out.append(f"seed {seed} ({where}): {pct(last['test_acc'])} %, "
-                       f"{last['fallbacks']:,} fallbacks")
-    return "; ".join(out) or "none"
-
-
-def fallback_values(recs: list[tuple[str, dict]],
-                    stall_below: float = 0.8) -> dict[str, str]:
-    """How the safeguard's fallbacks split the runs of :func:`fallback_records`:
-    ``fb_runs`` (how many), ``fb_stalled`` (each run that ended below ``stall_below``
-    with its fallback count), ``fb_stalled_min`` (the fewest fallbacks of a stalled
-    run), ``fb_healthy`` (how many did not stall) and ``fb_healthy_max`` (the most
-    fallbacks of one of them)."""
-    stalled = sorted(((rec["epochs"][-1]["fallbacks"], label) for label, rec in recs
-                      if rec["epochs"][-1]["test_acc"] < stall_below), reverse=True)
-    healthy = [rec["epochs"][-1]["fallbacks"] for _, rec in recs
-               if rec["epochs"][-1]["test_acc"] >= stall_below]
-    return {"fb_runs": str(len(recs)),
-            "fb_stalled": "; ".join(f"{_run_words(lab)}: {n:,}" for n, lab in stalled)
-            or "none",
-            "fb_stalled_min": f"{min(n for n, _ in stalled):,}" if stalled else "–",
-            "fb_healthy": str(len(healthy)),
-            "fb_healthy_max": f"{max(healthy):,}" if healthy else "–"}

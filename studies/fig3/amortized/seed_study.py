@@ -16,7 +16,7 @@ from studies.cifar.methods import METHODS, RESULTS
 from studies.fig3.clocks import first_at, retime, step_ms, time_runs
 from studies.fig3.groups import check_group, record_verdict
 from studies.fig3.protocol import FIG3, load_protocol, record_problem
-from studies.fig3.verdicts import selected_runs
+from studies.fig3.verdicts import ablation_runs, selected_runs
 from studies.kit.provenance import ResultFileError, read_json
 from studies.kit.wording import name_list
 
@@ -128,20 +128,22 @@ def seed_study_runs(p: dict, fig3_root: str | os.PathLike = FIG3,
                     root: str | os.PathLike = AMORTIZED_SEEDS,
                     timing_path: str | os.PathLike | None = None) -> list[dict]:
     """Every run of the seed study under ``root`` (finished or not), with the Fig. 3
-    study's finished runs of Adam and exact KWNG at their selected steps beside them
-    (``source`` ``"fig3"``), one dict a run: ``cond``, ``method``, ``seed``,
-    ``source``, ``epochs`` run, ``final`` (test accuracy at the last epoch run),
-    ``complete``, ``stalled`` (a finished run below the plan's ``stall_below``),
-    ``epochs_to_80``/``_85`` and ``s_to_80``/``_85`` (``None``: never reached) on the
-    Fig. 3 trainer timing's clock (``clock`` ``"trainer-timing"``) where it timed the
-    method, else on the run's own steady step time (``"own-steady"``,
+    study's finished runs of Adam and exact KWNG at their selected steps and of its
+    ablation variants beside them (``source`` ``"fig3"``), one dict a run: ``cond``,
+    ``method``, ``seed``, ``source``, ``epochs`` run, ``final`` (test accuracy at the
+    last epoch run), ``complete``, ``stalled`` (a finished run below the plan's
+    ``stall_below``), ``epochs_to_80``/``_85`` and ``s_to_80``/``_85`` (``None``: never
+    reached) on the Fig. 3 trainer timing's clock (``clock`` ``"trainer-timing"``) where
+    it timed the method, else on the run's own steady step time (``"own-steady"``,
     :func:`own_step_ms`; the GPU it ran on is ``device``)."""
     epochs, root = int(p["settings"]["epochs"]), Path(root)
     stall = float(read_json(root / "plan.json")["stall_below"])
     runs = {**{(c, m, s): (r, "study") for (c, m, s), r in
                amortized_runs(p, root).items()},
             **{k: (r, "fig3") for k, r in selected_runs(p, fig3_root).items()
-               if k[1] in ("adam", "kwng")}}
+               if k[1] in ("adam", "kwng")},
+            **{k: (r, "fig3") for k, r in ablation_runs(p, fig3_root, False).items()
+               if k[1] != "kwng"}}
     base, source = time_runs(p, fig3_root, timing_path)
     ms = (step_ms(read_json(source["path"]), p["settings"].get("precision") or "bf16")
           if source["kind"] == "trainer-timing" else {})
