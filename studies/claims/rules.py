@@ -61,7 +61,7 @@ RULES: dict[str, dict] = {
                   "last_record": "2026-11-26 07:50"},
     "fig3": {"source": f"{_FIG3}/protocol.json", "marker": "verdict_rule",
              "records": _SEEDED, "commit": "2aff154", "set": "2026-11-27 06:36",
-             "first_record": "2026-11-27 07:10", "last_record": "2026-11-27 23:38"},
+             "first_record": "2026-11-27 07:10", "last_record": "2026-11-29 19:10"},
     "kfac_drop": {"source": "book/claims.md",
                   "marker": "its drop from WC to IC exceeds its seed spread",
                   "records": _runs_of("*/kfac"), "commit": "2ba0ac9",
@@ -76,12 +76,20 @@ RULES: dict[str, dict] = {
              "marker": "reaches 85 % test accuracy in fewer training seconds",
              "records": (f"{_FIG3}/timing", *_runs_of("ill/*")), "commit": "77626b7",
              "set": "2026-11-27 21:16", "first_record": "2026-11-27 07:10",
-             "last_record": "2026-11-27 23:38"},
+             "last_record": "2026-11-29 19:10"},
     "ablation": {"source": "book/claims.md",
                  "marker": "each variant's mean ends below KWNG's by more than",
                  "records": (f"{_FIG3}/ablation", *_runs_of("ill/kwng")),
                  "commit": "2ba0ac9", "set": "2026-11-27 18:24",
                  "first_record": "2026-11-27 07:10", "last_record": "2026-11-27 18:12"},
+    "ablation_unstable": {
+        "source": "book/claims.md", "marker": "is unstable, not below",
+        "records": (f"{_FIG3}/ablation", *(
+            f"results/cifar/amortized_seeds/lr10/cifar10/ill/{m}" for m in (
+                "kwng_D_identity", "kwng_D_T", "kwng_diag_T", "diag_Ttilde",
+                "kwng_kernel_rq"))),
+        "commit": "5dc81bc", "set": "2026-11-29 19:16",
+        "first_record": "2026-11-27 15:25", "last_record": "2026-11-29 19:10"},
 }
 
 
