@@ -453,6 +453,31 @@ def test_fallback_values_split_the_runs_by_stall_and_read_every_kwng_record(tmp_
     assert fallbacks.method_fallbacks(recs, "kwng_D_identity") == "none"
 
 
+def test_quiet_stall_values_read_the_classes_a_stalled_run_never_learned():
+    """The first stalled run of a method beside its first healthy one: the classes
+    it ended below 10 % recall, their output scales (and whether they are the
+    smallest), their row norms in both runs and both final training losses."""
+    def rec(final, recall, rows, loss):
+        return {"U": [1.0, 1e-6, 0.1, 1e-5], "epochs": [{
+            "test_acc": final, "test_acc_per_class": recall,
+            "last_layer_row_norms": rows, "train_loss": loss}]}
+
+    runs = {("ill", "kwng_diag_T", 1): rec(0.5, [0.9, 0.0, 0.8, 0.05],
+                                           [1.0, 3.0, 2.0, 4.4], 1.321),
+            ("ill", "kwng_diag_T", 2): rec(0.89, [0.9, 0.9, 0.9, 0.9],
+                                           [1.0, 28286.1, 2.0, 11731.9], 0.0123),
+            ("well", "kwng_diag_T", 0): rec(0.1, [0.0] * 4, [0.0] * 4, 9.0)}
+    v = fallbacks.quiet_stall_values(runs, "kwng_diag_T")
+    assert v == {"dq_seed": "1", "dq_dead": "1 and 3", "dq_scales": "1e-06 and 1e-05",
+                 "dq_smallest": "the 2 smallest of the 4", "dq_recall": "0 % and 5 %",
+                 "dq_rows": "3 and 4", "dq_rows_ok": "28,286 and 11,732",
+                 "dq_loss": "1.32", "dq_loss_ok": "0.012"}
+    runs[("ill", "kwng_diag_T", 1)]["U"] = [1e-6, 1.0, 1e-5, 0.1]
+    assert fallbacks.quiet_stall_values(runs, "kwng_diag_T")["dq_smallest"] == (
+        "not the 2 smallest of the 4")
+    assert set(fallbacks.quiet_stall_values(runs, "kwng_D_T").values()) == {"–"}
+
+
 def test_own_step_ms_leaves_out_the_first_epoch():
     """A run's own steady clock: the median seconds per step after the first epoch,
     so a cold start (compiling, capturing) does not count; one epoch is refused."""

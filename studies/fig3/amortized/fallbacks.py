@@ -103,7 +103,8 @@ def quiet_stall_values(runs: dict[tuple, dict], method: str,
     (``runs``: ``{(conditioning, method, seed): record}``) beside its first healthy
     one: ``dq_seed``; ``dq_dead``, the classes it ended with a test recall below
     ``dead``, their output scales (the conditioning's ``U``, ``dq_scales``; whether
-    they are the smallest, ``dq_smallest``) and recalls (``dq_recall``);
+    they are the smallest, ``dq_smallest``: "the 2 smallest of the 10") and recalls
+    (``dq_recall``);
     ``dq_rows`` and ``dq_rows_ok``, the final norms of those classes' output weight
     rows in the stalled and the healthy run; ``dq_loss`` and ``dq_loss_ok``, their
     final training losses. ``–`` where a run is missing."""
@@ -122,8 +123,9 @@ def quiet_stall_values(runs: dict[tuple, dict], method: str,
     return {"dq_seed": str(seed),
             "dq_dead": name_list([str(k) for k in cls]) or "none",
             "dq_scales": name_list([f"{rec['U'][k]:.0e}" for k in cls]),
-            "dq_smallest": str(sorted(cls) == sorted(sorted(
-                range(len(rec["U"])), key=rec["U"].__getitem__)[:len(cls)])),
+            "dq_smallest": ("" if sorted(cls) == sorted(sorted(
+                range(len(rec["U"])), key=rec["U"].__getitem__)[:len(cls)]) else "not ")
+            + f"the {len(cls)} smallest of the {len(rec['U'])}",
             "dq_recall": name_list([f"{pct(last['test_acc_per_class'][k], 0)} %"
                                     for k in cls]),
             "dq_rows": rows[0], "dq_rows_ok": rows[1],
