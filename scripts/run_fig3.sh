@@ -151,9 +151,9 @@ while [ $SECONDS -lt $((LIMIT - 30)) ]; do
   [ $alive = 0 ] && break
   sleep 10
 done
-grep -hE "Error|Traceback|failed|early stop|left" "$LOGS"/q*.log 2>/dev/null | tail -12
+grep -hE "Error|Traceback|failed|early stop|left" "$LOGS"/*.log 2>/dev/null | tail -12
 tar czf "$OUT/fig3.tar.gz" -C "$WORK" results/cifar/fig3 \
     $(cd "$WORK" && ls -d results/cifar/amortized* results/cifar/fig3_audit results/vit 2>/dev/null) && say "tarred $(du -h "$OUT/fig3.tar.gz" | cut -f1)"
-cp "$LOGS"/q*.log "$OUT/" 2>/dev/null
+cp "$LOGS"/*.log "$OUT/" 2>/dev/null  # every queue's log (any TAG) and the timing's
 $PY -m studies cifar check --suite fig3 | tail -20
 exit 0

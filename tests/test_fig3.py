@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from studies.cifar import runtime, train
-from studies.cifar.methods import LR_GRID
+from studies.cifar.methods import LR_GRID, METHODS
 from studies.fig3 import plan as plans
 from studies.fig3 import protocol as fig3
 from studies.fig3.amortized import plan as amortized_plans
@@ -402,13 +402,17 @@ def test_two_workers_of_a_session_never_share_a_finished_run(tmp_path, monkeypat
 
 
 def test_a_run_estimate_comes_from_the_method_or_its_family():
-    """A method's own fastest run; a KWNG variant at most KWNG's; a method without
-    runs the longest estimate (twice for KFAC/EKFAC)."""
+    """A method's own fastest run; a KWNG variant at most KWNG's; a first-order or
+    modern optimizer without runs SGD's times its planning weight; else the longest
+    estimate (twice for KFAC/EKFAC)."""
     times = {"kwng": 600.0, "sgd": 200.0, "diag_Ttilde": 1200.0}
     assert runtime.estimate_seconds(times, "sgd") == 200.0
     assert runtime.estimate_seconds(times, "diag_Ttilde") == 600.0
     assert runtime.estimate_seconds(times, "kwng_kernel_rq") == 600.0
-    assert runtime.estimate_seconds(times, "adam") == 1200.0
+    assert runtime.estimate_seconds(times, "adam") == pytest.approx(200.0 * 1.4)
+    assert runtime.estimate_seconds(times, "shampoo") == pytest.approx(
+        200.0 * METHODS["shampoo"].rel_cost)
+    assert runtime.estimate_seconds({"kwng": 600.0}, "soap") == 600.0
     assert runtime.estimate_seconds(times, "kfac") == 2400.0
     assert runtime.estimate_seconds({}, "sgd") is None
     # the refresh guard adds refreshes, not steps: the unguarded twin's time

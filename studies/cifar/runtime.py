@@ -275,7 +275,8 @@ def estimate_seconds(times: dict[str, float], method: str) -> float | None:
     """A method's own estimate or that of the same method without the refresh guard
     (the smaller); a KWNG variant (the same Jacobian block, another damping, kernel or
     momentum) at most KWNG's; an (E)KFAC method without a run
-    KFAC's, scaled by their planning weights (``rel_cost``); else the longest
+    KFAC's, scaled by their planning weights (``rel_cost``); a first-order or modern
+    optimizer without a run SGD's times its ``rel_cost`` (at least 1); else the longest
     method's, twice that for KFAC/EKFAC."""
     precond = METHODS[method].spec.get("precond")
     own = [times[k] for k in (method,) if k in times]
@@ -292,4 +293,8 @@ def estimate_seconds(times: dict[str, float], method: str) -> float | None:
         return None
     if precond in ("kfac", "ekfac") and "kfac" in times:
         return times["kfac"] * METHODS[method].rel_cost / METHODS["kfac"].rel_cost
+    if precond is None and "sgd" in times:
+        # a whole SGD run scaled by the step's planning weight: an upper estimate, as
+        # the data, evaluation and checkpoints of a run do not scale with its step
+        return times["sgd"] * max(METHODS[method].rel_cost, 1.0)
     return max(times.values()) * (2.0 if precond in ("kfac", "ekfac") else 1.0)
