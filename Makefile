@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make book   -> virtual environment, install, build the HTML book (every chapter executed, -W)
 #   make test   -> virtual environment, install, unit tests + nbval over every chapter +
-#                  the library's doctests
+#                  the doctests of the library and the studies (-p no:python: a module's
+#                  imported test_* names are not tests)
 #   make test-portable -> the tests that pin float results again on the CPU's plain code path
 #                         (no vector instructions), as another machine computes them
 # and three more serve the reader and CI:
@@ -109,7 +110,7 @@ book: $(STAMP) $(MATHJAX)
 test: $(STAMP)
 	$(BIN)/ruff check kwng studies tests tools book/_ext examples
 	$(BIN)/python -m pytest tests book -p no:cacheprovider -q
-	$(BIN)/python -m pytest --doctest-modules kwng -p no:cacheprovider -q
+	$(BIN)/python -m pytest --doctest-modules -p no:python kwng studies -p no:cacheprovider -q
 
 # The tests that pin numbers trained or recomputed in floating point (the trainer's
 # fixture, committed sweep points recomputed, comparisons of two summation orders, the
