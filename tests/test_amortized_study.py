@@ -504,3 +504,11 @@ def test_the_fallback_figure_draws_one_panel_per_variant_and_refuses_an_empty_on
     assert labels == ["seed 0: 0 failed", "seed 2: 40 failed"]
     with pytest.raises(ValueError, match="each with a run"):
         fig_fallback_variants({"a": {}}, 0.8)
+
+
+def test_the_stall_threshold_of_the_readings_is_the_plans():
+    """Every reading that counts stalls defaults to ``STALL_BELOW``, and the committed
+    plan (written before the first run) fixes the threshold: the two agree."""
+    plan = json.loads((ROOT / "results" / "cifar" / "amortized_seeds" / "plan.json")
+                      .read_text())
+    assert seed_study.STALL_BELOW == plan["stall_below"]

@@ -115,7 +115,7 @@ def fig3_negatives(root: str | os.PathLike = RESULTS, q: dict | None = None) -> 
     # a method ranks once its selection is final with all its seeds (an added method
     # whose grid is still running has no rank yet)
     well = sorted((v["mean"], k.split("/")[1]) for k, v in seeds.items()
-                  if k.startswith("well/") and v["final"] and v["seeds"] == v["wanted"])
+                  if k.startswith("well/") and verdicts.settled(v))
     rank = [m for _, m in well].index("kwng")
     if rank == 0:
         out.append(f"in the well-conditioned case KWNG ends lowest of the {len(well)} "

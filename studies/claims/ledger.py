@@ -26,8 +26,9 @@ from studies.claim_suite.verdict import claim_verdict
 from studies.fig3 import clocks as fig3_time
 from studies.fig3 import protocol as fig3
 from studies.fig3.amortized.readings import time_rows
+from studies.fig3.amortized.seed_study import STALL_BELOW
 from studies.fig3.plan import queue_left, queue_phrase
-from studies.fig3.verdicts import ablation_rows, fig3_verdicts, seed_summary
+from studies.fig3.verdicts import ablation_rows, fig3_verdicts, seed_summary, settled
 from studies.kit import paths
 from studies.kit.wording import fixed, name_list
 from studies.study6.records import study6_table
@@ -54,7 +55,7 @@ def mixed_verdict(oks: dict[str, bool]) -> str:
 ABLATION_WORSE = ("kwng_D_identity", "kwng_D_T", "kwng_diag_T", "diag_Ttilde")
 
 
-def ablation_verdict(rows: list[dict], stall_below: float = 0.8) -> dict:
+def ablation_verdict(rows: list[dict], stall_below: float = STALL_BELOW) -> dict:
     """The Fig. 7 claim from the ablation rows of the Fig. 3 protocol
     (:func:`studies.fig3.verdicts.ablation_rows`). A variant some of whose runs
     stalled (final test accuracy below ``stall_below``) and others not is
@@ -87,8 +88,7 @@ def momentum_verdict(summ: dict) -> dict:
     their seeds. ``gap_shown`` is the gap of the two means as pages print them (to 0.1
     point), the number a page quotes beside them."""
     a, b = summ.get("well/kwng_mom"), summ.get("well/kwng")
-    if not a or not b or not all(v["final"] and v["seeds"] >= v["wanted"]
-                                 for v in (a, b)):
+    if not a or not b or not (settled(a) and settled(b)):
         return {"verdict": "pending"}
     gap, tol = 100 * (a["mean"] - b["mean"]), 100 * max(a["range"], b["range"])
     word = "holds" if gap > tol else "fails" if gap < -tol else "within spread"

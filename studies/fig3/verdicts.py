@@ -24,9 +24,9 @@ from studies.fig3.protocol import (
 )
 from studies.kit.provenance import read_json
 
-__all__ = ["selection_rows", "selected_runs", "seed_summary", "fig3_verdicts",
-           "alone_runs", "ablation_seeds", "ablation_runs", "ablation_rows",
-           "posthoc_stops", "captured_epoch_seconds"]
+__all__ = ["selection_rows", "selected_runs", "seed_summary", "settled",
+           "fig3_verdicts", "alone_runs", "ablation_seeds", "ablation_runs",
+           "ablation_rows", "posthoc_stops", "captured_epoch_seconds"]
 
 
 def selection_rows(p: dict, root: str | os.PathLike = FIG3) -> list[dict]:
@@ -86,6 +86,12 @@ def seed_summary(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
     return out
 
 
+def settled(v: dict) -> bool:
+    """Whether a :func:`seed_summary` entry is settled: its selection final and every
+    seed the protocol wants at that step run."""
+    return bool(v["final"]) and v["seeds"] >= v["wanted"]
+
+
 def fig3_verdicts(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
     """The protocol's verdict per baseline (its ``verdict_rule``): ``drop`` (well −
     ill mean test accuracy), ``spread`` ((ill range + well range) / 2) for the baseline
@@ -95,9 +101,7 @@ def fig3_verdicts(p: dict, root: str | os.PathLike = FIG3) -> dict[str, dict]:
     s = seed_summary(p, root)
 
     def ready(m: str) -> bool:
-        return all(f"{c}/{m}" in s and s[f"{c}/{m}"]["final"]
-                   and s[f"{c}/{m}"]["seeds"] == s[f"{c}/{m}"]["wanted"]
-                   for c in ("ill", "well"))
+        return all(f"{c}/{m}" in s and settled(s[f"{c}/{m}"]) for c in ("ill", "well"))
 
     def drop(m: str) -> tuple[float, float]:
         ill, well = s[f"ill/{m}"], s[f"well/{m}"]

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from studies.cifar.methods import METHODS
+from studies.fig3.amortized.seed_study import STALL_BELOW
 from studies.kit.provenance import read_json
 from studies.kit.wording import name_list, pct
 
@@ -72,7 +73,7 @@ def method_fallbacks(recs: list[tuple[str, dict]], method: str) -> str:
 
 
 def fallback_values(recs: list[tuple[str, dict]],
-                    stall_below: float = 0.8) -> dict[str, str]:
+                    stall_below: float = STALL_BELOW) -> dict[str, str]:
     """How the safeguard's fallbacks split the runs of :func:`fallback_records`:
     ``fb_runs`` (how many), ``fb_stalls`` (how many ended below ``stall_below``),
     ``fb_healthy`` (how many did not) and ``fb_healthy_max`` (the most fallbacks of one
@@ -98,7 +99,8 @@ def fallback_values(recs: list[tuple[str, dict]],
 
 
 def quiet_stall_values(runs: dict[tuple, dict], method: str,
-                       stall_below: float = 0.8, dead: float = 0.1) -> dict[str, str]:
+                       stall_below: float = STALL_BELOW, dead: float = 0.1
+                       ) -> dict[str, str]:
     """What the records show of ``method``'s first ill-conditioned run that stalled
     (``runs``: ``{(conditioning, method, seed): record}``) beside its first healthy
     one: ``dq_seed``; ``dq_dead``, the classes it ended with a test recall below
@@ -118,8 +120,10 @@ def quiet_stall_values(runs: dict[tuple, dict], method: str,
                               "dq_loss_ok"), "–")
     (seed, rec), last = low[0], low[0][1]["epochs"][-1]
     cls = [k for k, a in enumerate(last["test_acc_per_class"]) if a < dead]
-    rows = [name_list([f"{r['epochs'][-1]['last_layer_row_norms'][k]:,.0f}"
-                       for k in cls]) for r in (rec, *ok[:1])] + ["–"]
+
+    def norms(r: dict) -> str:
+        return name_list([f"{r['epochs'][-1]['last_layer_row_norms'][k]:,.0f}"
+                          for k in cls])
     return {"dq_seed": str(seed),
             "dq_dead": name_list([str(k) for k in cls]) or "none",
             "dq_scales": name_list([f"{rec['U'][k]:.0e}" for k in cls]),
@@ -128,6 +132,6 @@ def quiet_stall_values(runs: dict[tuple, dict], method: str,
             + f"the {len(cls)} smallest of the {len(rec['U'])}",
             "dq_recall": name_list([f"{pct(last['test_acc_per_class'][k], 0)} %"
                                     for k in cls]),
-            "dq_rows": rows[0], "dq_rows_ok": rows[1],
+            "dq_rows": norms(rec), "dq_rows_ok": norms(ok[0]) if ok else "–",
             "dq_loss": f"{last['train_loss']:.2f}",
             "dq_loss_ok": f"{ok[0]['epochs'][-1]['train_loss']:.3f}" if ok else "–"}

@@ -22,6 +22,7 @@ from studies.cifar.methods import METHODS
 from studies.fig3.amortized.seed_study import (
     AMORTIZED,
     AMORTIZED_METHODS,
+    STALL_BELOW,
     amortized_runs,
 )
 from studies.fig3.clocks import first_at, retime, step_ms, time_runs
@@ -255,7 +256,7 @@ def _skip_pairs(runs: dict[tuple, dict], seeds: list[int], cond: str) -> dict[st
             "skip_same": text}
 
 
-def guard_values(runs: dict[tuple, dict], stall_below: float = 0.8,
+def guard_values(runs: dict[tuple, dict], stall_below: float = STALL_BELOW,
                  cond: str = "ill", by_epoch: int = 6) -> dict[str, str]:
     """The guarded ``k = 100`` runs beside the unguarded ones of the same seeds
     (``runs``: :func:`~studies.fig3.amortized.seed_study.amortized_runs`), as text:

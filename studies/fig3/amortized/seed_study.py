@@ -20,7 +20,7 @@ from studies.fig3.verdicts import ablation_runs, selected_runs
 from studies.kit.provenance import ResultFileError, read_json
 from studies.kit.wording import name_list
 
-__all__ = ["AMORTIZED_METHODS", "AMORTIZED", "AMORTIZED_SEEDS", "BAR",
+__all__ = ["AMORTIZED_METHODS", "AMORTIZED", "AMORTIZED_SEEDS", "BAR", "STALL_BELOW",
            "SEED_RUN_HEADER",
            "SEED_SUMMARY_HEADER", "amortized_runs", "bar_phrase", "check_seed_study",
            "seed_bar", "seed_check", "seed_run_table", "seed_study_groups",
@@ -42,6 +42,9 @@ AMORTIZED = RESULTS / "amortized"
 #:
 #: :meta hide-value:
 AMORTIZED_SEEDS = RESULTS / "amortized_seeds"
+#: the final test accuracy below which a run stalls: the plan's ``stall_below``, the
+#: default of every reading that counts stalls (a test holds the two equal)
+STALL_BELOW = 0.8
 
 
 def seed_study_groups(spec: dict) -> list[dict]:
@@ -318,7 +321,7 @@ def seconds_text(v: float | None) -> str:
 
 
 def failure_rows(runs: dict[tuple, dict], method: str, cond: str = "ill",
-                 stall_below: float = 0.8) -> list[dict]:
+                 stall_below: float = STALL_BELOW) -> list[dict]:
     """Per run of ``method`` in ``cond`` (``runs``: :func:`amortized_runs`), what the
     safeguard and the solve saw: ``final`` test accuracy, ``stalled``, the steps that
     fell back to ``g`` and that met a rank-deficient ``C Cᵀ`` (totals, and after the
