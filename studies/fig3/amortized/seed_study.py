@@ -42,8 +42,8 @@ AMORTIZED = RESULTS / "amortized"
 #:
 #: :meta hide-value:
 AMORTIZED_SEEDS = RESULTS / "amortized_seeds"
-#: the final test accuracy below which a run stalls: the plan's ``stall_below``, the
-#: default of every reading that counts stalls (a test holds the two equal)
+#: The final test accuracy below which a run stalls, the plan's ``stall_below``; every
+#: reading that counts stalls takes it as its default, and a test holds the two equal.
 STALL_BELOW = 0.8
 
 
